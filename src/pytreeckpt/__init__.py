@@ -1,0 +1,68 @@
+"""pytreeckpt: functional pytree checkpointing for PyTorch, on TensorStore and zarr v3.
+
+>>> import tempfile, torch, pytreeckpt
+>>> from pytreeckpt import Mesh, Shard, ShardingSpec, ShardedLeaf, Abstract
+>>> d = tempfile.mkdtemp() + "/ckpt"
+>>> w = torch.arange(12.0).reshape(4, 3)
+>>> pytreeckpt.save(d, {"w": ShardedLeaf.from_global(w, ShardingSpec(Mesh(2), [Shard(0)]))})
+>>> new = pytreeckpt.load(d, {"w": Abstract((4, 3), torch.float32, ShardingSpec(Mesh(3), [Shard(1)]))})
+>>> new["w"].shards[2]
+tensor([[ 2.],
+        [ 5.],
+        [ 8.],
+        [11.]])
+"""
+
+from ._api import CheckpointMetadata as CheckpointMetadata
+from ._api import load as load
+from ._api import metadata as metadata
+from ._api import save as save
+from ._errors import CheckpointError as CheckpointError
+from ._errors import LayoutError as LayoutError
+from ._errors import MetadataError as MetadataError
+from ._errors import NotCommittedError as NotCommittedError
+from ._errors import TargetMismatchError as TargetMismatchError
+from ._executor import ExecutorOptions as ExecutorOptions
+from ._format import ArrayMeta as ArrayMeta
+from ._leaf import Abstract as Abstract
+from ._leaf import ShardedLeaf as ShardedLeaf
+from ._plan import ChunkingOptions as ChunkingOptions
+from ._plan import LoadPlan as LoadPlan
+from ._plan import SavePlan as SavePlan
+from ._region import Region as Region
+from ._sharding import ExplicitRegions as ExplicitRegions
+from ._sharding import FlatRanges as FlatRanges
+from ._sharding import Layout as Layout
+from ._sharding import Mesh as Mesh
+from ._sharding import Replicate as Replicate
+from ._sharding import Shard as Shard
+from ._sharding import ShardingSpec as ShardingSpec
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Abstract",
+    "ArrayMeta",
+    "CheckpointError",
+    "CheckpointMetadata",
+    "ChunkingOptions",
+    "ExecutorOptions",
+    "ExplicitRegions",
+    "FlatRanges",
+    "Layout",
+    "LayoutError",
+    "LoadPlan",
+    "Mesh",
+    "MetadataError",
+    "NotCommittedError",
+    "Region",
+    "Replicate",
+    "SavePlan",
+    "Shard",
+    "ShardedLeaf",
+    "ShardingSpec",
+    "TargetMismatchError",
+    "load",
+    "metadata",
+    "save",
+]

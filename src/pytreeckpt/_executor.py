@@ -1,0 +1,261 @@
+"""The executor: the only code that touches storage.
+
+It runs the writes of a :class:`~pytreeckpt._plan.SavePlan` and the reads of a
+:class:`~pytreeckpt._plan.LoadPlan` as TensorStore futures with a bound on the bytes in
+flight, and commits a checkpoint by writing its metadata document atomically.
+
+Data comes and goes through callbacks that map ``(rank, piece)`` to numpy views of
+rank-local memory, so the same executor serves one process holding every rank and
+(with transfers done by the distributed adapter) one rank among many.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import tensorstore as ts
+
+from ._errors import CheckpointError, NotCommittedError
+from ._format import ARRAYS_DIR, METADATA_FILE, ArrayMeta, zarr_metadata
+from ._plan import ArrayLoadPlan, ArraySavePlan
+from ._region import Region
+
+__all__ = ["ExecutorOptions", "Storage"]
+
+PieceData = Callable[[int, int], tuple[np.ndarray, Region]]
+"""``(rank, piece) -> (view, region)``: a numpy view of the local memory holding that
+piece, and the global region it covers."""
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ExecutorOptions:
+    """Concurrency of the executor.
+
+    Attributes:
+      max_inflight_bytes: bytes of writes or reads issued and not yet finished.
+      file_io_concurrency: TensorStore's limit on concurrent file operations.
+      data_copy_concurrency: TensorStore's limit on threads encoding and decoding chunks.
+    """
+
+    max_inflight_bytes: int = 512 * MiB
+    file_io_concurrency: int = 16
+    data_copy_concurrency: int = 4
+
+
+class _Window:
+    """Futures in flight, waited on oldest first once their bytes exceed a bound."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.queue: collections.deque[tuple[Any, int, Callable[[], None] | None, str]] = collections.deque()
+        self.bytes = 0
+
+    def add(self, future: Any, nbytes: int, what: str, then: Callable[[], None] | None = None) -> None:
+        self.queue.append((future, nbytes, then, what))
+        self.bytes += nbytes
+        while self.queue and self.bytes > self.limit:
+            self.pop()
+
+    def pop(self) -> None:
+        future, nbytes, then, what = self.queue.popleft()
+        self.bytes -= nbytes
+        try:
+            future.result()
+        except Exception as e:
+            self.drain_quietly()
+            raise CheckpointError(f"{what}: {e}") from e
+        if then is not None:
+            then()
+
+    def drain(self) -> None:
+        while self.queue:
+            self.pop()
+
+    def drain_quietly(self) -> None:
+        while self.queue:
+            future = self.queue.popleft()[0]
+            try:
+                future.result()
+            except Exception:  # the first error is the one reported
+                pass
+        self.bytes = 0
+
+
+class Storage:
+    """A checkpoint directory on a local file system."""
+
+    def __init__(self, path: str | os.PathLike[str], options: ExecutorOptions | None = None) -> None:
+        self.root = Path(path).absolute()
+        self.options = options or ExecutorOptions()
+        self.context = ts.Context(
+            {
+                "file_io_concurrency": {"limit": self.options.file_io_concurrency},
+                "data_copy_concurrency": {"limit": self.options.data_copy_concurrency},
+                "cache_pool": {"total_bytes_limit": 0},
+            }
+        )
+
+    # ------------------------------------------------------------------ commit protocol
+    @property
+    def metadata_path(self) -> Path:
+        return self.root / METADATA_FILE
+
+    def is_committed(self) -> bool:
+        return self.metadata_path.is_file()
+
+    def prepare(self, overwrite: bool) -> None:
+        """Make the directory ready for a new checkpoint.
+
+        An uncommitted directory left by an interrupted save is cleared. A committed
+        checkpoint is replaced only with ``overwrite``; its commit is withdrawn first,
+        so a crash midway never leaves it loadable with half-new data.
+        """
+        if self.root.exists() and not self.root.is_dir():
+            raise CheckpointError(f"{self.root} exists and is not a directory")
+        if self.is_committed():
+            if not overwrite:
+                raise CheckpointError(
+                    f"{self.root} already holds a committed checkpoint; pass overwrite=True to replace it"
+                )
+            self.metadata_path.unlink()
+            _fsync_dir(self.root)
+        if self.root.exists():
+            unknown = [p.name for p in self.root.iterdir() if p.name != ARRAYS_DIR and not p.name.startswith(".tmp-")]
+            if unknown:
+                raise CheckpointError(
+                    f"{self.root} is not empty and is not a pytreeckpt checkpoint (it holds {sorted(unknown)[:5]}); "
+                    f"refusing to write into it"
+                )
+            for p in self.root.iterdir():
+                shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+        self.root.mkdir(parents=True, exist_ok=True)
+        (self.root / ARRAYS_DIR).mkdir()
+
+    def commit(self, document: bytes) -> None:
+        """Write the metadata document atomically: temporary file, fsync, rename, fsync of the directory."""
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=self.root)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(document)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.metadata_path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        _fsync_dir(self.root)
+
+    def read_metadata(self) -> bytes:
+        if not self.root.is_dir():
+            raise NotCommittedError(f"{self.root} does not exist or is not a directory")
+        if not self.is_committed():
+            raise NotCommittedError(
+                f"{self.root} is not a committed checkpoint (no {METADATA_FILE}); it may be a save that was "
+                f"interrupted"
+            )
+        self._check_inside(self.metadata_path, "metadata")
+        with open(self.metadata_path, "rb") as f:
+            return f.read()
+
+    def _check_inside(self, path: Path, key: str) -> Path:
+        real = path.resolve()
+        if not real.is_relative_to(self.root.resolve()):
+            raise CheckpointError(f"leaf {key!r}: {path} leads outside the checkpoint {self.root} (symbolic link?)")
+        return real
+
+    # ------------------------------------------------------------------ arrays
+    def _spec(self, meta: ArrayMeta, create: bool) -> dict[str, Any]:
+        spec: dict[str, Any] = {
+            "driver": "zarr3",
+            "kvstore": {"driver": "file", "path": str(self.root / meta.path) + "/"},
+            "metadata": zarr_metadata(meta.dtype, meta.shape, meta.chunk_shape),
+        }
+        if create:
+            spec["store_data_equal_to_fill_value"] = True
+        else:
+            spec["fill_missing_data_reads"] = False
+        return spec
+
+    def open_arrays(self, metas: Sequence[ArrayMeta], create: bool) -> list[Any]:
+        futures = []
+        for meta in metas:
+            if not create:
+                self._check_inside(self.root / meta.path, meta.key)
+            kwargs = {"create": True, "delete_existing": True} if create else {"open": True}
+            futures.append(ts.open(self._spec(meta, create), context=self.context, **kwargs))
+        stores = []
+        for meta, f in zip(metas, futures, strict=True):
+            try:
+                stores.append(f.result())
+            except Exception as e:
+                raise CheckpointError(
+                    f"leaf {meta.key!r}: cannot {'create' if create else 'open'} stored array {meta.path!r}: {e}"
+                ) from e
+        return stores
+
+    def write(self, metas: Sequence[ArrayMeta], plans: Sequence[ArraySavePlan], data: Sequence[PieceData], rank: int | None) -> int:
+        """Run the writes of ``rank`` (every rank when None); returns the bytes written."""
+        stores = self.open_arrays(metas, create=True)
+        window = _Window(self.options.max_inflight_bytes)
+        written = 0
+        for meta, plan, store, get in zip(metas, plans, stores, data, strict=True):
+            for op in plan.writes:
+                if rank is not None and op.writer != rank:
+                    continue
+                if op.is_direct:
+                    src, where = get(op.writer, op.sources[0].piece)
+                    buf = src[op.region.relative_to(where).slices()]
+                else:
+                    buf = np.empty(op.region.shape, dtype=meta.dtype.numpy)
+                    for frag in op.sources:
+                        src, where = get(frag.rank, frag.piece)
+                        buf[frag.region.relative_to(op.region).slices()] = src[frag.region.relative_to(where).slices()]
+                nbytes = op.region.size * plan.itemsize
+                written += nbytes
+                window.add(store[op.region.slices()].write(buf), nbytes, f"leaf {meta.key!r}: writing {op.region}")
+        window.drain()
+        return written
+
+    def read(self, metas: Sequence[ArrayMeta], plans: Sequence[ArrayLoadPlan], dest: Sequence[PieceData], rank: int | None) -> int:
+        """Run the reads of ``rank`` (every rank when None) straight into destination memory."""
+        stores = self.open_arrays(metas, create=False)
+        window = _Window(self.options.max_inflight_bytes)
+        read = 0
+        for meta, plan, store, get in zip(metas, plans, stores, dest, strict=True):
+            for op in plan.reads:
+                if rank is not None and op.reader != rank:
+                    continue
+                outs = []
+                for t in op.targets:
+                    view, where = get(t.rank, t.piece)
+                    outs.append(view[t.region.relative_to(where).slices()])
+                first = outs[0]
+                future = ts.array(first).write(store[op.region.slices()])
+
+                def fan_out(first: np.ndarray = first, rest: list[np.ndarray] = outs[1:]) -> None:
+                    for o in rest:
+                        o[...] = first
+
+                nbytes = op.region.size * plan.itemsize
+                read += nbytes
+                window.add(future, nbytes, f"leaf {meta.key!r}: reading {op.region} of {meta.path!r}", fan_out)
+        window.drain()
+        return read
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

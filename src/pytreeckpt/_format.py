@@ -1,0 +1,262 @@
+"""The stored form: the metadata document, its schema, and where arrays live.
+
+A checkpoint is a directory::
+
+    pytreeckpt.json          the metadata document; written last, atomically: the commit
+    arrays/<name>/zarr.json  one zarr v3 array per tensor leaf, of its global shape
+    arrays/<name>/c/...      its chunks
+
+The metadata document (format version 1)::
+
+    {"format": "pytreeckpt", "version": 1,
+     "tree": <structure>, "leaves": [<leaf>, ...], "user_metadata": {...}}
+
+Array leaves are ``{"kind": "array", "key", "container", "dtype", "storage_dtype",
+"shape", "chunk_shape", "path", "layout"}``; plain Python leaves are
+``{"kind": "value", "key", "value"}``. Nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ._dtypes import DType, dtype_from_name
+from ._errors import MetadataError
+from ._sharding import Layout, layout_from_json
+from ._tree import Node, decode_value
+
+__all__ = [
+    "ARRAYS_DIR",
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "METADATA_FILE",
+    "ArrayMeta",
+    "CheckpointDoc",
+    "ValueMeta",
+    "array_names",
+    "parse_document",
+    "zarr_metadata",
+]
+
+FORMAT_NAME = "pytreeckpt"
+FORMAT_VERSION = 1
+METADATA_FILE = "pytreeckpt.json"
+ARRAYS_DIR = "arrays"
+CONTAINERS = ("torch", "numpy")
+MAX_METADATA_BYTES = 1 << 30
+
+_SAFE_COMPONENT = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.~-]{0,199}$")
+
+
+@dataclass(frozen=True, slots=True)
+class ArrayMeta:
+    """A tensor leaf as stored."""
+
+    key: str
+    container: str
+    dtype: DType
+    shape: tuple[int, ...]
+    chunk_shape: tuple[int, ...]
+    path: str
+    layout: Layout | None
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "kind": "array",
+            "key": self.key,
+            "container": self.container,
+            "dtype": self.dtype.name,
+            "storage_dtype": self.dtype.storage,
+            "shape": list(self.shape),
+            "chunk_shape": list(self.chunk_shape),
+            "path": self.path,
+            "layout": None if self.layout is None else self.layout.to_json(),
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class ValueMeta:
+    """A plain Python leaf, stored inline."""
+
+    key: str
+    value: Any
+
+    def to_json(self, encoded: Any) -> dict[str, Any]:
+        return {"kind": "value", "key": self.key, "value": encoded}
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointDoc:
+    """The parsed metadata document."""
+
+    version: int
+    tree: Node
+    leaves: tuple[ArrayMeta | ValueMeta, ...]
+    user_metadata: dict[str, Any]
+
+
+def zarr_metadata(dtype: DType, shape: Sequence[int], chunk_shape: Sequence[int]) -> dict[str, Any]:
+    """The zarr v3 array metadata pytreeckpt writes: raw little-endian bytes and a crc32c per chunk."""
+    return {
+        "shape": list(shape),
+        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(chunk_shape)}},
+        "chunk_key_encoding": {"name": "default"},
+        "data_type": dtype.storage,
+        "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}],
+    }
+
+
+def array_names(keys: Sequence[str]) -> list[str]:
+    """Directory names for arrays: readable, safe on every file system, distinct ignoring case.
+
+    >>> array_names(["model.w", "model/w", "", "Model.W"])
+    ['model.w', 'model_w', 'root', 'Model.W~1']
+    """
+    seen: set[str] = set()
+    out = []
+    for key in keys:
+        base = re.sub(r"[^A-Za-z0-9_.-]", "_", key)[:180] or "root"
+        if base[0] in ".-":
+            base = "_" + base
+        name, n = base, 0
+        while name.lower() in seen:
+            n += 1
+            name = f"{base}~{n}"
+        seen.add(name.lower())
+        out.append(name)
+    return out
+
+
+def check_relative_path(path: Any, key: str) -> str:
+    """``path`` if it is a safe relative path below ``arrays/``; MetadataError otherwise."""
+    if not isinstance(path, str):
+        raise MetadataError(f"leaf {key!r}: array path must be a string, found {path!r}")
+    parts = path.split("/")
+    if len(parts) != 2 or parts[0] != ARRAYS_DIR or not _SAFE_COMPONENT.match(parts[1]):
+        raise MetadataError(
+            f"leaf {key!r}: array path {path!r} is not of the form '{ARRAYS_DIR}/<name>' with a plain name; "
+            f"a checkpoint may not point outside its directory"
+        )
+    return path
+
+
+# --------------------------------------------------------------------------- parsing
+
+
+def _int_list(v: Any, what: str, key: str) -> tuple[int, ...]:
+    if not isinstance(v, list) or not all(type(x) is int and x >= 0 for x in v) or len(v) > 64:
+        raise MetadataError(f"leaf {key!r}: {what} must be a list of non-negative integers, found {str(v)[:200]}")
+    return tuple(v)
+
+
+def _parse_leaf(data: Any, index: int) -> ArrayMeta | ValueMeta:
+    if not isinstance(data, dict):
+        raise MetadataError(f"leaf #{index}: expected an object, found {type(data).__name__}")
+    key = data.get("key")
+    if not isinstance(key, str):
+        raise MetadataError(f"leaf #{index}: 'key' must be a string, found {key!r}")
+    kind = data.get("kind")
+    if kind == "value":
+        if "value" not in data:
+            raise MetadataError(f"leaf {key!r}: value leaf without 'value'")
+        return ValueMeta(key, decode_value(data["value"]))
+    if kind != "array":
+        raise MetadataError(f"leaf {key!r}: unknown kind {kind!r}, expected 'array' or 'value'")
+    try:
+        dtype = dtype_from_name(data.get("dtype"))  # type: ignore[arg-type]
+    except (KeyError, TypeError):
+        raise MetadataError(f"leaf {key!r}: unknown dtype {data.get('dtype')!r}") from None
+    if data.get("storage_dtype") != dtype.storage:
+        raise MetadataError(
+            f"leaf {key!r}: dtype {dtype.name} is stored as {dtype.storage}, metadata says {data.get('storage_dtype')!r}"
+        )
+    container = data.get("container")
+    if container not in CONTAINERS:
+        raise MetadataError(f"leaf {key!r}: container must be one of {CONTAINERS}, found {container!r}")
+    shape = _int_list(data.get("shape"), "shape", key)
+    chunk_shape = _int_list(data.get("chunk_shape"), "chunk_shape", key)
+    if len(chunk_shape) != len(shape) or any(c < 1 for c in chunk_shape):
+        raise MetadataError(f"leaf {key!r}: chunk_shape {chunk_shape} does not fit shape {shape}")
+    path = check_relative_path(data.get("path"), key)
+    layout_json = data.get("layout")
+    try:
+        layout = None if layout_json is None else layout_from_json(layout_json)
+    except Exception as e:  # a layout is informative only; a malformed one is still an error
+        raise MetadataError(f"leaf {key!r}: malformed saved layout: {e}") from None
+    return ArrayMeta(key, container, dtype, shape, chunk_shape, path, layout)
+
+
+def parse_document(raw: bytes, namespace: str = "") -> CheckpointDoc:
+    """Validate and parse a metadata document; MetadataError names what is wrong."""
+    if len(raw) > MAX_METADATA_BYTES:
+        raise MetadataError(f"metadata document of {len(raw)} bytes exceeds the limit of {MAX_METADATA_BYTES}")
+    try:
+        data = json.loads(raw, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as e:
+        raise MetadataError(f"metadata is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise MetadataError(f"metadata must be a JSON object, found {type(data).__name__}")
+    if data.get("format") != FORMAT_NAME:
+        raise MetadataError(f"not a pytreeckpt metadata document (format is {data.get('format')!r})")
+    version = data.get("version")
+    if type(version) is not int or version > FORMAT_VERSION or version < 1:
+        raise MetadataError(
+            f"metadata format version {version!r} is not supported by this pytreeckpt (reads versions 1 to "
+            f"{FORMAT_VERSION}); upgrade pytreeckpt to read it"
+        )
+    leaves_json = data.get("leaves")
+    if not isinstance(leaves_json, list):
+        raise MetadataError("metadata 'leaves' must be a list")
+    leaves = tuple(_parse_leaf(leaf, i) for i, leaf in enumerate(leaves_json))
+    paths = [leaf.path for leaf in leaves if isinstance(leaf, ArrayMeta)]
+    if len({p.lower() for p in paths}) != len(paths):
+        raise MetadataError("two array leaves share one stored array path")
+    try:
+        tree = Node.from_json(data.get("tree"), len(leaves), namespace)
+    except RecursionError:
+        raise MetadataError("tree structure is nested too deeply") from None
+    if sorted(n for n in _leaf_ids(tree)) != list(range(len(leaves))):
+        raise MetadataError("tree structure must name every leaf exactly once")
+    user = data.get("user_metadata", {})
+    if not isinstance(user, dict):
+        raise MetadataError("'user_metadata' must be a JSON object")
+    return CheckpointDoc(version, tree, leaves, user)
+
+
+def _leaf_ids(node: Node) -> list[int]:
+    if node.kind == "leaf":
+        return [node.leaf]
+    out: list[int] = []
+    for c in node.children:
+        out.extend(_leaf_ids(c))
+    return out
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"non-standard JSON constant {name}")
+
+
+def build_document(
+    tree: Node, leaves: Sequence[dict[str, Any]], user_metadata: dict[str, Any] | None
+) -> bytes:
+    """Serialise a metadata document."""
+    doc = {
+        "format": FORMAT_NAME,
+        "version": FORMAT_VERSION,
+        "tree": tree.to_json(),
+        "leaves": list(leaves),
+        "user_metadata": user_metadata or {},
+    }
+    try:
+        return json.dumps(doc, allow_nan=False, separators=(",", ":")).encode()
+    except (TypeError, ValueError) as e:
+        raise MetadataError(f"metadata is not JSON-serialisable (check user_metadata): {e}") from None

@@ -1,0 +1,529 @@
+"""Pure planning: from layouts to save and load plans, as plain data.
+
+Nothing here does I/O, reads a clock, draws random numbers or talks to other ranks.
+The same inputs give the same plan on every rank, so ranks agree on a plan without
+shipping it around.
+
+Save: each stored array gets a regular chunk grid. Every chunk has exactly one writer.
+When one rank holds a whole chunk, that rank (or, for replicated data, the least loaded
+of the ranks that hold it) writes it from its own memory; otherwise the chunk is merged
+from fragments that its writer collects from the ranks holding them. A writer's chunks
+coming from one local piece are coalesced into as few boxes as possible.
+
+Load: each target piece is cut along the stored chunk grid; each resulting region is
+read once, by one reader, and delivered to every rank piece that wants exactly it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ._errors import LayoutError
+from ._region import Region, chunk_region
+from ._sharding import Piece
+
+__all__ = [
+    "ArrayLayout",
+    "ArrayLoadPlan",
+    "ArraySavePlan",
+    "ChunkingOptions",
+    "Fragment",
+    "LoadPlan",
+    "ReadOp",
+    "SavePlan",
+    "WriteOp",
+    "choose_chunk_shape",
+    "plan_load",
+    "plan_save",
+]
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ChunkingOptions:
+    """How stored arrays are cut into chunks.
+
+    Attributes:
+      single_chunk_bytes: arrays up to this size are stored as one chunk.
+      min_chunk_bytes: a chunk grid aligned with every shard boundary is used when its
+        chunks are at least this large; otherwise a regular grid is used and chunks that
+        straddle shards are merged by their writer.
+      max_chunk_bytes: chunks are split until they are at most this large.
+    """
+
+    single_chunk_bytes: int = 1 * MiB
+    min_chunk_bytes: int = 256 * 1024
+    max_chunk_bytes: int = 64 * MiB
+
+    def to_json(self) -> dict[str, int]:
+        return {
+            "single_chunk_bytes": self.single_chunk_bytes,
+            "min_chunk_bytes": self.min_chunk_bytes,
+            "max_chunk_bytes": self.max_chunk_bytes,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class ArrayLayout:
+    """The planning input for one array: its shape, element size and every rank's pieces."""
+
+    key: str
+    shape: tuple[int, ...]
+    itemsize: int
+    pieces: tuple[tuple[Piece, ...], ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.itemsize
+
+
+@dataclass(frozen=True, slots=True)
+class Fragment:
+    """The part ``region`` (global coordinates) of piece ``piece`` of rank ``rank``."""
+
+    rank: int
+    piece: int
+    region: Region
+
+    def to_json(self) -> list[Any]:
+        return [self.rank, self.piece, self.region.to_json()]
+
+    @classmethod
+    def from_json(cls, data: Any) -> Fragment:
+        return cls(int(data[0]), int(data[1]), Region.from_json(data[2]))
+
+
+@dataclass(frozen=True, slots=True)
+class WriteOp:
+    """Write ``region`` (a union of whole chunks) by ``writer``, assembled from ``sources``.
+
+    A direct write has one source, on the writer itself, covering the whole region.
+    """
+
+    region: Region
+    writer: int
+    sources: tuple[Fragment, ...]
+
+    @property
+    def is_direct(self) -> bool:
+        return len(self.sources) == 1 and self.sources[0].rank == self.writer and self.sources[0].region == self.region
+
+    def to_json(self) -> list[Any]:
+        return [self.region.to_json(), self.writer, [s.to_json() for s in self.sources]]
+
+    @classmethod
+    def from_json(cls, data: Any) -> WriteOp:
+        return cls(Region.from_json(data[0]), int(data[1]), tuple(Fragment.from_json(s) for s in data[2]))
+
+
+@dataclass(frozen=True, slots=True)
+class ArraySavePlan:
+    key: str
+    shape: tuple[int, ...]
+    itemsize: int
+    chunk_shape: tuple[int, ...]
+    writes: tuple[WriteOp, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "key": self.key,
+            "shape": list(self.shape),
+            "itemsize": self.itemsize,
+            "chunk_shape": list(self.chunk_shape),
+            "writes": [w.to_json() for w in self.writes],
+        }
+
+    @classmethod
+    def from_json(cls, data: Any) -> ArraySavePlan:
+        return cls(
+            str(data["key"]),
+            tuple(int(v) for v in data["shape"]),
+            int(data["itemsize"]),
+            tuple(int(v) for v in data["chunk_shape"]),
+            tuple(WriteOp.from_json(w) for w in data["writes"]),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class SavePlan:
+    """Every array's chunk grid and writes; identical on every rank."""
+
+    world_size: int
+    arrays: tuple[ArraySavePlan, ...]
+
+    def bytes_per_rank(self) -> tuple[int, ...]:
+        """Bytes each rank writes."""
+        load = [0] * self.world_size
+        for a in self.arrays:
+            for w in a.writes:
+                load[w.writer] += w.region.size * a.itemsize
+        return tuple(load)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"world_size": self.world_size, "arrays": [a.to_json() for a in self.arrays]}
+
+    @classmethod
+    def from_json(cls, data: Any) -> SavePlan:
+        return cls(int(data["world_size"]), tuple(ArraySavePlan.from_json(a) for a in data["arrays"]))
+
+
+@dataclass(frozen=True, slots=True)
+class ReadOp:
+    """Read ``region`` of the stored array once, by ``reader``, into every target fragment.
+
+    Every target fragment has the same region; it names the rank piece receiving it.
+    """
+
+    region: Region
+    reader: int
+    targets: tuple[Fragment, ...]
+
+    def to_json(self) -> list[Any]:
+        return [self.region.to_json(), self.reader, [[t.rank, t.piece] for t in self.targets]]
+
+    @classmethod
+    def from_json(cls, data: Any) -> ReadOp:
+        region = Region.from_json(data[0])
+        return cls(region, int(data[1]), tuple(Fragment(int(r), int(p), region) for r, p in data[2]))
+
+
+@dataclass(frozen=True, slots=True)
+class ArrayLoadPlan:
+    key: str
+    shape: tuple[int, ...]
+    itemsize: int
+    reads: tuple[ReadOp, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "key": self.key,
+            "shape": list(self.shape),
+            "itemsize": self.itemsize,
+            "reads": [r.to_json() for r in self.reads],
+        }
+
+    @classmethod
+    def from_json(cls, data: Any) -> ArrayLoadPlan:
+        return cls(
+            str(data["key"]),
+            tuple(int(v) for v in data["shape"]),
+            int(data["itemsize"]),
+            tuple(ReadOp.from_json(r) for r in data["reads"]),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class LoadPlan:
+    """Every target array's reads; identical on every rank."""
+
+    world_size: int
+    arrays: tuple[ArrayLoadPlan, ...]
+
+    def bytes_per_rank(self) -> tuple[int, ...]:
+        """Bytes each rank reads from storage."""
+        load = [0] * self.world_size
+        for a in self.arrays:
+            for r in a.reads:
+                load[r.reader] += r.region.size * a.itemsize
+        return tuple(load)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"world_size": self.world_size, "arrays": [a.to_json() for a in self.arrays]}
+
+    @classmethod
+    def from_json(cls, data: Any) -> LoadPlan:
+        return cls(int(data["world_size"]), tuple(ArrayLoadPlan.from_json(a) for a in data["arrays"]))
+
+
+# --------------------------------------------------------------------------- chunk grid
+
+
+def _largest_divisor_at_most(n: int, limit: int) -> int:
+    best = 1
+    i = 1
+    while i * i <= n:
+        if n % i == 0:
+            if i <= limit:
+                best = max(best, i)
+            if n // i <= limit:
+                best = max(best, n // i)
+        i += 1
+    return best
+
+
+def _cap(chunk: list[int], itemsize: int, max_bytes: int, aligned: bool) -> tuple[int, ...]:
+    for d in range(len(chunk)):
+        inner = math.prod(chunk[d + 1 :]) * itemsize
+        if chunk[d] * inner <= max_bytes:
+            break
+        target = max(1, max_bytes // max(inner, 1))
+        chunk[d] = _largest_divisor_at_most(chunk[d], target) if aligned else min(chunk[d], target)
+    return tuple(chunk)
+
+
+def choose_chunk_shape(
+    shape: Sequence[int], itemsize: int, pieces: Sequence[Sequence[Piece]], options: ChunkingOptions
+) -> tuple[int, ...]:
+    """The chunk shape of a stored array.
+
+    Small arrays are one chunk. Larger ones get the coarsest grid aligned with every
+    piece boundary, split to at most ``max_chunk_bytes``; if that grid is finer than
+    ``min_chunk_bytes``, a regular grid that ignores piece boundaries is used instead.
+    """
+    shape = tuple(int(s) for s in shape)
+    if any(s == 0 for s in shape):
+        return tuple(max(1, s) for s in shape)
+    if math.prod(shape) * itemsize <= options.single_chunk_bytes:
+        return shape
+    aligned = list(shape)
+    for d in range(len(shape)):
+        g = 0
+        for rank_pieces in pieces:
+            for p in rank_pieces:
+                for cut in (p.region.offset[d], p.region.offset[d] + p.region.shape[d]):
+                    if 0 < cut < shape[d]:
+                        g = math.gcd(g, cut)
+        if g:
+            aligned[d] = g
+    if math.prod(aligned) * itemsize >= options.min_chunk_bytes:
+        return _cap(aligned, itemsize, options.max_chunk_bytes, aligned=True)
+    return _cap(list(shape), itemsize, options.max_chunk_bytes, aligned=False)
+
+
+# --------------------------------------------------------------------------- save
+
+
+def _contained_chunk_range(piece: Region, chunk_shape: Sequence[int], shape: Sequence[int]) -> list[range]:
+    """Per dim, the chunk indices whose chunk lies wholly inside ``piece``."""
+    out = []
+    for o, s, c, n in zip(piece.offset, piece.shape, chunk_shape, shape, strict=True):
+        first = -(-o // c)
+        end = o + s
+        last = (end // c) if end < n else -(-n // c)
+        out.append(range(first, max(first, last)))
+    return out
+
+
+def _grid_product(ranges: Sequence[range]) -> list[tuple[int, ...]]:
+    out: list[tuple[int, ...]] = [()]
+    for r in ranges:
+        out = [(*t, i) for t in out for i in r]
+    return out
+
+
+def _coalesce(indices: list[tuple[int, ...]]) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Merge a set of chunk indices into boxes ``(lo, hi)`` of the chunk index space."""
+    boxes = [(idx, tuple(i + 1 for i in idx)) for idx in sorted(indices)]
+    ndim = len(indices[0]) if indices else 0
+    for d in reversed(range(ndim)):
+
+        def other(b: tuple[tuple[int, ...], tuple[int, ...]], d: int = d) -> tuple[Any, ...]:
+            return (b[0][:d] + b[0][d + 1 :], b[1][:d] + b[1][d + 1 :])
+
+        boxes.sort(key=lambda b, d=d: (other(b), b[0][d]))
+        merged: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+        for b in boxes:
+            if merged and other(merged[-1]) == other(b) and merged[-1][1][d] == b[0][d]:
+                lo, hi = merged[-1]
+                merged[-1] = (lo, hi[:d] + (b[1][d],) + hi[d + 1 :])
+            else:
+                merged.append(b)
+        boxes = merged
+    boxes.sort()
+    return boxes
+
+
+def _box_region(lo: Sequence[int], hi: Sequence[int], chunk_shape: Sequence[int], shape: Sequence[int]) -> Region:
+    offset = tuple(a * c for a, c in zip(lo, chunk_shape, strict=True))
+    stop = tuple(min(b * c, n) for b, c, n in zip(hi, chunk_shape, shape, strict=True))
+    return Region(offset, tuple(e - o for o, e in zip(offset, stop, strict=True)))
+
+
+def _water_fill(
+    chunks: list[tuple[int, ...]], holders: Sequence[int], sizes: dict[tuple[int, ...], int], load: list[int]
+) -> dict[tuple[int, ...], int]:
+    """Hand ``chunks`` (in order) to ``holders`` in contiguous runs so loads even out."""
+    if len(holders) == 1 or len(chunks) == 1:
+        out = {}
+        for c in chunks:
+            best = min(holders, key=lambda r: (load[r], r))
+            out[c] = best
+            load[best] += sizes[c]
+        return out
+    total = sum(sizes[c] for c in chunks)
+    current = sorted(load[r] for r in holders)
+    # find the level L such that sum(max(0, L - load)) == total
+    level, acc = current[0], 0
+    for i, v in enumerate(current):
+        width = i + 1
+        nxt = current[i + 1] if i + 1 < len(current) else None
+        need = total - acc
+        if nxt is None or (nxt - v) * width >= need:
+            level = v + need / width
+            break
+        acc += (nxt - v) * width
+    quota = {r: max(0.0, level - load[r]) for r in holders}
+    order = [r for r in sorted(holders) if quota[r] > 0] or [min(holders, key=lambda r: (load[r], r))]
+    out, i, given = {}, 0, 0.0
+    for c in chunks:
+        while i < len(order) - 1 and given + sizes[c] / 2 > quota[order[i]]:
+            i += 1
+            given = 0.0
+        r = order[i]
+        out[c] = r
+        given += sizes[c]
+        load[r] += sizes[c]
+    return out
+
+
+def _plan_array_save(layout: ArrayLayout, options: ChunkingOptions, load: list[int]) -> ArraySavePlan:
+    shape, itemsize = layout.shape, layout.itemsize
+    chunk_shape = choose_chunk_shape(shape, itemsize, layout.pieces, options)
+    full = Region.full(shape)
+    all_chunks = list(full.chunk_indices(chunk_shape))
+    if not all_chunks:
+        return ArraySavePlan(layout.key, shape, itemsize, chunk_shape, ())
+    # Which (rank, piece) wholly hold each chunk.
+    holders: dict[tuple[int, ...], list[tuple[int, int]]] = defaultdict(list)
+    for rank, rank_pieces in enumerate(layout.pieces):
+        for pi, piece in enumerate(rank_pieces):
+            for idx in _grid_product(_contained_chunk_range(piece.region, chunk_shape, shape)):
+                holders[idx].append((rank, pi))
+    sizes = {idx: chunk_region(idx, chunk_shape, shape).size * itemsize for idx in all_chunks}
+    groups: dict[tuple[int, ...], list[tuple[int, ...]]] = defaultdict(list)
+    merged: list[tuple[int, ...]] = []
+    for idx in all_chunks:
+        hs = holders.get(idx)
+        if hs:
+            groups[tuple(sorted({r for r, _ in hs}))].append(idx)
+        else:
+            merged.append(idx)
+    writer_of: dict[tuple[int, ...], int] = {}
+    for ranks in sorted(groups, key=lambda k: (len(k), k)):
+        writer_of.update(_water_fill(groups[ranks], ranks, sizes, load))
+    # Direct writes: coalesce each writer's chunks per source piece.
+    by_source: dict[tuple[int, int], list[tuple[int, ...]]] = defaultdict(list)
+    for idx, writer in writer_of.items():
+        piece = next(p for r, p in holders[idx] if r == writer)
+        by_source[(writer, piece)].append(idx)
+    writes: list[WriteOp] = []
+    for (writer, piece), idxs in sorted(by_source.items()):
+        for lo, hi in _coalesce(idxs):
+            region = _box_region(lo, hi, chunk_shape, shape)
+            writes.append(WriteOp(region, writer, (Fragment(writer, piece, region),)))
+    # Merged chunks: the writer is the rank holding most of the chunk.
+    for idx in merged:
+        writes.append(_merge_write(layout, chunk_region(idx, chunk_shape, shape), load))
+    writes.sort(key=lambda w: w.region.offset)
+    return ArraySavePlan(layout.key, shape, itemsize, chunk_shape, tuple(writes))
+
+
+def _merge_write(layout: ArrayLayout, chunk: Region, load: list[int]) -> WriteOp:
+    overlap: dict[int, int] = defaultdict(int)
+    parts: list[tuple[int, int, Region]] = []
+    for rank, rank_pieces in enumerate(layout.pieces):
+        for pi, piece in enumerate(rank_pieces):
+            inter = piece.region.intersect(chunk)
+            if inter is not None:
+                overlap[rank] += inter.size
+                parts.append((rank, pi, inter))
+    if not parts:
+        raise LayoutError(f"leaf {layout.key!r}: elements {chunk} are held by no rank, so they cannot be saved")
+    writer = min(overlap, key=lambda r: (-overlap[r], load[r], r))
+    # The writer's own pieces first, then the others by how much they hold.
+    parts.sort(key=lambda p: (p[0] != writer, -overlap[p[0]], p[0], p[1]))
+    uncovered = [chunk]
+    sources: list[Fragment] = []
+    for rank, pi, inter in parts:
+        rest: list[Region] = []
+        for u in uncovered:
+            got = u.intersect(inter)
+            if got is None:
+                rest.append(u)
+                continue
+            sources.append(Fragment(rank, pi, got))
+            rest.extend(u.subtract(got))
+        uncovered = rest
+        if not uncovered:
+            break
+    if uncovered:
+        raise LayoutError(
+            f"leaf {layout.key!r}: elements {uncovered[0]} (and {len(uncovered) - 1} more boxes) are held by no rank, "
+            f"so they cannot be saved"
+        )
+    load[writer] += chunk.size * layout.itemsize
+    return WriteOp(chunk, writer, tuple(sources))
+
+
+def plan_save(
+    layouts: Sequence[ArrayLayout], world_size: int, options: ChunkingOptions | None = None
+) -> SavePlan:
+    """Compute the save plan of every array.
+
+    Arrays are planned in order; the bytes already given to each rank carry over from
+    one array to the next, so replicated data balances across the whole state.
+
+    Raises:
+      LayoutError: some element of an array is held by no rank.
+    """
+    options = options or ChunkingOptions()
+    load = [0] * world_size
+    arrays = []
+    for layout in layouts:
+        if len(layout.pieces) > world_size:
+            raise LayoutError(
+                f"leaf {layout.key!r}: its layout spans {len(layout.pieces)} ranks but the world has {world_size}"
+            )
+        arrays.append(_plan_array_save(layout, options, load))
+    return SavePlan(world_size, tuple(arrays))
+
+
+# --------------------------------------------------------------------------- load
+
+
+def _plan_array_load(
+    key: str, shape: tuple[int, ...], itemsize: int, chunk_shape: tuple[int, ...], pieces: Sequence[Sequence[Piece]],
+    load: list[int],
+) -> ArrayLoadPlan:
+    full = Region.full(shape)
+    wanted: dict[Region, list[Fragment]] = {}
+    for rank, rank_pieces in enumerate(pieces):
+        for pi, piece in enumerate(rank_pieces):
+            if not full.contains(piece.region):
+                raise LayoutError(f"leaf {key!r}: rank {rank} wants {piece.region}, outside the stored shape {shape}")
+            for idx in piece.region.chunk_indices(chunk_shape):
+                inter = chunk_region(idx, chunk_shape, shape).intersect(piece.region)
+                if inter is not None:
+                    wanted.setdefault(inter, []).append(Fragment(rank, pi, inter))
+    reads = []
+    for region, targets in wanted.items():
+        reader = min({t.rank for t in targets}, key=lambda r: (load[r], r))
+        load[reader] += region.size * itemsize
+        reads.append(ReadOp(region, reader, tuple(targets)))
+    return ArrayLoadPlan(key, shape, itemsize, tuple(reads))
+
+
+def plan_load(
+    stored: Sequence[tuple[str, tuple[int, ...], int, tuple[int, ...]]],
+    targets: Sequence[Sequence[Sequence[Piece]]],
+    world_size: int,
+) -> LoadPlan:
+    """Compute the reads that fill every target piece from the stored arrays.
+
+    Args:
+      stored: per array, ``(key, shape, itemsize, chunk_shape)`` as stored.
+      targets: per array, every rank's target pieces (global coordinates).
+      world_size: ranks of the loading world.
+    """
+    load = [0] * world_size
+    arrays = []
+    for (key, shape, itemsize, chunk_shape), pieces in zip(stored, targets, strict=True):
+        if len(pieces) > world_size:
+            raise LayoutError(f"leaf {key!r}: its target spans {len(pieces)} ranks but the world has {world_size}")
+        arrays.append(_plan_array_load(key, shape, itemsize, chunk_shape, pieces, load))
+    return LoadPlan(world_size, tuple(arrays))

@@ -1,0 +1,144 @@
+"""Boxes of an N-dimensional index space: the one region type of pytreeckpt.
+
+A :class:`Region` is an ``(offset, shape)`` box. Saving, loading and resharding all
+reduce to intersecting regions, so the same type describes a rank's shard, a stored
+chunk and a read.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["Region"]
+
+
+@dataclass(frozen=True, slots=True)
+class Region:
+    """The box ``[offset, offset + shape)`` of an N-dimensional index space.
+
+    >>> a = Region((0, 2), (4, 4))
+    >>> a.intersect(Region((2, 0), (4, 4)))
+    Region(offset=(2, 2), shape=(2, 2))
+    >>> a.size
+    16
+    """
+
+    offset: tuple[int, ...]
+    shape: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.offset) != len(self.shape):
+            raise ValueError(f"offset {self.offset} and shape {self.shape} differ in rank")
+        if any(s < 0 for s in self.shape):
+            raise ValueError(f"negative extent in shape {self.shape}")
+
+    @classmethod
+    def full(cls, shape: Sequence[int]) -> Region:
+        """The region covering a whole array of ``shape``."""
+        return cls((0,) * len(shape), tuple(int(s) for s in shape))
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        """Number of elements."""
+        return math.prod(self.shape)
+
+    @property
+    def stop(self) -> tuple[int, ...]:
+        return tuple(o + s for o, s in zip(self.offset, self.shape, strict=True))
+
+    @property
+    def is_empty(self) -> bool:
+        return self.size == 0
+
+    def intersect(self, other: Region) -> Region | None:
+        """The common box, or None when they share no element."""
+        lo = tuple(max(a, b) for a, b in zip(self.offset, other.offset, strict=True))
+        hi = tuple(min(a, b) for a, b in zip(self.stop, other.stop, strict=True))
+        if any(h <= lo_ for lo_, h in zip(lo, hi, strict=True)):
+            return None
+        return Region(lo, tuple(h - lo_ for lo_, h in zip(lo, hi, strict=True)))
+
+    def contains(self, other: Region) -> bool:
+        """True when every element of ``other`` lies in this region."""
+        return all(
+            so <= oo and oo + os_ <= so + ss
+            for so, ss, oo, os_ in zip(self.offset, self.shape, other.offset, other.shape, strict=True)
+        )
+
+    def relative_to(self, outer: Region) -> Region:
+        """This region in the coordinates of ``outer`` (which must contain it)."""
+        return Region(tuple(a - b for a, b in zip(self.offset, outer.offset, strict=True)), self.shape)
+
+    def offset_by(self, delta: Sequence[int]) -> Region:
+        return Region(tuple(a + b for a, b in zip(self.offset, delta, strict=True)), self.shape)
+
+    def slices(self) -> tuple[slice, ...]:
+        """Index expression selecting this region from an array."""
+        return tuple(slice(o, o + s) for o, s in zip(self.offset, self.shape, strict=True))
+
+    def subtract(self, other: Region) -> list[Region]:
+        """This region minus ``other``, as disjoint boxes (at most ``2 * ndim``)."""
+        inter = self.intersect(other)
+        if inter is None:
+            return [self]
+        out: list[Region] = []
+        offset, shape = list(self.offset), list(self.shape)
+        for d in range(self.ndim):
+            lo, hi = inter.offset[d], inter.offset[d] + inter.shape[d]
+            if lo > offset[d]:
+                s = list(shape)
+                s[d] = lo - offset[d]
+                out.append(Region(tuple(offset), tuple(s)))
+            end = offset[d] + shape[d]
+            if hi < end:
+                o = list(offset)
+                s = list(shape)
+                o[d] = hi
+                s[d] = end - hi
+                out.append(Region(tuple(o), tuple(s)))
+            offset[d], shape[d] = lo, hi - lo
+        return out
+
+    def chunk_indices(self, chunk_shape: Sequence[int]) -> Iterator[tuple[int, ...]]:
+        """Grid indices of the chunks of a regular grid that this region touches."""
+        ranges = [
+            range(o // c, (o + s - 1) // c + 1) if s > 0 else range(0)
+            for o, s, c in zip(self.offset, self.shape, chunk_shape, strict=True)
+        ]
+        yield from _product(ranges)
+
+    def to_json(self) -> list[list[int]]:
+        return [list(self.offset), list(self.shape)]
+
+    @classmethod
+    def from_json(cls, data: Any) -> Region:
+        if (
+            not isinstance(data, list)
+            or len(data) != 2
+            or not all(isinstance(p, list) and all(type(v) is int for v in p) for p in data)
+        ):
+            raise ValueError(f"a region is [offset, shape] of integers, found {data!r}")
+        return cls(tuple(data[0]), tuple(data[1]))
+
+
+def _product(ranges: Sequence[range]) -> Iterator[tuple[int, ...]]:
+    if not ranges:
+        yield ()
+        return
+    for head in ranges[0]:
+        for tail in _product(ranges[1:]):
+            yield (head, *tail)
+
+
+def chunk_region(index: Sequence[int], chunk_shape: Sequence[int], shape: Sequence[int]) -> Region:
+    """The region of chunk ``index`` of a regular grid over an array of ``shape``."""
+    offset = tuple(i * c for i, c in zip(index, chunk_shape, strict=True))
+    extent = tuple(min(c, s - o) for o, c, s in zip(offset, chunk_shape, shape, strict=True))
+    return Region(offset, extent)

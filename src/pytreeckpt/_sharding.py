@@ -1,0 +1,399 @@
+"""Declarative sharding specs and the pure function from a spec to each rank's regions.
+
+A spec says how a tensor of some global shape is laid out over ranks. Every spec
+answers one question, :meth:`Layout.rank_pieces`: for each rank, which boxes of the
+global tensor it holds and where they sit in its local tensor. Nothing here does I/O or
+talks to other ranks.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from ._errors import LayoutError
+from ._region import Region
+
+__all__ = [
+    "ExplicitRegions",
+    "FlatRanges",
+    "Layout",
+    "Mesh",
+    "Piece",
+    "Placement",
+    "Replicate",
+    "Shard",
+    "ShardingSpec",
+    "chunk_size_and_offset",
+    "flat_range_regions",
+    "layout_from_json",
+]
+
+
+@dataclass(frozen=True, slots=True, init=False)
+class Mesh:
+    """A logical grid of ranks: rank ``r`` sits at the row-major coordinate of ``r``.
+
+    >>> mesh = Mesh((2, 3), ("dp", "tp"))
+    >>> mesh.coordinate(4)
+    (1, 1)
+    >>> mesh.size
+    6
+    """
+
+    shape: tuple[int, ...]
+    axis_names: tuple[str, ...]
+
+    def __init__(self, shape: Sequence[int] | int, axis_names: Sequence[str] | None = None) -> None:
+        shape_t = (int(shape),) if isinstance(shape, int) else tuple(int(s) for s in shape)
+        if not shape_t or any(s < 1 for s in shape_t):
+            raise LayoutError(f"a mesh needs one or more axes of size >= 1, found shape {shape_t}")
+        names = tuple(f"axis{i}" for i in range(len(shape_t))) if axis_names is None else tuple(axis_names)
+        if len(names) != len(shape_t):
+            raise LayoutError(f"mesh shape {shape_t} has {len(shape_t)} axes but {len(names)} axis names {names}")
+        if len(set(names)) != len(names):
+            raise LayoutError(f"mesh axis names must be distinct, found {names}")
+        object.__setattr__(self, "shape", shape_t)
+        object.__setattr__(self, "axis_names", names)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    def coordinate(self, rank: int) -> tuple[int, ...]:
+        """The mesh coordinate of ``rank``."""
+        if not 0 <= rank < self.size:
+            raise LayoutError(f"rank {rank} is outside a mesh of {self.size} ranks")
+        coord = []
+        for s in reversed(self.shape):
+            rank, c = divmod(rank, s)
+            coord.append(c)
+        return tuple(reversed(coord))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"shape": list(self.shape), "axis_names": list(self.axis_names)}
+
+    @classmethod
+    def from_json(cls, data: Any) -> Mesh:
+        return cls(tuple(data["shape"]), tuple(data["axis_names"]))
+
+
+@dataclass(frozen=True, slots=True)
+class Shard:
+    """Split tensor dimension ``dim`` over a mesh axis, with torch's chunking rule."""
+
+    dim: int
+
+    def to_json(self) -> list[Any]:
+        return ["shard", self.dim]
+
+
+@dataclass(frozen=True, slots=True)
+class Replicate:
+    """Every rank along the mesh axis holds the same data."""
+
+    def to_json(self) -> list[Any]:
+        return ["replicate"]
+
+
+Placement = Shard | Replicate
+
+
+def _placement_from_json(data: Any) -> Placement:
+    if data == ["replicate"]:
+        return Replicate()
+    if isinstance(data, list) and len(data) == 2 and data[0] == "shard" and type(data[1]) is int:
+        return Shard(data[1])
+    raise LayoutError(f"unknown placement {data!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """A box of the global tensor held by one rank.
+
+    ``local_offset`` is where the box starts in the rank's local tensor, flattened in
+    row-major order; a layout whose ranks hold one box each has ``local_offset == 0``.
+    """
+
+    region: Region
+    local_offset: int = 0
+
+
+def chunk_size_and_offset(size: int, parts: int, index: int) -> tuple[int, int]:
+    """Size and offset of part ``index`` when ``size`` is split like ``torch.chunk``.
+
+    Parts hold ``ceil(size / parts)`` elements; trailing parts are smaller or empty.
+
+    >>> [chunk_size_and_offset(10, 4, i) for i in range(4)]
+    [(3, 0), (3, 3), (3, 6), (1, 9)]
+    """
+    full = -(-size // parts)
+    start = full * index
+    if start >= size:
+        return 0, size
+    return min(full, size - start), start
+
+
+class Layout:
+    """Base of every spec: how a tensor of a given global shape sits on ranks."""
+
+    kind: ClassVar[str]
+
+    @property
+    def world_size(self) -> int:
+        raise NotImplementedError
+
+    def rank_pieces(self, shape: Sequence[int]) -> tuple[tuple[Piece, ...], ...]:
+        """For each rank, the non-empty boxes it holds, in local order."""
+        raise NotImplementedError
+
+    def local_shape(self, rank: int, shape: Sequence[int]) -> tuple[int, ...]:
+        """Shape of ``rank``'s local tensor for a global tensor of ``shape``."""
+        raise NotImplementedError
+
+    def to_json(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True, slots=True, init=False)
+class ShardingSpec(Layout):
+    """A mesh and one placement per mesh axis, as in DTensor.
+
+    Several mesh axes may shard the same dimension: they split it in mesh-axis order,
+    each splitting what the previous left, as torch does.
+
+    >>> spec = ShardingSpec(Mesh((2, 2)), (Shard(0), Replicate()))
+    >>> [p[0].region for p in spec.rank_pieces((5, 3))][1:3]
+    [Region(offset=(0, 0), shape=(3, 3)), Region(offset=(3, 0), shape=(2, 3))]
+    """
+
+    kind: ClassVar[str] = "mesh"
+    mesh: Mesh
+    placements: tuple[Placement, ...]
+
+    def __init__(self, mesh: Mesh, placements: Sequence[Placement] | Placement) -> None:
+        if isinstance(placements, Shard | Replicate):
+            placements = (placements,)
+        placements = tuple(placements)
+        if len(placements) != mesh.ndim:
+            raise LayoutError(
+                f"a mesh of {mesh.ndim} axes {mesh.axis_names} needs {mesh.ndim} placements, found {placements}"
+            )
+        for p in placements:
+            if not isinstance(p, Shard | Replicate):
+                raise LayoutError(f"placements are Shard(dim) or Replicate(), found {p!r}")
+            if isinstance(p, Shard) and p.dim < 0:
+                raise LayoutError(f"Shard dims must be non-negative, found {p!r}")
+        object.__setattr__(self, "mesh", mesh)
+        object.__setattr__(self, "placements", placements)
+
+    @property
+    def world_size(self) -> int:
+        return self.mesh.size
+
+    def _check(self, shape: Sequence[int]) -> None:
+        for axis, p in enumerate(self.placements):
+            if isinstance(p, Shard) and p.dim >= len(shape):
+                raise LayoutError(
+                    f"Shard({p.dim}) on mesh axis {self.mesh.axis_names[axis]!r} needs a tensor of more than "
+                    f"{p.dim} dims, found shape {tuple(shape)}"
+                )
+
+    def region(self, rank: int, shape: Sequence[int]) -> Region:
+        """The box of the global tensor that ``rank`` holds."""
+        self._check(shape)
+        coord = self.mesh.coordinate(rank)
+        offset = [0] * len(shape)
+        extent = [int(s) for s in shape]
+        for axis, p in enumerate(self.placements):
+            if isinstance(p, Shard):
+                size, off = chunk_size_and_offset(extent[p.dim], self.mesh.shape[axis], coord[axis])
+                offset[p.dim] += off
+                extent[p.dim] = size
+        return Region(tuple(offset), tuple(extent))
+
+    def rank_pieces(self, shape: Sequence[int]) -> tuple[tuple[Piece, ...], ...]:
+        out = []
+        for r in range(self.world_size):
+            reg = self.region(r, shape)
+            out.append(() if reg.is_empty else (Piece(reg, 0),))
+        return tuple(out)
+
+    def local_shape(self, rank: int, shape: Sequence[int]) -> tuple[int, ...]:
+        return self.region(rank, shape).shape
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": self.kind, "mesh": self.mesh.to_json(), "placements": [p.to_json() for p in self.placements]}
+
+
+def flat_range_regions(shape: Sequence[int], start: int, stop: int) -> list[Region]:
+    """Boxes covering the elements ``[start, stop)`` of a row-major tensor, in order.
+
+    Each box is contiguous in row-major order, so the range is their concatenation.
+
+    >>> flat_range_regions((3, 4), 2, 9)
+    [Region(offset=(0, 2), shape=(1, 2)), Region(offset=(1, 0), shape=(1, 4)), Region(offset=(2, 0), shape=(1, 1))]
+    """
+    shape = tuple(int(s) for s in shape)
+    if start >= stop:
+        return []
+    if not shape:
+        return [Region((), ())]
+    if len(shape) == 1:
+        return [Region((start,), (stop - start,))]
+    inner = math.prod(shape[1:])
+    r0, r1 = start // inner, stop // inner
+    if r0 == r1:
+        return [_prefix(r0, s) for s in flat_range_regions(shape[1:], start - r0 * inner, stop - r0 * inner)]
+    out: list[Region] = []
+    if start % inner:
+        out.extend(_prefix(r0, s) for s in flat_range_regions(shape[1:], start % inner, inner))
+        r0 += 1
+    if r1 > r0:
+        out.append(Region((r0,) + (0,) * (len(shape) - 1), (r1 - r0, *shape[1:])))
+    if stop % inner:
+        out.extend(_prefix(r1, s) for s in flat_range_regions(shape[1:], 0, stop % inner))
+    return out
+
+
+def _prefix(row: int, region: Region) -> Region:
+    return Region((row, *region.offset), (1, *region.shape))
+
+
+def _pieces_in_order(regions: Sequence[Region]) -> tuple[Piece, ...]:
+    pieces, offset = [], 0
+    for reg in regions:
+        if not reg.is_empty:
+            pieces.append(Piece(reg, offset))
+        offset += reg.size
+    return tuple(pieces)
+
+
+@dataclass(frozen=True, slots=True, init=False)
+class FlatRanges(Layout):
+    """Irregular sharding by flat ranges of the row-major tensor, as FSDP1 flat parameters.
+
+    Rank ``r`` holds elements ``[start, stop)`` of the flattened tensor as a 1-D local
+    tensor. Ranges may overlap (replication) and, for a load target, leave gaps.
+
+    >>> spec = FlatRanges([(0, 5), (5, 12)])
+    >>> spec.local_shape(1, (3, 4))
+    (7,)
+    """
+
+    kind: ClassVar[str] = "flat"
+    ranges: tuple[tuple[int, int], ...]
+
+    def __init__(self, ranges: Sequence[tuple[int, int]]) -> None:
+        rs = tuple((int(a), int(b)) for a, b in ranges)
+        if not rs:
+            raise LayoutError("FlatRanges needs one range per rank, found none")
+        for r, (a, b) in enumerate(rs):
+            if a < 0 or b < a:
+                raise LayoutError(f"rank {r}: flat range [{a}, {b}) is not 0 <= start <= stop")
+        object.__setattr__(self, "ranges", rs)
+
+    @property
+    def world_size(self) -> int:
+        return len(self.ranges)
+
+    def _check(self, shape: Sequence[int]) -> None:
+        numel = math.prod(shape)
+        for r, (_, b) in enumerate(self.ranges):
+            if b > numel:
+                raise LayoutError(
+                    f"rank {r}: flat range ends at {b} but a tensor of shape {tuple(shape)} has {numel} elements"
+                )
+
+    def rank_pieces(self, shape: Sequence[int]) -> tuple[tuple[Piece, ...], ...]:
+        self._check(shape)
+        return tuple(_pieces_in_order(flat_range_regions(shape, a, b)) for a, b in self.ranges)
+
+    def local_shape(self, rank: int, shape: Sequence[int]) -> tuple[int, ...]:
+        a, b = self.ranges[rank]
+        return (b - a,)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": self.kind, "ranges": [list(r) for r in self.ranges]}
+
+
+@dataclass(frozen=True, slots=True, init=False)
+class ExplicitRegions(Layout):
+    """Irregular sharding by explicit boxes per rank.
+
+    A rank holding one box has a local tensor of that box's shape; a rank holding
+    several has a 1-D local tensor, the row-major concatenation of its boxes.
+
+    >>> spec = ExplicitRegions([[((0, 0), (2, 3))], [((2, 0), (1, 3))]])
+    >>> spec.local_shape(0, (3, 3))
+    (2, 3)
+    """
+
+    kind: ClassVar[str] = "regions"
+    regions: tuple[tuple[Region, ...], ...]
+
+    def __init__(self, regions: Sequence[Sequence[Region | tuple[Sequence[int], Sequence[int]]]]) -> None:
+        out = []
+        for per_rank in regions:
+            out.append(
+                tuple(
+                    r if isinstance(r, Region) else Region(tuple(int(v) for v in r[0]), tuple(int(v) for v in r[1]))
+                    for r in per_rank
+                )
+            )
+        if not out:
+            raise LayoutError("ExplicitRegions needs a list of boxes per rank, found no ranks")
+        object.__setattr__(self, "regions", tuple(out))
+
+    @property
+    def world_size(self) -> int:
+        return len(self.regions)
+
+    def _check(self, shape: Sequence[int]) -> None:
+        full = Region.full(shape)
+        for r, regs in enumerate(self.regions):
+            for reg in regs:
+                if reg.ndim != len(shape) or not full.contains(reg):
+                    raise LayoutError(f"rank {r}: box {reg} does not lie inside a tensor of shape {tuple(shape)}")
+
+    def rank_pieces(self, shape: Sequence[int]) -> tuple[tuple[Piece, ...], ...]:
+        self._check(shape)
+        out = []
+        for regs in self.regions:
+            if len(regs) == 1:
+                out.append(() if regs[0].is_empty else (Piece(regs[0], 0),))
+            else:
+                out.append(_pieces_in_order(regs))
+        return tuple(out)
+
+    def local_shape(self, rank: int, shape: Sequence[int]) -> tuple[int, ...]:
+        regs = self.regions[rank]
+        if len(regs) == 1:
+            return regs[0].shape
+        return (sum(r.size for r in regs),)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": self.kind, "regions": [[r.to_json() for r in regs] for regs in self.regions]}
+
+
+def layout_from_json(data: Any) -> Layout:
+    """Rebuild a spec from :meth:`Layout.to_json`."""
+    try:
+        kind = data["kind"]
+        if kind == "mesh":
+            return ShardingSpec(Mesh.from_json(data["mesh"]), [_placement_from_json(p) for p in data["placements"]])
+        if kind == "flat":
+            return FlatRanges([tuple(r) for r in data["ranges"]])
+        if kind == "regions":
+            return ExplicitRegions([[Region.from_json(r) for r in regs] for regs in data["regions"]])
+    except LayoutError:
+        raise
+    except (KeyError, TypeError, ValueError) as e:
+        raise LayoutError(f"malformed layout {data!r}: {e}") from e
+    raise LayoutError(f"unknown layout kind in {data!r}")

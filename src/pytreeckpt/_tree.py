@@ -1,0 +1,431 @@
+"""Pytrees: flatten and unflatten with stable key paths, and the structure as JSON.
+
+A tree is walked one node at a time. Builtin containers (dict, OrderedDict,
+defaultdict, list, tuple, deque, namedtuple) and dataclasses are handled here, keeping
+dict insertion order; any other node is flattened one level by optree (structseqs and
+types registered with ``optree.register_pytree_node`` in the given namespace).
+
+Leaves are tensors, numpy arrays, pytreeckpt's sharded and abstract leaves, and the
+plain Python values int, float, bool, str and None.
+
+The structure is recorded as JSON; nothing is ever pickled. Rebuilding a stored
+structure without a target never imports a module: a namedtuple or dataclass type is
+used only if its module is already imported and the type still has the same fields.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import optree
+
+from ._errors import CheckpointError, MetadataError
+
+__all__ = [
+    "KeyEntry",
+    "Node",
+    "PYTHON_LEAF_TYPES",
+    "broadcast_prefix",
+    "decode_value",
+    "encode_value",
+    "flatten",
+    "keystr",
+]
+
+PYTHON_LEAF_TYPES = (bool, int, float, str, type(None))
+
+KeyEntry = tuple[Any, ...]
+"""A typed path entry: ``("s", name)``, ``("i", 3)``, ``("b", True)``, ``("f", "1.5")``, ``("n",)``."""
+
+
+def _entry(key: Any) -> KeyEntry:
+    if isinstance(key, str):
+        return ("s", key)
+    if isinstance(key, bool):
+        return ("b", key)
+    if isinstance(key, int):
+        return ("i", key)
+    if isinstance(key, float):
+        return ("f", repr(key))
+    if key is None:
+        return ("n",)
+    if isinstance(key, tuple):
+        return ("t", *(_entry(k) for k in key))
+    raise TypeError(f"dict keys must be str, int, float, bool, None or tuples of them, found {type(key).__name__}")
+
+
+def _entry_to_json(e: KeyEntry) -> Any:
+    if e[0] == "s":
+        return e[1]
+    if e[0] == "t":
+        return ["t", [_entry_to_json(x) for x in e[1:]]]
+    return list(e)
+
+
+def _entry_from_json(data: Any) -> KeyEntry:
+    if isinstance(data, str):
+        return ("s", data)
+    if isinstance(data, list) and data:
+        tag = data[0]
+        if tag == "i" and len(data) == 2 and type(data[1]) is int:
+            return ("i", data[1])
+        if tag == "b" and len(data) == 2 and type(data[1]) is bool:
+            return ("b", data[1])
+        if tag == "f" and len(data) == 2 and isinstance(data[1], str):
+            float(data[1])
+            return ("f", data[1])
+        if tag == "n" and len(data) == 1:
+            return ("n",)
+        if tag == "t" and len(data) == 2 and isinstance(data[1], list):
+            return ("t", *(_entry_from_json(x) for x in data[1]))
+    raise MetadataError(f"malformed key {data!r} in the tree structure")
+
+
+def _entry_key(e: KeyEntry) -> Any:
+    """The Python dict key an entry stands for."""
+    tag = e[0]
+    if tag in ("s", "i", "b"):
+        return e[1]
+    if tag == "f":
+        return float(e[1])
+    if tag == "n":
+        return None
+    return tuple(_entry_key(x) for x in e[1:])
+
+
+def _entry_str(e: KeyEntry) -> str:
+    if e[0] == "t":
+        return "(" + ",".join(_entry_str(x) for x in e[1:]) + ")"
+    if e[0] == "n":
+        return "None"
+    return str(e[1])
+
+
+def keystr(path: Sequence[KeyEntry]) -> str:
+    """The dotted key path of a leaf, e.g. ``optim.state.3.exp_avg``; ``""`` for the root."""
+    return ".".join(_entry_str(e) for e in path)
+
+
+@dataclass(slots=True)
+class Node:
+    """One container of a tree, or a leaf when ``kind == "leaf"``.
+
+    ``entries`` are typed keys (dict keys, sequence indices, field names); ``leaf`` is
+    the leaf's index in flatten order.
+    """
+
+    kind: str
+    entries: list[KeyEntry] = field(default_factory=list)
+    children: list[Node] = field(default_factory=list)
+    type: Any = None
+    type_name: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+    leaf: int = -1
+
+    # ------------------------------------------------------------------ rebuild
+    def unflatten(self, leaves: Sequence[Any]) -> Any:
+        """Rebuild the tree with ``leaves`` in flatten order."""
+        if self.kind == "leaf":
+            return leaves[self.leaf]
+        kids = [c.unflatten(leaves) for c in self.children]
+        k = self.kind
+        if k in ("dict", "odict", "defaultdict"):
+            items = [(_entry_key(e), v) for e, v in zip(self.entries, kids, strict=True)]
+            if k == "dict":
+                return dict(items)
+            if k == "odict":
+                return collections.OrderedDict(items)
+            return collections.defaultdict(self.extra.get("factory"), items)
+        if k == "list":
+            return kids
+        if k == "tuple":
+            return tuple(kids)
+        if k == "deque":
+            return collections.deque(kids, maxlen=self.extra.get("maxlen"))
+        if k == "namedtuple":
+            return self.type(*kids)
+        if k == "dataclass":
+            if self.type is dict:
+                return {_entry_key(e): v for e, v in zip(self.entries, kids, strict=True)}
+            obj = object.__new__(self.type)
+            for e, v in zip(self.entries, kids, strict=True):
+                object.__setattr__(obj, e[1], v)
+            return obj
+        if k == "custom":
+            unflatten = self.extra.get("unflatten")
+            if unflatten is None:
+                return {_entry_key(e): v for e, v in zip(self.entries, kids, strict=True)}
+            return unflatten(self.extra.get("metadata"), kids)
+        raise AssertionError(k)
+
+    # ------------------------------------------------------------------ JSON
+    def to_json(self) -> Any:
+        if self.kind == "leaf":
+            return self.leaf
+        out: dict[str, Any] = {"k": self.kind}
+        if self.kind in ("dict", "odict", "defaultdict", "dataclass", "custom", "namedtuple"):
+            out["keys"] = [_entry_to_json(e) for e in self.entries]
+        if self.type_name is not None:
+            out["type"] = self.type_name
+        for name in ("maxlen", "factory_name", "metadata_json"):
+            if name in self.extra:
+                out[name] = self.extra[name]
+        out["c"] = [c.to_json() for c in self.children]
+        return out
+
+    @classmethod
+    def from_json(cls, data: Any, num_leaves: int, namespace: str = "") -> Node:
+        """Rebuild a structure from JSON, resolving types only among imported modules."""
+        if type(data) is int:
+            if not 0 <= data < num_leaves:
+                raise MetadataError(f"tree structure names leaf {data} but there are {num_leaves} leaves")
+            return cls("leaf", leaf=data)
+        if not isinstance(data, dict) or not isinstance(data.get("c"), list):
+            raise MetadataError(f"malformed tree node {str(data)[:200]}")
+        kind = data.get("k")
+        children = [cls.from_json(c, num_leaves, namespace) for c in data["c"]]
+        keys = data.get("keys")
+        entries = [_entry_from_json(k) for k in keys] if isinstance(keys, list) else []
+        if kind in ("list", "tuple", "deque"):
+            entries = [("i", i) for i in range(len(children))]
+        if len(entries) != len(children):
+            raise MetadataError(f"tree node of kind {kind!r} has {len(entries)} keys but {len(children)} children")
+        node = cls(str(kind), entries, children, type_name=data.get("type"))
+        if kind in ("dict", "odict", "list", "tuple"):
+            pass
+        elif kind == "defaultdict":
+            fname = data.get("factory_name")
+            node.extra["factory_name"] = fname
+            node.extra["factory"] = _SAFE_FACTORIES.get(fname) if isinstance(fname, str) else None
+        elif kind == "deque":
+            maxlen = data.get("maxlen")
+            if maxlen is not None and type(maxlen) is not int:
+                raise MetadataError(f"deque maxlen must be an integer, found {maxlen!r}")
+            node.extra["maxlen"] = maxlen
+        elif kind == "namedtuple":
+            fields = [e[1] for e in entries]
+            typ = _resolve(node.type_name)
+            if not (isinstance(typ, type) and issubclass(typ, tuple) and list(getattr(typ, "_fields", ())) == fields):
+                name = (node.type_name or "Tuple").rsplit(".", 1)[-1].rsplit(":", 1)[-1]
+                typ = collections.namedtuple(name if name.isidentifier() else "Tuple", fields, rename=True)  # type: ignore[misc]
+            node.type = typ
+        elif kind == "dataclass":
+            typ = _resolve(node.type_name)
+            names = [e[1] for e in entries]
+            if isinstance(typ, type) and dataclasses.is_dataclass(typ) and [f.name for f in dataclasses.fields(typ)] == names:
+                node.type = typ
+            else:
+                node.type = dict
+        elif kind == "custom":
+            typ = _resolve(node.type_name)
+            node.extra["metadata_json"] = data.get("metadata_json")
+            if isinstance(typ, type) and "metadata_json" in data:
+                if optree.is_structseq_class(typ):
+                    node.extra["unflatten"] = lambda _m, kids, typ=typ: typ(kids)
+                else:
+                    entry = optree.register_pytree_node.get(typ, namespace=namespace) if namespace else None
+                    if entry is not None:
+                        node.extra["unflatten"] = entry.unflatten_func
+                        node.extra["metadata"] = decode_value(data["metadata_json"])
+        else:
+            raise MetadataError(f"unknown tree node kind {kind!r}")
+        return node
+
+    def paths(self) -> list[tuple[KeyEntry, ...]]:
+        """Typed key paths of the leaves, in flatten order."""
+        out: list[tuple[KeyEntry, ...]] = []
+        self._paths((), out)
+        return out
+
+    def _paths(self, prefix: tuple[KeyEntry, ...], out: list[tuple[KeyEntry, ...]]) -> None:
+        if self.kind == "leaf":
+            out.append(prefix)
+            return
+        for e, c in zip(self.entries, self.children, strict=True):
+            c._paths((*prefix, e), out)
+
+
+_SAFE_FACTORIES: dict[str, Callable[[], Any]] = {
+    "list": list, "dict": dict, "int": int, "float": float, "str": str, "set": set, "tuple": tuple,
+}
+
+
+def _type_name(t: type) -> str:
+    return f"{t.__module__}:{t.__qualname__}"
+
+
+def _resolve(name: str | None) -> Any:
+    """The type named ``module:qualname`` if its module is already imported, else None."""
+    if not isinstance(name, str) or ":" not in name:
+        return None
+    module_name, qualname = name.split(":", 1)
+    obj: Any = sys.modules.get(module_name)
+    for part in qualname.split("."):
+        if obj is None or part.startswith("__") or "<" in part:
+            return None
+        obj = getattr(obj, part, None)
+    return obj
+
+
+# --------------------------------------------------------------------------- values
+
+
+def encode_value(v: Any) -> Any:
+    """JSON for a plain Python leaf value, exact for floats (NaN and infinities too)."""
+    if isinstance(v, float) and not isinstance(v, bool):
+        if math.isfinite(v):
+            return v
+        return {"float": repr(v)}
+    if v is None or isinstance(v, bool | int | str):
+        return v
+    if isinstance(v, list | tuple):
+        return {"seq": [encode_value(x) for x in v], "tuple": isinstance(v, tuple)}
+    raise TypeError(f"cannot store {type(v).__name__} inline")
+
+
+def decode_value(data: Any) -> Any:
+    if data is None or isinstance(data, bool | int | float | str):
+        return data
+    if isinstance(data, dict) and set(data) == {"float"} and data["float"] in ("nan", "inf", "-inf"):
+        return float(data["float"])
+    if isinstance(data, dict) and set(data) == {"seq", "tuple"} and isinstance(data["seq"], list):
+        seq = [decode_value(x) for x in data["seq"]]
+        return tuple(seq) if data["tuple"] else seq
+    raise MetadataError(f"malformed inline value {str(data)[:200]}")
+
+
+# --------------------------------------------------------------------------- flatten
+
+
+def flatten(tree: Any, is_leaf: Callable[[Any], bool], *, namespace: str = "") -> tuple[list[Any], list[tuple[KeyEntry, ...]], Node]:
+    """Flatten ``tree`` into leaves, their typed key paths, and its structure.
+
+    Raises:
+      CheckpointError: a leaf of a type pytreeckpt cannot store, naming its key path.
+    """
+    leaves: list[Any] = []
+    paths: list[tuple[KeyEntry, ...]] = []
+
+    def walk(x: Any, path: tuple[KeyEntry, ...]) -> Node:
+        if is_leaf(x):
+            leaves.append(x)
+            paths.append(path)
+            return Node("leaf", leaf=len(leaves) - 1)
+        node = _one_level(x, path, namespace)
+        node.children = [walk(c, (*path, e)) for e, c in zip(node.entries, node.extra.pop("_kids"), strict=True)]
+        return node
+
+    root = walk(tree, ())
+    return leaves, paths, root
+
+
+def _one_level(x: Any, path: tuple[KeyEntry, ...], namespace: str) -> Node:
+    t = type(x)
+    try:
+        if t is dict or t is collections.OrderedDict or t is collections.defaultdict:
+            entries = [_entry(k) for k in x]
+            kind = {dict: "dict", collections.OrderedDict: "odict", collections.defaultdict: "defaultdict"}[t]
+            node = Node(kind, entries)
+            if t is collections.defaultdict:
+                f = x.default_factory
+                fname = next((n for n, v in _SAFE_FACTORIES.items() if v is f), None)
+                node.extra.update(factory=f, factory_name=fname)
+            node.extra["_kids"] = list(x.values())
+            return node
+    except TypeError as e:
+        raise CheckpointError(f"at key path {keystr(path)!r}: {e}") from None
+    if t is list or t is tuple:
+        node = Node("list" if t is list else "tuple", [("i", i) for i in range(len(x))])
+        node.extra["_kids"] = list(x)
+        return node
+    if t is collections.deque:
+        node = Node("deque", [("i", i) for i in range(len(x))], extra={"maxlen": x.maxlen})
+        node.extra["_kids"] = list(x)
+        return node
+    if isinstance(x, tuple) and hasattr(t, "_fields") and not optree.is_structseq(x):
+        node = Node("namedtuple", [("s", f) for f in t._fields], type=t, type_name=_type_name(t))
+        node.extra["_kids"] = list(x)
+        return node
+    if dataclasses.is_dataclass(x) and not isinstance(x, type) and not _registered(t, namespace):
+        fields = dataclasses.fields(x)
+        node = Node("dataclass", [("s", f.name) for f in fields], type=t, type_name=_type_name(t))
+        node.extra["_kids"] = [getattr(x, f.name) for f in fields]
+        return node
+    try:
+        out = optree.tree_flatten_one_level(x, none_is_leaf=True, namespace=namespace)
+    except ValueError:
+        raise CheckpointError(
+            f"leaf at key path {keystr(path)!r} has type {t.__module__}.{t.__qualname__}, which pytreeckpt cannot store; "
+            f"leaves are tensors, numpy arrays, ShardedLeaf, Abstract, int, float, bool, str or None, and containers "
+            f"must be builtin, dataclasses or registered with optree"
+        ) from None
+    entries = []
+    for e in out.entries:
+        try:
+            entries.append(_entry(e))
+        except TypeError:
+            entries.append(("s", str(e)))
+    node = Node("custom", entries, type=t, type_name=_type_name(t), extra={"unflatten": out.unflatten_func})
+    node.extra["metadata"] = out.metadata
+    try:
+        node.extra["metadata_json"] = encode_value(out.metadata) if not isinstance(out.metadata, type) else None
+    except TypeError:
+        pass  # metadata that is not plain data: rebuilt as a dict without a target
+    node.extra["_kids"] = list(out.children)
+    return node
+
+
+def _registered(t: type, namespace: str) -> bool:
+    return bool(namespace) and optree.register_pytree_node.get(t, namespace=namespace) is not None
+
+
+# --------------------------------------------------------------------------- prefix
+
+
+def broadcast_prefix(
+    prefix: Any, tree: Node, is_prefix_leaf: Callable[[Any], bool], num_leaves: int, *, namespace: str = ""
+) -> list[Any]:
+    """For each leaf of ``tree``, the value of the ``prefix`` tree that covers it.
+
+    ``prefix`` must have the structure of ``tree`` down to its own leaves (None or
+    values for which ``is_prefix_leaf`` is true), each of which covers a whole subtree.
+
+    Raises:
+      CheckpointError: naming the key path where the prefix and the tree part ways.
+    """
+    out: list[Any] = [None] * num_leaves
+
+    def fill(node: Node, value: Any) -> None:
+        if node.kind == "leaf":
+            out[node.leaf] = value
+        for c in node.children:
+            fill(c, value)
+
+    def walk(p: Any, node: Node, path: tuple[KeyEntry, ...]) -> None:
+        if p is None or is_prefix_leaf(p):
+            fill(node, p)
+            return
+        where = keystr(path) or "(root)"
+        if node.kind == "leaf":
+            raise CheckpointError(
+                f"spec is not a prefix of the tree: at key path {where!r} the tree has a leaf but the spec has "
+                f"a {type(p).__name__}"
+            )
+        pnode = _one_level(p, path, namespace)
+        kids = pnode.extra.pop("_kids")
+        if pnode.entries != node.entries:
+            raise CheckpointError(
+                f"spec is not a prefix of the tree: at key path {where!r} the tree has keys "
+                f"{[_entry_str(e) for e in node.entries]} but the spec has {[_entry_str(e) for e in pnode.entries]}"
+            )
+        for e, child_p, child in zip(node.entries, kids, node.children, strict=True):
+            walk(child_p, child, (*path, e))
+
+    walk(prefix, tree, ())
+    return out
