@@ -14,6 +14,8 @@ tensor([[ 2.],
 """
 
 from ._api import CheckpointMetadata as CheckpointMetadata
+from ._api import SaveHandle as SaveHandle
+from ._api import async_save as async_save
 from ._api import load as load
 from ._api import metadata as metadata
 from ._api import save as save
@@ -37,6 +39,7 @@ from ._sharding import Mesh as Mesh
 from ._sharding import Replicate as Replicate
 from ._sharding import Shard as Shard
 from ._sharding import ShardingSpec as ShardingSpec
+from ._sharding import StridedShard as StridedShard
 
 __version__ = "0.1.0"
 
@@ -57,11 +60,14 @@ __all__ = [
     "NotCommittedError",
     "Region",
     "Replicate",
+    "SaveHandle",
     "SavePlan",
     "Shard",
     "ShardedLeaf",
     "ShardingSpec",
+    "StridedShard",
     "TargetMismatchError",
+    "async_save",
     "load",
     "metadata",
     "save",

@@ -7,7 +7,10 @@ leaves), which is how layouts are resharded and tested without a process group.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,15 +19,15 @@ import torch
 
 from ._dtypes import DType, dtype_of_numpy, dtype_of_torch, numpy_view
 from ._errors import CheckpointError, LayoutError, TargetMismatchError
-from ._executor import ExecutorOptions, PieceData, Storage
+from ._executor import ExecutorOptions, PieceData, Storage, write_items
 from ._format import ARRAYS_DIR, ArrayMeta, ValueMeta, array_names, build_document, parse_document
 from ._leaf import Abstract, ShardedLeaf, piece_view
-from ._plan import ArrayLayout, ChunkingOptions, plan_load, plan_save
+from ._plan import ArrayLayout, ChunkingOptions, SavePlan, plan_load, plan_save
 from ._region import Region
 from ._sharding import Layout, Mesh, Piece, Replicate, ShardingSpec
 from ._tree import PYTHON_LEAF_TYPES, KeyEntry, Node, broadcast_prefix, encode_value, flatten, keystr
 
-__all__ = ["CheckpointMetadata", "load", "metadata", "save"]
+__all__ = ["CheckpointMetadata", "SaveHandle", "async_save", "load", "metadata", "save"]
 
 PathLike = str | os.PathLike[str]
 _SINGLE = ShardingSpec(Mesh(1), [Replicate()])
@@ -40,6 +43,15 @@ def _where(key: str) -> str:
 
 def _is_dtensor(x: Any) -> bool:
     return type(x).__name__ == "DTensor" and type(x).__module__.startswith("torch.distributed")
+
+
+def _comm(process_group: Any) -> Any:
+    """The DistComm of a distributed save or load, or None in a single process."""
+    from ._distributed import DistComm, checkpoint_group, distributed_active
+
+    if not distributed_active(process_group):
+        return None
+    return DistComm(checkpoint_group(process_group))
 
 
 @dataclass(slots=True)
@@ -75,26 +87,67 @@ def _sharded_source(leaf: ShardedLeaf, pieces: tuple[tuple[Piece, ...], ...]) ->
     return get
 
 
-def _array_in(key: str, leaf: Any, spec: Any) -> _ArrayIn:
+def _local_source(local: torch.Tensor, me: int, pieces: tuple[tuple[Piece, ...], ...]) -> PieceData:
+    cpu = local.detach().cpu()
+
+    def get(rank: int, pi: int) -> tuple[np.ndarray, Region]:
+        if rank != me:
+            raise CheckpointError(f"internal error: rank {me} asked for data of rank {rank}")
+        piece = pieces[rank][pi]
+        return numpy_view(piece_view(cpu, piece)), piece.region
+
+    return get
+
+
+def _pad(pieces: tuple[tuple[Piece, ...], ...], world: int, key: str) -> tuple[tuple[Piece, ...], ...]:
+    if len(pieces) > world:
+        raise LayoutError(f"leaf {_where(key)}: its spec spans {len(pieces)} ranks but the process group has {world}")
+    return pieces + ((),) * (world - len(pieces))
+
+
+def _array_in(key: str, leaf: Any, spec: Any, comm: Any = None) -> _ArrayIn:
+    """Describe one tensor leaf for planning; ``comm`` is the DistComm in a distributed save."""
     if isinstance(leaf, Abstract):
         raise CheckpointError(f"leaf {_where(key)} is an Abstract placeholder, which has no data to save")
-    if _is_dtensor(leaf):
-        raise CheckpointError(
-            f"leaf {_where(key)} is a DTensor; convert it with .full_tensor() or to a ShardedLeaf to save it from "
-            f"one process"
-        )
     if spec is not None and not isinstance(spec, Layout):
-        raise CheckpointError(f"spec for leaf {_where(key)} must be a ShardingSpec, FlatRanges, ExplicitRegions or None, found {spec!r}")
+        raise CheckpointError(
+            f"spec for leaf {_where(key)} must be a ShardingSpec, FlatRanges, ExplicitRegions or None, found {spec!r}"
+        )
     try:
+        if _is_dtensor(leaf):
+            if comm is None:
+                raise CheckpointError(
+                    f"leaf {_where(key)} is a DTensor but torch.distributed is not initialised with more than one "
+                    f"rank; convert it with .full_tensor() or to a ShardedLeaf"
+                )
+            from ._distributed import dtensor_layout
+
+            layout, pieces = dtensor_layout(leaf, comm.world, comm.group)
+            local = leaf.to_local()
+            return _ArrayIn(
+                key, "torch", dtype_of_torch(leaf.dtype), tuple(leaf.shape), layout, layout, pieces,
+                _local_source(local, comm.rank, pieces),
+            )
         if isinstance(leaf, ShardedLeaf):
             if spec is not None and spec != leaf.spec:
                 raise CheckpointError(
                     f"leaf {_where(key)} is a ShardedLeaf in layout {leaf.spec}, but the spec tree gives {spec}"
                 )
             pieces = leaf.spec.rank_pieces(leaf.shape)
+            if comm is not None:
+                pieces = _pad(pieces, comm.world, key)
+                if comm.rank not in leaf.shards:
+                    raise CheckpointError(
+                        f"leaf {_where(key)}: rank {comm.rank} saves a ShardedLeaf without its own shard "
+                        f"(it holds ranks {sorted(leaf.shards)})"
+                    )
+                source = _local_source(leaf.shards[comm.rank], comm.rank, pieces)
+                present = frozenset({comm.rank})
+            else:
+                source = _sharded_source(leaf, pieces)
+                present = frozenset(leaf.shards)
             return _ArrayIn(
-                key, "torch", dtype_of_torch(leaf.dtype), leaf.shape, leaf.spec, leaf.spec, pieces,
-                _sharded_source(leaf, pieces), frozenset(leaf.shards),
+                key, "torch", dtype_of_torch(leaf.dtype), leaf.shape, leaf.spec, leaf.spec, pieces, source, present,
             )
         if isinstance(leaf, torch.Tensor):
             dtype = dtype_of_torch(leaf.dtype)
@@ -104,14 +157,178 @@ def _array_in(key: str, leaf: Any, spec: Any) -> _ArrayIn:
             arr = np.asarray(leaf)
             dtype = dtype_of_numpy(arr.dtype)
             container = "numpy"
-        layout = spec if spec is not None else _SINGLE
-        shape = tuple(int(s) for s in arr.shape)
-        pieces = layout.rank_pieces(shape)
-        return _ArrayIn(key, container, dtype, shape, layout, spec, pieces, _global_source(arr, pieces))
+        local_shape = tuple(int(s) for s in arr.shape)
+        if comm is None:
+            layout = spec if spec is not None else _SINGLE
+            pieces = layout.rank_pieces(local_shape)
+            return _ArrayIn(key, container, dtype, local_shape, layout, spec, pieces, _global_source(arr, pieces))
+        if spec is None:
+            # Every rank holds the whole tensor: replicated, written once in total.
+            layout = ShardingSpec(Mesh(comm.world), [Replicate()])
+            pieces = layout.rank_pieces(local_shape)
+            return _ArrayIn(key, container, dtype, local_shape, layout, None, pieces, _global_source(arr, pieces))
+        raise CheckpointError(
+            f"leaf {_where(key)}: in a distributed save a plain tensor is this rank's full copy; to save it sharded "
+            f"wrap this rank's shard as ShardedLeaf(global_shape, dtype, spec, {{rank: shard}}) or use a DTensor"
+        )
     except (LayoutError, ValueError) as e:
         if isinstance(e, CheckpointError) and not isinstance(e, LayoutError):
             raise
         raise LayoutError(f"leaf {_where(key)}: {e}") from None
+
+
+def _snapshot(plans: Sequence[Any], data: Sequence[PieceData], me: int | None) -> list[PieceData]:
+    """Copy what this process's writes read: per local piece, the box spanning the fragments used."""
+    out: list[PieceData] = []
+    for plan, get in zip(plans, data, strict=True):
+        boxes: dict[tuple[int, int], Region] = {}
+        for op in plan.writes:
+            for frag in op.sources:
+                if me is None or frag.rank == me:
+                    k = (frag.rank, frag.piece)
+                    boxes[k] = frag.region if k not in boxes else _span(boxes[k], frag.region)
+        copies: dict[tuple[int, int], tuple[np.ndarray, Region]] = {}
+        for (rank, pi), box in boxes.items():
+            view, where = get(rank, pi)
+            copies[(rank, pi)] = (np.array(view[box.relative_to(where).slices()], copy=True), box)
+        out.append(lambda rank, pi, copies=copies: copies[(rank, pi)])
+    return out
+
+
+def _span(a: Region, b: Region) -> Region:
+    lo = tuple(min(x, y) for x, y in zip(a.offset, b.offset, strict=True))
+    hi = tuple(max(x, y) for x, y in zip(a.stop, b.stop, strict=True))
+    return Region(lo, tuple(h - lo_ for lo_, h in zip(lo, hi, strict=True)))
+
+
+@dataclass(slots=True)
+class _SaveJob:
+    storage: Storage
+    metas: list[ArrayMeta]
+    plan: SavePlan
+    data: list[PieceData]
+    document: bytes
+    overwrite: bool
+    timings: dict[str, float]
+    comm: Any = None
+
+    def snapshot(self) -> None:
+        t0 = time.perf_counter()
+        self.data = _snapshot(self.plan.arrays, self.data, None if self.comm is None else self.comm.rank)
+        self.timings["snapshot"] = time.perf_counter() - t0
+
+    def persist(self) -> None:
+        """Write and commit: the single-process path, or this rank's part of a distributed save."""
+        dtypes = [m.dtype.numpy for m in self.metas]
+        t0 = time.perf_counter()
+        if self.comm is None:
+            self.storage.prepare(self.overwrite)
+            items = ((i, op.region, buf) for i, op, buf in write_items(self.plan.arrays, self.data, dtypes, None))
+            self.storage.write(self.metas, items)
+            t1 = time.perf_counter()
+            self.storage.commit(self.document)
+        else:
+            comm = self.comm
+            error: BaseException | None = None
+            if comm.rank == 0:
+                try:
+                    self.storage.prepare(self.overwrite)
+                    self.storage.open_arrays(self.metas, create=True)
+                except Exception as e:
+                    error = e
+            comm.agree(error, "preparing the checkpoint directory")
+            try:
+                self.storage.write(self.metas, comm.write_items(self.plan.arrays, self.data, dtypes), create=False)
+            except Exception as e:
+                error = e
+            comm.agree(error, "writing the checkpoint")
+            t1 = time.perf_counter()
+            if comm.rank == 0:
+                try:
+                    self.storage.commit(self.document)
+                except Exception as e:
+                    error = e
+            comm.agree(error, "committing the checkpoint")
+        self.timings["write"] = t1 - t0
+        self.timings["commit"] = time.perf_counter() - t1
+
+
+def _plan_job(
+    path: PathLike,
+    tree: Any,
+    spec: Any,
+    overwrite: bool,
+    user_metadata: Mapping[str, Any] | None,
+    chunking: ChunkingOptions | None,
+    executor: ExecutorOptions | None,
+    namespace: str,
+    comm: Any = None,
+) -> _SaveJob:
+    t0 = time.perf_counter()
+    leaves, paths, root = flatten(tree, _is_leaf, namespace=namespace)
+    specs = broadcast_prefix(spec, root, lambda x: isinstance(x, Layout), len(leaves), namespace=namespace)
+    keys = [keystr(p) for p in paths]
+    arrays: list[_ArrayIn] = []
+    entries: list[dict[str, Any] | None] = []
+    for key, leaf, sp in zip(keys, leaves, specs, strict=True):
+        if isinstance(leaf, PYTHON_LEAF_TYPES):
+            entries.append(ValueMeta(key, leaf).to_json(encode_value(leaf)))
+        else:
+            arrays.append(_array_in(key, leaf, sp, comm))
+            entries.append(None)
+    if comm is not None:
+        _agree_on_layouts(comm, [(a.key, a.dtype.name, a.shape, a.pieces) for a in arrays], "save")
+        world = comm.world
+    else:
+        world = max((a.layout.world_size for a in arrays), default=1)
+    plan = plan_save([ArrayLayout(a.key, a.shape, a.dtype.itemsize, a.pieces) for a in arrays], world, chunking)
+    for a, ap in zip(arrays, plan.arrays, strict=True):
+        if a.present is not None:
+            for op in ap.writes:
+                for frag in op.sources:
+                    if frag.rank not in a.present and comm is None:
+                        raise CheckpointError(
+                            f"leaf {_where(a.key)}: elements {frag.region} live only on rank {frag.rank}, whose shard "
+                            f"is not in this ShardedLeaf (it holds ranks {sorted(a.present)})"
+                        )
+    names = array_names([a.key for a in arrays])
+    metas = [
+        ArrayMeta(a.key, a.container, a.dtype, a.shape, ap.chunk_shape, f"{ARRAYS_DIR}/{name}", a.saved_layout)
+        for a, ap, name in zip(arrays, plan.arrays, names, strict=True)
+    ]
+    it = iter(metas)
+    leaf_json = [e if e is not None else next(it).to_json() for e in entries]
+    document = build_document(root, leaf_json, dict(user_metadata or {}))
+    storage = Storage(path, executor)
+    if comm is None or comm.rank == 0:
+        storage.check_writable(overwrite)
+    timings = {"plan": time.perf_counter() - t0}
+    return _SaveJob(storage, metas, plan, [a.get for a in arrays], document, overwrite, timings, comm)
+
+
+def _agree_on_layouts(comm: Any, arrays: list[tuple[str, str, tuple[int, ...], Any]], what: str) -> None:
+    """Every rank must describe the same arrays in the same layouts; gathered once, small data only."""
+    import hashlib
+
+    mine = [(key, dtype, list(shape), repr(pieces)) for key, dtype, shape, pieces in arrays]
+    digest = hashlib.sha256(repr(mine).encode()).hexdigest()
+    digests = comm.all_gather((digest, [m[:3] for m in mine]))
+    if all(d[0] == digest for d in digests):
+        return
+    ref = digests[0][1]
+    for r, (_, other) in enumerate(digests):
+        if other != ref:
+            diff = next(
+                (f"{a} versus {b}" for a, b in zip(ref, other, strict=False) if a != b),
+                f"{len(ref)} arrays versus {len(other)}",
+            )
+            raise CheckpointError(
+                f"ranks disagree on the state to {what}: rank 0 and rank {r} differ (key, dtype, shape): {diff}"
+            )
+    raise CheckpointError(
+        f"ranks disagree on the state to {what}: the same keys, dtypes and shapes, but different layouts "
+        f"(sharding specs or DTensor placements) on some ranks"
+    )
 
 
 def save(
@@ -124,8 +341,9 @@ def save(
     chunking: ChunkingOptions | None = None,
     executor: ExecutorOptions | None = None,
     namespace: str = "",
+    process_group: Any = None,
 ) -> None:
-    """Save a pytree as a checkpoint at ``path``.
+    """Save a pytree as a checkpoint at ``path``, returning once it is committed.
 
     Args:
       path: a directory; created if missing. An interrupted, uncommitted save there is
@@ -140,9 +358,15 @@ def save(
       chunking: how stored arrays are chunked.
       executor: concurrency of the I/O.
       namespace: the optree namespace of custom pytree nodes in ``tree``.
+      process_group: when torch.distributed is initialised with several ranks, every
+        rank calls ``save`` with its own part of the state: DTensors, ShardedLeafs
+        holding its shard, and plain tensors and values that every rank holds whole
+        (written once in total). Checkpoint traffic runs on a gloo group of its own,
+        or on ``process_group`` if given.
 
     Raises:
-      CheckpointError: naming the leaf, for anything that cannot be saved.
+      CheckpointError: naming the leaf, for anything that cannot be saved. In a
+        distributed save every rank raises if any rank failed, and nothing is committed.
 
     >>> import tempfile, torch, pytreeckpt
     >>> d = tempfile.mkdtemp()
@@ -150,42 +374,105 @@ def save(
     >>> pytreeckpt.load(d + "/ckpt")["step"]
     7
     """
-    leaves, paths, root = flatten(tree, _is_leaf, namespace=namespace)
-    specs = broadcast_prefix(spec, root, lambda x: isinstance(x, Layout), len(leaves), namespace=namespace)
-    keys = [keystr(p) for p in paths]
-    arrays: list[_ArrayIn] = []
-    entries: list[dict[str, Any] | None] = []
-    for key, leaf, sp in zip(keys, leaves, specs, strict=True):
-        if isinstance(leaf, PYTHON_LEAF_TYPES):
-            entries.append(ValueMeta(key, leaf).to_json(encode_value(leaf)))
-        else:
-            arrays.append(_array_in(key, leaf, sp))
-            entries.append(None)
-    world = max((a.layout.world_size for a in arrays), default=1)
-    plan = plan_save(
-        [ArrayLayout(a.key, a.shape, a.dtype.itemsize, a.pieces) for a in arrays], world, chunking
-    )
-    for a, ap in zip(arrays, plan.arrays, strict=True):
-        if a.present is not None:
-            for op in ap.writes:
-                for frag in op.sources:
-                    if frag.rank not in a.present:
-                        raise CheckpointError(
-                            f"leaf {_where(a.key)}: elements {frag.region} live only on rank {frag.rank}, whose shard "
-                            f"is not in this ShardedLeaf (it holds ranks {sorted(a.present)})"
-                        )
-    names = array_names([a.key for a in arrays])
-    metas = [
-        ArrayMeta(a.key, a.container, a.dtype, a.shape, ap.chunk_shape, f"{ARRAYS_DIR}/{name}", a.saved_layout)
-        for a, ap, name in zip(arrays, plan.arrays, names, strict=True)
-    ]
-    it = iter(metas)
-    leaf_json = [e if e is not None else next(it).to_json() for e in entries]
-    document = build_document(root, leaf_json, dict(user_metadata or {}))
-    storage = Storage(path, executor)
-    storage.prepare(overwrite)
-    storage.write(metas, plan.arrays, [a.get for a in arrays], rank=None)
-    storage.commit(document)
+    _wait_in_flight()
+    job = _plan_job(path, tree, spec, overwrite, user_metadata, chunking, executor, namespace, _comm(process_group))
+    # The caller is blocked until the commit, so the state cannot change under the
+    # writes: they read straight from the caller's memory, without a snapshot.
+    job.persist()
+
+
+class SaveHandle:
+    """A save running in the background: ``wait()``, ``done()`` and per-phase ``timings``."""
+
+    def __init__(self, path: PathLike, timings: dict[str, float]) -> None:
+        self.path = os.fspath(path)
+        self._timings = timings
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+
+    def _run(self, job: _SaveJob) -> None:
+        try:
+            job.persist()
+        except BaseException as e:
+            self._error = e
+        finally:
+            job.data = []  # release the staging memory
+            self._done.set()
+
+    def done(self) -> bool:
+        """True once the save has committed or failed."""
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until committed; re-raise the background failure, if any.
+
+        Raises:
+          TimeoutError: not finished within ``timeout`` seconds.
+        """
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"save to {self.path} still running after {timeout} s")
+        if self._error is not None:
+            raise self._error
+
+    @property
+    def timings(self) -> Mapping[str, float]:
+        """Seconds per phase: plan, snapshot (the caller's stall), write, commit."""
+        return MappingProxyType(self._timings)
+
+    def __repr__(self) -> str:
+        state = "failed" if self._error else "committed" if self.done() else "running"
+        return f"SaveHandle({self.path!r}, {state})"
+
+
+_IN_FLIGHT_LOCK = threading.Lock()
+_in_flight: list[SaveHandle] = []
+
+
+def _wait_in_flight() -> None:
+    """Wait for the save in flight, if any; its failure surfaces here at the latest."""
+    with _IN_FLIGHT_LOCK:
+        pending = list(_in_flight)
+        _in_flight.clear()
+    for h in pending:
+        h.wait()
+
+
+def async_save(
+    path: PathLike,
+    tree: Any,
+    spec: Any = None,
+    *,
+    overwrite: bool = False,
+    user_metadata: Mapping[str, Any] | None = None,
+    chunking: ChunkingOptions | None = None,
+    executor: ExecutorOptions | None = None,
+    namespace: str = "",
+    process_group: Any = None,
+) -> SaveHandle:
+    """Like :func:`save`, but returns once the state is copied; writing and commit run behind.
+
+    The caller may change the tree's tensors as soon as this returns. A new save first
+    waits for the one in flight. Arguments are those of :func:`save`.
+
+    >>> import tempfile, torch, pytreeckpt
+    >>> d = tempfile.mkdtemp()
+    >>> w = torch.ones(3)
+    >>> h = pytreeckpt.async_save(d + "/ckpt", {"w": w})
+    >>> w.add_(1.0)  # training goes on; the checkpoint holds the state at the call
+    tensor([2., 2., 2.])
+    >>> h.wait()
+    >>> pytreeckpt.load(d + "/ckpt")["w"]
+    tensor([1., 1., 1.])
+    """
+    _wait_in_flight()
+    job = _plan_job(path, tree, spec, overwrite, user_metadata, chunking, executor, namespace, _comm(process_group))
+    job.snapshot()
+    handle = SaveHandle(path, job.timings)
+    thread = threading.Thread(target=handle._run, args=(job,), name="pytreeckpt-save", daemon=False)
+    with _IN_FLIGHT_LOCK:
+        _in_flight.append(handle)
+    thread.start()
+    return handle
 
 
 # --------------------------------------------------------------------------- load
@@ -249,18 +536,21 @@ class _Dest:
         piece = self.pieces[rank][pi]
         local = self.locals[rank]
         if isinstance(local, np.ndarray):
-            view = local if piece.local_offset == 0 and local.shape == piece.region.shape else (
-                local.reshape(-1)[piece.local_offset : piece.local_offset + piece.region.size].reshape(piece.region.shape)
-            )
-            return view, piece.region
+            # numpy destinations are full arrays: the single piece is the whole array
+            return local, piece.region
         return numpy_view(piece_view(local, piece)), piece.region
 
 
-def _full_dest(meta: ArrayMeta, as_numpy: bool, device: torch.device | None, param: torch.Tensor | None) -> _Dest:
-    pieces = _SINGLE.rank_pieces(meta.shape)
+def _full_dest(
+    meta: ArrayMeta, as_numpy: bool, device: torch.device | None, param: torch.Tensor | None, comm: Any = None
+) -> _Dest:
+    """A whole tensor: held by the one rank of a single process, or by every rank of a group."""
+    me = 0 if comm is None else comm.rank
+    layout = _SINGLE if comm is None else ShardingSpec(Mesh(comm.world), [Replicate()])
+    pieces = layout.rank_pieces(meta.shape)
     if as_numpy:
         arr = np.empty(meta.shape, dtype=meta.dtype.numpy)
-        return _Dest(meta, pieces, {0: arr}, lambda: arr)
+        return _Dest(meta, pieces, {me: arr}, lambda: arr)
     t = torch.empty(meta.shape, dtype=meta.dtype.torch)
 
     def finish() -> Any:
@@ -269,12 +559,19 @@ def _full_dest(meta: ArrayMeta, as_numpy: bool, device: torch.device | None, par
             return torch.nn.Parameter(out, requires_grad=param.requires_grad)
         return out
 
-    return _Dest(meta, pieces, {0: t}, finish)
+    return _Dest(meta, pieces, {me: t}, finish)
 
 
-def _sharded_dest(meta: ArrayMeta, spec: Layout, ranks: list[int], devices: dict[int, torch.device]) -> _Dest:
+def _sharded_dest(
+    meta: ArrayMeta, spec: Layout, ranks: list[int], devices: dict[int, torch.device], comm: Any = None
+) -> _Dest:
+    """The shards of ``ranks`` in ``spec``; in a distributed load every rank's pieces count, this rank's are filled."""
     all_pieces = spec.rank_pieces(meta.shape)
-    pieces = tuple(p if r in ranks else () for r, p in enumerate(all_pieces))
+    if comm is None:
+        pieces = tuple(p if r in ranks else () for r, p in enumerate(all_pieces))
+    else:
+        pieces = _pad(all_pieces, comm.world, meta.key)
+        ranks = [comm.rank] if comm.rank < spec.world_size else []
     locals_ = {r: torch.empty(spec.local_shape(r, meta.shape), dtype=meta.dtype.torch) for r in ranks}
 
     def finish() -> ShardedLeaf:
@@ -298,6 +595,7 @@ def load(
     *,
     namespace: str = "",
     executor: ExecutorOptions | None = None,
+    process_group: Any = None,
 ) -> Any:
     """Load a checkpoint, functionally: return a new tree.
 
@@ -307,11 +605,15 @@ def load(
         as numpy arrays); or a tree whose structure the result takes, whose leaves say
         what to load: a tensor or numpy array (full, same shape and dtype, on the
         tensor's device), a :class:`ShardedLeaf` (its spec and ranks: resharding), an
-        :class:`Abstract` (a full tensor, or every rank's shards of its spec), or a
-        plain Python value (replaced by the stored value). Stored leaves the target
-        lacks are not read.
+        :class:`Abstract` (a full tensor, or the shards of its spec), a DTensor (its
+        mesh and placements), or a plain Python value (replaced by the stored value).
+        Stored leaves the target lacks are not read.
       namespace: the optree namespace of custom pytree nodes.
       executor: concurrency of the I/O.
+      process_group: when torch.distributed is initialised with several ranks, every
+        rank calls ``load`` and gets its own part: its DTensor shards, its shard of
+        each ShardedLeaf or Abstract spec, and full copies of plain tensors. Each rank
+        reads only its regions; a region several ranks want is read once and sent on.
 
     Raises:
       NotCommittedError: ``path`` holds no committed checkpoint.
@@ -319,7 +621,20 @@ def load(
         differs in shape, dtype or kind.
       MetadataError: the metadata is malformed or unsafe.
     """
-    storage, doc = _open(path, namespace, executor)
+    comm = _comm(process_group)
+    storage = Storage(path, executor)
+    if comm is None:
+        raw = storage.read_metadata()
+    else:
+        raw, error = None, None
+        if comm.rank == 0:
+            try:
+                raw = storage.read_metadata()
+            except Exception as e:
+                error = e
+        comm.agree(error, "reading the checkpoint metadata")
+        raw = comm.broadcast(raw)
+    doc = parse_document(raw, namespace=namespace)
     stored_paths = doc.tree.paths()
     by_path: dict[tuple[KeyEntry, ...], ArrayMeta | ValueMeta] = dict(zip(stored_paths, doc.leaves, strict=True))
     if target is None:
@@ -341,7 +656,7 @@ def load(
             if isinstance(stored, ValueMeta):
                 results[i] = stored.value
             else:
-                dests.append((i, _full_dest(stored, stored.container == "numpy", None, None)))
+                dests.append((i, _full_dest(stored, stored.container == "numpy", None, None, comm)))
             continue
         if isinstance(leaf, PYTHON_LEAF_TYPES):
             if isinstance(stored, ValueMeta):
@@ -357,7 +672,7 @@ def load(
                 f"leaf {_where(key)}: the checkpoint has the value {stored.value!r}, the target has an array"
             )
             continue
-        problem, dest = _dest_for(key, stored, leaf)
+        problem, dest = _dest_for(key, stored, leaf, comm)
         if problem is not None:
             problems.append(problem)
         elif dest is not None:
@@ -366,39 +681,82 @@ def load(
         raise TargetMismatchError(
             f"the target does not match the checkpoint at {os.fspath(path)}:\n  " + "\n  ".join(problems)
         )
-    world = max((len(d.pieces) for _, d in dests), default=1)
+    if comm is not None:
+        _agree_on_layouts(comm, [(d.meta.key, d.meta.dtype.name, d.meta.shape, d.pieces) for _, d in dests], "load")
+        world = comm.world
+    else:
+        world = max((len(d.pieces) for _, d in dests), default=1)
     plan = plan_load(
         [(d.meta.key, d.meta.shape, d.meta.dtype.itemsize, d.meta.chunk_shape) for _, d in dests],
         [d.pieces for _, d in dests],
         world,
     )
-    storage.read([d.meta for _, d in dests], plan.arrays, [d.get for _, d in dests], rank=None)
+    metas = [d.meta for _, d in dests]
+    getters = [d.get for _, d in dests]
+    if comm is None:
+        storage.read(metas, plan.arrays, getters, rank=None)
+    else:
+        error = None
+        try:
+            after, finish = comm.read_forwarding(plan.arrays, getters, [m.dtype.numpy for m in metas])
+            storage.read(metas, plan.arrays, getters, rank=comm.rank, after=after)
+            finish()
+        except Exception as e:
+            error = e
+        comm.agree(error, "loading the checkpoint")
     for i, d in dests:
         results[i] = d.finish()
     return structure.unflatten(results)
 
 
-def _dest_for(key: str, stored: ArrayMeta, leaf: Any) -> tuple[str | None, _Dest | None]:
+def _dtensor_dest(meta: ArrayMeta, leaf: Any, comm: Any) -> _Dest:
+    """This rank's local shard of a DTensor target, in the target's own mesh and placements."""
+    from torch.distributed.tensor import DTensor
+
+    from ._distributed import dtensor_layout
+
+    _, pieces = dtensor_layout(leaf, comm.world, comm.group)
+    local_target = leaf.to_local()
+    local = torch.empty(tuple(local_target.shape), dtype=meta.dtype.torch)
+
+    def finish() -> Any:
+        return DTensor.from_local(
+            local.to(local_target.device),
+            leaf.device_mesh,
+            leaf.placements,
+            run_check=False,
+            shape=leaf.shape,
+            stride=leaf.stride(),
+        )
+
+    return _Dest(meta, pieces, {comm.rank: local}, finish)
+
+
+def _dest_for(key: str, stored: ArrayMeta, leaf: Any, comm: Any = None) -> tuple[str | None, _Dest | None]:
     if isinstance(leaf, ShardedLeaf):
         problem = _target_problem(key, stored, leaf.shape, dtype_of_torch(leaf.dtype).name)
         devices = {r: t.device for r, t in leaf.shards.items()}
-        return problem, None if problem else _sharded_dest(stored, leaf.spec, sorted(leaf.shards), devices)
+        return problem, None if problem else _sharded_dest(stored, leaf.spec, sorted(leaf.shards), devices, comm)
     if isinstance(leaf, Abstract):
         problem = _target_problem(key, stored, leaf.shape, dtype_of_torch(leaf.dtype).name)
         if problem:
             return problem, None
         if leaf.spec is None:
-            return None, _full_dest(stored, False, None, None)
-        return None, _sharded_dest(stored, leaf.spec, list(range(leaf.spec.world_size)), {})
+            return None, _full_dest(stored, False, None, None, comm)
+        return None, _sharded_dest(stored, leaf.spec, list(range(leaf.spec.world_size)), {}, comm)
     if isinstance(leaf, torch.Tensor):
-        if _is_dtensor(leaf):
-            return f"leaf {_where(key)}: DTensor targets need the distributed load path", None
         problem = _target_problem(key, stored, tuple(leaf.shape), dtype_of_torch(leaf.dtype).name)
-        return problem, None if problem else _full_dest(stored, False, leaf.device, leaf)
+        if problem:
+            return problem, None
+        if _is_dtensor(leaf):
+            if comm is None:
+                return f"leaf {_where(key)}: a DTensor target needs torch.distributed initialised with its ranks", None
+            return None, _dtensor_dest(stored, leaf, comm)
+        return None, _full_dest(stored, False, leaf.device, leaf, comm)
     arr = np.asarray(leaf)
     try:
         name = dtype_of_numpy(arr.dtype).name
     except ValueError as e:
         return f"leaf {_where(key)}: {e}", None
     problem = _target_problem(key, stored, tuple(arr.shape), name)
-    return problem, None if problem else _full_dest(stored, True, None, None)
+    return problem, None if problem else _full_dest(stored, True, None, None, comm)

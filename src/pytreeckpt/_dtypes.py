@@ -8,6 +8,7 @@ integers of the same width, with the true dtype recorded in the metadata.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -41,9 +42,8 @@ class DType:
 
 
 def _numpy_of_storage(storage: str) -> np.dtype:
-    if hasattr(ml_dtypes, storage):
-        return np.dtype(getattr(ml_dtypes, storage))
-    return np.dtype(storage)
+    scalar_type: Any = getattr(ml_dtypes, storage, storage)
+    return np.dtype(scalar_type)
 
 
 # torch dtype name -> zarr v3 storage type (same element width, bit for bit).

@@ -15,7 +15,7 @@ import collections
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,10 +25,10 @@ import tensorstore as ts
 
 from ._errors import CheckpointError, NotCommittedError
 from ._format import ARRAYS_DIR, METADATA_FILE, ArrayMeta, zarr_metadata
-from ._plan import ArrayLoadPlan, ArraySavePlan
+from ._plan import ArrayLoadPlan, ArraySavePlan, ReadOp, WriteOp
 from ._region import Region
 
-__all__ = ["ExecutorOptions", "Storage"]
+__all__ = ["ExecutorOptions", "PieceData", "Storage", "assemble", "write_items"]
 
 PieceData = Callable[[int, int], tuple[np.ndarray, Region]]
 """``(rank, piece) -> (view, region)``: a numpy view of the local memory holding that
@@ -113,6 +113,21 @@ class Storage:
     def is_committed(self) -> bool:
         return self.metadata_path.is_file()
 
+    def check_writable(self, overwrite: bool) -> None:
+        """Raise now, before any work, if a save here would be refused."""
+        if self.root.exists() and not self.root.is_dir():
+            raise CheckpointError(f"{self.root} exists and is not a directory")
+        if self.is_committed() and not overwrite:
+            raise CheckpointError(f"{self.root} already holds a committed checkpoint; pass overwrite=True to replace it")
+        if self.root.is_dir():
+            unknown = [p.name for p in self.root.iterdir() if p.name != ARRAYS_DIR and not p.name.startswith(".tmp-")]
+            unknown = [n for n in unknown if n != METADATA_FILE]
+            if unknown:
+                raise CheckpointError(
+                    f"{self.root} is not empty and is not a pytreeckpt checkpoint (it holds {sorted(unknown)[:5]}); "
+                    f"refusing to write into it"
+                )
+
     def prepare(self, overwrite: bool) -> None:
         """Make the directory ready for a new checkpoint.
 
@@ -120,22 +135,11 @@ class Storage:
         checkpoint is replaced only with ``overwrite``; its commit is withdrawn first,
         so a crash midway never leaves it loadable with half-new data.
         """
-        if self.root.exists() and not self.root.is_dir():
-            raise CheckpointError(f"{self.root} exists and is not a directory")
+        self.check_writable(overwrite)
         if self.is_committed():
-            if not overwrite:
-                raise CheckpointError(
-                    f"{self.root} already holds a committed checkpoint; pass overwrite=True to replace it"
-                )
             self.metadata_path.unlink()
             _fsync_dir(self.root)
         if self.root.exists():
-            unknown = [p.name for p in self.root.iterdir() if p.name != ARRAYS_DIR and not p.name.startswith(".tmp-")]
-            if unknown:
-                raise CheckpointError(
-                    f"{self.root} is not empty and is not a pytreeckpt checkpoint (it holds {sorted(unknown)[:5]}); "
-                    f"refusing to write into it"
-                )
             for p in self.root.iterdir():
                 shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
         self.root.mkdir(parents=True, exist_ok=True)
@@ -179,11 +183,12 @@ class Storage:
             "driver": "zarr3",
             "kvstore": {"driver": "file", "path": str(self.root / meta.path) + "/"},
             "metadata": zarr_metadata(meta.dtype, meta.shape, meta.chunk_shape),
+            # Every chunk is stored, even one equal to the fill value (so -0.0 and NaN
+            # payloads survive and a missing chunk is an error), and a missing chunk
+            # fails a read instead of reading as zeros.
+            "store_data_equal_to_fill_value": True,
+            "fill_missing_data_reads": False,
         }
-        if create:
-            spec["store_data_equal_to_fill_value"] = True
-        else:
-            spec["fill_missing_data_reads"] = False
         return spec
 
     def open_arrays(self, metas: Sequence[ArrayMeta], create: bool) -> list[Any]:
@@ -191,8 +196,11 @@ class Storage:
         for meta in metas:
             if not create:
                 self._check_inside(self.root / meta.path, meta.key)
-            kwargs = {"create": True, "delete_existing": True} if create else {"open": True}
-            futures.append(ts.open(self._spec(meta, create), context=self.context, **kwargs))
+            spec = self._spec(meta, create)
+            if create:
+                futures.append(ts.open(spec, context=self.context, create=True, delete_existing=True))
+            else:
+                futures.append(ts.open(spec, context=self.context, open=True))
         stores = []
         for meta, f in zip(metas, futures, strict=True):
             try:
@@ -203,54 +211,90 @@ class Storage:
                 ) from e
         return stores
 
-    def write(self, metas: Sequence[ArrayMeta], plans: Sequence[ArraySavePlan], data: Sequence[PieceData], rank: int | None) -> int:
-        """Run the writes of ``rank`` (every rank when None); returns the bytes written."""
-        stores = self.open_arrays(metas, create=True)
+    def write(
+        self, metas: Sequence[ArrayMeta], items: Iterable[tuple[int, Region, np.ndarray]], create: bool = True
+    ) -> int:
+        """Write ``(array index, region, data)`` items, a bounded number of bytes at a time.
+
+        ``items`` may be a generator that assembles each buffer when asked, so memory
+        stays bounded by ``max_inflight_bytes``. With ``create=False`` the arrays must
+        exist already (another rank created them). Returns the bytes written.
+        """
+        stores = self.open_arrays(metas, create=create)
         window = _Window(self.options.max_inflight_bytes)
         written = 0
-        for meta, plan, store, get in zip(metas, plans, stores, data, strict=True):
-            for op in plan.writes:
-                if rank is not None and op.writer != rank:
-                    continue
-                if op.is_direct:
-                    src, where = get(op.writer, op.sources[0].piece)
-                    buf = src[op.region.relative_to(where).slices()]
-                else:
-                    buf = np.empty(op.region.shape, dtype=meta.dtype.numpy)
-                    for frag in op.sources:
-                        src, where = get(frag.rank, frag.piece)
-                        buf[frag.region.relative_to(op.region).slices()] = src[frag.region.relative_to(where).slices()]
-                nbytes = op.region.size * plan.itemsize
-                written += nbytes
-                window.add(store[op.region.slices()].write(buf), nbytes, f"leaf {meta.key!r}: writing {op.region}")
+        for i, region, buf in items:
+            nbytes = buf.nbytes
+            written += nbytes
+            window.add(stores[i][region.slices()].write(buf), nbytes, f"leaf {metas[i].key!r}: writing {region}")
         window.drain()
         return written
 
-    def read(self, metas: Sequence[ArrayMeta], plans: Sequence[ArrayLoadPlan], dest: Sequence[PieceData], rank: int | None) -> int:
-        """Run the reads of ``rank`` (every rank when None) straight into destination memory."""
+    def read(
+        self,
+        metas: Sequence[ArrayMeta],
+        plans: Sequence[ArrayLoadPlan],
+        dest: Sequence[PieceData],
+        rank: int | None,
+        after: Callable[[int, ReadOp, np.ndarray], None] | None = None,
+    ) -> int:
+        """Run the reads of ``rank`` (every rank when None) straight into destination memory.
+
+        Each region lands in the reader's own target and is copied to the other targets
+        in this process; ``after(array index, op, data)`` then runs, e.g. to send it on
+        to targets on other ranks. Returns the bytes read.
+        """
         stores = self.open_arrays(metas, create=False)
         window = _Window(self.options.max_inflight_bytes)
         read = 0
-        for meta, plan, store, get in zip(metas, plans, stores, dest, strict=True):
+        for i, (meta, plan, store, get) in enumerate(zip(metas, plans, stores, dest, strict=True)):
             for op in plan.reads:
                 if rank is not None and op.reader != rank:
                     continue
                 outs = []
-                for t in op.targets:
-                    view, where = get(t.rank, t.piece)
-                    outs.append(view[t.region.relative_to(where).slices()])
+                for t in sorted(op.targets, key=lambda t: t.rank != op.reader):
+                    if rank is None or t.rank == rank:
+                        view, where = get(t.rank, t.piece)
+                        outs.append(view[t.region.relative_to(where).slices()])
                 first = outs[0]
                 future = ts.array(first).write(store[op.region.slices()])
 
-                def fan_out(first: np.ndarray = first, rest: list[np.ndarray] = outs[1:]) -> None:
+                def fan_out(
+                    first: np.ndarray = first, rest: list[np.ndarray] = outs[1:], i: int = i, op: ReadOp = op
+                ) -> None:
                     for o in rest:
                         o[...] = first
+                    if after is not None:
+                        after(i, op, first)
 
                 nbytes = op.region.size * plan.itemsize
                 read += nbytes
                 window.add(future, nbytes, f"leaf {meta.key!r}: reading {op.region} of {meta.path!r}", fan_out)
         window.drain()
         return read
+
+
+def assemble(op: WriteOp, get: PieceData, dtype: np.dtype) -> np.ndarray:
+    """The data of a write: a view of the writer's memory, or a buffer merged from fragments."""
+    if op.is_direct:
+        src, where = get(op.writer, op.sources[0].piece)
+        view: np.ndarray = src[op.region.relative_to(where).slices()]
+        return view
+    buf = np.empty(op.region.shape, dtype=dtype)
+    for frag in op.sources:
+        src, where = get(frag.rank, frag.piece)
+        buf[frag.region.relative_to(op.region).slices()] = src[frag.region.relative_to(where).slices()]
+    return buf
+
+
+def write_items(
+    plans: Sequence[ArraySavePlan], data: Sequence[PieceData], dtypes: Sequence[np.dtype], rank: int | None
+) -> Iterator[tuple[int, WriteOp, np.ndarray]]:
+    """The writes of ``rank`` (every rank when None), each assembled when reached."""
+    for i, (plan, get, dtype) in enumerate(zip(plans, data, dtypes, strict=True)):
+        for op in plan.writes:
+            if rank is None or op.writer == rank:
+                yield i, op, assemble(op, get, dtype)
 
 
 def _fsync_dir(path: Path) -> None:

@@ -19,6 +19,8 @@ __all__ = ["Abstract", "ShardedLeaf", "piece_view"]
 
 def piece_view(local: torch.Tensor, piece: Piece) -> torch.Tensor:
     """The view of ``local`` (a rank's local tensor) holding ``piece``."""
+    if piece.local_box is not None:
+        return local[tuple(slice(o, o + s) for o, s in zip(piece.local_box, piece.region.shape, strict=True))]
     if piece.local_offset == 0 and tuple(local.shape) == piece.region.shape:
         return local
     flat = local.reshape(-1)

@@ -58,7 +58,7 @@ class ChunkingOptions:
 
     single_chunk_bytes: int = 1 * MiB
     min_chunk_bytes: int = 256 * 1024
-    max_chunk_bytes: int = 64 * MiB
+    max_chunk_bytes: int = 16 * MiB
 
     def to_json(self) -> dict[str, int]:
         return {
@@ -325,7 +325,10 @@ def _coalesce(indices: list[tuple[int, ...]]) -> list[tuple[tuple[int, ...], tup
         def other(b: tuple[tuple[int, ...], tuple[int, ...]], d: int = d) -> tuple[Any, ...]:
             return (b[0][:d] + b[0][d + 1 :], b[1][:d] + b[1][d + 1 :])
 
-        boxes.sort(key=lambda b, d=d: (other(b), b[0][d]))
+        def sort_key(b: tuple[tuple[int, ...], tuple[int, ...]], d: int = d) -> tuple[Any, ...]:
+            return (other(b), b[0][d])
+
+        boxes.sort(key=sort_key)
         merged: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
         for b in boxes:
             if merged and other(merged[-1]) == other(b) and merged[-1][1][d] == b[0][d]:
@@ -358,7 +361,8 @@ def _water_fill(
     total = sum(sizes[c] for c in chunks)
     current = sorted(load[r] for r in holders)
     # find the level L such that sum(max(0, L - load)) == total
-    level, acc = current[0], 0
+    level: float = current[0]
+    acc = 0
     for i, v in enumerate(current):
         width = i + 1
         nxt = current[i + 1] if i + 1 < len(current) else None
@@ -409,13 +413,13 @@ def _plan_array_save(layout: ArrayLayout, options: ChunkingOptions, load: list[i
     # Direct writes: coalesce each writer's chunks per source piece.
     by_source: dict[tuple[int, int], list[tuple[int, ...]]] = defaultdict(list)
     for idx, writer in writer_of.items():
-        piece = next(p for r, p in holders[idx] if r == writer)
-        by_source[(writer, piece)].append(idx)
+        piece_index = next(p for r, p in holders[idx] if r == writer)
+        by_source[(writer, piece_index)].append(idx)
     writes: list[WriteOp] = []
-    for (writer, piece), idxs in sorted(by_source.items()):
+    for (writer, piece_index), idxs in sorted(by_source.items()):
         for lo, hi in _coalesce(idxs):
             region = _box_region(lo, hi, chunk_shape, shape)
-            writes.append(WriteOp(region, writer, (Fragment(writer, piece, region),)))
+            writes.append(WriteOp(region, writer, (Fragment(writer, piece_index, region),)))
     # Merged chunks: the writer is the rank holding most of the chunk.
     for idx in merged:
         writes.append(_merge_write(layout, chunk_region(idx, chunk_shape, shape), load))

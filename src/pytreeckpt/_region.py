@@ -79,8 +79,13 @@ class Region:
     def offset_by(self, delta: Sequence[int]) -> Region:
         return Region(tuple(a + b for a, b in zip(self.offset, delta, strict=True)), self.shape)
 
-    def slices(self) -> tuple[slice, ...]:
-        """Index expression selecting this region from an array."""
+    def slices(self) -> tuple[Any, ...]:
+        """Index expression selecting this region from an array, as a view.
+
+        A 0-d region gives ``(...,)``: indexing a 0-d array with ``()`` would copy.
+        """
+        if not self.shape:
+            return (Ellipsis,)
         return tuple(slice(o, o + s) for o, s in zip(self.offset, self.shape, strict=True))
 
     def subtract(self, other: Region) -> list[Region]:

@@ -26,6 +26,7 @@ __all__ = [
     "Replicate",
     "Shard",
     "ShardingSpec",
+    "StridedShard",
     "chunk_size_and_offset",
     "flat_range_regions",
     "layout_from_json",
@@ -95,6 +96,22 @@ class Shard:
 
 
 @dataclass(frozen=True, slots=True)
+class StridedShard:
+    """Split dimension ``dim`` right to left, as torch's ``_StridedShard`` (FSDP2 with TP).
+
+    The dimension is first cut into ``split_factor`` parts (the shards a later mesh axis
+    makes), each part is cut over this mesh axis, and a rank holds its cut of every part:
+    with 8 rows, 4 ranks and ``split_factor=2``, rank 0 holds rows 0 and 4.
+    """
+
+    dim: int
+    split_factor: int
+
+    def to_json(self) -> list[Any]:
+        return ["strided", self.dim, self.split_factor]
+
+
+@dataclass(frozen=True, slots=True)
 class Replicate:
     """Every rank along the mesh axis holds the same data."""
 
@@ -102,7 +119,7 @@ class Replicate:
         return ["replicate"]
 
 
-Placement = Shard | Replicate
+Placement = Shard | StridedShard | Replicate
 
 
 def _placement_from_json(data: Any) -> Placement:
@@ -110,19 +127,32 @@ def _placement_from_json(data: Any) -> Placement:
         return Replicate()
     if isinstance(data, list) and len(data) == 2 and data[0] == "shard" and type(data[1]) is int:
         return Shard(data[1])
+    if (
+        isinstance(data, list)
+        and len(data) == 3
+        and data[0] == "strided"
+        and type(data[1]) is int
+        and type(data[2]) is int
+        and data[2] >= 1
+    ):
+        return StridedShard(data[1], data[2])
     raise LayoutError(f"unknown placement {data!r}")
 
 
 @dataclass(frozen=True, slots=True)
 class Piece:
-    """A box of the global tensor held by one rank.
+    """A box of the global tensor held by one rank, and where it sits in the rank's local tensor.
 
-    ``local_offset`` is where the box starts in the rank's local tensor, flattened in
-    row-major order; a layout whose ranks hold one box each has ``local_offset == 0``.
+    With ``local_box`` None, the box starts at ``local_offset`` in the local tensor
+    flattened in row-major order (a rank holding one box has ``local_offset == 0`` and a
+    local tensor of the box's shape). Otherwise the box sits at offset ``local_box`` of
+    the local tensor, which has the same number of dims (a rank of a strided layout
+    holding several boxes along a dimension).
     """
 
     region: Region
     local_offset: int = 0
+    local_box: tuple[int, ...] | None = None
 
 
 def chunk_size_and_offset(size: int, parts: int, index: int) -> tuple[int, int]:
@@ -186,10 +216,12 @@ class ShardingSpec(Layout):
                 f"a mesh of {mesh.ndim} axes {mesh.axis_names} needs {mesh.ndim} placements, found {placements}"
             )
         for p in placements:
-            if not isinstance(p, Shard | Replicate):
-                raise LayoutError(f"placements are Shard(dim) or Replicate(), found {p!r}")
-            if isinstance(p, Shard) and p.dim < 0:
+            if not isinstance(p, Shard | StridedShard | Replicate):
+                raise LayoutError(f"placements are Shard(dim), StridedShard(dim, split_factor) or Replicate(), found {p!r}")
+            if isinstance(p, Shard | StridedShard) and p.dim < 0:
                 raise LayoutError(f"Shard dims must be non-negative, found {p!r}")
+            if isinstance(p, StridedShard) and p.split_factor < 1:
+                raise LayoutError(f"StridedShard split_factor must be >= 1, found {p!r}")
         object.__setattr__(self, "mesh", mesh)
         object.__setattr__(self, "placements", placements)
 
@@ -199,37 +231,115 @@ class ShardingSpec(Layout):
 
     def _check(self, shape: Sequence[int]) -> None:
         for axis, p in enumerate(self.placements):
-            if isinstance(p, Shard) and p.dim >= len(shape):
+            if isinstance(p, Shard | StridedShard) and p.dim >= len(shape):
                 raise LayoutError(
                     f"Shard({p.dim}) on mesh axis {self.mesh.axis_names[axis]!r} needs a tensor of more than "
                     f"{p.dim} dims, found shape {tuple(shape)}"
                 )
 
-    def region(self, rank: int, shape: Sequence[int]) -> Region:
-        """The box of the global tensor that ``rank`` holds."""
+    def intervals(self, rank: int, shape: Sequence[int]) -> list[list[tuple[int, int]]]:
+        """Per dim, the ``(start, length)`` runs of global indices ``rank`` holds, in local order.
+
+        Placements apply in mesh-axis order, each to what the previous ones left, as
+        torch computes a DTensor's local shard.
+        """
         self._check(shape)
         coord = self.mesh.coordinate(rank)
-        offset = [0] * len(shape)
-        extent = [int(s) for s in shape]
+        runs = [[(0, int(s))] for s in shape]
         for axis, p in enumerate(self.placements):
-            if isinstance(p, Shard):
-                size, off = chunk_size_and_offset(extent[p.dim], self.mesh.shape[axis], coord[axis])
-                offset[p.dim] += off
-                extent[p.dim] = size
+            if isinstance(p, Replicate):
+                continue
+            n, c = self.mesh.shape[axis], coord[axis]
+            local = sum(length for _, length in runs[p.dim])
+            if isinstance(p, StridedShard):
+                taken: list[tuple[int, int]] = []
+                for j in range(p.split_factor):
+                    part_size, part_off = chunk_size_and_offset(local, p.split_factor, j)
+                    size, off = chunk_size_and_offset(part_size, n, c)
+                    taken.extend(_take(runs[p.dim], part_off + off, size))
+                runs[p.dim] = _merge_runs(taken)
+            else:
+                size, off = chunk_size_and_offset(local, n, c)
+                runs[p.dim] = _take(runs[p.dim], off, size)
+        return runs
+
+    def region(self, rank: int, shape: Sequence[int]) -> Region:
+        """The one box of the global tensor that ``rank`` holds.
+
+        Raises:
+          LayoutError: with strided placements a rank may hold several boxes; use
+            :meth:`rank_pieces`.
+        """
+        runs = self.intervals(rank, shape)
+        offset, extent = [], []
+        for d, r in enumerate(runs):
+            if len(r) > 1:
+                raise LayoutError(f"rank {rank} holds {len(r)} separate runs of dim {d}; use rank_pieces")
+            offset.append(r[0][0] if r else 0)
+            extent.append(r[0][1] if r else 0)
         return Region(tuple(offset), tuple(extent))
 
     def rank_pieces(self, shape: Sequence[int]) -> tuple[tuple[Piece, ...], ...]:
         out = []
         for r in range(self.world_size):
-            reg = self.region(r, shape)
-            out.append(() if reg.is_empty else (Piece(reg, 0),))
+            runs = self.intervals(r, shape)
+            if any(not rs for rs in runs):
+                out.append(())
+                continue
+            if all(len(rs) == 1 for rs in runs):
+                out.append((Piece(Region(tuple(rs[0][0] for rs in runs), tuple(rs[0][1] for rs in runs)), 0),))
+                continue
+            local_starts = []
+            for rs in runs:
+                starts, pos = [], 0
+                for _, length in rs:
+                    starts.append(pos)
+                    pos += length
+                local_starts.append(starts)
+            pieces = []
+            for combo in _index_product([len(rs) for rs in runs]):
+                region = Region(
+                    tuple(runs[d][k][0] for d, k in enumerate(combo)), tuple(runs[d][k][1] for d, k in enumerate(combo))
+                )
+                pieces.append(Piece(region, 0, tuple(local_starts[d][k] for d, k in enumerate(combo))))
+            out.append(tuple(pieces))
         return tuple(out)
 
     def local_shape(self, rank: int, shape: Sequence[int]) -> tuple[int, ...]:
-        return self.region(rank, shape).shape
+        return tuple(sum(length for _, length in rs) for rs in self.intervals(rank, shape))
 
     def to_json(self) -> dict[str, Any]:
         return {"kind": self.kind, "mesh": self.mesh.to_json(), "placements": [p.to_json() for p in self.placements]}
+
+
+def _take(runs: Sequence[tuple[int, int]], offset: int, size: int) -> list[tuple[int, int]]:
+    """Positions ``[offset, offset + size)`` of the concatenation of ``runs``, as runs."""
+    out: list[tuple[int, int]] = []
+    pos = 0
+    end = offset + size
+    for start, length in runs:
+        lo, hi = max(offset, pos), min(end, pos + length)
+        if lo < hi:
+            out.append((start + lo - pos, hi - lo))
+        pos += length
+    return out
+
+
+def _merge_runs(runs: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for start, length in runs:
+        if out and out[-1][0] + out[-1][1] == start:
+            out[-1] = (out[-1][0], out[-1][1] + length)
+        else:
+            out.append((start, length))
+    return out
+
+
+def _index_product(sizes: Sequence[int]) -> list[tuple[int, ...]]:
+    out: list[tuple[int, ...]] = [()]
+    for n in sizes:
+        out = [(*t, k) for t in out for k in range(n)]
+    return out
 
 
 def flat_range_regions(shape: Sequence[int], start: int, stop: int) -> list[Region]:
@@ -364,7 +474,7 @@ class ExplicitRegions(Layout):
 
     def rank_pieces(self, shape: Sequence[int]) -> tuple[tuple[Piece, ...], ...]:
         self._check(shape)
-        out = []
+        out: list[tuple[Piece, ...]] = []
         for regs in self.regions:
             if len(regs) == 1:
                 out.append(() if regs[0].is_empty else (Piece(regs[0], 0),))

@@ -16,6 +16,7 @@ used only if its module is already imported and the type still has the same fiel
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import math
 import sys
@@ -210,11 +211,12 @@ class Node:
             node.extra["maxlen"] = maxlen
         elif kind == "namedtuple":
             fields = [e[1] for e in entries]
-            typ = _resolve(node.type_name)
-            if not (isinstance(typ, type) and issubclass(typ, tuple) and list(getattr(typ, "_fields", ())) == fields):
+            found = _resolve(node.type_name)
+            if isinstance(found, type) and issubclass(found, tuple) and list(getattr(found, "_fields", ())) == fields:
+                node.type = found
+            else:
                 name = (node.type_name or "Tuple").rsplit(".", 1)[-1].rsplit(":", 1)[-1]
-                typ = collections.namedtuple(name if name.isidentifier() else "Tuple", fields, rename=True)  # type: ignore[misc]
-            node.type = typ
+                node.type = collections.namedtuple(name if name.isidentifier() else "Tuple", fields, rename=True)  # type: ignore[misc]
         elif kind == "dataclass":
             typ = _resolve(node.type_name)
             names = [e[1] for e in entries]
@@ -361,22 +363,21 @@ def _one_level(x: Any, path: tuple[KeyEntry, ...], namespace: str) -> Node:
         out = optree.tree_flatten_one_level(x, none_is_leaf=True, namespace=namespace)
     except ValueError:
         raise CheckpointError(
-            f"leaf at key path {keystr(path)!r} has type {t.__module__}.{t.__qualname__}, which pytreeckpt cannot store; "
-            f"leaves are tensors, numpy arrays, ShardedLeaf, Abstract, int, float, bool, str or None, and containers "
+            f"leaf at key path {keystr(path)!r} has type {t.__module__}.{t.__qualname__}, which pytreeckpt cannot "
+            f"store; leaves are tensors, numpy arrays, ShardedLeaf, Abstract, int, float, bool, str or None, and containers "
             f"must be builtin, dataclasses or registered with optree"
         ) from None
     entries = []
-    for e in out.entries:
+    for entry in out.entries:
         try:
-            entries.append(_entry(e))
+            entries.append(_entry(entry))
         except TypeError:
-            entries.append(("s", str(e)))
+            entries.append(("s", str(entry)))
     node = Node("custom", entries, type=t, type_name=_type_name(t), extra={"unflatten": out.unflatten_func})
     node.extra["metadata"] = out.metadata
-    try:
+    # Metadata that is not plain data is not stored; without a target such a node comes back as a dict.
+    with contextlib.suppress(TypeError):
         node.extra["metadata_json"] = encode_value(out.metadata) if not isinstance(out.metadata, type) else None
-    except TypeError:
-        pass  # metadata that is not plain data: rebuilt as a dict without a target
     node.extra["_kids"] = list(out.children)
     return node
 

@@ -1,0 +1,60 @@
+"""Sessions: tests, property, lint, typecheck, bench. Run ``nox -s NAME``.
+
+Each session installs torch 2.13.0 first (a CPU wheel; an unpinned torch would pull a
+multi-GB CUDA build), then the project, so the project's own range ``torch>=2.6`` is
+satisfied without another download.
+"""
+
+from __future__ import annotations
+
+import os
+
+import nox
+
+nox.options.sessions = ["tests", "property", "lint", "typecheck"]
+nox.options.default_venv_backend = "venv"
+nox.options.reuse_existing_virtualenvs = os.environ.get("CI") != "true"
+
+TORCH = os.environ.get("PYTREECKPT_TORCH", "torch==2.13.0")
+
+
+def _install(session: nox.Session, extra: str) -> None:
+    session.install(TORCH)
+    session.install("-e", f".[{extra}]")
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """Example tests and doctests."""
+    _install(session, "test")
+    session.run("pytest", "-q", *session.posargs)
+
+
+@nox.session
+def property(session: nox.Session) -> None:
+    """Hypothesis property tests; HYPOTHESIS_PROFILE=dev for the broad local profile."""
+    _install(session, "test")
+    env = {"HYPOTHESIS_PROFILE": os.environ.get("HYPOTHESIS_PROFILE", "ci")}
+    session.run("pytest", "-q", "property_tests", *session.posargs, env=env)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff: lint and format check."""
+    session.install("ruff>=0.6")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session
+def typecheck(session: nox.Session) -> None:
+    """mypy, strict, on src/."""
+    _install(session, "dev")
+    session.run("mypy")
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Benchmarks side by side with torch.save and a raw write/read; writes benchmarks/results/."""
+    _install(session, "test")
+    session.run("python", "-m", "benchmarks", *session.posargs)
