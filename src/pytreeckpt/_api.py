@@ -237,10 +237,13 @@ class _SaveJob:
                 except Exception as e:
                     error = e
             comm.agree(error, "preparing the checkpoint directory")
+            transfers = comm.post_write_transfers(self.plan.arrays, self.data, dtypes)
             try:
-                self.storage.write(self.metas, comm.write_items(self.plan.arrays, self.data, dtypes), create=False)
+                self.storage.write(self.metas, transfers.items(), create=False)
             except Exception as e:
                 error = e
+            finally:
+                transfers.wait_all()
             comm.agree(error, "writing the checkpoint")
             t1 = time.perf_counter()
             if comm.rank == 0:
@@ -277,7 +280,9 @@ def _plan_job(
             arrays.append(_array_in(key, leaf, sp, comm))
             entries.append(None)
     if comm is not None:
-        _agree_on_layouts(comm, [(a.key, a.dtype.name, a.shape, a.pieces) for a in arrays], "save")
+        layouts = _exchange_layouts(comm, [(a.key, a.dtype.name, a.shape, a.pieces[comm.rank]) for a in arrays], "save")
+        for a, pieces in zip(arrays, layouts, strict=True):
+            a.pieces = pieces
         world = comm.world
     else:
         world = max((a.layout.world_size for a in arrays), default=1)
@@ -306,29 +311,37 @@ def _plan_job(
     return _SaveJob(storage, metas, plan, [a.get for a in arrays], document, overwrite, timings, comm)
 
 
-def _agree_on_layouts(comm: Any, arrays: list[tuple[str, str, tuple[int, ...], Any]], what: str) -> None:
-    """Every rank must describe the same arrays in the same layouts; gathered once, small data only."""
-    import hashlib
+def _exchange_layouts(
+    comm: Any, arrays: list[tuple[str, str, tuple[int, ...], tuple[Piece, ...]]], what: str
+) -> list[tuple[tuple[Piece, ...], ...]]:
+    """Gather every rank's own pieces of every array, once; check that the ranks describe the same arrays.
 
-    mine = [(key, dtype, list(shape), repr(pieces)) for key, dtype, shape, pieces in arrays]
-    digest = hashlib.sha256(repr(mine).encode()).hexdigest()
-    digests = comm.all_gather((digest, [m[:3] for m in mine]))
-    if all(d[0] == digest for d in digests):
-        return
-    ref = digests[0][1]
-    for r, (_, other) in enumerate(digests):
-        if other != ref:
+    A rank knows its own pieces for sure (a DTensor on a submesh says nothing of the
+    ranks outside it), so each rank reports its own and all assemble the same layouts.
+    """
+    mine = [
+        (key, dtype, list(shape), [(p.region.offset, p.region.shape, p.local_offset, p.local_box) for p in pieces])
+        for key, dtype, shape, pieces in arrays
+    ]
+    gathered = comm.all_gather(mine)
+    ref = [m[:3] for m in gathered[0]]
+    for r, other in enumerate(gathered):
+        desc = [m[:3] for m in other]
+        if desc != ref:
             diff = next(
-                (f"{a} versus {b}" for a, b in zip(ref, other, strict=False) if a != b),
-                f"{len(ref)} arrays versus {len(other)}",
+                (f"{a} versus {b}" for a, b in zip(ref, desc, strict=False) if a != b),
+                f"{len(ref)} arrays versus {len(desc)}",
             )
             raise CheckpointError(
-                f"ranks disagree on the state to {what}: rank 0 and rank {r} differ (key, dtype, shape): {diff}"
+                f"ranks disagree on the state to {what}: rank 0 and rank {r} differ in (key, dtype, shape): {diff}"
             )
-    raise CheckpointError(
-        f"ranks disagree on the state to {what}: the same keys, dtypes and shapes, but different layouts "
-        f"(sharding specs or DTensor placements) on some ranks"
-    )
+    return [
+        tuple(
+            tuple(Piece(Region(tuple(o), tuple(s)), lo, lb) for o, s, lo, lb in gathered[r][i][3])
+            for r in range(comm.world)
+        )
+        for i in range(len(arrays))
+    ]
 
 
 def save(
@@ -682,7 +695,11 @@ def load(
             f"the target does not match the checkpoint at {os.fspath(path)}:\n  " + "\n  ".join(problems)
         )
     if comm is not None:
-        _agree_on_layouts(comm, [(d.meta.key, d.meta.dtype.name, d.meta.shape, d.pieces) for _, d in dests], "load")
+        layouts = _exchange_layouts(
+            comm, [(d.meta.key, d.meta.dtype.name, d.meta.shape, d.pieces[comm.rank]) for _, d in dests], "load"
+        )
+        for (_, d), pieces in zip(dests, layouts, strict=True):
+            d.pieces = pieces
         world = comm.world
     else:
         world = max((len(d.pieces) for _, d in dests), default=1)
@@ -697,12 +714,13 @@ def load(
         storage.read(metas, plan.arrays, getters, rank=None)
     else:
         error = None
+        after, finish = comm.read_forwarding(plan.arrays, getters, [m.dtype.numpy for m in metas])
         try:
-            after, finish = comm.read_forwarding(plan.arrays, getters, [m.dtype.numpy for m in metas])
             storage.read(metas, plan.arrays, getters, rank=comm.rank, after=after)
-            finish()
         except Exception as e:
             error = e
+        finally:
+            finish()  # every posted transfer completes, even after a failed read
         comm.agree(error, "loading the checkpoint")
     for i, d in dests:
         results[i] = d.finish()

@@ -34,7 +34,7 @@ __all__ = [
     "spec_from_dtensor",
 ]
 
-_GROUPS: dict[int, Any] = {}
+_GROUPS: dict[tuple[Any, ...], tuple[Any, Any]] = {}
 _GROUPS_LOCK = threading.Lock()
 
 
@@ -51,18 +51,24 @@ def distributed_active(group: Any = None) -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def checkpoint_group(group: Any = None) -> Any:
-    """The process group for checkpoint traffic: ``group`` if given, else a gloo group of all ranks.
+# Point-to-point tags start high: gloo's collectives number their own messages from 0
+# on a group, and a send with a small tag can be taken for one of them.
+_TAG_BASE = 1 << 20
 
-    The gloo group is made once (collectively, on first use) and reused.
+
+def checkpoint_group(group: Any = None) -> tuple[Any, Any]:
+    """The process groups for checkpoint traffic: one for collectives, one for fragment transfers.
+
+    With ``group`` given, its ranks are used. The gloo groups are made once
+    (collectively, on first use) and reused; keeping point-to-point transfers on a
+    group of their own means no collective can ever match one of their messages.
     """
-    if group is not None:
-        return group
-    key = id(dist.distributed_c10d._get_default_group())
+    ranks = None if group is None else dist.get_process_group_ranks(group)
+    key = (id(dist.distributed_c10d._get_default_group()), None if ranks is None else tuple(ranks))
     with _GROUPS_LOCK:
         if key not in _GROUPS:
-            _GROUPS[key] = dist.new_group(backend="gloo")
-        return _GROUPS[key]
+            _GROUPS[key] = (dist.new_group(ranks, backend="gloo"), dist.new_group(ranks, backend="gloo"))
+        return _GROUPS[key]  # type: ignore[no-any-return]
 
 
 # --------------------------------------------------------------------------- DTensor
@@ -139,10 +145,10 @@ def _as_bytes(a: np.ndarray) -> torch.Tensor:
 class DistComm:
     """One rank's view of the checkpoint process group."""
 
-    def __init__(self, group: Any) -> None:
-        self.group = group
-        self.rank = dist.get_rank(group)
-        self.world = dist.get_world_size(group)
+    def __init__(self, groups: tuple[Any, Any]) -> None:
+        self.group, self.p2p = groups
+        self.rank = dist.get_rank(self.group)
+        self.world = dist.get_world_size(self.group)
 
     def global_rank(self, rank: int) -> int:
         return int(dist.get_global_rank(self.group, rank))
@@ -168,19 +174,20 @@ class DistComm:
             raise CheckpointError(f"{what} failed on {len(failed)} of {self.world} ranks: {detail}") from error
 
     # ------------------------------------------------------------------ save
-    def write_items(
+    def post_write_transfers(
         self, plans: Sequence[ArraySavePlan], data: Sequence[PieceData], dtypes: Sequence[np.dtype]
-    ) -> Iterator[tuple[int, Region, np.ndarray]]:
-        """This rank's writes: direct ones at once, merged ones once their fragments arrive.
+    ) -> WriteTransfers:
+        """Post every send and receive of merge fragments at once, before any write.
 
-        Fragments of merged chunks held by other ranks travel point to point to the
-        chunk's writer; all sends and receives are posted first, so they overlap the
-        direct writes.
+        Fragments of a merged chunk held by other ranks travel point to point to the
+        chunk's writer, overlapping the direct writes. Every posted receive is always
+        matched: a rank that cannot read a fragment of its own still sends that many
+        bytes (and reports its error), so no rank waits forever and no stale receive
+        is left on the group.
         """
         me = self.rank
-        sends: list[tuple[Any, torch.Tensor]] = []
-        merged: list[tuple[int, Region, np.ndarray, list[tuple[Any, torch.Tensor, Region]]]] = []
-        tag = 0
+        t = WriteTransfers()
+        tag = _TAG_BASE
         for i, plan in enumerate(plans):
             for op in plan.writes:
                 if op.is_direct:
@@ -190,32 +197,29 @@ class DistComm:
                 for frag in op.sources:
                     tag += 1
                     if frag.rank == me:
-                        src, where = data[i](me, frag.piece)
-                        part = src[frag.region.relative_to(where).slices()]
+                        try:
+                            src, where = data[i](me, frag.piece)
+                            part = src[frag.region.relative_to(where).slices()]
+                        except Exception as e:
+                            t.error = t.error or e
+                            part = np.zeros(frag.region.shape, dtype=dtypes[i])
                         if buf is not None:
                             buf[frag.region.relative_to(op.region).slices()] = part
                         else:
                             payload = _as_bytes(part)
-                            work = dist.isend(payload, dst=self.global_rank(op.writer), group=self.group, tag=tag)
-                            sends.append((work, payload))
+                            work = dist.isend(payload, dst=self.global_rank(op.writer), group=self.p2p, tag=tag)
+                            t.sends.append((work, payload))
                     elif buf is not None:
                         tmp = torch.empty(frag.region.size * dtypes[i].itemsize, dtype=torch.uint8)
-                        work = dist.irecv(tmp, src=self.global_rank(frag.rank), group=self.group, tag=tag)
+                        work = dist.irecv(tmp, src=self.global_rank(frag.rank), group=self.p2p, tag=tag)
                         pending.append((work, tmp, frag.region.relative_to(op.region)))
                 if buf is not None:
-                    merged.append((i, op.region, buf, pending))
+                    t.merged.append((i, op.region, buf, pending))
         for i, plan in enumerate(plans):
             for op in plan.writes:
                 if op.is_direct and op.writer == me:
-                    src, where = data[i](me, op.sources[0].piece)
-                    yield i, op.region, src[op.region.relative_to(where).slices()]
-        for i, region, buf, pending in merged:
-            for work, tmp, rel in pending:
-                work.wait()
-                buf[rel.slices()] = tmp.numpy().view(buf.dtype).reshape(rel.shape)
-            yield i, region, buf
-        for work, _payload in sends:
-            work.wait()
+                    t.direct.append((i, op, data[i]))
+        return t
 
     # ------------------------------------------------------------------ load
     def read_forwarding(
@@ -224,13 +228,15 @@ class DistComm:
         """Receives for regions other ranks read for this one, and sends for those it reads for others.
 
         Returns ``(after, finish)``: ``after`` is called by the executor when a region this
-        rank read is in memory, and sends it on; ``finish`` waits for every transfer and
-        copies received regions into place.
+        rank read is in memory, and sends it on; ``finish`` sends whatever was not sent
+        (after a failed read: the receivers must not wait forever; every rank learns of
+        the failure and discards the data), waits for every transfer, and copies received
+        regions into place.
         """
         me = self.rank
         tags: dict[tuple[int, int, int], int] = {}
         recvs: list[tuple[Any, torch.Tensor, list[np.ndarray]]] = []
-        tag = 0
+        tag = _TAG_BASE
         for i, plan in enumerate(plans):
             for j, op in enumerate(plan.reads):
                 for rank in sorted({t.rank for t in op.targets} - {op.reader}):
@@ -243,20 +249,28 @@ class DistComm:
                                 view, where = dest[i](me, t.piece)
                                 outs.append(view[t.region.relative_to(where).slices()])
                         tmp = torch.empty(op.region.size * dtypes[i].itemsize, dtype=torch.uint8)
-                        work = dist.irecv(tmp, src=self.global_rank(op.reader), group=self.group, tag=tag)
+                        work = dist.irecv(tmp, src=self.global_rank(op.reader), group=self.p2p, tag=tag)
                         recvs.append((work, tmp, outs))
         index = {(i, id(op)): j for i, plan in enumerate(plans) for j, op in enumerate(plan.reads)}
         sends: list[tuple[Any, torch.Tensor]] = []
+        sent: set[tuple[int, int]] = set()
 
-        def after(i: int, op: ReadOp, data: np.ndarray) -> None:
-            j = index[(i, id(op))]
+        def send(i: int, j: int, op: ReadOp, data: np.ndarray) -> None:
+            sent.add((i, j))
             payload: torch.Tensor | None = None
             for rank in sorted({t.rank for t in op.targets} - {me}):
                 payload = _as_bytes(data) if payload is None else payload
-                work = dist.isend(payload, dst=self.global_rank(rank), group=self.group, tag=tags[(i, j, rank)])
+                work = dist.isend(payload, dst=self.global_rank(rank), group=self.p2p, tag=tags[(i, j, rank)])
                 sends.append((work, payload))
 
+        def after(i: int, op: ReadOp, data: np.ndarray) -> None:
+            send(i, index[(i, id(op))], op, data)
+
         def finish() -> None:
+            for i, plan in enumerate(plans):
+                for j, op in enumerate(plan.reads):
+                    if op.reader == me and (i, j) not in sent and any(t.rank != me for t in op.targets):
+                        send(i, j, op, np.zeros(op.region.shape, dtype=dtypes[i]))
             for work, tmp, outs in recvs:
                 work.wait()
                 for o in outs:
@@ -265,6 +279,38 @@ class DistComm:
                 work.wait()
 
         return after, finish
+
+
+class WriteTransfers:
+    """The merge-fragment transfers of one rank's save, posted up front."""
+
+    def __init__(self) -> None:
+        self.sends: list[tuple[Any, torch.Tensor]] = []
+        self.merged: list[tuple[int, Region, np.ndarray, list[tuple[Any, torch.Tensor, Region]]]] = []
+        self.direct: list[tuple[int, Any, PieceData]] = []
+        self.error: BaseException | None = None
+
+    def items(self) -> Iterator[tuple[int, Region, np.ndarray]]:
+        """This rank's writes: direct ones at once, merged ones as their fragments arrive."""
+        if self.error is not None:
+            raise self.error
+        for i, op, get in self.direct:
+            src, where = get(op.writer, op.sources[0].piece)
+            yield i, op.region, src[op.region.relative_to(where).slices()]
+        for i, region, buf, pending in self.merged:
+            while pending:
+                work, tmp, rel = pending.pop(0)  # a gloo work is waited on once only
+                work.wait()
+                buf[rel.slices()] = tmp.numpy().view(buf.dtype).reshape(rel.shape)
+            yield i, region, buf
+
+    def wait_all(self) -> None:
+        """Complete every posted transfer not yet completed, whatever happened to the writes."""
+        for _, _, _, pending in self.merged:
+            while pending:
+                pending.pop(0)[0].wait()
+        while self.sends:
+            self.sends.pop(0)[0].wait()
 
 
 def layout_fingerprint(key: str, dtype: str, shape: tuple[int, ...], layout: Layout) -> tuple[Any, ...]:

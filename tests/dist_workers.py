@@ -1,0 +1,271 @@
+"""Worker functions run on several gloo ranks by tests/test_distributed.py."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import pytreeckpt
+from pytreeckpt import FlatRanges, ShardedLeaf
+
+VOCAB, DIM, SEQ, BATCH = 64, 32, 8, 8
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(DIM)
+        self.up = nn.Linear(DIM, 4 * DIM)
+        self.down = nn.Linear(4 * DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+
+
+class TinyTransformer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList([Block() for _ in range(2)])
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        for b in self.blocks:
+            h = b(h)
+        return self.head(h)
+
+
+def global_batch(step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
+
+
+def build(world: int, layout: str, seed: int) -> tuple[nn.Module, torch.optim.Optimizer, int, int]:
+    """A model in ``layout`` ("plain", "fsdp" or "fsdp_tp"); returns (model, optimizer, dp rank, dp size)."""
+    torch.manual_seed(seed)
+    model = TinyTransformer()
+    if layout == "plain":
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2), 0, 1
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    if layout == "fsdp":
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+        dp_mesh = mesh
+    else:
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+        dp_mesh = mesh["dp"]
+        for b in model.blocks:
+            parallelize_module(b, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    for b in model.blocks:
+        fully_shard(b, mesh=dp_mesh)
+    fully_shard(model, mesh=dp_mesh)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2), dp_mesh.get_local_rank(), dp_mesh.size()
+
+
+def train(model: nn.Module, opt: torch.optim.Optimizer, start: int, steps: int, dp_rank: int, dp_size: int) -> list[float]:
+    losses = []
+    for step in range(start, start + steps):
+        batch = global_batch(step)[dp_rank::dp_size]
+        logits = model(batch[:, :-1])
+        loss = nn.functional.cross_entropy(logits.reshape(-1, VOCAB), batch[:, 1:].reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        reported = loss.detach().clone()
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(reported)
+            reported /= dist.get_world_size()
+        losses.append(float(reported))
+    return losses
+
+
+def _state_dicts(model: nn.Module, opt: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    return get_model_state_dict(model), get_optimizer_state_dict(model, opt)
+
+
+def _full(sd: Any) -> Any:
+    """Every DTensor of a state dict as a full tensor (collective)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(sd, dict):
+        return {k: _full(v) for k, v in sd.items()}
+    if isinstance(sd, list):
+        return [_full(v) for v in sd]
+    if isinstance(sd, DTensor):
+        return sd.full_tensor()
+    if isinstance(sd, torch.Tensor):
+        return sd.clone()
+    return sd
+
+
+def fsdp_train_and_save(rank: int, world: int, path: str, steps: int, more: int) -> dict[str, Any]:
+    """Train ``steps`` steps on an FSDP2 model, save, then train ``more`` steps (the uninterrupted run)."""
+    model, opt, dp_rank, dp_size = build(world, "fsdp", seed=0)
+    train(model, opt, 0, steps, dp_rank, dp_size)
+    msd, osd = _state_dicts(model, opt)
+    pytreeckpt.save(path, {"model": msd, "optim": osd, "step": steps})
+    full = {"model": _full(msd), "optim": _full(osd)}
+    losses = train(model, opt, steps, more, dp_rank, dp_size)
+    return {"losses": losses, "state": full if rank == 0 else None}
+
+
+def fsdp_resume(rank: int, world: int, path: str, layout: str, more: int) -> dict[str, Any]:
+    """Resume in ``layout`` from a checkpoint and train ``more`` steps."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    model, opt, dp_rank, dp_size = build(world, layout, seed=123)  # other init: the load must matter
+    msd, osd = _state_dicts(model, opt)
+    loaded = pytreeckpt.load(path, {"model": msd, "optim": osd, "step": 0})
+    set_model_state_dict(model, loaded["model"])
+    set_optimizer_state_dict(model, opt, loaded["optim"])
+    full = {"model": _full(loaded["model"]), "optim": _full(loaded["optim"])}
+    losses = train(model, opt, loaded["step"], more, dp_rank, dp_size)
+    return {"losses": losses, "state": full if rank == 0 else None, "step": loaded["step"]}
+
+
+# --------------------------------------------------------------------------- byte counting
+
+
+class _Counter:
+    """Counts the bytes this rank hands to TensorStore, by wrapping the executor's entry points."""
+
+    def __init__(self) -> None:
+        from pytreeckpt import _executor
+
+        self.written = 0
+        self.read = 0
+        orig_write, orig_read = _executor.Storage.write, _executor.Storage.read
+        counter = self
+
+        def write(self: Any, *args: Any, **kwargs: Any) -> int:
+            n = orig_write(self, *args, **kwargs)
+            counter.written += n
+            return n
+
+        def read(self: Any, *args: Any, **kwargs: Any) -> int:
+            n = orig_read(self, *args, **kwargs)
+            counter.read += n
+            return n
+
+        _executor.Storage.write = write  # type: ignore[method-assign]
+        _executor.Storage.read = read  # type: ignore[method-assign]
+
+
+def count_bytes(rank: int, world: int, path: str) -> dict[str, Any]:
+    """Save a sharded + replicated state at ``world`` ranks; count bytes written and read per rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    counter = _Counter()
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    big = torch.randn(64, 1024)  # 256 KiB, sharded
+    rep = torch.randn(96, 1024)  # 384 KiB, replicated DTensor
+    plain = torch.randn(32, 1024)  # 128 KiB, plain tensor on every rank
+    small = [torch.randn(100) for _ in range(20)]  # small replicated leaves
+    state = {
+        "big": distribute_tensor(big, mesh, [Shard(0)]),
+        "rep": distribute_tensor(rep, mesh, [Replicate()]),
+        "plain": plain,
+        "small": small,
+    }
+    pytreeckpt.save(path, state, chunking=pytreeckpt.ChunkingOptions(single_chunk_bytes=64 * 1024, max_chunk_bytes=64 * 1024))
+    written = counter.written
+    # Load at the same ranks into other layouts: big replicated; rep sharded on dim 1.
+    target = {
+        "big": distribute_tensor(torch.zeros(64, 1024), mesh, [Replicate()]),
+        "rep": distribute_tensor(torch.zeros(96, 1024), mesh, [Shard(1)]),
+        "plain": torch.zeros(32, 1024),
+        "small": [torch.zeros(100) for _ in range(20)],
+    }
+    out = pytreeckpt.load(path, target)
+    ok = (
+        torch.equal(out["big"].full_tensor(), big)
+        and torch.equal(out["rep"].full_tensor(), rep)
+        and torch.equal(out["plain"], plain)
+        and all(torch.equal(a, b) for a, b in zip(out["small"], small, strict=True))
+    )
+    return {"written": written, "read": counter.read, "ok": ok}
+
+
+# --------------------------------------------------------------------------- irregular layouts
+
+
+def flat_save(rank: int, world: int, path: str) -> None:
+    """FSDP1-style: each rank holds a flat range of every parameter."""
+    torch.manual_seed(0)
+    params = {"w": torch.randn(10, 7), "b": torch.randn(13)}
+    state = {}
+    for k, t in params.items():
+        n = t.numel()
+        per = math.ceil(n / world)
+        spec = FlatRanges([(min(r * per, n), min((r + 1) * per, n)) for r in range(world)])
+        mine = t.reshape(-1)[min(rank * per, n) : min((rank + 1) * per, n)].clone()
+        state[k] = ShardedLeaf(t.shape, t.dtype, spec, {rank: mine})
+    pytreeckpt.save(path, state)
+
+
+def load_shard0_dtensors(rank: int, world: int, path: str) -> bool:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    torch.manual_seed(0)
+    expected = {"w": torch.randn(10, 7), "b": torch.randn(13)}
+    mesh = init_device_mesh("cpu", (world,))
+    target = {k: distribute_tensor(torch.zeros_like(v), mesh, [Shard(0)]) for k, v in expected.items()}
+    out = pytreeckpt.load(path, target)
+    return all(
+        out[k].placements == (Shard(0),) and torch.equal(out[k].full_tensor(), v) for k, v in expected.items()
+    )
+
+
+def strided_roundtrip(rank: int, world: int, path: str) -> dict[str, Any]:
+    """A 1-D mesh with _StridedShard: rank 0 holds rows 0 and 4 (torch.distributed.checkpoint rejects this)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    mesh = init_device_mesh("cpu", (world,))
+    g = torch.arange(8 * 3, dtype=torch.float32).reshape(8, 3)
+    dt = distribute_tensor(g, mesh, [_StridedShard(0, split_factor=2)])
+    rows = dt.to_local()[:, 0].div(3).long().tolist()
+    pytreeckpt.save(path, {"s": dt})
+    back = pytreeckpt.load(path, {"s": distribute_tensor(torch.zeros(8, 3), mesh, [_StridedShard(0, split_factor=2)])})
+    resharded = pytreeckpt.load(path, {"s": distribute_tensor(torch.zeros(8, 3), mesh, [Shard(1)])})
+    return {
+        "rows": rows,
+        "same": torch.equal(back["s"].to_local(), dt.to_local()),
+        "resharded": torch.equal(resharded["s"].full_tensor(), g),
+    }
+
+
+def failing_save(rank: int, world: int, path: str, bad_rank: int) -> str:
+    """``bad_rank``'s writes fail; every rank must raise and nothing may be committed."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from pytreeckpt import _executor
+
+    if rank == bad_rank:
+
+        def broken(self: Any, *args: Any, **kwargs: Any) -> int:
+            raise OSError(28, "No space left on device (injected)")
+
+        _executor.Storage.write = broken  # type: ignore[method-assign]
+    mesh = init_device_mesh("cpu", (world,))
+    state = {"w": distribute_tensor(torch.randn(16, 8), mesh, [Shard(0)]), "step": 1}
+    try:
+        pytreeckpt.save(path, state)
+    except pytreeckpt.CheckpointError as e:
+        return str(e)
+    return "no error"
