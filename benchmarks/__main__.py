@@ -13,7 +13,6 @@ machine drops it; the raw read is measured the same way, so ratios stay fair.
 from __future__ import annotations
 
 import argparse
-import warnings
 import json
 import os
 import platform
@@ -21,6 +20,7 @@ import shutil
 import statistics
 import tempfile
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -160,9 +160,7 @@ def _table(report: dict[str, Any]) -> str:
         if name.startswith("_"):
             continue
         base = s["raw read"] if "load" in name or "read" in name else s["raw write+fsync"]
-        lines.append(
-            f"| {name} | {sec:.3f} | {gib / sec:.2f} | {sec / base:.2f}x | {sec / s['memcpy']:.1f}x |"
-        )
+        lines.append(f"| {name} | {sec:.3f} | {gib / sec:.2f} | {sec / base:.2f}x | {sec / s['memcpy']:.1f}x |")
     return "\n".join(lines) + "\n"
 
 

@@ -35,9 +35,7 @@ from torch.distributed.fsdp import fully_shard
 import pytreeckpt
 
 SEQ, BATCH = 64, 8
-TEXT = torch.tensor(
-    list("".join(inspect.getsource(m) for m in (json, textwrap, argparse)).encode()), dtype=torch.long
-)
+TEXT = torch.tensor(list("".join(inspect.getsource(m) for m in (json, textwrap, argparse)).encode()), dtype=torch.long)
 
 
 class Block(nn.Module):
@@ -144,7 +142,10 @@ def main() -> None:
                 args.dir / f"step_{done}", state, overwrite=True, user_metadata={"world_size": world}
             )
             if rank == 0:
-                print(f"step {done}: loss {loss.item():.4f}; saving, training stalled {handle.timings['snapshot'] * 1e3:.1f} ms")
+                print(
+                    f"step {done}: loss {loss.item():.4f}; saving, training stalled "
+                    f"{handle.timings['snapshot'] * 1e3:.1f} ms"
+                )
     if handle is not None:
         handle.wait()
     if rank == 0:

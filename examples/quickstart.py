@@ -77,7 +77,10 @@ def sharded_state(model: nn.Module, opt: torch.optim.Optimizer, position: int) -
         params[name] = ShardedLeaf.from_global(p, spec)
     optim = opt.state_dict()
     optim["state"] = {
-        i: {k: ShardedLeaf.from_global(v, flat_ranges(v.numel(), 4)) if k.startswith("exp_avg") else v for k, v in st.items()}
+        i: {
+            k: ShardedLeaf.from_global(v, flat_ranges(v.numel(), 4)) if k.startswith("exp_avg") else v
+            for k, v in st.items()
+        }
         for i, st in optim["state"].items()
     }
     return {"model": params, "optim": optim, "data_position": position, "rng": torch.get_rng_state()}

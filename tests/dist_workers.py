@@ -70,7 +70,9 @@ def build(world: int, layout: str, seed: int) -> tuple[nn.Module, torch.optim.Op
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2), dp_mesh.get_local_rank(), dp_mesh.size()
 
 
-def train(model: nn.Module, opt: torch.optim.Optimizer, start: int, steps: int, dp_rank: int, dp_size: int) -> list[float]:
+def train(
+    model: nn.Module, opt: torch.optim.Optimizer, start: int, steps: int, dp_rank: int, dp_size: int
+) -> list[float]:
     losses = []
     for step in range(start, start + steps):
         batch = global_batch(step)[dp_rank::dp_size]
@@ -179,7 +181,9 @@ def count_bytes(rank: int, world: int, path: str) -> dict[str, Any]:
         "plain": plain,
         "small": small,
     }
-    pytreeckpt.save(path, state, chunking=pytreeckpt.ChunkingOptions(single_chunk_bytes=64 * 1024, max_chunk_bytes=64 * 1024))
+    pytreeckpt.save(
+        path, state, chunking=pytreeckpt.ChunkingOptions(single_chunk_bytes=64 * 1024, max_chunk_bytes=64 * 1024)
+    )
     written = counter.written
     # Load at the same ranks into other layouts: big replicated; rep sharded on dim 1.
     target = {
@@ -224,9 +228,7 @@ def load_shard0_dtensors(rank: int, world: int, path: str) -> bool:
     mesh = init_device_mesh("cpu", (world,))
     target = {k: distribute_tensor(torch.zeros_like(v), mesh, [Shard(0)]) for k, v in expected.items()}
     out = pytreeckpt.load(path, target)
-    return all(
-        out[k].placements == (Shard(0),) and torch.equal(out[k].full_tensor(), v) for k, v in expected.items()
-    )
+    return all(out[k].placements == (Shard(0),) and torch.equal(out[k].full_tensor(), v) for k, v in expected.items())
 
 
 def strided_roundtrip(rank: int, world: int, path: str) -> dict[str, Any]:

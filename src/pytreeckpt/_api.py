@@ -10,8 +10,8 @@ import os
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from types import MappingProxyType
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -125,7 +125,13 @@ def _array_in(key: str, leaf: Any, spec: Any, comm: Any = None) -> _ArrayIn:
             layout, pieces = dtensor_layout(leaf, comm.world, comm.group)
             local = leaf.to_local()
             return _ArrayIn(
-                key, "torch", dtype_of_torch(leaf.dtype), tuple(leaf.shape), layout, layout, pieces,
+                key,
+                "torch",
+                dtype_of_torch(leaf.dtype),
+                tuple(leaf.shape),
+                layout,
+                layout,
+                pieces,
                 _local_source(local, comm.rank, pieces),
             )
         if isinstance(leaf, ShardedLeaf):
@@ -147,7 +153,15 @@ def _array_in(key: str, leaf: Any, spec: Any, comm: Any = None) -> _ArrayIn:
                 source = _sharded_source(leaf, pieces)
                 present = frozenset(leaf.shards)
             return _ArrayIn(
-                key, "torch", dtype_of_torch(leaf.dtype), leaf.shape, leaf.spec, leaf.spec, pieces, source, present,
+                key,
+                "torch",
+                dtype_of_torch(leaf.dtype),
+                leaf.shape,
+                leaf.spec,
+                leaf.spec,
+                pieces,
+                source,
+                present,
             )
         if isinstance(leaf, torch.Tensor):
             dtype = dtype_of_torch(leaf.dtype)
@@ -159,9 +173,9 @@ def _array_in(key: str, leaf: Any, spec: Any, comm: Any = None) -> _ArrayIn:
             container = "numpy"
         local_shape = tuple(int(s) for s in arr.shape)
         if comm is None:
-            layout = spec if spec is not None else _SINGLE
-            pieces = layout.rank_pieces(local_shape)
-            return _ArrayIn(key, container, dtype, local_shape, layout, spec, pieces, _global_source(arr, pieces))
+            single: Layout = spec if spec is not None else _SINGLE
+            pieces = single.rank_pieces(local_shape)
+            return _ArrayIn(key, container, dtype, local_shape, single, spec, pieces, _global_source(arr, pieces))
         if spec is None:
             # Every rank holds the whole tensor: replicated, written once in total.
             layout = ShardingSpec(Mesh(comm.world), [Replicate()])
@@ -191,8 +205,15 @@ def _snapshot(plans: Sequence[Any], data: Sequence[PieceData], me: int | None) -
         for (rank, pi), box in boxes.items():
             view, where = get(rank, pi)
             copies[(rank, pi)] = (np.array(view[box.relative_to(where).slices()], copy=True), box)
-        out.append(lambda rank, pi, copies=copies: copies[(rank, pi)])
+        out.append(_copies_source(copies))
     return out
+
+
+def _copies_source(copies: dict[tuple[int, int], tuple[np.ndarray, Region]]) -> PieceData:
+    def get(rank: int, pi: int) -> tuple[np.ndarray, Region]:
+        return copies[(rank, pi)]
+
+    return get
 
 
 def _span(a: Region, b: Region) -> Region:
@@ -522,9 +543,7 @@ def _open(path: PathLike, namespace: str, executor: ExecutorOptions | None) -> t
 def metadata(path: PathLike, *, namespace: str = "") -> CheckpointMetadata:
     """Read a committed checkpoint's metadata (no array data is read)."""
     _, doc = _open(path, namespace, None)
-    leaves = [
-        leaf.value if isinstance(leaf, ValueMeta) else _abstract_of(leaf) for leaf in doc.leaves
-    ]
+    leaves = [leaf.value if isinstance(leaf, ValueMeta) else _abstract_of(leaf) for leaf in doc.leaves]
     arrays = {leaf.key: leaf for leaf in doc.leaves if isinstance(leaf, ArrayMeta)}
     return CheckpointMetadata(doc.tree.unflatten(leaves), arrays, doc.user_metadata, doc.version)
 
@@ -647,6 +666,7 @@ def load(
                 error = e
         comm.agree(error, "reading the checkpoint metadata")
         raw = comm.broadcast(raw)
+    assert raw is not None
     doc = parse_document(raw, namespace=namespace)
     stored_paths = doc.tree.paths()
     by_path: dict[tuple[KeyEntry, ...], ArrayMeta | ValueMeta] = dict(zip(stored_paths, doc.leaves, strict=True))

@@ -43,7 +43,8 @@ class DType:
 
 def _numpy_of_storage(storage: str) -> np.dtype:
     scalar_type: Any = getattr(ml_dtypes, storage, storage)
-    return np.dtype(scalar_type)
+    dtype: np.dtype = np.dtype(scalar_type)
+    return dtype
 
 
 # torch dtype name -> zarr v3 storage type (same element width, bit for bit).
@@ -75,9 +76,7 @@ _STORAGE: dict[str, str] = {
 }
 
 _TORCH: dict[str, torch.dtype] = {n: getattr(torch, n) for n in _STORAGE if hasattr(torch, n)}
-_BY_TORCH: dict[torch.dtype, DType] = {
-    t: DType(n, _STORAGE[n], t.itemsize) for n, t in _TORCH.items()
-}
+_BY_TORCH: dict[torch.dtype, DType] = {t: DType(n, _STORAGE[n], t.itemsize) for n, t in _TORCH.items()}
 _BY_NAME: dict[str, DType] = {d.name: d for d in _BY_TORCH.values()}
 # numpy-only dtypes torch does not have: stored under their own name.
 for _n in ("float8_e4m3b11fnuz", "int4", "uint4", "float4_e2m1fn"):
@@ -92,7 +91,9 @@ def dtype_of_torch(dtype: torch.dtype) -> DType:
     try:
         return _BY_TORCH[dtype]
     except KeyError:
-        raise ValueError(f"torch dtype {dtype} cannot be stored (quantized and sub-byte types are not supported)") from None
+        raise ValueError(
+            f"torch dtype {dtype} cannot be stored (quantized and sub-byte types are not supported)"
+        ) from None
 
 
 def dtype_of_numpy(dtype: np.dtype) -> DType:
@@ -140,6 +141,18 @@ def _np_int(itemsize: int) -> np.dtype:
 
 
 _NUMPY_NATIVE = {
-    "bool", "uint8", "int8", "int16", "uint16", "int32", "uint32", "int64", "uint64",
-    "float16", "float32", "float64", "complex64", "complex128",
+    "bool",
+    "uint8",
+    "int8",
+    "int16",
+    "uint16",
+    "int32",
+    "uint32",
+    "int64",
+    "uint64",
+    "float16",
+    "float32",
+    "float64",
+    "complex64",
+    "complex128",
 }

@@ -12,6 +12,7 @@ rank-local memory, so the same executor serves one process holding every rank an
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import shutil
 import tempfile
@@ -84,10 +85,8 @@ class _Window:
     def drain_quietly(self) -> None:
         while self.queue:
             future = self.queue.popleft()[0]
-            try:
+            with contextlib.suppress(Exception):  # the first error is the one reported
                 future.result()
-            except Exception:  # the first error is the one reported
-                pass
         self.bytes = 0
 
 
@@ -118,7 +117,9 @@ class Storage:
         if self.root.exists() and not self.root.is_dir():
             raise CheckpointError(f"{self.root} exists and is not a directory")
         if self.is_committed() and not overwrite:
-            raise CheckpointError(f"{self.root} already holds a committed checkpoint; pass overwrite=True to replace it")
+            raise CheckpointError(
+                f"{self.root} already holds a committed checkpoint; pass overwrite=True to replace it"
+            )
         if self.root.is_dir():
             unknown = [p.name for p in self.root.iterdir() if p.name != ARRAYS_DIR and not p.name.startswith(".tmp-")]
             unknown = [n for n in unknown if n != METADATA_FILE]
@@ -164,8 +165,7 @@ class Storage:
             raise NotCommittedError(f"{self.root} does not exist or is not a directory")
         if not self.is_committed():
             raise NotCommittedError(
-                f"{self.root} is not a committed checkpoint (no {METADATA_FILE}); it may be a save that was "
-                f"interrupted"
+                f"{self.root} is not a committed checkpoint (no {METADATA_FILE}); it may be a save that was interrupted"
             )
         self._check_inside(self.metadata_path, "metadata")
         with open(self.metadata_path, "rb") as f:

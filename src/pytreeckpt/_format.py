@@ -177,7 +177,8 @@ def _parse_leaf(data: Any, index: int) -> ArrayMeta | ValueMeta:
         raise MetadataError(f"leaf {key!r}: unknown dtype {data.get('dtype')!r}") from None
     if data.get("storage_dtype") != dtype.storage:
         raise MetadataError(
-            f"leaf {key!r}: dtype {dtype.name} is stored as {dtype.storage}, metadata says {data.get('storage_dtype')!r}"
+            f"leaf {key!r}: dtype {dtype.name} is stored as {dtype.storage}, "
+            f"metadata says {data.get('storage_dtype')!r}"
         )
     container = data.get("container")
     if container not in CONTAINERS:
@@ -245,9 +246,7 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"non-standard JSON constant {name}")
 
 
-def build_document(
-    tree: Node, leaves: Sequence[dict[str, Any]], user_metadata: dict[str, Any] | None
-) -> bytes:
+def build_document(tree: Node, leaves: Sequence[dict[str, Any]], user_metadata: dict[str, Any] | None) -> bytes:
     """Serialise a metadata document."""
     doc = {
         "format": FORMAT_NAME,

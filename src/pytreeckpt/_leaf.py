@@ -143,10 +143,7 @@ class ShardedLeaf:
     __hash__ = None  # type: ignore[assignment]
 
     def __repr__(self) -> str:
-        return (
-            f"ShardedLeaf(shape={self._shape}, dtype={self._dtype}, spec={self._spec!r}, "
-            f"ranks={list(self._shards)})"
-        )
+        return f"ShardedLeaf(shape={self._shape}, dtype={self._dtype}, spec={self._spec!r}, ranks={list(self._shards)})"
 
 
 @dataclass(frozen=True, slots=True, init=False)

@@ -333,7 +333,7 @@ def _coalesce(indices: list[tuple[int, ...]]) -> list[tuple[tuple[int, ...], tup
         for b in boxes:
             if merged and other(merged[-1]) == other(b) and merged[-1][1][d] == b[0][d]:
                 lo, hi = merged[-1]
-                merged[-1] = (lo, hi[:d] + (b[1][d],) + hi[d + 1 :])
+                merged[-1] = (lo, (*hi[:d], b[1][d], *hi[d + 1 :]))
             else:
                 merged.append(b)
         boxes = merged
@@ -464,9 +464,7 @@ def _merge_write(layout: ArrayLayout, chunk: Region, load: list[int]) -> WriteOp
     return WriteOp(chunk, writer, tuple(sources))
 
 
-def plan_save(
-    layouts: Sequence[ArrayLayout], world_size: int, options: ChunkingOptions | None = None
-) -> SavePlan:
+def plan_save(layouts: Sequence[ArrayLayout], world_size: int, options: ChunkingOptions | None = None) -> SavePlan:
     """Compute the save plan of every array.
 
     Arrays are planned in order; the bytes already given to each rank carry over from
@@ -491,7 +489,11 @@ def plan_save(
 
 
 def _plan_array_load(
-    key: str, shape: tuple[int, ...], itemsize: int, chunk_shape: tuple[int, ...], pieces: Sequence[Sequence[Piece]],
+    key: str,
+    shape: tuple[int, ...],
+    itemsize: int,
+    chunk_shape: tuple[int, ...],
+    pieces: Sequence[Sequence[Piece]],
     load: list[int],
 ) -> ArrayLoadPlan:
     full = Region.full(shape)

@@ -208,16 +208,16 @@ class ShardingSpec(Layout):
     placements: tuple[Placement, ...]
 
     def __init__(self, mesh: Mesh, placements: Sequence[Placement] | Placement) -> None:
-        if isinstance(placements, Shard | Replicate):
-            placements = (placements,)
-        placements = tuple(placements)
+        placements = (placements,) if isinstance(placements, Shard | StridedShard | Replicate) else tuple(placements)
         if len(placements) != mesh.ndim:
             raise LayoutError(
                 f"a mesh of {mesh.ndim} axes {mesh.axis_names} needs {mesh.ndim} placements, found {placements}"
             )
         for p in placements:
             if not isinstance(p, Shard | StridedShard | Replicate):
-                raise LayoutError(f"placements are Shard(dim), StridedShard(dim, split_factor) or Replicate(), found {p!r}")
+                raise LayoutError(
+                    f"placements are Shard(dim), StridedShard(dim, split_factor) or Replicate(), found {p!r}"
+                )
             if isinstance(p, Shard | StridedShard) and p.dim < 0:
                 raise LayoutError(f"Shard dims must be non-negative, found {p!r}")
             if isinstance(p, StridedShard) and p.split_factor < 1:
@@ -280,7 +280,7 @@ class ShardingSpec(Layout):
         return Region(tuple(offset), tuple(extent))
 
     def rank_pieces(self, shape: Sequence[int]) -> tuple[tuple[Piece, ...], ...]:
-        out = []
+        out: list[tuple[Piece, ...]] = []
         for r in range(self.world_size):
             runs = self.intervals(r, shape)
             if any(not rs for rs in runs):

@@ -29,9 +29,9 @@ import optree
 from ._errors import CheckpointError, MetadataError
 
 __all__ = [
+    "PYTHON_LEAF_TYPES",
     "KeyEntry",
     "Node",
-    "PYTHON_LEAF_TYPES",
     "broadcast_prefix",
     "decode_value",
     "encode_value",
@@ -220,7 +220,11 @@ class Node:
         elif kind == "dataclass":
             typ = _resolve(node.type_name)
             names = [e[1] for e in entries]
-            if isinstance(typ, type) and dataclasses.is_dataclass(typ) and [f.name for f in dataclasses.fields(typ)] == names:
+            if (
+                isinstance(typ, type)
+                and dataclasses.is_dataclass(typ)
+                and [f.name for f in dataclasses.fields(typ)] == names
+            ):
                 node.type = typ
             else:
                 node.type = dict
@@ -254,7 +258,13 @@ class Node:
 
 
 _SAFE_FACTORIES: dict[str, Callable[[], Any]] = {
-    "list": list, "dict": dict, "int": int, "float": float, "str": str, "set": set, "tuple": tuple,
+    "list": list,
+    "dict": dict,
+    "int": int,
+    "float": float,
+    "str": str,
+    "set": set,
+    "tuple": tuple,
 }
 
 
@@ -305,7 +315,9 @@ def decode_value(data: Any) -> Any:
 # --------------------------------------------------------------------------- flatten
 
 
-def flatten(tree: Any, is_leaf: Callable[[Any], bool], *, namespace: str = "") -> tuple[list[Any], list[tuple[KeyEntry, ...]], Node]:
+def flatten(
+    tree: Any, is_leaf: Callable[[Any], bool], *, namespace: str = ""
+) -> tuple[list[Any], list[tuple[KeyEntry, ...]], Node]:
     """Flatten ``tree`` into leaves, their typed key paths, and its structure.
 
     Raises:
@@ -364,7 +376,8 @@ def _one_level(x: Any, path: tuple[KeyEntry, ...], namespace: str) -> Node:
     except ValueError:
         raise CheckpointError(
             f"leaf at key path {keystr(path)!r} has type {t.__module__}.{t.__qualname__}, which pytreeckpt cannot "
-            f"store; leaves are tensors, numpy arrays, ShardedLeaf, Abstract, int, float, bool, str or None, and containers "
+            f"store; leaves are tensors, numpy arrays, ShardedLeaf, Abstract, int, float, bool, str or None, and "
+            f"containers "
             f"must be builtin, dataclasses or registered with optree"
         ) from None
     entries = []
