@@ -37,6 +37,11 @@ def _is_leaf(x: Any) -> bool:
     return isinstance(x, (torch.Tensor, np.ndarray, np.generic, ShardedLeaf, Abstract, *PYTHON_LEAF_TYPES))
 
 
+def _is_value(x: Any) -> bool:
+    """A plain Python leaf, stored inline (numpy scalars, though float subclasses, are arrays)."""
+    return isinstance(x, PYTHON_LEAF_TYPES) and not isinstance(x, np.generic)
+
+
 def _where(key: str) -> str:
     return repr(key) if key else "(root)"
 
@@ -295,7 +300,7 @@ def _plan_job(
     arrays: list[_ArrayIn] = []
     entries: list[dict[str, Any] | None] = []
     for key, leaf, sp in zip(keys, leaves, specs, strict=True):
-        if isinstance(leaf, PYTHON_LEAF_TYPES):
+        if _is_value(leaf):
             entries.append(ValueMeta(key, leaf).to_json(encode_value(leaf)))
         else:
             arrays.append(_array_in(key, leaf, sp, comm))
@@ -423,6 +428,7 @@ class SaveHandle:
         self._timings = timings
         self._done = threading.Event()
         self._error: BaseException | None = None
+        self._reported = False
 
     def _run(self, job: _SaveJob) -> None:
         try:
@@ -446,7 +452,15 @@ class SaveHandle:
         if not self._done.wait(timeout):
             raise TimeoutError(f"save to {self.path} still running after {timeout} s")
         if self._error is not None:
+            self._reported = True
             raise self._error
+
+    def _settle(self) -> None:
+        """Wait; raise a failure nobody has seen yet (the next save is the last chance to report it)."""
+        self._done.wait()
+        if self._error is not None and not self._reported:
+            self._reported = True
+            raise CheckpointError(f"the previous async save to {self.path} failed: {self._error}") from self._error
 
     @property
     def timings(self) -> Mapping[str, float]:
@@ -468,7 +482,7 @@ def _wait_in_flight() -> None:
         pending = list(_in_flight)
         _in_flight.clear()
     for h in pending:
-        h.wait()
+        h._settle()
 
 
 def async_save(
@@ -691,7 +705,7 @@ def load(
             else:
                 dests.append((i, _full_dest(stored, stored.container == "numpy", None, None, comm)))
             continue
-        if isinstance(leaf, PYTHON_LEAF_TYPES):
+        if _is_value(leaf):
             if isinstance(stored, ValueMeta):
                 results[i] = stored.value
             else:

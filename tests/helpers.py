@@ -1,0 +1,106 @@
+"""Example trees shared by the test files."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Any
+
+import numpy as np
+import optree
+import torch
+
+NAMESPACE = "pytreeckpt-tests"
+
+
+class Pair:
+    """A container registered with optree in the tests' namespace."""
+
+    def __init__(self, left: Any, right: Any, tag: str = "pair") -> None:
+        self.left, self.right, self.tag = left, right, tag
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Pair) and (self.left, self.right, self.tag) == (other.left, other.right, other.tag)
+
+
+optree.register_pytree_node(
+    Pair,
+    lambda p: ((p.left, p.right), p.tag, ("left", "right")),
+    lambda tag, children: Pair(*children, tag=tag),
+    namespace=NAMESPACE,
+)
+
+Point = collections.namedtuple("Point", "x y")
+
+
+@dataclasses.dataclass
+class Config:
+    lr: float
+    betas: tuple[float, float]
+    weights: torch.Tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class Frozen:
+    name: str
+    table: torch.Tensor
+
+
+def every_node_kind() -> dict[str, Any]:
+    """A tree with every kind of node pytreeckpt handles, and tensor and Python leaves."""
+    dd: collections.defaultdict[str, Any] = collections.defaultdict(list)
+    dd["a"] = [torch.ones(2)]
+    return {
+        "dict": {"b": torch.arange(3), 7: "seven", (1, "x"): 1.5},
+        "ordered": collections.OrderedDict([("z", torch.zeros(2, 2)), ("a", 3)]),
+        "default": dd,
+        "list": [torch.randn(3), None, True],
+        "tuple": (torch.tensor(1.0), "s"),
+        "named": Point(torch.full((2,), 4.0), -1),
+        "deque": collections.deque([torch.ones(1), 2], maxlen=5),
+        "dataclass": Config(0.1, (0.9, 0.999), torch.randn(4)),
+        "frozen": Frozen("emb", torch.randn(2, 3)),
+        "none": None,
+        "structseq": torch.max(torch.tensor([[1.0, 5.0], [3.0, 2.0]]), dim=1),
+        "numpy": np.arange(6, dtype=np.int16).reshape(2, 3),
+        "custom": Pair(torch.randn(2), {"inner": 5}),
+    }
+
+
+def assert_trees_equal(a: Any, b: Any, path: str = "") -> None:
+    """Equal structure, container types and bit-identical leaves."""
+    assert type(a) is type(b), (path, type(a), type(b))
+    if isinstance(a, torch.Tensor):
+        assert (a.dtype, a.shape) == (b.dtype, b.shape), path
+        assert torch.equal(bits(a), bits(b)), path
+    elif isinstance(a, np.ndarray):
+        assert (a.dtype, a.shape, a.tobytes()) == (b.dtype, b.shape, b.tobytes()), path
+    elif isinstance(a, dict):
+        assert list(a) == list(b), path
+        for k in a:
+            assert_trees_equal(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, list | tuple | collections.deque):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_trees_equal(x, y, f"{path}.{i}")
+    elif dataclasses.is_dataclass(a):
+        for f in dataclasses.fields(a):
+            assert_trees_equal(getattr(a, f.name), getattr(b, f.name), f"{path}.{f.name}")
+    elif isinstance(a, Pair):
+        assert a.tag == b.tag, path
+        assert_trees_equal(a.left, b.left, f"{path}.left")
+        assert_trees_equal(a.right, b.right, f"{path}.right")
+    elif isinstance(a, float) and a != a:
+        assert b != b, path
+    else:
+        assert a == b, (path, a, b)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bits of a tensor, so that NaN payloads and -0.0 compare exactly."""
+    t = t.contiguous()
+    if t.dtype == torch.bool:
+        return t
+    if t.dtype.itemsize == 16:
+        return torch.view_as_real(t).contiguous().view(torch.int64)
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.dtype.itemsize])

@@ -1,0 +1,284 @@
+"""save / async_save / load / metadata end to end, on real files."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tensorstore as ts
+import torch
+from helpers import bits
+
+import pytreeckpt
+from pytreeckpt import Abstract, ExplicitRegions, FlatRanges, Mesh, Replicate, Shard, ShardedLeaf, ShardingSpec
+
+
+def trained_state() -> tuple[torch.nn.Module, torch.optim.Optimizer, dict]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(50, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 50))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(3):
+        tokens = torch.randint(0, 50, (4, 8), generator=torch.Generator().manual_seed(step))
+        loss = torch.nn.functional.cross_entropy(model(tokens).reshape(-1, 50), tokens.reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model, opt, {"model": model.state_dict(), "optim": opt.state_dict(), "step": 3}
+
+
+def test_model_and_optimizer_state_dicts_round_trip(tmp_path: Path) -> None:
+    model, opt, state = trained_state()
+    pytreeckpt.save(tmp_path / "c", state)
+    out = pytreeckpt.load(tmp_path / "c")
+    assert sorted(out["optim"]["state"]) == [0, 1, 2, 3, 4]  # integer keys stay integers
+    assert out["optim"]["param_groups"][0]["betas"] == (0.9, 0.999)
+    fresh = torch.nn.Sequential(torch.nn.Embedding(50, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 50))
+    fresh.load_state_dict(out["model"])
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    fresh_opt.load_state_dict(out["optim"])
+    for k, v in model.state_dict().items():
+        assert torch.equal(fresh.state_dict()[k], v), k
+    for i, st in opt.state_dict()["state"].items():
+        for name, v in st.items():
+            assert torch.equal(fresh_opt.state_dict()["state"][i][name], v), (i, name)
+    # into the fresh model's own state dict as the target
+    again = pytreeckpt.load(tmp_path / "c", {"model": fresh.state_dict()})
+    assert set(again) == {"model"}
+    for k, v in model.state_dict().items():
+        assert torch.equal(again["model"][k], v)
+
+
+def test_every_stored_leaf_opens_with_plain_tensorstore(tmp_path: Path) -> None:
+    g = torch.randn(10, 7)
+    leaves = {
+        "mesh": ShardedLeaf.from_global(g, ShardingSpec(Mesh((2, 2)), [Shard(0), Shard(0)])),
+        "flat": ShardedLeaf.from_global(g, FlatRanges([(0, 23), (23, 23), (23, 70)])),
+        "boxes": ShardedLeaf.from_global(
+            g, ExplicitRegions([[((0, 0), (10, 3))], [((0, 3), (4, 4)), ((4, 3), (6, 4))]])
+        ),
+        "bf16": g.to(torch.bfloat16),
+        "plain": torch.arange(5),
+    }
+    pytreeckpt.save(
+        tmp_path / "c", leaves, chunking=pytreeckpt.ChunkingOptions(single_chunk_bytes=64, max_chunk_bytes=64)
+    )
+    doc = json.loads((tmp_path / "c" / "pytreeckpt.json").read_text())
+    for leaf in doc["leaves"]:
+        store = ts.open(
+            {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(tmp_path / "c" / leaf["path"])}}
+        ).result()
+        data = store.read().result()
+        want = leaves[leaf["key"]]
+        want = want.to_global() if isinstance(want, ShardedLeaf) else want
+        assert list(store.shape) == list(want.shape)
+        if want.dtype == torch.bfloat16:
+            assert data.dtype.name == "bfloat16"
+            assert data.view(np.int16).tobytes() == want.view(torch.int16).numpy().tobytes()
+        else:
+            assert np.array_equal(data, want.numpy())
+
+
+@pytest.mark.parametrize(
+    ("spec_a", "spec_b"),
+    [
+        (ShardingSpec(Mesh(4), [Shard(0)]), ShardingSpec(Mesh(3), [Shard(1)])),
+        (ShardingSpec(Mesh((2, 3)), [Shard(1), Shard(0)]), FlatRanges([(0, 1), (1, 40), (40, 77)])),
+        (FlatRanges([(0, 30), (30, 77)]), ShardingSpec(Mesh((2, 2)), [Replicate(), Shard(0)])),
+        (ExplicitRegions([[((0, 0), (11, 3))], [((0, 3), (11, 4))]]), ShardingSpec(Mesh(5), [Shard(0)])),
+    ],
+)
+def test_save_in_one_layout_load_in_another(tmp_path: Path, spec_a: object, spec_b: object) -> None:
+    g = torch.randn(11, 7)
+    pytreeckpt.save(tmp_path / "c", {"g": ShardedLeaf.from_global(g, spec_a)})
+    out = pytreeckpt.load(tmp_path / "c", {"g": Abstract((11, 7), torch.float32, spec_b)})["g"]
+    assert isinstance(out, ShardedLeaf)
+    assert out.spec == spec_b
+    assert torch.equal(out.to_global(), g)
+
+
+def test_targets_with_some_ranks_a_full_tensor_and_a_parameter(tmp_path: Path) -> None:
+    g = torch.randn(6, 4)
+    pytreeckpt.save(tmp_path / "c", {"g": ShardedLeaf.from_global(g, ShardingSpec(Mesh(2), [Shard(1)]))})
+    spec3 = ShardingSpec(Mesh(3), [Shard(0)])
+    some = ShardedLeaf((6, 4), torch.float32, spec3, {2: torch.zeros(2, 4)})
+    assert torch.equal(pytreeckpt.load(tmp_path / "c", {"g": some})["g"].shards[2], g[4:])
+    assert torch.equal(pytreeckpt.load(tmp_path / "c", {"g": torch.zeros(6, 4)})["g"], g)
+    param = torch.nn.Parameter(torch.zeros(6, 4), requires_grad=False)
+    out = pytreeckpt.load(tmp_path / "c", {"g": param})["g"]
+    assert isinstance(out, torch.nn.Parameter)
+    assert not out.requires_grad
+    assert torch.equal(out, g)
+
+
+def test_a_tensor_with_a_spec_is_laid_out_for_planning(tmp_path: Path) -> None:
+    g = torch.randn(8, 8)
+    spec = ShardingSpec(Mesh(4), [Replicate()])
+    pytreeckpt.save(
+        tmp_path / "c", {"g": g}, spec, chunking=pytreeckpt.ChunkingOptions(single_chunk_bytes=32, max_chunk_bytes=32)
+    )
+    meta = pytreeckpt.metadata(tmp_path / "c")
+    assert meta.arrays["g"].layout == spec
+    assert torch.equal(pytreeckpt.load(tmp_path / "c")["g"], g)
+
+
+def test_metadata_tree_is_a_load_target(tmp_path: Path) -> None:
+    pytreeckpt.save(
+        tmp_path / "c", {"w": torch.ones(2, 3, dtype=torch.bfloat16), "step": 4}, user_metadata={"run": "x"}
+    )
+    meta = pytreeckpt.metadata(tmp_path / "c")
+    assert meta.tree == {"w": Abstract((2, 3), torch.bfloat16), "step": 4}
+    assert meta.user_metadata == {"run": "x"}
+    assert meta.nbytes == 12
+    out = pytreeckpt.load(tmp_path / "c", meta.tree)
+    assert torch.equal(out["w"], torch.ones(2, 3, dtype=torch.bfloat16))
+
+
+def test_load_never_unpickles(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _, _, state = trained_state()
+    pytreeckpt.save(tmp_path / "c", state)
+
+    def forbidden(*args: object, **kwargs: object) -> None:
+        raise AssertionError("pickle used while loading")
+
+    for name in ("load", "loads", "Unpickler"):
+        monkeypatch.setattr(pickle, name, forbidden)
+    monkeypatch.setattr(torch, "load", forbidden)
+    out = pytreeckpt.load(tmp_path / "c")
+    assert out["step"] == 3
+
+
+def test_async_save_holds_the_state_at_the_call(tmp_path: Path) -> None:
+    w = torch.arange(6.0)
+    sharded = ShardedLeaf.from_global(torch.arange(4.0), FlatRanges([(0, 3), (3, 4)]))
+    h = pytreeckpt.async_save(tmp_path / "c", {"w": w, "s": sharded})
+    w.add_(100)
+    sharded.shards[0].add_(100)
+    h.wait()
+    assert h.done()
+    assert set(h.timings) >= {"plan", "snapshot", "write", "commit"}
+    out = pytreeckpt.load(tmp_path / "c")
+    assert torch.equal(out["w"], torch.arange(6.0))
+    assert torch.equal(out["s"], torch.arange(4.0))
+
+
+def _fail_writes(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pytreeckpt import _executor
+
+    def broken(self: object, *args: object, **kwargs: object) -> int:
+        raise OSError(28, "No space left on device (injected)")
+
+    monkeypatch.setattr(_executor.Storage, "write", broken)
+
+
+def test_async_failure_surfaces_on_wait(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _fail_writes(monkeypatch)
+    h = pytreeckpt.async_save(tmp_path / "c", {"w": torch.ones(2)})
+    with pytest.raises(OSError, match="No space left"):
+        h.wait()
+    assert h.done()
+    assert not (tmp_path / "c" / "pytreeckpt.json").exists()
+    monkeypatch.undo()
+    pytreeckpt.save(tmp_path / "c", {"w": torch.ones(2)})  # already reported: not raised again
+    assert torch.equal(pytreeckpt.load(tmp_path / "c")["w"], torch.ones(2))
+
+
+def test_unseen_async_failure_surfaces_on_the_next_save(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _fail_writes(monkeypatch)
+    h = pytreeckpt.async_save(tmp_path / "a", {"w": torch.ones(2)})
+    while not h.done():  # let it fail in the background, without asking
+        time.sleep(0.01)
+    monkeypatch.undo()
+    with pytest.raises(pytreeckpt.CheckpointError, match=r"previous async save.*No space left"):
+        pytreeckpt.save(tmp_path / "b", {"w": torch.ones(2)})
+    pytreeckpt.save(tmp_path / "b", {"w": torch.ones(2)})
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def test_not_a_committed_checkpoint(tmp_path: Path) -> None:
+    with pytest.raises(pytreeckpt.NotCommittedError, match="does not exist"):
+        pytreeckpt.load(tmp_path / "missing")
+    (tmp_path / "partial" / "arrays").mkdir(parents=True)
+    with pytest.raises(pytreeckpt.NotCommittedError, match="not a committed checkpoint"):
+        pytreeckpt.load(tmp_path / "partial")
+    with pytest.raises(pytreeckpt.NotCommittedError):
+        pytreeckpt.metadata(tmp_path / "partial")
+
+
+def test_target_mismatches_are_listed_by_key_path(tmp_path: Path) -> None:
+    pytreeckpt.save(tmp_path / "c", {"a": torch.ones(2, 3), "b": torch.ones(4), "n": 1})
+    target = {
+        "a": torch.zeros(3, 2),
+        "b": torch.zeros(4, dtype=torch.float16),
+        "missing": torch.zeros(1),
+        "n": torch.zeros(1),
+    }
+    with pytest.raises(pytreeckpt.TargetMismatchError) as info:
+        pytreeckpt.load(tmp_path / "c", target)
+    msg = str(info.value)
+    assert "'a': the checkpoint has shape (2, 3), the target has (3, 2)" in msg
+    assert "'b': the checkpoint has dtype float32, the target has float16" in msg
+    assert "'missing' of the target is not in the checkpoint" in msg
+    assert "'n': the checkpoint has the value 1, the target has an array" in msg
+
+
+def test_overwrite_and_foreign_directories(tmp_path: Path) -> None:
+    pytreeckpt.save(tmp_path / "c", {"v": 1})
+    with pytest.raises(pytreeckpt.CheckpointError, match="already holds a committed checkpoint"):
+        pytreeckpt.save(tmp_path / "c", {"v": 2})
+    pytreeckpt.save(tmp_path / "c", {"v": 2}, overwrite=True)
+    assert pytreeckpt.load(tmp_path / "c") == {"v": 2}
+    foreign = tmp_path / "mine"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("keep me")
+    with pytest.raises(pytreeckpt.CheckpointError, match="not a pytreeckpt checkpoint"):
+        pytreeckpt.save(foreign, {"v": 1})
+    assert (foreign / "notes.txt").read_text() == "keep me"
+
+
+def test_an_interrupted_save_is_cleared_by_the_next(tmp_path: Path) -> None:
+    path = tmp_path / "c"
+    (path / "arrays" / "old").mkdir(parents=True)
+    (path / "arrays" / "old" / "junk").write_bytes(b"x")
+    (path / ".tmp-abc").write_bytes(b"half a metadata document")
+    pytreeckpt.save(path, {"w": torch.ones(3)})
+    assert sorted(p.name for p in (path / "arrays").iterdir()) == ["w"]
+    assert not (path / ".tmp-abc").exists()
+    assert torch.equal(pytreeckpt.load(path)["w"], torch.ones(3))
+
+
+def test_saving_leaves_of_unsupported_types_names_them(tmp_path: Path) -> None:
+    with pytest.raises(pytreeckpt.CheckpointError, match=r"'a\.0'.*object"):
+        pytreeckpt.save(tmp_path / "c", {"a": [object()]})
+    with pytest.raises(pytreeckpt.CheckpointError, match=r"'x'.*Abstract placeholder"):
+        pytreeckpt.save(tmp_path / "c", {"x": Abstract((2,), torch.float32)})
+
+
+def test_a_sharded_leaf_missing_a_rank_cannot_be_saved(tmp_path: Path) -> None:
+    spec = ShardingSpec(Mesh(2), [Shard(0)])
+    leaf = ShardedLeaf((4,), torch.float32, spec, {0: torch.ones(2)})
+    with pytest.raises(pytreeckpt.CheckpointError, match=r"'w'.*rank 1"):
+        pytreeckpt.save(tmp_path / "c", {"w": leaf})
+    gap = ShardedLeaf.from_global(torch.ones(4), FlatRanges([(0, 1), (2, 4)]))
+    with pytest.raises(pytreeckpt.LayoutError, match=r"'w'.*held by no rank"):
+        pytreeckpt.save(tmp_path / "c", {"w": gap})
+
+
+def test_layout_errors_name_axis_and_shape() -> None:
+    with pytest.raises(pytreeckpt.LayoutError, match=r"Shard\(2\) on mesh axis 'tp'.*\(4, 4\)"):
+        ShardingSpec(Mesh(2, ["tp"]), [Shard(2)]).rank_pieces((4, 4))
+    with pytest.raises(pytreeckpt.LayoutError, match="local shard has shape"):
+        ShardedLeaf((4,), torch.float32, ShardingSpec(Mesh(2), [Shard(0)]), {0: torch.ones(3)})
+
+
+def test_files_are_where_the_metadata_says(tmp_path: Path) -> None:
+    pytreeckpt.save(tmp_path / "c", {"a/b": torch.ones(1), "A.B": torch.ones(1), "a.b": torch.ones(1)})
+    names = sorted(os.listdir(tmp_path / "c" / "arrays"))
+    assert len(names) == 3  # distinct even on case-insensitive file systems
+    assert all(bits(v).numel() == 1 for v in pytreeckpt.load(tmp_path / "c").values())

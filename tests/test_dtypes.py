@@ -1,0 +1,92 @@
+"""Every dtype round-trips bit for bit, in every shape."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+from helpers import bits
+
+import pytreeckpt
+
+ALL_DTYPES = [
+    torch.bool, torch.uint8, torch.int8, torch.int16, torch.uint16, torch.int32, torch.uint32, torch.int64,
+    torch.uint64, torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex32, torch.complex64,
+    torch.complex128, torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz,
+    torch.float8_e8m0fnu, torch.float4_e2m1fn_x2, torch.bits8, torch.bits16,
+]  # fmt: skip
+
+
+def random_bits(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    """Every bit pattern is fair game: NaNs with payloads, infinities, -0.0, subnormals."""
+    g = torch.Generator().manual_seed(seed)
+    n = int(np.prod(shape)) * dtype.itemsize
+    raw = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+    if dtype == torch.bool:
+        return (raw % 2 == 1).reshape(shape)
+    return raw.view(dtype).reshape(shape)
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+def test_every_dtype_round_trips_bit_for_bit(tmp_path: Path, dtype: torch.dtype) -> None:
+    tree = {
+        "matrix": random_bits((7, 5), dtype, 1),
+        "scalar": random_bits((), dtype, 2),
+        "empty": random_bits((0, 5), dtype),
+        "transposed": random_bits((4, 6), dtype, 3).t(),  # not contiguous
+    }
+    pytreeckpt.save(tmp_path / "c", tree)
+    out = pytreeckpt.load(tmp_path / "c")
+    for k, v in tree.items():
+        assert out[k].dtype == dtype, k
+        assert out[k].shape == v.shape, k
+        assert torch.equal(bits(out[k]), bits(v)), k
+    # and into a target of the same dtype, sharded
+    target = {"matrix": pytreeckpt.Abstract((7, 5), dtype, pytreeckpt.FlatRanges([(0, 11), (11, 35)]))}
+    sharded = pytreeckpt.load(tmp_path / "c", target)["matrix"]
+    assert torch.equal(bits(sharded.to_global()), bits(tree["matrix"]))
+
+
+def test_special_float_values_survive(tmp_path: Path) -> None:
+    special = [0.0, -0.0, float("inf"), float("-inf"), float("nan"), 1e-45, 5e-324, -1.5]
+    tree = {
+        str(dt): torch.tensor(special, dtype=torch.float64).to(dt)
+        for dt in (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+    }
+    payload = torch.tensor([0x7FC00123, 0xFFC00001], dtype=torch.int64).to(torch.int32).view(torch.float32)
+    tree["nan_payloads"] = payload
+    pytreeckpt.save(tmp_path / "c", tree)
+    out = pytreeckpt.load(tmp_path / "c")
+    for k, v in tree.items():
+        assert torch.equal(bits(out[k]), bits(v)), k
+
+
+def test_numpy_leaves_come_back_as_numpy(tmp_path: Path) -> None:
+    tree = {
+        "f32": np.linspace(0, 1, 12, dtype=np.float32).reshape(3, 4),
+        "bf16": np.array([1.5, -2.25, np.nan], dtype=ml_dtypes.bfloat16),
+        "f8": np.array([0.5, 448], dtype=ml_dtypes.float8_e4m3fn),
+        "u64": np.array([2**64 - 1, 0], dtype=np.uint64),
+        "scalar": np.float64(3.25),
+        "bool": np.array([True, False]),
+    }
+    pytreeckpt.save(tmp_path / "c", tree)
+    out = pytreeckpt.load(tmp_path / "c")
+    for k, v in tree.items():
+        v = np.asarray(v)
+        assert isinstance(out[k], np.ndarray), k
+        assert out[k].dtype == v.dtype, k
+        assert out[k].tobytes() == v.tobytes(), k
+    # a numpy leaf loads into a torch target of the same dtype
+    t = pytreeckpt.load(tmp_path / "c", {"bf16": torch.zeros(3, dtype=torch.bfloat16)})["bf16"]
+    assert t.view(torch.int16).numpy().tobytes() == tree["bf16"].tobytes()
+
+
+@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor")
+def test_quantized_dtype_is_refused_naming_the_leaf(tmp_path: Path) -> None:
+    q = torch.quantize_per_tensor(torch.ones(3), 0.1, 0, torch.qint8)
+    with pytest.raises(pytreeckpt.CheckpointError, match=r"'layer\.q'.*cannot be stored"):
+        pytreeckpt.save(tmp_path / "c", {"layer": {"q": q}})

@@ -1,0 +1,111 @@
+"""The metadata document: paths stay inside the checkpoint; malformed documents are clear errors."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import pytreeckpt
+from pytreeckpt._format import array_names, parse_document
+
+
+def saved(tmp_path: Path) -> tuple[Path, dict[str, Any]]:
+    pytreeckpt.save(tmp_path / "c", {"w": torch.arange(4.0), "step": 1})
+    return tmp_path / "c", json.loads((tmp_path / "c" / "pytreeckpt.json").read_text())
+
+
+def rewrite(path: Path, doc: Any) -> None:
+    (path / "pytreeckpt.json").write_text(json.dumps(doc))
+
+
+@pytest.mark.parametrize("bad", ["../x", "/etc", "arrays/../../x", "arrays/../arrays/w", "arrays/.", "arrays/a/b", ""])
+def test_array_paths_cannot_leave_the_checkpoint(tmp_path: Path, bad: str) -> None:
+    path, doc = saved(tmp_path)
+    doc["leaves"][0]["path"] = bad
+    rewrite(path, doc)
+    with pytest.raises(pytreeckpt.MetadataError, match=r"leaf 'w': array path .* not of the form"):
+        pytreeckpt.load(path)
+
+
+def test_a_symlink_out_of_the_checkpoint_is_refused(tmp_path: Path) -> None:
+    path, _ = saved(tmp_path)
+    outside = tmp_path / "outside"
+    os.rename(path / "arrays" / "w", outside)
+    os.symlink(outside, path / "arrays" / "w")
+    with pytest.raises(pytreeckpt.CheckpointError, match=r"leaf 'w'.*leads outside the checkpoint"):
+        pytreeckpt.load(path)
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda d: d.update(format="other"), "not a pytreeckpt metadata document"),
+        (lambda d: d.update(version=99), "version 99 is not supported"),
+        (lambda d: d["leaves"][0].update(dtype="float128"), "unknown dtype"),
+        (lambda d: d["leaves"][0].update(shape=[-1]), "shape must be a list of non-negative integers"),
+        (lambda d: d["leaves"][0].update(shape="big"), "shape must be a list"),
+        (lambda d: d["leaves"][0].update(chunk_shape=[0]), "chunk_shape"),
+        (lambda d: d["leaves"][0].update(kind="pickle"), "unknown kind"),
+        (lambda d: d["leaves"][0].update(storage_dtype="int8"), "is stored as float32"),
+        (lambda d: d.update(tree={"k": "dict", "keys": ["a"], "c": [5]}), "names leaf 5"),
+        (lambda d: d.update(tree={"k": "evil", "c": []}), "unknown tree node kind"),
+        (lambda d: d.update(leaves="x"), "'leaves' must be a list"),
+        (lambda d: d["leaves"][1].update(value={"$class": "os.system"}), "malformed inline value"),
+    ],
+)
+def test_malformed_metadata_is_a_metadata_error(tmp_path: Path, edit: Any, message: str) -> None:
+    path, doc = saved(tmp_path)
+    edit(doc)
+    rewrite(path, doc)
+    with pytest.raises(pytreeckpt.MetadataError, match=message):
+        pytreeckpt.load(path)
+
+
+@pytest.mark.parametrize("raw", [b"", b"{", b"[1, 2]", b'{"format": NaN}', b"\xff\xfe", b"[" * 100000])
+def test_garbage_documents_are_metadata_errors(raw: bytes) -> None:
+    with pytest.raises(pytreeckpt.MetadataError):
+        parse_document(raw)
+
+
+def test_a_stored_array_that_disagrees_with_the_metadata_is_refused(tmp_path: Path) -> None:
+    path, doc = saved(tmp_path)
+    doc["leaves"][0]["shape"] = [8]
+    rewrite(path, doc)
+    with pytest.raises(pytreeckpt.CheckpointError, match=r"leaf 'w': cannot open stored array"):
+        pytreeckpt.load(path)
+
+
+def test_a_missing_chunk_is_an_error_not_zeros(tmp_path: Path) -> None:
+    path, _ = saved(tmp_path)
+    chunks = [p for p in (path / "arrays" / "w").rglob("*") if p.is_file() and p.name != "zarr.json"]
+    assert chunks
+    for c in chunks:
+        c.unlink()
+    with pytest.raises(pytreeckpt.CheckpointError, match="leaf 'w'"):
+        pytreeckpt.load(path)
+
+
+def test_a_corrupted_chunk_fails_its_checksum(tmp_path: Path) -> None:
+    path, _ = saved(tmp_path)
+    (chunk,) = [p for p in (path / "arrays" / "w").rglob("*") if p.is_file() and p.name != "zarr.json"]
+    data = bytearray(chunk.read_bytes())
+    data[0] ^= 0xFF
+    chunk.write_bytes(bytes(data))
+    with pytest.raises(pytreeckpt.CheckpointError, match="leaf 'w'"):
+        pytreeckpt.load(path)
+
+
+def test_array_names() -> None:
+    assert array_names(["model.w", "model/w", "", "Model.W", "..", "-x"]) == [
+        "model.w",
+        "model_w",
+        "root",
+        "Model.W~1",
+        "_..",
+        "_-x",
+    ]

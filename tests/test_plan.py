@@ -1,0 +1,108 @@
+"""The pure planning layer, on hand-made layouts (no I/O)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from pytreeckpt import ExplicitRegions, FlatRanges, LayoutError, Mesh, Replicate, Shard, ShardingSpec
+from pytreeckpt._plan import ArrayLayout, ChunkingOptions, LoadPlan, SavePlan, choose_chunk_shape, plan_load, plan_save
+
+KiB = 1024
+
+
+def layout(key: str, shape: tuple[int, ...], spec: object, itemsize: int = 4) -> ArrayLayout:
+    return ArrayLayout(key, shape, itemsize, spec.rank_pieces(shape))  # type: ignore[attr-defined]
+
+
+def written_counts(plan: SavePlan, shape: tuple[int, ...], index: int = 0) -> np.ndarray:
+    counts = np.zeros(shape, dtype=int)
+    for op in plan.arrays[index].writes:
+        counts[op.region.slices()] += 1
+    return counts
+
+
+def test_aligned_shards_are_written_directly_by_their_owner() -> None:
+    spec = ShardingSpec(Mesh(4), [Shard(0)])
+    plan = plan_save([layout("w", (1024, 512), spec)], 4, ChunkingOptions(single_chunk_bytes=0))
+    ap = plan.arrays[0]
+    assert ap.chunk_shape == (256, 512)  # one chunk per shard
+    assert [(op.writer, op.is_direct) for op in ap.writes] == [(0, True), (1, True), (2, True), (3, True)]
+    assert (written_counts(plan, (1024, 512)) == 1).all()
+
+
+def test_replicated_data_is_written_once_balanced_across_holders() -> None:
+    spec = ShardingSpec(Mesh(4), [Replicate()])
+    opts = ChunkingOptions(single_chunk_bytes=0, min_chunk_bytes=0, max_chunk_bytes=64 * KiB)
+    plan = plan_save([layout("r", (1024, 64), spec)], 4, opts)  # 256 KiB in 64 KiB chunks
+    assert plan.bytes_per_rank() == (64 * KiB,) * 4
+    assert (written_counts(plan, (1024, 64)) == 1).all()
+
+
+def test_many_small_replicated_arrays_spread_over_ranks() -> None:
+    spec = ShardingSpec(Mesh(3), [Replicate()])
+    plan = plan_save([layout(f"b{i}", (100,), spec) for i in range(30)], 3)
+    assert plan.bytes_per_rank() == (4000, 4000, 4000)
+
+
+def test_chunks_straddling_shards_are_merged_by_one_writer() -> None:
+    spec = FlatRanges([(0, 7), (7, 20), (20, 30)])
+    opts = ChunkingOptions(single_chunk_bytes=0, min_chunk_bytes=1000, max_chunk_bytes=40)
+    plan = plan_save([layout("f", (5, 6), spec)], 3, opts)
+    merged = [op for op in plan.arrays[0].writes if not op.is_direct]
+    assert merged  # irregular pieces routed to the writer of their chunk
+    for op in merged:
+        assert {f.rank for f in op.sources} != {op.writer}
+    assert (written_counts(plan, (5, 6)) == 1).all()
+
+
+def test_small_arrays_are_one_chunk() -> None:
+    spec = ShardingSpec(Mesh(4), [Shard(0)])
+    plan = plan_save([layout("b", (10,), spec)], 4)
+    assert plan.arrays[0].chunk_shape == (10,)
+    assert len(plan.arrays[0].writes) == 1
+
+
+def test_a_gap_in_the_layout_names_the_leaf() -> None:
+    with pytest.raises(LayoutError, match=r"leaf 'g'.*held by no rank"):
+        plan_save([layout("g", (10,), FlatRanges([(0, 4), (5, 10)]))], 2)
+
+
+def test_load_reads_identical_regions_once_for_all_ranks_that_want_them() -> None:
+    stored = [("w", (8, 8), 4, (4, 8))]
+    target = ShardingSpec(Mesh((2, 2)), [Replicate(), Shard(0)]).rank_pieces((8, 8))
+    plan = plan_load(stored, [target], 4)
+    reads = plan.arrays[0].reads
+    assert len(reads) == 2
+    assert sorted(sorted(t.rank for t in op.targets) for op in reads) == [[0, 2], [1, 3]]
+    assert sum(plan.bytes_per_rank()) == 8 * 8 * 4  # every stored byte read once
+    assert len({op.reader for op in reads}) == 2  # spread over ranks
+
+
+def test_load_cuts_target_pieces_along_stored_chunks() -> None:
+    stored = [("w", (10,), 4, (3,))]
+    target = ExplicitRegions([[((1,), (7,))]]).rank_pieces((10,))
+    reads = plan_load(stored, [target], 1).arrays[0].reads
+    assert [(op.region.offset, op.region.shape) for op in reads] == [((1,), (2,)), ((3,), (3,)), ((6,), (2,))]
+
+
+def test_plans_round_trip_through_json() -> None:
+    spec = FlatRanges([(0, 7), (7, 30)])
+    plan = plan_save([layout("f", (5, 6), spec), layout("r", (3,), ShardingSpec(Mesh(2), [Replicate()]))], 2)
+    assert SavePlan.from_json(json.loads(json.dumps(plan.to_json()))) == plan
+    lp = plan_load([("f", (5, 6), 4, plan.arrays[0].chunk_shape)], [spec.rank_pieces((5, 6))], 2)
+    assert LoadPlan.from_json(json.loads(json.dumps(lp.to_json()))) == lp
+
+
+def test_chunk_shape_choice() -> None:
+    opts = ChunkingOptions(single_chunk_bytes=1024, min_chunk_bytes=256, max_chunk_bytes=4096)
+    one = ShardingSpec(Mesh(1), [Replicate()])
+    assert choose_chunk_shape((16,), 4, one.rank_pieces((16,)), opts) == (16,)  # small: one chunk
+    assert choose_chunk_shape((0, 5), 4, one.rank_pieces((0, 5)), opts) == (1, 5)  # zero-size
+    four = ShardingSpec(Mesh(4), [Shard(0)])
+    assert choose_chunk_shape((64, 32), 4, four.rank_pieces((64, 32)), opts) == (16, 32)  # aligned, 2 KiB
+    big = ShardingSpec(Mesh(2), [Shard(0)])
+    shape = (64, 64)  # shards of 8 KiB split to 4 KiB, still aligned
+    assert choose_chunk_shape(shape, 4, big.rank_pieces(shape), opts) == (16, 64)

@@ -1,0 +1,122 @@
+"""Trees: every node kind, key paths, inline Python values, spec prefixes."""
+
+from __future__ import annotations
+
+import collections
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import NAMESPACE, Config, Pair, Point, assert_trees_equal, every_node_kind
+
+import pytreeckpt
+from pytreeckpt import Abstract, Mesh, Shard, ShardingSpec
+
+
+def test_every_node_kind_round_trips_without_a_target(tmp_path: Path) -> None:
+    tree = every_node_kind()
+    pytreeckpt.save(tmp_path / "c", tree, namespace=NAMESPACE)
+    out = pytreeckpt.load(tmp_path / "c", namespace=NAMESPACE)
+    assert_trees_equal(out, tree)
+    assert out["default"].default_factory is list
+    assert out["deque"].maxlen == 5
+
+
+def test_every_node_kind_round_trips_into_a_target(tmp_path: Path) -> None:
+    tree = every_node_kind()
+    pytreeckpt.save(tmp_path / "c", tree, namespace=NAMESPACE)
+    target = every_node_kind()  # same structure, other values
+    out = pytreeckpt.load(tmp_path / "c", target, namespace=NAMESPACE)
+    assert_trees_equal(out, tree)
+
+
+def test_dict_keys_keep_their_types_and_order(tmp_path: Path) -> None:
+    tree = {"b": 1, 3: 2, "a": 3, (1, "x"): 4, 2.5: 5, True: 6, None: 7}
+    pytreeckpt.save(tmp_path / "c", tree)
+    out = pytreeckpt.load(tmp_path / "c")
+    assert list(out.items()) == list(tree.items())
+    assert [type(k) for k in out] == [type(k) for k in tree]
+
+
+def test_python_leaves_are_inline_in_the_metadata_with_their_types(tmp_path: Path) -> None:
+    tree = {"i": 1, "f": 1.0, "b": True, "s": "text", "n": None, "nan": math.nan, "inf": -math.inf, "nz": -0.0}
+    pytreeckpt.save(tmp_path / "c", tree)
+    doc = json.loads((tmp_path / "c" / "pytreeckpt.json").read_text())
+    inline = {leaf["key"]: leaf["value"] for leaf in doc["leaves"] if leaf["kind"] == "value"}
+    assert inline["i"] == 1
+    assert inline["s"] == "text"
+    assert inline["b"] is True
+    assert inline["n"] is None
+    assert not list((tmp_path / "c" / "arrays").iterdir())  # no array files for values
+    out = pytreeckpt.load(tmp_path / "c")
+    assert type(out["i"]) is int
+    assert type(out["f"]) is float
+    assert type(out["b"]) is bool
+    assert math.isnan(out["nan"])
+    assert out["inf"] == -math.inf
+    assert math.copysign(1.0, out["nz"]) == -1.0
+
+
+def test_key_paths_are_dotted_and_readable(tmp_path: Path) -> None:
+    m = torch.nn.Sequential(torch.nn.Linear(2, 3))
+    opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    m(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    pytreeckpt.save(tmp_path / "c", {"model": m.state_dict(), "optim": opt.state_dict()})
+    arrays = pytreeckpt.metadata(tmp_path / "c").arrays
+    assert {"model.0.weight", "model.0.bias", "optim.state.0.momentum_buffer"} <= set(arrays)
+    assert (tmp_path / "c" / "arrays" / "model.0.weight" / "zarr.json").exists()
+
+
+def test_namedtuple_and_dataclass_types_are_resolved_only_when_imported(tmp_path: Path) -> None:
+    tree = {"p": Point(1, 2), "c": Config(0.5, (0.1, 0.2), torch.ones(1))}
+    pytreeckpt.save(tmp_path / "c", tree)
+    doc = (tmp_path / "c" / "pytreeckpt.json").read_text()
+    # A checkpoint naming a type in a module that is not imported: rebuilt without importing it.
+    (tmp_path / "c" / "pytreeckpt.json").write_text(doc.replace("helpers:", "not_imported_module_xyz:"))
+    out = pytreeckpt.load(tmp_path / "c")
+    assert out["p"] == (1, 2)
+    assert out["p"]._fields == ("x", "y")
+    assert type(out["p"]) is not Point
+    assert out["c"]["lr"] == 0.5
+    assert torch.equal(out["c"]["weights"], torch.ones(1))
+    import sys
+
+    assert "not_imported_module_xyz" not in sys.modules
+
+
+def test_custom_node_without_its_namespace_is_an_error_naming_the_path(tmp_path: Path) -> None:
+    with pytest.raises(pytreeckpt.CheckpointError, match=r"'x\.p'.*Pair"):
+        pytreeckpt.save(tmp_path / "c", {"x": {"p": Pair(1, 2)}})
+
+
+def test_spec_is_a_prefix_of_the_tree(tmp_path: Path) -> None:
+    spec2 = ShardingSpec(Mesh(2), [Shard(0)])
+    w = torch.arange(12.0).reshape(4, 3)
+    tree = {"model": {"w": w, "b": torch.ones(4)}, "step": 3, "other": torch.zeros(2)}
+    pytreeckpt.save(tmp_path / "c", tree, {"model": spec2, "step": None, "other": None})
+    arrays = pytreeckpt.metadata(tmp_path / "c").arrays
+    assert arrays["model.w"].layout == spec2
+    assert arrays["model.b"].layout == spec2
+    assert arrays["other"].layout is None
+    out = pytreeckpt.load(tmp_path / "c", {"model": {"w": Abstract((4, 3), torch.float32), "b": torch.zeros(4)}})
+    assert torch.equal(out["model"]["w"], w)
+
+
+def test_a_spec_that_is_not_a_prefix_names_the_key_path(tmp_path: Path) -> None:
+    spec2 = ShardingSpec(Mesh(2), [Shard(0)])
+    tree = {"model": {"w": torch.ones(4)}}
+    with pytest.raises(pytreeckpt.CheckpointError, match=r"'model'.*\['w'\].*\['v'\]"):
+        pytreeckpt.save(tmp_path / "c", tree, {"model": {"v": spec2}})
+    with pytest.raises(pytreeckpt.CheckpointError, match=r"'model\.w'.*leaf"):
+        pytreeckpt.save(tmp_path / "c", tree, {"model": {"w": [spec2]}})
+
+
+def test_defaultdict_with_an_unknown_factory_comes_back_without_one(tmp_path: Path) -> None:
+    dd: collections.defaultdict[str, int] = collections.defaultdict(lambda: 3, {"a": 1})
+    pytreeckpt.save(tmp_path / "c", {"d": dd})
+    out = pytreeckpt.load(tmp_path / "c")["d"]
+    assert out == {"a": 1}
+    assert out.default_factory is None
