@@ -271,3 +271,39 @@ def failing_save(rank: int, world: int, path: str, bad_rank: int) -> str:
     except pytreeckpt.CheckpointError as e:
         return str(e)
     return "no error"
+
+
+def partial_and_conversions(rank: int, world: int) -> dict[str, Any]:
+    """A Partial DTensor is refused with a clear error; specs convert both ways."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+    partial = DTensor.from_local(torch.ones(4), mesh, [Shard(0), Partial()], run_check=False)
+    try:
+        pytreeckpt.save("/nonexistent/never-written", {"p": partial})
+        error = "no error"
+    except pytreeckpt.CheckpointError as e:
+        error = str(e)
+    dt = distribute_tensor(torch.arange(32.0).reshape(8, 4), mesh, [_StridedShard(0, split_factor=2), Shard(0)])
+    spec, ranks = pytreeckpt.spec_from_dtensor(dt)
+    back = pytreeckpt.placements_from_spec(spec)
+    return {"error": error, "roundtrip": tuple(back) == tuple(dt.placements), "ranks": ranks, "mesh": spec.mesh.shape}
+
+
+def direct_state_dict_save(rank: int, world: int, path: str) -> dict[str, Any]:
+    """model.state_dict() of an FSDP2 model, saved directly (no state_dict helpers)."""
+    model, _, _, _ = build(world, "fsdp", seed=7)
+    sd = model.state_dict()
+    pytreeckpt.save(path, {"model": sd})
+    full = _full(sd)  # collective: every rank takes part
+    return {"full": full if rank == 0 else None}
+
+
+def direct_state_dict_load(rank: int, world: int, path: str) -> dict[str, Any]:
+    model, _, _, _ = build(world, "fsdp", seed=99)
+    loaded = pytreeckpt.load(path, {"model": model.state_dict()})
+    model.load_state_dict(loaded["model"])
+    full = _full(model.state_dict())
+    return {"full": full if rank == 0 else None}

@@ -109,6 +109,48 @@ def test_a_failing_rank_fails_every_rank_and_commits_nothing(tmp_path: Path) -> 
         pytreeckpt.load(path)
 
 
+def test_partial_is_refused_and_specs_convert_both_ways() -> None:
+    results = run_world(4, w.partial_and_conversions)
+    for r in results:
+        assert "Partial" in r["error"] and "'p'" in r["error"], r["error"]
+        assert r["roundtrip"]
+        assert r["mesh"] == (2, 2) and r["ranks"] == (0, 1, 2, 3)
+
+
+def test_fsdp2_state_dict_saved_and_loaded_directly(tmp_path: Path) -> None:
+    path = str(tmp_path / "ckpt")
+    (saved,) = run_world(2, w.direct_state_dict_save, path)[:1]
+    (loaded,) = run_world(4, w.direct_state_dict_load, path)[:1]
+    assert saved["full"].keys() == loaded["full"].keys()
+    for k, v in saved["full"].items():
+        assert torch.equal(loaded["full"][k], v), k
+
+
+def test_the_fsdp2_example_resumes_at_another_world_size(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from multiproc import free_port
+
+    example = Path(__file__).parent.parent / "examples" / "fsdp2_resume.py"
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--master-addr", "127.0.0.1"]
+    outputs = []
+    for ranks, steps in ((4, 4), (2, 2)):
+        cmd = [*torchrun, f"--master-port={free_port()}", f"--nproc-per-node={ranks}", str(example)]
+        done = subprocess.run(
+            [*cmd, "--dir", str(tmp_path), "--steps", str(steps), "--save-every", "2"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        outputs.append(done.stdout)
+    assert "done at step 4" in outputs[0]
+    assert "resumed step_4 (saved by 4 ranks) on 2 ranks" in outputs[1]
+    assert "done at step 6" in outputs[1]
+    assert pytreeckpt.metadata(tmp_path / "step_6").user_metadata == {"world_size": 2}
+
+
 def test_flat_range_world_math() -> None:
     # the FSDP1-style ranges used above cover each parameter exactly once
     n, world = 70, 4

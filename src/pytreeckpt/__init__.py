@@ -19,6 +19,8 @@ from ._api import async_save as async_save
 from ._api import load as load
 from ._api import metadata as metadata
 from ._api import save as save
+from ._distributed import placements_from_spec as placements_from_spec
+from ._distributed import spec_from_dtensor as spec_from_dtensor
 from ._errors import CheckpointError as CheckpointError
 from ._errors import LayoutError as LayoutError
 from ._errors import MetadataError as MetadataError
@@ -70,5 +72,7 @@ __all__ = [
     "async_save",
     "load",
     "metadata",
+    "placements_from_spec",
     "save",
+    "spec_from_dtensor",
 ]

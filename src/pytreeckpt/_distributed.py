@@ -94,7 +94,11 @@ def _placement_of(p: Any) -> Placement:
 
 
 def spec_from_dtensor(dt: Any) -> tuple[ShardingSpec, tuple[int, ...]]:
-    """The spec of a DTensor and the global ranks of its mesh, in row-major mesh order."""
+    """The spec of a DTensor and the global ranks of its mesh, in row-major mesh order.
+
+    Raises:
+      LayoutError: for a ``Partial`` placement (unreduced values cannot be saved).
+    """
     mesh = dt.device_mesh
     names = mesh.mesh_dim_names or tuple(f"axis{i}" for i in range(mesh.ndim))
     spec = ShardingSpec(Mesh(tuple(mesh.shape), names), [_placement_of(p) for p in dt.placements])
@@ -102,7 +106,12 @@ def spec_from_dtensor(dt: Any) -> tuple[ShardingSpec, tuple[int, ...]]:
 
 
 def placements_from_spec(spec: ShardingSpec) -> list[Any]:
-    """DTensor placements equal to a spec's."""
+    """DTensor placements equal to a spec's, e.g. to ``distribute_tensor`` a loaded tensor.
+
+    >>> from pytreeckpt import Mesh, Shard, ShardingSpec, StridedShard
+    >>> placements_from_spec(ShardingSpec(Mesh((2, 2)), [StridedShard(0, 2), Shard(0)]))
+    [_StridedShard(dim=0, sf=2), Shard(dim=0)]
+    """
     from torch.distributed.tensor.placement_types import Replicate as TReplicate
     from torch.distributed.tensor.placement_types import Shard as TShard
     from torch.distributed.tensor.placement_types import _StridedShard
