@@ -112,9 +112,11 @@ def test_a_failing_rank_fails_every_rank_and_commits_nothing(tmp_path: Path) -> 
 def test_partial_is_refused_and_specs_convert_both_ways() -> None:
     results = run_world(4, w.partial_and_conversions)
     for r in results:
-        assert "Partial" in r["error"] and "'p'" in r["error"], r["error"]
+        assert "Partial" in r["error"], r["error"]
+        assert "'p'" in r["error"], r["error"]
         assert r["roundtrip"]
-        assert r["mesh"] == (2, 2) and r["ranks"] == (0, 1, 2, 3)
+        assert r["mesh"] == (2, 2)
+        assert r["ranks"] == (0, 1, 2, 3)
 
 
 def test_fsdp2_state_dict_saved_and_loaded_directly(tmp_path: Path) -> None:
