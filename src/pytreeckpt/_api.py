@@ -667,6 +667,9 @@ def load(
         differs in shape, dtype or kind.
       MetadataError: the metadata is malformed or unsafe.
     """
+    # A save in flight may be running collectives on the checkpoint groups, and may be
+    # writing the very checkpoint asked for: let it finish first.
+    _wait_in_flight()
     comm = _comm(process_group)
     storage = Storage(path, executor)
     if comm is None:

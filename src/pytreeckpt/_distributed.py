@@ -66,9 +66,18 @@ def checkpoint_group(group: Any = None) -> tuple[Any, Any]:
     ranks = None if group is None else dist.get_process_group_ranks(group)
     key = (id(dist.distributed_c10d._get_default_group()), None if ranks is None else tuple(ranks))
     with _GROUPS_LOCK:
-        if key not in _GROUPS:
+        if key not in _GROUPS or not all(_alive(g) for g in _GROUPS[key]):
+            # (a group of a destroyed world is remade: a new default group may reuse the old one's id)
             _GROUPS[key] = (dist.new_group(ranks, backend="gloo"), dist.new_group(ranks, backend="gloo"))
-        return _GROUPS[key]  # type: ignore[no-any-return]
+        return _GROUPS[key]
+
+
+def _alive(group: Any) -> bool:
+    try:
+        dist.get_process_group_ranks(group)
+    except (ValueError, RuntimeError, KeyError):
+        return False
+    return True
 
 
 # --------------------------------------------------------------------------- DTensor

@@ -198,7 +198,7 @@ class Storage:
                 self._check_inside(self.root / meta.path, meta.key)
             spec = self._spec(meta, create)
             if create:
-                futures.append(ts.open(spec, context=self.context, create=True, delete_existing=True))
+                futures.append(ts.open(spec, context=self.context, create=True))
             else:
                 futures.append(ts.open(spec, context=self.context, open=True))
         stores = []
