@@ -74,10 +74,41 @@ def test_garbage_documents_are_metadata_errors(raw: bytes) -> None:
 
 def test_a_stored_array_that_disagrees_with_the_metadata_is_refused(tmp_path: Path) -> None:
     path, doc = saved(tmp_path)
-    doc["leaves"][0]["shape"] = [8]
+    doc["leaves"][0]["shape"] = [2]  # smaller than stored: zarr.json disagrees
     rewrite(path, doc)
     with pytest.raises(pytreeckpt.CheckpointError, match=r"leaf 'w': cannot open stored array"):
         pytreeckpt.load(path)
+
+
+def test_a_huge_claimed_shape_is_refused_before_any_allocation(tmp_path: Path) -> None:
+    path, doc = saved(tmp_path)
+    doc["leaves"][0]["shape"] = [2**40, 2**20]
+    doc["leaves"][0]["chunk_shape"] = [2**20, 2**20]
+    rewrite(path, doc)
+    with pytest.raises(pytreeckpt.MetadataError, match=r"leaf 'w': the metadata claims .* holds only \d+ bytes"):
+        pytreeckpt.load(path)
+
+
+def test_verify_reports_damaged_leaves_and_chunks(tmp_path: Path) -> None:
+    pytreeckpt.save(
+        tmp_path / "c",
+        {"a": torch.arange(64.0), "b": torch.arange(64.0), "c": torch.ones(3)},
+        chunking=pytreeckpt.ChunkingOptions(single_chunk_bytes=0, min_chunk_bytes=0, max_chunk_bytes=64),
+    )
+    assert pytreeckpt.verify(tmp_path / "c").ok
+    chunk_files = sorted(
+        p for p in (tmp_path / "c" / "arrays" / "a").rglob("*") if p.is_file() and p.name != "zarr.json"
+    )
+    raw = bytearray(chunk_files[1].read_bytes())
+    raw[3] ^= 0x01
+    chunk_files[1].write_bytes(bytes(raw))
+    (tmp_path / "c" / "arrays" / "c" / "zarr.json").unlink()
+    report = pytreeckpt.verify(tmp_path / "c")
+    assert not report.ok
+    assert report.damaged_leaves == ("a", "c")
+    (a_problem,) = [p for p in report.problems if p[0] == "a"]
+    assert a_problem[1] is not None  # the damaged chunk is named
+    assert report.chunks >= 8
 
 
 def test_a_missing_chunk_is_an_error_not_zeros(tmp_path: Path) -> None:

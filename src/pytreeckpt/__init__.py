@@ -15,10 +15,12 @@ tensor([[ 2.],
 
 from ._api import CheckpointMetadata as CheckpointMetadata
 from ._api import SaveHandle as SaveHandle
+from ._api import VerifyReport as VerifyReport
 from ._api import async_save as async_save
 from ._api import load as load
 from ._api import metadata as metadata
 from ._api import save as save
+from ._api import verify as verify
 from ._distributed import placements_from_spec as placements_from_spec
 from ._distributed import spec_from_dtensor as spec_from_dtensor
 from ._errors import CheckpointError as CheckpointError
@@ -69,10 +71,12 @@ __all__ = [
     "ShardingSpec",
     "StridedShard",
     "TargetMismatchError",
+    "VerifyReport",
     "async_save",
     "load",
     "metadata",
     "placements_from_spec",
     "save",
     "spec_from_dtensor",
+    "verify",
 ]

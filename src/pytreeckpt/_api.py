@@ -27,7 +27,7 @@ from ._region import Region
 from ._sharding import Layout, Mesh, Piece, Replicate, ShardingSpec
 from ._tree import PYTHON_LEAF_TYPES, KeyEntry, Node, broadcast_prefix, encode_value, flatten, keystr
 
-__all__ = ["CheckpointMetadata", "SaveHandle", "async_save", "load", "metadata", "save"]
+__all__ = ["CheckpointMetadata", "SaveHandle", "VerifyReport", "async_save", "load", "metadata", "save", "verify"]
 
 PathLike = str | os.PathLike[str]
 _SINGLE = ShardingSpec(Mesh(1), [Replicate()])
@@ -237,6 +237,7 @@ class _SaveJob:
     overwrite: bool
     timings: dict[str, float]
     comm: Any = None
+    _lock: Any = None
 
     def snapshot(self) -> None:
         t0 = time.perf_counter()
@@ -248,38 +249,53 @@ class _SaveJob:
         dtypes = [m.dtype.numpy for m in self.metas]
         t0 = time.perf_counter()
         if self.comm is None:
-            self.storage.prepare(self.overwrite)
-            items = ((i, op.region, buf) for i, op, buf in write_items(self.plan.arrays, self.data, dtypes, None))
-            self.storage.write(self.metas, items)
-            t1 = time.perf_counter()
-            self.storage.commit(self.document)
-        else:
-            comm = self.comm
-            error: BaseException | None = None
-            if comm.rank == 0:
-                try:
-                    self.storage.prepare(self.overwrite)
-                    self.storage.open_arrays(self.metas, create=True)
-                except Exception as e:
-                    error = e
-            comm.agree(error, "preparing the checkpoint directory")
-            transfers = comm.post_write_transfers(self.plan.arrays, self.data, dtypes)
+            lock = self.storage.lock()
             try:
-                self.storage.write(self.metas, transfers.items(), create=False)
-            except Exception as e:
-                error = e
+                self.storage.prepare(self.overwrite)
+                items = ((i, op.region, buf) for i, op, buf in write_items(self.plan.arrays, self.data, dtypes, None))
+                self.storage.write(self.metas, items)
+                t1 = time.perf_counter()
+                self.storage.commit(self.document)
             finally:
-                transfers.wait_all()
-            comm.agree(error, "writing the checkpoint")
-            t1 = time.perf_counter()
-            if comm.rank == 0:
-                try:
-                    self.storage.commit(self.document)
-                except Exception as e:
-                    error = e
-            comm.agree(error, "committing the checkpoint")
+                lock.release()
+        else:
+            try:
+                t1 = self._persist_distributed(dtypes)
+            finally:
+                if self._lock is not None:
+                    self._lock.release()
+                    self._lock = None
         self.timings["write"] = t1 - t0
         self.timings["commit"] = time.perf_counter() - t1
+
+    def _persist_distributed(self, dtypes: list[np.dtype]) -> float:
+        """Rank 0 prepares the directory (holding its lock), every rank writes, rank 0 commits."""
+        comm = self.comm
+        error: BaseException | None = None
+        if comm.rank == 0:
+            try:
+                self._lock = self.storage.lock()
+                self.storage.prepare(self.overwrite)
+                self.storage.open_arrays(self.metas, create=True)
+            except Exception as e:
+                error = e
+        comm.agree(error, "preparing the checkpoint directory")
+        transfers = comm.post_write_transfers(self.plan.arrays, self.data, dtypes)
+        try:
+            self.storage.write(self.metas, transfers.items(), create=False)
+        except Exception as e:
+            error = e
+        finally:
+            transfers.wait_all()
+        comm.agree(error, "writing the checkpoint")
+        t1 = time.perf_counter()
+        if comm.rank == 0:
+            try:
+                self.storage.commit(self.document)
+            except Exception as e:
+                error = e
+        comm.agree(error, "committing the checkpoint")
+        return t1
 
 
 def _plan_job(
@@ -562,6 +578,53 @@ def metadata(path: PathLike, *, namespace: str = "") -> CheckpointMetadata:
     return CheckpointMetadata(doc.tree.unflatten(leaves), arrays, doc.user_metadata, doc.version)
 
 
+@dataclass(frozen=True, slots=True)
+class VerifyReport:
+    """What :func:`verify` found.
+
+    Attributes:
+      path: the checkpoint.
+      problems: ``(key path, chunk index or None for the whole array, message)`` for
+        every damaged array or chunk.
+      arrays: arrays checked.
+      chunks: chunks read.
+      nbytes: bytes read.
+    """
+
+    path: str
+    problems: tuple[tuple[str, tuple[int, ...] | None, str], ...]
+    arrays: int
+    chunks: int
+    nbytes: int
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    @property
+    def damaged_leaves(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(key for key, _, _ in self.problems))
+
+
+def verify(path: PathLike, *, executor: ExecutorOptions | None = None) -> VerifyReport:
+    """Read every chunk of every array of a checkpoint and check it (checksums, sizes, presence).
+
+    Raises:
+      NotCommittedError: ``path`` holds no committed checkpoint.
+      MetadataError: the metadata document itself is damaged.
+
+    >>> import tempfile, torch, pytreeckpt
+    >>> d = tempfile.mkdtemp() + "/ckpt"
+    >>> pytreeckpt.save(d, {"w": torch.ones(4)})
+    >>> pytreeckpt.verify(d).ok
+    True
+    """
+    storage, doc = _open(path, "", executor)
+    metas = [leaf for leaf in doc.leaves if isinstance(leaf, ArrayMeta)]
+    problems, chunks, nbytes = storage.verify(metas)
+    return VerifyReport(os.fspath(path), tuple(problems), len(metas), chunks, nbytes)
+
+
 def _abstract_of(meta: ArrayMeta) -> Any:
     try:
         return Abstract(meta.shape, meta.dtype.torch)
@@ -693,6 +756,9 @@ def load(
         structure: Node = doc.tree
     else:
         t_leaves, t_paths, structure = flatten(target, _is_leaf, namespace=namespace)
+    # Before any destination is allocated: the stored bytes must back every claimed shape.
+    wanted = [by_path[p] for p in t_paths if isinstance(by_path.get(p), ArrayMeta)]
+    storage.check_stored_sizes([m for m in wanted if isinstance(m, ArrayMeta)])
     problems: list[str] = []
     results: list[Any] = [None] * len(t_leaves)
     dests: list[tuple[int, _Dest]] = []

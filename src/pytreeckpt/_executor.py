@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import fcntl
 import os
 import shutil
 import tempfile
@@ -24,10 +25,10 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from ._errors import CheckpointError, NotCommittedError
-from ._format import ARRAYS_DIR, METADATA_FILE, ArrayMeta, zarr_metadata
+from ._errors import CheckpointError, MetadataError, NotCommittedError
+from ._format import ARRAYS_DIR, LOCK_FILE, METADATA_FILE, ArrayMeta, zarr_metadata
 from ._plan import ArrayLoadPlan, ArraySavePlan, ReadOp, WriteOp
-from ._region import Region
+from ._region import Region, chunk_region
 
 __all__ = ["ExecutorOptions", "PieceData", "Storage", "assemble", "write_items"]
 
@@ -112,6 +113,26 @@ class Storage:
     def is_committed(self) -> bool:
         return self.metadata_path.is_file()
 
+    def lock(self) -> _Lock:
+        """Take the directory's writer lock, or raise: one save at a time per checkpoint path.
+
+        The lock is an ``flock`` on a file inside the directory, so the kernel releases it
+        when its holder dies: a crashed save never blocks the next one.
+        """
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.root / LOCK_FILE, os.O_CREAT | os.O_RDWR, 0o644)
+        except OSError as e:
+            raise CheckpointError(f"cannot write a checkpoint at {self.root}: {e}") from e
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise CheckpointError(
+                f"another process is saving to {self.root} right now; two saves to one path cannot run at once"
+            ) from None
+        return _Lock(fd)
+
     def check_writable(self, overwrite: bool) -> None:
         """Raise now, before any work, if a save here would be refused."""
         if self.root.exists() and not self.root.is_dir():
@@ -121,8 +142,8 @@ class Storage:
                 f"{self.root} already holds a committed checkpoint; pass overwrite=True to replace it"
             )
         if self.root.is_dir():
-            unknown = [p.name for p in self.root.iterdir() if p.name != ARRAYS_DIR and not p.name.startswith(".tmp-")]
-            unknown = [n for n in unknown if n != METADATA_FILE]
+            known = {ARRAYS_DIR, METADATA_FILE, LOCK_FILE}
+            unknown = [p.name for p in self.root.iterdir() if p.name not in known and not p.name.startswith(".tmp-")]
             if unknown:
                 raise CheckpointError(
                     f"{self.root} is not empty and is not a pytreeckpt checkpoint (it holds {sorted(unknown)[:5]}); "
@@ -137,28 +158,97 @@ class Storage:
         so a crash midway never leaves it loadable with half-new data.
         """
         self.check_writable(overwrite)
-        if self.is_committed():
-            self.metadata_path.unlink()
-            _fsync_dir(self.root)
-        if self.root.exists():
-            for p in self.root.iterdir():
-                shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
-        self.root.mkdir(parents=True, exist_ok=True)
-        (self.root / ARRAYS_DIR).mkdir()
+        try:
+            if self.is_committed():
+                self.metadata_path.unlink()
+                _fsync_dir(self.root)
+            if self.root.exists():
+                for p in self.root.iterdir():
+                    if p.name == LOCK_FILE:
+                        continue
+                    shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+            self.root.mkdir(parents=True, exist_ok=True)
+            (self.root / ARRAYS_DIR).mkdir()
+        except OSError as e:
+            raise CheckpointError(f"cannot prepare {self.root} for a new checkpoint: {e}") from e
 
     def commit(self, document: bytes) -> None:
         """Write the metadata document atomically: temporary file, fsync, rename, fsync of the directory."""
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=self.root)
         try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(document)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.metadata_path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        _fsync_dir(self.root)
+            fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=self.root)
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(document)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, self.metadata_path)
+            except BaseException:
+                Path(tmp).unlink(missing_ok=True)
+                raise
+            _fsync_dir(self.root)
+        except OSError as e:
+            raise CheckpointError(f"cannot commit the checkpoint at {self.root}: {e}") from e
+
+    def check_stored_sizes(self, metas: Sequence[ArrayMeta]) -> None:
+        """Refuse metadata that claims more bytes than are stored, before anything is allocated.
+
+        Chunks are stored uncompressed (raw bytes and a 4-byte checksum), so an array's
+        chunk files hold at least its size: a document claiming a huge shape is caught
+        here instead of by a huge allocation.
+        """
+        for meta in metas:
+            folder = self._check_inside(self.root / meta.path, meta.key)
+            stored = 0
+            for dirpath, _dirs, files in os.walk(folder):
+                for name in files:
+                    if name != "zarr.json":
+                        stored += os.stat(os.path.join(dirpath, name)).st_size
+            if stored < meta.nbytes:
+                raise MetadataError(
+                    f"leaf {meta.key!r}: the metadata claims a {meta.dtype.name} array of shape {meta.shape} "
+                    f"({meta.nbytes} bytes) but {meta.path!r} holds only {stored} bytes of chunks"
+                )
+
+    def verify(self, metas: Sequence[ArrayMeta]) -> tuple[list[tuple[str, tuple[int, ...] | None, str]], int, int]:
+        """Read every chunk of every array; returns ``(problems, chunks read, bytes read)``.
+
+        A problem is ``(key, chunk index or None for the whole array, message)``.
+        Memory stays bounded: chunks are read a window at a time into scratch buffers.
+        """
+        problems: list[tuple[str, tuple[int, ...] | None, str]] = []
+        chunks = nbytes = 0
+        for meta in metas:
+            try:
+                self.check_stored_sizes([meta])
+                (store,) = self.open_arrays([meta], create=False)
+            except CheckpointError as e:
+                problems.append((meta.key, None, str(e)))
+                continue
+            pending: collections.deque[tuple[tuple[int, ...], Any, int]] = collections.deque()
+            inflight = 0
+
+            def settle(
+                pending: collections.deque[tuple[tuple[int, ...], Any, int]] = pending, meta: ArrayMeta = meta
+            ) -> int:
+                idx, future, size = pending.popleft()
+                try:
+                    future.result()
+                except Exception as e:
+                    problems.append((meta.key, idx, f"chunk {list(idx)} of {meta.path!r}: {e}"))
+                return size
+
+            for idx in Region.full(meta.shape).chunk_indices(meta.chunk_shape):
+                region = chunk_region(idx, meta.chunk_shape, meta.shape)
+                size = region.size * meta.dtype.itemsize
+                pending.append((idx, store[region.slices()].read(), size))
+                inflight += size
+                chunks += 1
+                nbytes += size
+                while pending and inflight > self.options.max_inflight_bytes:
+                    inflight -= settle()
+            while pending:
+                settle()
+        return problems, chunks, nbytes
 
     def read_metadata(self) -> bytes:
         if not self.root.is_dir():
@@ -272,6 +362,19 @@ class Storage:
                 window.add(future, nbytes, f"leaf {meta.key!r}: reading {op.region} of {meta.path!r}", fan_out)
         window.drain()
         return read
+
+
+class _Lock:
+    """A held writer lock; ``release()`` (or process exit) frees it."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd: int | None = fd
+
+    def release(self) -> None:
+        if self.fd is not None:
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            os.close(self.fd)
+            self.fd = None
 
 
 def assemble(op: WriteOp, get: PieceData, dtype: np.dtype) -> np.ndarray:

@@ -46,6 +46,7 @@ __all__ = [
 FORMAT_NAME = "pytreeckpt"
 FORMAT_VERSION = 1
 METADATA_FILE = "pytreeckpt.json"
+LOCK_FILE = ".pytreeckpt.lock"
 ARRAYS_DIR = "arrays"
 CONTAINERS = ("torch", "numpy")
 MAX_METADATA_BYTES = 1 << 30

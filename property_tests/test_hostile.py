@@ -1,0 +1,161 @@
+"""Hostile checkpoints: mutated metadata and damaged files end in a CheckpointError or a correct load.
+
+Nothing else: no other exception type, no crash, no read outside the checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import pytreeckpt
+from pytreeckpt import FlatRanges, ShardedLeaf
+
+_ROOT = Path(tempfile.mkdtemp(prefix="pytreeckpt-hostile-"))
+_ORIGINAL = _ROOT / "original"
+_STATE = {
+    "w": ShardedLeaf.from_global(torch.arange(40.0).reshape(8, 5), FlatRanges([(0, 13), (13, 40)])),
+    "b": torch.arange(6, dtype=torch.int16),
+    "h": torch.ones(3, dtype=torch.bfloat16),
+    "opt": {0: {"step": torch.tensor(2.0)}},
+    "n": 3,
+    "s": "text",
+}
+pytreeckpt.save(
+    _ORIGINAL, _STATE, chunking=pytreeckpt.ChunkingOptions(single_chunk_bytes=0, min_chunk_bytes=0, max_chunk_bytes=48)
+)
+_DOC = json.loads((_ORIGINAL / "pytreeckpt.json").read_text())
+_FILES = sorted(str(p.relative_to(_ORIGINAL)) for p in _ORIGINAL.rglob("*") if p.is_file() and p.suffix != ".lock")
+_TENSORS = sorted(
+    bytes(t.contiguous().view(torch.uint8).numpy())
+    for t in (_STATE["w"].to_global(), _STATE["b"], _STATE["h"], _STATE["opt"][0]["step"].reshape(1))
+)
+
+
+def _paths(doc: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    out = [prefix]
+    if isinstance(doc, dict):
+        for k, v in doc.items():
+            out += _paths(v, (*prefix, k))
+    elif isinstance(doc, list):
+        for i, v in enumerate(doc):
+            out += _paths(v, (*prefix, i))
+    return out
+
+
+_DOC_PATHS = _paths(_DOC)[1:]
+
+_REPLACEMENTS = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.sampled_from([0, -1, 2**31, 2**63, 10**30]),
+    st.floats(),
+    st.text(max_size=20),
+    st.sampled_from(["../../etc/passwd", "/etc/passwd", "arrays/../../x", "arrays/w/../../../x", "~", "arrays/"]),
+    st.lists(st.integers(-5, 2**40), max_size=6),
+    st.dictionaries(st.text(max_size=3), st.integers(), max_size=3),
+)
+
+
+@st.composite
+def doc_mutations(draw: st.DrawFn) -> dict[str, Any]:
+    doc = copy.deepcopy(_DOC)
+    for _ in range(draw(st.integers(1, 3))):
+        path = draw(st.sampled_from(_DOC_PATHS))
+        parent = doc
+        try:
+            for k in path[:-1]:
+                parent = parent[k]
+            key = path[-1]
+            parent[key]
+        except (KeyError, IndexError, TypeError):
+            continue
+        action = draw(st.sampled_from(["drop", "replace", "enlarge", "escape"]))
+        if action == "drop":
+            if isinstance(parent, dict):
+                del parent[key]
+            else:
+                parent.pop(key)
+        elif action == "enlarge" and isinstance(parent[key], int) and not isinstance(parent[key], bool):
+            parent[key] = parent[key] * 2 ** draw(st.integers(1, 64)) + 1
+        elif action == "enlarge" and isinstance(parent[key], list):
+            parent[key] = parent[key] + parent[key]
+        elif action == "escape" and isinstance(parent[key], str):
+            parent[key] = draw(st.sampled_from(["../", "/", "arrays/../../"])) + parent[key]
+        else:
+            parent[key] = draw(_REPLACEMENTS)
+    return doc
+
+
+def _tensor_bytes(tree: Any) -> list[bytes]:
+    out: list[bytes] = []
+    if isinstance(tree, dict):
+        for v in tree.values():
+            out += _tensor_bytes(v)
+    elif isinstance(tree, list | tuple):
+        for v in tree:
+            out += _tensor_bytes(v)
+    elif isinstance(tree, torch.Tensor):
+        out.append(bytes(tree.contiguous().reshape(-1).view(torch.uint8).numpy()))
+    return out
+
+
+def _attempt(path: Path) -> None:
+    """Load, read metadata and verify: only CheckpointErrors or correct results."""
+    try:
+        got = pytreeckpt.load(path)
+    except pytreeckpt.CheckpointError:
+        pass
+    else:
+        assert sorted(_tensor_bytes(got)) == _TENSORS  # whatever else changed, no array data is wrong
+    with contextlib.suppress(pytreeckpt.CheckpointError):
+        pytreeckpt.metadata(path)
+    with contextlib.suppress(pytreeckpt.CheckpointError):
+        pytreeckpt.verify(path)
+
+
+def _fresh_copy(name: str) -> Path:
+    target = _ROOT / name
+    shutil.rmtree(target, ignore_errors=True)
+    shutil.copytree(_ORIGINAL, target)
+    return target
+
+
+@given(doc_mutations())
+def test_mutated_metadata_is_a_checkpoint_error_or_a_correct_load(doc: dict[str, Any]) -> None:
+    path = _fresh_copy("doc")
+    (path / "pytreeckpt.json").write_text(json.dumps(doc))
+    _attempt(path)
+
+
+@given(
+    st.sampled_from(_FILES),
+    st.sampled_from(["truncate", "flip", "delete", "empty", "garbage"]),
+    st.integers(0, 10_000),
+)
+def test_damaged_files_are_a_checkpoint_error_or_a_correct_load(name: str, action: str, where: int) -> None:
+    path = _fresh_copy("files")
+    f = path / name
+    data = bytearray(f.read_bytes())
+    if action == "truncate":
+        f.write_bytes(bytes(data[: where % max(1, len(data))]))
+    elif action == "flip" and data:
+        data[where % len(data)] ^= 1 << (where % 8)
+        f.write_bytes(bytes(data))
+    elif action == "delete":
+        f.unlink()
+    elif action == "empty":
+        f.write_bytes(b"")
+    else:
+        f.write_bytes(bytes((where * 7 + i) % 256 for i in range(64)))
+    _attempt(path)
