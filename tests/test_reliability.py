@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import multiprocessing as mp
 import os
 import shutil
@@ -10,6 +11,7 @@ import signal
 import subprocess
 import time
 import uuid
+import weakref
 from pathlib import Path
 
 import pytest
@@ -124,6 +126,21 @@ def test_a_second_writer_gets_a_clear_error_while_the_first_holds_the_path(tmp_p
     pytreeckpt.save(tmp_path / "c", {"w": torch.ones(2)})
 
 
+def _spy_on_staging(monkeypatch: pytest.MonkeyPatch) -> list[weakref.ref]:
+    """Weak references to every staging buffer an async save makes."""
+    from pytreeckpt import _api
+
+    refs: list[weakref.ref] = []
+    original = _api._copies_source
+
+    def spy(copies: dict) -> object:
+        refs.extend(weakref.ref(buf) for buf, _ in copies.values())
+        return original(copies)
+
+    monkeypatch.setattr(_api, "_copies_source", spy)
+    return refs
+
+
 @pytest.fixture
 def small_disk(tmp_path: Path):  # type: ignore[no-untyped-def]
     mnt = tmp_path / f"disk-{uuid.uuid4().hex[:8]}"
@@ -138,15 +155,19 @@ def small_disk(tmp_path: Path):  # type: ignore[no-untyped-def]
 
 
 @pytest.mark.parametrize("use_async", [False, True])
-def test_a_disk_that_fills_fails_cleanly(small_disk: Path, use_async: bool) -> None:
+def test_a_disk_that_fills_fails_cleanly(small_disk: Path, use_async: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     small = {"w": torch.randn(256, 1024)}  # 1 MiB
     pytreeckpt.save(small_disk / "step_1", small)
     big = {f"w{i}": torch.randn(512, 1024) for i in range(4)}  # 8 MiB: more than is left
     full = r"No space left|RESOURCE_EXHAUSTED"
     if use_async:
+        staged = _spy_on_staging(monkeypatch)
         h = pytreeckpt.async_save(small_disk / "step_2", big)
         with pytest.raises(pytreeckpt.CheckpointError, match=full):
             h.wait()
+        gc.collect()
+        assert staged
+        assert all(ref() is None for ref in staged)  # the staging memory is released
     else:
         with pytest.raises(pytreeckpt.CheckpointError, match=full):
             pytreeckpt.save(small_disk / "step_2", big)

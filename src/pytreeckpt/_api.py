@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import traceback
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -450,6 +451,14 @@ class SaveHandle:
         try:
             job.persist()
         except BaseException as e:
+            # The traceback's frames would keep the staging buffers alive as long as the
+            # error is kept: drop their locals, keep the lines for the report.
+            cause: BaseException | None = e
+            seen: set[int] = set()
+            while cause is not None and id(cause) not in seen:
+                seen.add(id(cause))
+                traceback.clear_frames(cause.__traceback__)
+                cause = cause.__cause__ or cause.__context__
             self._error = e
         finally:
             job.data = []  # release the staging memory
