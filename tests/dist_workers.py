@@ -307,3 +307,22 @@ def direct_state_dict_load(rank: int, world: int, path: str) -> dict[str, Any]:
     model.load_state_dict(loaded["model"])
     full = _full(model.state_dict())
     return {"full": full if rank == 0 else None}
+
+
+def manager_steps(rank: int, world: int, directory: str) -> dict[str, Any]:
+    """Every rank runs a CheckpointManager over the same directory; rank 0 lists and deletes."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    with pytreeckpt.CheckpointManager(directory, max_to_keep=2) as m:
+        for step in range(1, 5):
+            m.save(step, {"w": distribute_tensor(torch.full((4, 2), float(step)), mesh, [Shard(0)]), "step": step})
+        m.wait()
+        target = {"w": distribute_tensor(torch.zeros(4, 2), mesh, [Shard(1)]), "step": 0}
+        restored = m.restore(target=target)
+        return {
+            "steps": m.all_steps(),
+            "latest": m.latest_step(),
+            "restored": float(restored["w"].full_tensor()[0, 0]),
+        }

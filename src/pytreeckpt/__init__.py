@@ -32,6 +32,7 @@ from ._executor import ExecutorOptions as ExecutorOptions
 from ._format import ArrayMeta as ArrayMeta
 from ._leaf import Abstract as Abstract
 from ._leaf import ShardedLeaf as ShardedLeaf
+from ._manager import CheckpointManager as CheckpointManager
 from ._plan import ChunkingOptions as ChunkingOptions
 from ._plan import LoadPlan as LoadPlan
 from ._plan import SavePlan as SavePlan
@@ -51,6 +52,7 @@ __all__ = [
     "Abstract",
     "ArrayMeta",
     "CheckpointError",
+    "CheckpointManager",
     "CheckpointMetadata",
     "ChunkingOptions",
     "ExecutorOptions",

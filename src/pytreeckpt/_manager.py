@@ -1,0 +1,216 @@
+"""CheckpointManager: numbered steps in one directory, with retention."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from ._api import SaveHandle, _comm, async_save, load, save
+from ._errors import CheckpointError, NotCommittedError
+from ._executor import Storage
+
+__all__ = ["CheckpointManager"]
+
+_STEP = re.compile(r"^step_(\d+)$")
+
+
+class CheckpointManager:
+    """Saves numbered steps under one directory and keeps the ones worth keeping.
+
+    Each step is a checkpoint at ``directory/step_<n>``. Retention runs only once a save
+    has committed: the newest ``max_to_keep`` committed steps are kept, and so is every
+    step divisible by ``keep_every_n_steps``. Directories of saves that never committed
+    (a crash) are never listed or restored, and are removed once no writer holds them.
+    In a distributed program every rank makes the manager and calls its methods; rank 0
+    lists and deletes, and the ranks agree on its answers.
+
+    >>> import tempfile, torch
+    >>> with CheckpointManager(tempfile.mkdtemp(), max_to_keep=2) as m:
+    ...     for step in range(1, 5):
+    ...         _ = m.save(step, {"w": torch.full((2,), float(step))})
+    ...     m.wait()
+    ...     m.all_steps(), m.restore()["w"]
+    ([3, 4], tensor([4., 4.]))
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        max_to_keep: int | None = None,
+        keep_every_n_steps: int | None = None,
+        save_interval_steps: int = 1,
+        async_: bool = True,
+        process_group: Any = None,
+    ) -> None:
+        if max_to_keep is not None and max_to_keep < 1:
+            raise ValueError(f"max_to_keep must be at least 1 or None, found {max_to_keep}")
+        if save_interval_steps < 1:
+            raise ValueError(f"save_interval_steps must be at least 1, found {save_interval_steps}")
+        self.directory = Path(directory)
+        self.max_to_keep = max_to_keep
+        self.keep_every_n_steps = keep_every_n_steps
+        self.save_interval_steps = save_interval_steps
+        self.async_ = async_
+        self._process_group = process_group
+        self._comm = _comm(process_group)
+        self._handle: SaveHandle | None = None
+        self._closed = False
+        if self._is_leader:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            self._clean_uncommitted()
+
+    # ------------------------------------------------------------------ paths and listing
+    @property
+    def _is_leader(self) -> bool:
+        return self._comm is None or self._comm.rank == 0
+
+    def _agree(self, value: Any) -> Any:
+        return value if self._comm is None else self._comm.broadcast(value)
+
+    def step_path(self, step: int) -> Path:
+        """Where ``step`` is (or would be) stored."""
+        return self.directory / f"step_{int(step)}"
+
+    def _listed(self) -> list[tuple[int, Path, bool]]:
+        out = []
+        if self.directory.is_dir():
+            for p in self.directory.iterdir():
+                m = _STEP.match(p.name)
+                if m and p.is_dir():
+                    out.append((int(m.group(1)), p, Storage(p).is_committed()))
+        return sorted(out)
+
+    def all_steps(self) -> list[int]:
+        """Committed steps, oldest first."""
+        steps = [s for s, _, committed in self._listed() if committed] if self._is_leader else None
+        return list(self._agree(steps))
+
+    def latest_step(self) -> int | None:
+        """The newest committed step, or None."""
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    # ------------------------------------------------------------------ save
+    def save(self, step: int, tree: Any, spec: Any = None, *, force: bool = False, **kwargs: Any) -> bool:
+        """Save ``tree`` as ``step``; returns False (and saves nothing) off the save interval.
+
+        ``force`` saves off the interval and replaces a committed step of the same
+        number; otherwise saving a step that exists is an error. Other keyword arguments
+        go to :func:`pytreeckpt.save`. With ``async_`` the call returns after the snapshot.
+        """
+        self._check_open()
+        if not force and step % self.save_interval_steps != 0:
+            return False
+        self._finish_in_flight()
+        if not force and step in self.all_steps():
+            raise CheckpointError(f"step {step} is already saved in {self.directory}; pass force=True to replace it")
+        path = self.step_path(step)
+        kwargs.setdefault("process_group", self._process_group)
+        if self.async_:
+            self._handle = async_save(path, tree, spec, overwrite=force, **kwargs)
+        else:
+            save(path, tree, spec, overwrite=force, **kwargs)
+            self._apply_retention()
+        return True
+
+    def _finish_in_flight(self) -> None:
+        if self._handle is not None:
+            handle, self._handle = self._handle, None
+            handle.wait()
+            self._apply_retention()
+
+    def wait(self) -> None:
+        """Block until the save in flight has committed (and retention has run)."""
+        self._finish_in_flight()
+
+    # ------------------------------------------------------------------ retention
+    def _apply_retention(self) -> None:
+        if not self._is_leader:
+            return
+        committed = [s for s, _, c in self._listed() if c]
+        keep = set(committed[-self.max_to_keep :]) if self.max_to_keep is not None else set(committed)
+        if self.keep_every_n_steps:
+            keep |= {s for s in committed if s % self.keep_every_n_steps == 0}
+        for s in committed:
+            if s not in keep:
+                self._remove(s)
+
+    def _remove(self, step: int) -> None:
+        path = self.step_path(step)
+        storage = Storage(path)
+        lock = storage.lock()  # never under a writer's feet
+        try:
+            if storage.is_committed():  # uncommit first: a crash midway leaves no half checkpoint
+                storage.metadata_path.unlink()
+            shutil.rmtree(path)
+        finally:
+            lock.release()
+
+    def _clean_uncommitted(self) -> None:
+        for _step, path, committed in self._listed():
+            if committed:
+                continue
+            try:
+                lock = Storage(path).lock()
+            except CheckpointError:
+                continue  # a save is writing it right now
+            try:
+                shutil.rmtree(path)
+            finally:
+                lock.release()
+
+    def delete(self, step: int) -> None:
+        """Delete a committed step."""
+        self._check_open()
+        self._finish_in_flight()
+        if step not in self.all_steps():
+            raise NotCommittedError(f"step {step} is not a committed checkpoint in {self.directory}")
+        if self._is_leader:
+            self._remove(step)
+        self._agree(None)
+
+    # ------------------------------------------------------------------ restore
+    def restore(self, step: int | None = None, target: Any = None, **kwargs: Any) -> Any:
+        """Load ``step`` (the latest committed when None) into ``target`` (see :func:`pytreeckpt.load`)."""
+        self._check_open()
+        self._finish_in_flight()
+        if step is None:
+            step = self.latest_step()
+            if step is None:
+                raise NotCommittedError(f"no committed checkpoint in {self.directory}")
+        kwargs.setdefault("process_group", self._process_group)
+        return load(self.step_path(step), target, **kwargs)
+
+    def metadata_of(self, step: int) -> Mapping[str, Any]:
+        """The user metadata stored with ``step``."""
+        from ._api import metadata
+
+        return metadata(self.step_path(step)).user_metadata
+
+    # ------------------------------------------------------------------ lifetime
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CheckpointError(f"the CheckpointManager of {self.directory} is closed")
+
+    def close(self) -> None:
+        """Finish the save in flight; the manager cannot be used afterwards."""
+        if not self._closed:
+            self._finish_in_flight()
+            self._closed = True
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"CheckpointManager({str(self.directory)!r}, max_to_keep={self.max_to_keep})"

@@ -1,0 +1,88 @@
+"""CheckpointManager: steps, retention, crashes, several ranks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import dist_workers as w
+import pytest
+import torch
+from multiproc import run_world
+
+import pytreeckpt
+from pytreeckpt import CheckpointManager
+from pytreeckpt._executor import Storage
+
+
+def state(step: int) -> dict:
+    return {"w": torch.full((4, 4), float(step)), "step": step}
+
+
+@pytest.mark.parametrize("async_", [True, False])
+def test_retention_keeps_the_newest_and_every_nth(tmp_path: Path, async_: bool) -> None:
+    with CheckpointManager(tmp_path, max_to_keep=3, keep_every_n_steps=5, async_=async_) as m:
+        for step in range(1, 21):
+            assert m.save(step, state(step))
+        m.wait()
+        assert m.all_steps() == [5, 10, 15, 18, 19, 20]
+        assert m.latest_step() == 20
+        assert m.restore()["step"] == 20
+        assert torch.equal(m.restore(10)["w"], torch.full((4, 4), 10.0))
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(f"step_{s}" for s in (5, 10, 15, 18, 19, 20))
+
+
+def test_save_interval_and_force(tmp_path: Path) -> None:
+    m = CheckpointManager(tmp_path, save_interval_steps=4)
+    saved = [step for step in range(1, 13) if m.save(step, state(step))]
+    assert saved == [4, 8, 12]
+    assert m.save(7, state(7), force=True)
+    m.wait()
+    assert m.all_steps() == [4, 7, 8, 12]
+    with pytest.raises(pytreeckpt.CheckpointError, match="step 8 is already saved"):
+        m.save(8, state(80))
+    m.save(8, state(80), force=True)
+    assert m.restore(8)["step"] == 80
+    m.close()
+    with pytest.raises(pytreeckpt.CheckpointError, match="closed"):
+        m.save(16, state(16))
+
+
+def test_restore_after_a_crash_skips_and_cleans_the_uncommitted_step(tmp_path: Path) -> None:
+    with CheckpointManager(tmp_path) as m:
+        m.save(1, state(1))
+        m.save(2, state(2))
+    crashed = tmp_path / "step_3"  # a save killed before its commit
+    (crashed / "arrays" / "w").mkdir(parents=True)
+    (crashed / "arrays" / "w" / "zarr.json").write_text("{}")
+    busy = tmp_path / "step_4"  # another process is writing this one right now
+    busy.mkdir()
+    lock = Storage(busy).lock()
+    try:
+        m = CheckpointManager(tmp_path)
+        assert m.all_steps() == [1, 2]
+        assert m.restore()["step"] == 2
+        assert not crashed.exists()  # cleaned
+        assert busy.exists()  # left to its writer
+    finally:
+        lock.release()
+    m.delete(1)
+    assert m.all_steps() == [2]
+    with pytest.raises(pytreeckpt.NotCommittedError):
+        m.restore(1)
+    with pytest.raises(pytreeckpt.NotCommittedError):
+        m.delete(1)
+
+
+def test_an_empty_directory_has_no_latest_step(tmp_path: Path) -> None:
+    m = CheckpointManager(tmp_path / "new")
+    assert m.latest_step() is None
+    with pytest.raises(pytreeckpt.NotCommittedError, match="no committed checkpoint"):
+        m.restore()
+
+
+def test_two_ranks_agree_on_steps(tmp_path: Path) -> None:
+    results = run_world(2, w.manager_steps, str(tmp_path))
+    assert results[0] == results[1]
+    assert results[0]["steps"] == [3, 4]
+    assert results[0]["restored"] == 4.0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_3", "step_4"]
