@@ -37,6 +37,8 @@ from ._plan import ChunkingOptions as ChunkingOptions
 from ._plan import LoadPlan as LoadPlan
 from ._plan import SavePlan as SavePlan
 from ._region import Region as Region
+from ._safetensors import export_safetensors as export_safetensors
+from ._safetensors import import_safetensors as import_safetensors
 from ._sharding import ExplicitRegions as ExplicitRegions
 from ._sharding import FlatRanges as FlatRanges
 from ._sharding import Layout as Layout
@@ -75,6 +77,8 @@ __all__ = [
     "TargetMismatchError",
     "VerifyReport",
     "async_save",
+    "export_safetensors",
+    "import_safetensors",
     "load",
     "metadata",
     "placements_from_spec",

@@ -862,6 +862,17 @@ def _dtensor_dest(meta: ArrayMeta, leaf: Any, comm: Any) -> _Dest:
     return _Dest(meta, pieces, {comm.rank: local}, finish)
 
 
+def read_array(path: PathLike, meta: ArrayMeta, executor: ExecutorOptions | None = None) -> torch.Tensor:
+    """One stored array, whole, as a CPU tensor (``meta`` from :func:`metadata`)."""
+    storage = Storage(path, executor)
+    storage.check_stored_sizes([meta])
+    dest = _full_dest(meta, False, None, None)
+    plan = plan_load([(meta.key, meta.shape, meta.dtype.itemsize, meta.chunk_shape)], [dest.pieces], 1)
+    storage.read([meta], plan.arrays, [dest.get], rank=None)
+    result: torch.Tensor = dest.finish()
+    return result
+
+
 def _dest_for(key: str, stored: ArrayMeta, leaf: Any, comm: Any = None) -> tuple[str | None, _Dest | None]:
     if isinstance(leaf, ShardedLeaf):
         problem = _target_problem(key, stored, leaf.shape, dtype_of_torch(leaf.dtype).name)

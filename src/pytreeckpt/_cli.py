@@ -1,0 +1,225 @@
+"""The ``pytreeckpt`` command line: ls, inspect, verify, export, import."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from ._api import metadata, verify
+from ._errors import CheckpointError
+from ._format import ARRAYS_DIR, LOCK_FILE, METADATA_FILE, ArrayMeta
+from ._safetensors import export_safetensors, import_safetensors
+from ._tree import decode_value, encode_value
+
+__all__ = ["main"]
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
+def _dir_bytes(path: Path) -> int:
+    total = 0
+    for dirpath, _dirs, files in os.walk(path):
+        for f in files:
+            total += os.lstat(os.path.join(dirpath, f)).st_size
+    return total
+
+
+def _table(rows: list[list[str]], header: list[str]) -> str:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)).rstrip()]
+    lines += ["  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    return "\n".join(lines)
+
+
+def _is_checkpoint_dir(p: Path) -> bool:
+    return p.is_dir() and ((p / METADATA_FILE).exists() or (p / ARRAYS_DIR).is_dir() or (p / LOCK_FILE).exists())
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    root = Path(args.dir)
+    if not root.is_dir():
+        raise CheckpointError(f"{root} is not a directory")
+    candidates = [root] if _is_checkpoint_dir(root) else sorted(p for p in root.iterdir() if _is_checkpoint_dir(p))
+    entries: list[dict[str, Any]] = []
+    for p in candidates:
+        committed = (p / METADATA_FILE).is_file()
+        when = (p / METADATA_FILE).stat().st_mtime if committed else p.stat().st_mtime
+        entries.append(
+            {
+                "name": p.name,
+                "path": str(p),
+                "committed": committed,
+                "bytes": _dir_bytes(p),
+                "time": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(when)),
+            }
+        )
+    if args.json:
+        print(json.dumps(entries, indent=2))
+    else:
+        rows = [
+            [e["name"], "committed" if e["committed"] else "UNCOMMITTED", _size(e["bytes"]), e["time"]] for e in entries
+        ]
+        print(_table(rows, ["checkpoint", "state", "size", "time"]) if rows else f"no checkpoints in {root}")
+    return 0
+
+
+def _layout_text(a: ArrayMeta) -> str:
+    if a.layout is None:
+        return "-"
+    j = a.layout.to_json()
+    if j["kind"] == "mesh":
+        places = ",".join(
+            "R" if p[0] == "replicate" else f"S({p[1]})" if p[0] == "shard" else f"SS({p[1]},{p[2]})"
+            for p in j["placements"]
+        )
+        return f"mesh{tuple(j['mesh']['shape'])} [{places}]"
+    ranks = len(j["ranges"] if j["kind"] == "flat" else j["regions"])
+    return f"{j['kind']} x{ranks} ranks"
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    meta = metadata(args.path)
+    doc = json.loads((Path(args.path) / METADATA_FILE).read_text())
+    values = {leaf["key"]: decode_value(leaf["value"]) for leaf in doc["leaves"] if leaf["kind"] == "value"}
+    if args.json:
+        out = {
+            "version": meta.version,
+            "bytes": meta.nbytes,
+            "arrays": [
+                {
+                    "key": a.key,
+                    "dtype": a.dtype.name,
+                    "shape": list(a.shape),
+                    "bytes": a.nbytes,
+                    "chunk_shape": list(a.chunk_shape),
+                    "path": a.path,
+                    "layout": None if a.layout is None else a.layout.to_json(),
+                }
+                for a in meta.arrays.values()
+            ],
+            "values": {k: encode_value(v) for k, v in values.items()},
+            "user_metadata": meta.user_metadata,
+        }
+        print(json.dumps(out, indent=2))
+        return 0
+    rows = [
+        [
+            a.key or "(root)",
+            a.dtype.name,
+            str(tuple(a.shape)),
+            _size(a.nbytes),
+            str(tuple(a.chunk_shape)),
+            _layout_text(a),
+        ]
+        for a in meta.arrays.values()
+    ]
+    rows += [[k or "(root)", type(v).__name__, repr(v)[:40], "", "", ""] for k, v in values.items()]
+    print(_table(rows, ["key", "dtype", "shape / value", "bytes", "chunks", "saved layout"]))
+    print(f"\n{len(meta.arrays)} arrays, {len(values)} values, {_size(meta.nbytes)}; format version {meta.version}")
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    report = verify(args.path)
+    if args.json:
+        out = {
+            "ok": report.ok,
+            "arrays": report.arrays,
+            "chunks": report.chunks,
+            "bytes": report.nbytes,
+            "problems": [
+                {"key": k, "chunk": None if c is None else list(c), "message": m} for k, c, m in report.problems
+            ],
+        }
+        print(json.dumps(out, indent=2))
+    elif report.ok:
+        print(f"ok: {report.arrays} arrays, {report.chunks} chunks, {_size(report.nbytes)} read and checked")
+    else:
+        for key, chunk, message in report.problems:
+            where = "whole array" if chunk is None else f"chunk {list(chunk)}"
+            print(f"DAMAGED {key} ({where}): {message}")
+        print(f"{len(report.damaged_leaves)} of {report.arrays} arrays damaged")
+    return 0 if report.ok else 1
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    def progress(done: int, total: int) -> None:
+        if args.progress:
+            width = 30
+            filled = width * done // max(total, 1)
+            print(f"\r[{'#' * filled}{'.' * (width - filled)}] {_size(done)} / {_size(total)}", end="", file=sys.stderr)
+
+    files = export_safetensors(args.path, args.out, max_shard_size=args.max_shard_size, progress=progress)
+    if args.progress:
+        print(file=sys.stderr)
+    if args.json:
+        print(json.dumps([str(f) for f in files]))
+    else:
+        for f in files:
+            print(f)
+    return 0
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    names = import_safetensors(args.src, args.out, overwrite=args.overwrite)
+    if args.json:
+        print(json.dumps({"out": str(args.out), "tensors": names}))
+    else:
+        print(f"imported {len(names)} tensors into {args.out}")
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pytreeckpt", description="Look inside and convert pytreeckpt checkpoints.")
+    sub = p.add_subparsers(dest="command", required=True)
+    ls = sub.add_parser("ls", help="list the checkpoints in a directory, committed or not")
+    ls.add_argument("dir")
+    ls.set_defaults(run=cmd_ls)
+    ins = sub.add_parser("inspect", help="the tree: key paths, dtypes, shapes, bytes, saved layouts, values")
+    ins.add_argument("path")
+    ins.set_defaults(run=cmd_inspect)
+    ver = sub.add_parser("verify", help="read every chunk and check it; exit status 1 on damage")
+    ver.add_argument("path")
+    ver.set_defaults(run=cmd_verify)
+    exp = sub.add_parser("export", help="write consolidated safetensors files")
+    exp.add_argument("path")
+    exp.add_argument("out")
+    exp.add_argument("--format", choices=["safetensors"], default="safetensors")
+    exp.add_argument("--max-shard-size", default="5GB", help="split into files of at most this size (default 5GB)")
+    exp.add_argument("--progress", action="store_true", help="show a progress bar on stderr")
+    exp.set_defaults(run=cmd_export)
+    imp = sub.add_parser("import", help="make a checkpoint from safetensors files (one file, or a directory)")
+    imp.add_argument("src")
+    imp.add_argument("out")
+    imp.add_argument("--overwrite", action="store_true")
+    imp.set_defaults(run=cmd_import)
+    for s in (ls, ins, ver, exp, imp):
+        s.add_argument("--json", action="store_true", help="machine-readable output")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status (2 for a checkpoint error)."""
+    args = _parser().parse_args(argv)
+    try:
+        status: int = args.run(args)
+    except CheckpointError as e:
+        print(f"pytreeckpt {args.command}: {e}", file=sys.stderr)
+        return 2
+    return status
+
+
+def _entry() -> Any:
+    sys.exit(main())
