@@ -1,41 +1,50 @@
-"""Saving in one layout and loading in another gives back exactly the saved values."""
+"""Saving in one layout and loading in another gives back exactly the saved values, bit for bit."""
 
 from __future__ import annotations
 
-import tempfile
-from pathlib import Path
+from typing import Any
 
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
 from pytreeckpt import ChunkingOptions
-from pytreeckpt.testing import check_reshard, chunking_options, dtypes, shapes, sharded_trees, specs, tensors
-
-_DIR = Path(tempfile.mkdtemp(prefix="pytreeckpt-props-"))
+from pytreeckpt.testing import (
+    check_reshard,
+    chunking_options,
+    dtypes,
+    shapes,
+    sharded_trees,
+    specs,
+    target_specs,
+    tensors,
+)
 
 
 @st.composite
-def reshard_cases(draw: st.DrawFn) -> tuple:
+def one_leaf(draw: st.DrawFn) -> tuple[torch.Tensor, Any, Any]:
+    """A tensor of random shape and dtype, a complete layout to save from and any layout to load into."""
     shape = draw(shapes())
-    dtype = draw(dtypes())
-    t = draw(tensors(shape, dtype))
+    t = draw(tensors(shape, draw(dtypes())))
     a = draw(st.one_of(st.none(), specs(shape)))
     b = draw(st.one_of(st.none(), specs(shape, complete=False)))
-    return t, a, b, draw(chunking_options())
+    return t, a, b
 
 
-@given(reshard_cases())
-def test_save_in_layout_a_load_in_layout_b_is_exact(case: tuple) -> None:
-    t, a, b, chunking = case
-    check_reshard({"x": t}, {"x": a}, {"x": b}, path=_DIR / "ckpt", chunking=chunking)
+@given(one_leaf(), chunking_options(), st.booleans())
+def test_a_leaf_saved_in_layout_a_loads_in_layout_b_bit_for_bit(
+    case: tuple[torch.Tensor, Any, Any], chunking: ChunkingOptions | None, use_save_spec: bool
+) -> None:
+    t, a, b = case
+    check_reshard({"x": t}, {"x": a}, {"x": b}, chunking=chunking, use_save_spec=use_save_spec)
 
 
-@given(sharded_trees(), st.data())
-def test_trees_of_several_leaves_reshard_exactly(tree_and_specs: tuple, data: st.DataObject) -> None:
-    tree, spec_a = tree_and_specs
-    spec_b = {
-        k: data.draw(specs(tuple(v.shape), complete=False)) for k, v in tree.items() if isinstance(v, torch.Tensor)
-    }
-    small = ChunkingOptions(single_chunk_bytes=16, min_chunk_bytes=8, max_chunk_bytes=64)
-    check_reshard(tree, spec_a, spec_b, path=_DIR / "tree", chunking=data.draw(st.sampled_from([None, small])))
+@given(sharded_trees(), chunking_options(), st.booleans(), st.booleans(), st.data())
+def test_a_tree_saved_in_its_layouts_loads_in_other_layouts_bit_for_bit(
+    tree: Any, chunking: ChunkingOptions | None, use_save_spec: bool, asynchronous: bool, data: st.DataObject
+) -> None:
+    # Sharded leaves are saved in their own layouts; plain tensors whole, or in a
+    # layout given by spec_a when it names one.
+    spec_a = data.draw(target_specs(tree, complete=True))
+    spec_b = data.draw(target_specs(tree))
+    check_reshard(tree, spec_a, spec_b, chunking=chunking, use_save_spec=use_save_spec, asynchronous=asynchronous)

@@ -86,3 +86,37 @@ def test_two_ranks_agree_on_steps(tmp_path: Path) -> None:
     assert results[0]["steps"] == [3, 4]
     assert results[0]["restored"] == 4.0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_3", "step_4"]
+
+
+def test_the_manager_example_killed_and_resumed_gives_identical_losses(tmp_path: Path) -> None:
+    import re
+    import signal
+    import subprocess
+    import sys
+
+    example = Path(__file__).parent.parent / "examples" / "train_with_manager.py"
+
+    def losses(text: str) -> dict[int, str]:
+        return {int(m.group(1)): m.group(2) for m in re.finditer(r"step (\d+) loss (\S+)", text)}
+
+    base = [sys.executable, str(example), "--steps", "30", "--every", "5"]
+    reference = subprocess.run([*base, "--dir", str(tmp_path / "ref")], capture_output=True, text=True, timeout=300)
+    assert reference.returncode == 0, reference.stderr
+    want = losses(reference.stdout)
+    assert sorted(want) == list(range(1, 31))
+
+    run = tmp_path / "run"
+    with subprocess.Popen([*base, "--dir", str(run)], stdout=subprocess.PIPE, text=True) as proc:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.startswith("step 18 "):
+                proc.send_signal(signal.SIGKILL)  # killed mid-run, between checkpoints
+                break
+        proc.wait(60)
+    resumed = subprocess.run([*base, "--dir", str(run)], capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    restart = int(re.search(r"resumed from step (\d+)", resumed.stdout).group(1))  # type: ignore[union-attr]
+    assert restart in (10, 15)
+    got = losses(resumed.stdout)
+    assert sorted(got) == list(range(restart + 1, 31))
+    assert {s: want[s] for s in got} == got  # bit-identical losses after the resume

@@ -1,29 +1,55 @@
 """Hypothesis strategies and a resharding check, to verify your own layouts.
 
-These are the strategies pytreeckpt's own property tests use. They need the
-``hypothesis`` package (the ``test`` extra); ``import pytreeckpt`` does not import it.
+These are the strategies pytreeckpt's own property tests use: meshes, placements,
+shapes (zero-size and indivisible ones included), every kind of layout (mesh specs,
+flat ranges, explicit boxes, with replication and, for load targets, gaps), every
+stored dtype, tensors full of special values, and nested sharded trees.
+:func:`check_reshard` saves a tree in one layout, loads it in another and checks
+every element bit for bit.
+
+They need the ``hypothesis`` package (the ``test`` extra, ``pip install
+'pytreeckpt[test]'``); ``import pytreeckpt`` does not import it.
 
 >>> import torch
->>> from pytreeckpt import Mesh, Shard, ShardingSpec, FlatRanges
+>>> from pytreeckpt import FlatRanges, Mesh, Shard, ShardingSpec
 >>> from pytreeckpt.testing import check_reshard
->>> t = {"w": torch.arange(12.0).reshape(4, 3)}
->>> out = check_reshard(t, ShardingSpec(Mesh(2), [Shard(0)]), FlatRanges([(0, 5), (5, 12)]))
+>>> state = {"w": torch.arange(12.0).reshape(4, 3), "step": 3}
+>>> out = check_reshard(state, ShardingSpec(Mesh(2), [Shard(0)]), {"w": FlatRanges([(0, 5), (5, 12)]), "step": None})
 >>> out["w"].shards[1]
 tensor([ 5.,  6.,  7.,  8.,  9., 10., 11.])
+>>> out["step"]
+3
+
+With hypothesis, the same check runs on random layouts:
+
+>>> from hypothesis import given, settings, strategies as st
+>>> from pytreeckpt.testing import specs
+>>> @settings(max_examples=3, deadline=None, derandomize=True)
+... @given(st.data())
+... def test_reshard(data):
+...     t = torch.arange(10, dtype=torch.int16)
+...     check_reshard({"t": t}, data.draw(specs((10,))), data.draw(specs((10,), complete=False)))
+>>> test_reshard()
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
-from hypothesis import strategies as st
 
-from ._api import load, save
+try:
+    from hypothesis import strategies as st
+except ImportError as e:  # pragma: no cover - depends on the environment
+    raise ImportError("pytreeckpt.testing needs hypothesis; install it with `pip install 'pytreeckpt[test]'`") from e
+
+from ._api import _is_leaf, _is_value, async_save, load, save
 from ._dtypes import dtype_of_torch
 from ._leaf import Abstract, ShardedLeaf
 from ._plan import ChunkingOptions
@@ -39,7 +65,7 @@ from ._sharding import (
     ShardingSpec,
     StridedShard,
 )
-from ._tree import flatten, keystr
+from ._tree import broadcast_prefix, flatten, keystr
 
 __all__ = [
     "check_reshard",
@@ -50,33 +76,60 @@ __all__ = [
     "shapes",
     "sharded_trees",
     "specs",
+    "target_specs",
     "tensors",
 ]
 
-DTYPES = (
-    torch.bool, torch.uint8, torch.int8, torch.int16, torch.uint16, torch.int32, torch.uint32, torch.int64,
-    torch.uint64, torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128,
-    torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz,
+_DTYPE_NAMES = (
+    "bool", "uint8", "int8", "int16", "uint16", "int32", "uint32", "int64", "uint64",
+    "float16", "bfloat16", "float32", "float64", "complex32", "complex64", "complex128",
+    "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu",
+    "float4_e2m1fn_x2", "bits8", "bits16",
 )  # fmt: skip
+STORED_DTYPES: tuple[torch.dtype, ...] = tuple(
+    getattr(torch, n) for n in _DTYPE_NAMES if isinstance(getattr(torch, n, None), torch.dtype)
+)
+"""Every torch dtype pytreeckpt stores bit for bit (those this torch has)."""
+
+
+# --------------------------------------------------------------------------- meshes and placements
 
 
 def meshes(max_axes: int = 3, max_ranks: int = 8) -> st.SearchStrategy[Mesh]:
-    """Meshes of 1 to ``max_axes`` axes with at most ``max_ranks`` ranks."""
+    """Meshes of 1 to ``max_axes`` axes with at most ``max_ranks`` ranks in all.
+
+    Args:
+      max_axes: the most axes a mesh has.
+      max_ranks: the most ranks a mesh has (the product of its axis sizes).
+
+    Returns:
+      A strategy of :class:`~pytreeckpt.Mesh`, axes named ``a0``, ``a1``, ...
+    """
 
     @st.composite
     def build(draw: st.DrawFn) -> Mesh:
         n = draw(st.integers(1, max_axes))
         shape: list[int] = []
         for _ in range(n):
-            room = max_ranks // max(1, math.prod(shape))
-            shape.append(draw(st.integers(1, max(1, min(4, room)))))
+            shape.append(draw(st.integers(1, max(1, max_ranks // math.prod(shape)))))
         return Mesh(shape, [f"a{i}" for i in range(n)])
 
     return build()
 
 
-def placements(mesh: Mesh, ndim: int, strided: bool = True) -> st.SearchStrategy[tuple[Placement, ...]]:
-    """One placement per mesh axis; several axes may shard the same dim."""
+def placements(mesh: Mesh, ndim: int, *, strided: bool = False) -> st.SearchStrategy[tuple[Placement, ...]]:
+    """One placement per mesh axis: ``Shard(dim)`` or ``Replicate()``.
+
+    Several mesh axes may shard the same dim; a tensor of 0 dims is replicated.
+
+    Args:
+      mesh: the mesh.
+      ndim: dims of the tensor.
+      strided: also draw ``StridedShard(dim, split_factor)`` (FSDP2 with TP).
+
+    Returns:
+      A strategy of tuples of ``mesh.ndim`` placements.
+    """
     options: list[st.SearchStrategy[Placement]] = [st.just(Replicate())]
     if ndim > 0:
         options.append(st.builds(Shard, st.integers(0, ndim - 1)))
@@ -85,123 +138,145 @@ def placements(mesh: Mesh, ndim: int, strided: bool = True) -> st.SearchStrategy
     return st.tuples(*[st.one_of(options) for _ in mesh.shape])
 
 
-def shapes(max_dims: int = 4, max_side: int = 9, min_dims: int = 0) -> st.SearchStrategy[tuple[int, ...]]:
-    """Shapes of ``min_dims`` to ``max_dims`` dims; sides from 0 (zero-size) to ``max_side``."""
-    return st.lists(st.integers(0, max_side), min_size=min_dims, max_size=max_dims).map(tuple)
+def shapes(
+    max_dims: int = 4, max_side: int = 9, *, min_dims: int = 0, max_elements: int = 4096
+) -> st.SearchStrategy[tuple[int, ...]]:
+    """Global shapes: 0 to ``max_dims`` dims, sides from 0 (zero-size) to ``max_side``.
+
+    Sides are mostly indivisible by mesh axis sizes, so shards come out uneven.
+
+    Args:
+      max_dims: the most dims.
+      max_side: the largest side.
+      min_dims: the fewest dims.
+      max_elements: the most elements (sides are drawn again until the shape fits).
+
+    Returns:
+      A strategy of shape tuples.
+    """
+    return (
+        st.lists(st.integers(0, max_side), min_size=min_dims, max_size=max_dims)
+        .map(tuple)
+        .filter(lambda s: math.prod(s) <= max_elements)
+    )
 
 
-def dtypes() -> st.SearchStrategy[torch.dtype]:
-    """Torch dtypes pytreeckpt stores bit for bit."""
-    return st.sampled_from(DTYPES)
+# --------------------------------------------------------------------------- layouts
 
 
-def _flat_ranges(numel: int, complete: bool) -> st.SearchStrategy[FlatRanges]:
+def _flat_ranges(numel: int, complete: bool, max_ranks: int) -> st.SearchStrategy[FlatRanges]:
     @st.composite
     def build(draw: st.DrawFn) -> FlatRanges:
-        ranks = draw(st.integers(1, 5))
-        cuts = sorted(draw(st.lists(st.integers(0, numel), min_size=ranks - 1, max_size=ranks - 1)))
+        # A partition of [0, numel) at random cut points (equal cuts: empty ranges).
+        parts = draw(st.integers(1, max_ranks))
+        cuts = sorted(draw(st.lists(st.integers(0, numel), min_size=parts - 1, max_size=parts - 1)))
         bounds = [0, *cuts, numel]
-        ranges = [(bounds[i], bounds[i + 1]) for i in range(ranks)]
-        if draw(st.booleans()) and numel:  # an extra rank overlapping the others: replication
+        ranges = [(bounds[i], bounds[i + 1]) for i in range(parts)]
+        # Ranges widened past their neighbours, and extra ranks: replication.
+        if draw(st.booleans()):
+            ranges = [(draw(st.integers(0, a)), draw(st.integers(b, numel))) for a, b in ranges]
+        for _ in range(draw(st.integers(0, max_ranks - len(ranges)))):
             a = draw(st.integers(0, numel))
             ranges.append((a, draw(st.integers(a, numel))))
         if not complete and draw(st.booleans()):  # a load target may leave gaps
-            ranges = [(a, draw(st.integers(a, b))) for a, b in ranges]
-        return FlatRanges(ranges)
+            ranges = [(a, draw(st.integers(a, b))) if draw(st.booleans()) else (a, b) for a, b in ranges]
+        order = draw(st.permutations(range(len(ranges))))
+        return FlatRanges([ranges[i] for i in order])
 
     return build()
 
 
-def _explicit_regions(shape: tuple[int, ...], complete: bool) -> st.SearchStrategy[ExplicitRegions]:
+def _boxes(draw: st.DrawFn, shape: tuple[int, ...], max_cuts: int) -> list[Region]:
+    """Disjoint boxes covering ``shape``, by cutting a box in two along a dim, repeatedly."""
+    boxes = [Region.full(shape)]
+    for _ in range(draw(st.integers(0, max_cuts))):
+        splittable = [(i, d) for i, b in enumerate(boxes) for d in range(b.ndim) if b.shape[d] > 1]
+        if not splittable:
+            break
+        i, d = draw(st.sampled_from(splittable))
+        box = boxes.pop(i)
+        cut = draw(st.integers(1, box.shape[d] - 1))
+        lo_shape, hi_shape, hi_off = list(box.shape), list(box.shape), list(box.offset)
+        lo_shape[d] = cut
+        hi_shape[d] -= cut
+        hi_off[d] += cut
+        boxes += [Region(box.offset, tuple(lo_shape)), Region(tuple(hi_off), tuple(hi_shape))]
+    return boxes
+
+
+def _any_box(draw: st.DrawFn, shape: tuple[int, ...]) -> Region:
+    """A box inside ``shape``, possibly empty."""
+    offset, extent = [], []
+    for side in shape:
+        lo = draw(st.integers(0, side))
+        offset.append(lo)
+        extent.append(draw(st.integers(0, side - lo)))
+    return Region(tuple(offset), tuple(extent))
+
+
+def _explicit_regions(shape: tuple[int, ...], complete: bool, max_ranks: int) -> st.SearchStrategy[ExplicitRegions]:
     @st.composite
     def build(draw: st.DrawFn) -> ExplicitRegions:
-        # Cut every dim at random points: a grid of boxes covering the tensor.
-        cells: list[list[tuple[int, int]]] = []
-        for side in shape:
-            cuts = sorted(set(draw(st.lists(st.integers(1, max(1, side - 1)), max_size=2)))) if side > 1 else []
-            b = [0, *[c for c in cuts if 0 < c < side], side]
-            cells.append([(b[i], b[i + 1] - b[i]) for i in range(len(b) - 1)])
-        boxes = [Region(tuple(c[0] for c in combo), tuple(c[1] for c in combo)) for combo in _product(cells)]
-        ranks = draw(st.integers(1, 4))
-        owner = [draw(st.integers(0, ranks - 1)) for _ in boxes]
+        ranks = draw(st.integers(1, max_ranks))
         per_rank: list[list[Region]] = [[] for _ in range(ranks)]
-        for box, r in zip(boxes, owner, strict=True):
-            keep: bool = complete or draw(st.booleans())
-            if keep:
-                per_rank[r].append(box)
-        replicate: bool = bool(boxes) and draw(st.booleans())
-        if replicate:  # one box also on another rank
-            per_rank[draw(st.integers(0, ranks - 1))].append(boxes[draw(st.integers(0, len(boxes) - 1))])
+        for box in _boxes(draw, shape, max_cuts=5):  # a cover: ranks with one box, several, or none
+            if complete or draw(st.integers(0, 3)) > 0:
+                per_rank[draw(st.integers(0, ranks - 1))].append(box)
+        for _ in range(draw(st.integers(0, 3))):  # boxes overlapping the cover: replication
+            per_rank[draw(st.integers(0, ranks - 1))].append(_any_box(draw, shape))
         return ExplicitRegions(per_rank)
 
     return build()
 
 
-def _product(lists: Sequence[Sequence[Any]]) -> list[tuple[Any, ...]]:
-    out: list[tuple[Any, ...]] = [()]
-    for options in lists:
-        out = [(*t, o) for t in out for o in options]
-    return out
+def specs(
+    shape: Sequence[int],
+    *,
+    complete: bool = True,
+    irregular: bool = True,
+    strided: bool = True,
+    max_ranks: int = 8,
+) -> st.SearchStrategy[Layout]:
+    """Any layout of a tensor of ``shape``.
 
-
-def specs(shape: Sequence[int], *, complete: bool = True, irregular: bool = True) -> st.SearchStrategy[Layout]:
-    """Any layout of a tensor of ``shape``: a mesh spec, flat ranges or explicit boxes.
+    A :class:`~pytreeckpt.ShardingSpec` over a random mesh with random placements;
+    :class:`~pytreeckpt.FlatRanges` cut at random points, some ranges overlapping
+    others (replication); :class:`~pytreeckpt.ExplicitRegions` of random boxes, ranks
+    holding one box, several or none, some boxes overlapping others.
 
     Args:
       shape: the global shape.
-      complete: every element is held by some rank (needed to save; a load target
-        may leave gaps).
+      complete: every element is held by some rank, as a layout to save from needs.
+        With False, irregular layouts may leave gaps, as a load target may.
       irregular: include FlatRanges and ExplicitRegions.
+      strided: include ``StridedShard`` placements in mesh specs.
+      max_ranks: the most ranks a layout spans.
+
+    Returns:
+      A strategy of layouts valid for ``shape``.
     """
-    shape = tuple(shape)
+    shape = tuple(int(s) for s in shape)
 
     @st.composite
     def mesh_spec(draw: st.DrawFn) -> Layout:
-        mesh = draw(meshes())
-        return ShardingSpec(mesh, draw(placements(mesh, len(shape))))
+        mesh = draw(meshes(max_ranks=max_ranks))
+        return ShardingSpec(mesh, draw(placements(mesh, len(shape), strided=strided)))
 
     options: list[st.SearchStrategy[Layout]] = [mesh_spec()]
     if irregular:
-        options += [_flat_ranges(math.prod(shape), complete), _explicit_regions(shape, complete)]
+        options += [
+            _flat_ranges(math.prod(shape), complete, max_ranks),
+            _explicit_regions(shape, complete, max_ranks),
+        ]
     return st.one_of(options)
 
 
-def tensors(shape: Sequence[int], dtype: torch.dtype) -> st.SearchStrategy[torch.Tensor]:
-    """Random tensors of ``shape`` and ``dtype``: random bits, so NaNs, infinities and -0.0 appear."""
-    itemsize = dtype.itemsize
-    n = math.prod(shape)
-
-    def make(data: bytes) -> torch.Tensor:
-        raw = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
-        t = raw.view(dtype) if n else torch.empty(0, dtype=dtype)
-        if dtype == torch.bool:
-            t = raw.view(torch.uint8) % 2 == 1
-        return t.reshape(tuple(shape)).clone()
-
-    return st.binary(min_size=n * itemsize, max_size=n * itemsize).map(make)
-
-
-def sharded_trees(max_leaves: int = 4) -> st.SearchStrategy[tuple[dict[str, Any], dict[str, Layout]]]:
-    """``(tree, specs)``: a dict of random tensors and Python values, and a complete spec per tensor."""
-
-    @st.composite
-    def build(draw: st.DrawFn) -> tuple[dict[str, Any], dict[str, Layout]]:
-        tree: dict[str, Any] = {}
-        spec: dict[str, Layout] = {}
-        for i in range(draw(st.integers(1, max_leaves))):
-            if draw(st.integers(0, 4)) == 0:
-                tree[f"v{i}"] = draw(st.one_of(st.integers(), st.floats(allow_nan=False), st.booleans(), st.text()))
-                continue
-            shape = draw(shapes())
-            tree[f"t{i}"] = draw(tensors(shape, draw(dtypes())))
-            spec[f"t{i}"] = draw(specs(shape))
-        return tree, spec
-
-    return build()
-
-
 def chunking_options() -> st.SearchStrategy[ChunkingOptions | None]:
-    """Default chunking, or tiny chunks so that chunks straddle shards and get merged."""
+    """The default chunking (None), or tiny chunks that straddle shards and are merged by their writer.
+
+    Returns:
+      A strategy of ``ChunkingOptions`` or None, to pass as ``save(..., chunking=...)``.
+    """
     small = st.builds(
         lambda a, b, c: ChunkingOptions(single_chunk_bytes=a, min_chunk_bytes=b, max_chunk_bytes=c),
         st.integers(0, 64),
@@ -211,85 +286,346 @@ def chunking_options() -> st.SearchStrategy[ChunkingOptions | None]:
     return st.one_of(st.none(), small)
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    if t.dtype == torch.bool:
+# --------------------------------------------------------------------------- dtypes and values
+
+
+def dtypes() -> st.SearchStrategy[torch.dtype]:
+    """Every torch dtype pytreeckpt stores bit for bit.
+
+    bool, signed and unsigned integers of every width, float16, bfloat16, float32,
+    float64, complex32, complex64, complex128, the float8 variants, float4 pairs and the
+    bits types (those the installed torch has).
+
+    Returns:
+      A strategy of ``torch.dtype``.
+    """
+    return st.sampled_from(STORED_DTYPES)
+
+
+@functools.cache
+def _special_bits(dtype: torch.dtype) -> np.ndarray:
+    """Bit patterns of special values of ``dtype``, one per row of uint8."""
+    n = dtype.itemsize
+    rows = [
+        bytes(n),  # zero
+        b"\xff" * n,  # all ones: -1, a NaN
+        bytes(n - 1) + b"\x80",  # the sign bit alone: -0.0, the smallest integer
+        b"\xff" * (n - 1) + b"\x7f",  # all but the sign bit: the largest integer, a NaN
+        b"\x01" + bytes(n - 1),  # the smallest subnormal, 1
+    ]
+    if dtype.is_floating_point or dtype.is_complex:
+        info = torch.finfo(dtype)
+        values = [math.inf, -math.inf, math.nan, -math.nan, -0.0, 1.0, info.max, -info.max, info.tiny, info.eps]
+        for v in values:
+            try:
+                t = torch.tensor([v], dtype=torch.float64).to(dtype)
+            except (RuntimeError, TypeError):
+                continue
+            rows.append(bytes(t.view(torch.uint8).numpy()))
+    return np.frombuffer(b"".join(dict.fromkeys(rows)), dtype=np.uint8).reshape(-1, n).copy()
+
+
+def _from_bits(raw: np.ndarray, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    flat = torch.from_numpy(np.ascontiguousarray(raw).reshape(-1))
+    if dtype == torch.bool:
+        return (flat & 1).view(torch.bool).reshape(shape).clone()
+    return flat.view(dtype).reshape(shape).clone()
+
+
+def tensors(
+    shape: Sequence[int], dtype: torch.dtype, *, elementwise_below: int = 64
+) -> st.SearchStrategy[torch.Tensor]:
+    """Random tensors of ``shape`` and ``dtype``, rich in special values.
+
+    Elements are random bit patterns (so NaNs with payloads and subnormals appear)
+    mixed with the special values of the dtype: infinities, NaNs of both signs, -0.0,
+    the largest and smallest values, the smallest and largest integers. Small tensors
+    are drawn element by element (so failures shrink to simple values); large ones
+    from a drawn seed.
+
+    Args:
+      shape: the shape.
+      dtype: the dtype (any of :func:`dtypes`).
+      elementwise_below: tensors with fewer elements are drawn element by element.
+
+    Returns:
+      A strategy of CPU tensors.
+    """
+    shape = tuple(int(s) for s in shape)
+    n, width = math.prod(shape), dtype.itemsize
+    specials = _special_bits(dtype)
+    element = st.one_of(
+        st.binary(min_size=width, max_size=width),
+        st.sampled_from([bytes(row) for row in specials]),
+    )
+
+    @st.composite
+    def build(draw: st.DrawFn) -> torch.Tensor:
+        if n < elementwise_below:
+            raw = np.frombuffer(b"".join(draw(st.lists(element, min_size=n, max_size=n))), dtype=np.uint8)
+            return _from_bits(raw.reshape(n, width), shape, dtype)
+        rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+        raw = rng.integers(0, 256, size=(n, width), dtype=np.uint8)
+        fraction = draw(st.sampled_from([0.0, 0.05, 0.5, 1.0]))
+        mask = rng.random(n) < fraction
+        raw[mask] = specials[rng.integers(0, len(specials), size=int(mask.sum()))]
+        return _from_bits(raw, shape, dtype)
+
+    return build()
+
+
+_KEYS = st.one_of(
+    st.text(alphabet="abcxyz_.0/ ", min_size=0, max_size=4),
+    st.integers(-3, 12),
+)
+_VALUES = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.floats(),  # NaN, infinities and -0.0 included
+    st.text(max_size=8),
+)
+
+
+def sharded_trees(
+    max_leaves: int = 5,
+    *,
+    max_side: int = 6,
+    leaf_dtypes: st.SearchStrategy[torch.dtype] | None = None,
+) -> st.SearchStrategy[Any]:
+    """Nested trees of dicts, lists and tuples holding sharded leaves, tensors and Python values.
+
+    Tensor leaves have random shapes and dtypes; a :class:`~pytreeckpt.ShardedLeaf`
+    holds every rank's shards of a complete random layout (see :func:`specs`); Python
+    leaves are None, bool, int (beyond 64 bits too), float (NaN included) and str. Dict
+    keys are strings (with dots and slashes) and integers. The root is a container.
+
+    Args:
+      max_leaves: the most leaves.
+      max_side: the largest side of a tensor.
+      leaf_dtypes: the dtypes of tensor leaves (default: :func:`dtypes`, every stored dtype).
+
+    Returns:
+      A strategy of trees that :func:`pytreeckpt.save` takes as they are.
+    """
+    dtype_st = dtypes() if leaf_dtypes is None else leaf_dtypes
+
+    @st.composite
+    def array(draw: st.DrawFn) -> Any:
+        shape = draw(shapes(max_dims=3, max_side=max_side))
+        t = draw(tensors(shape, draw(dtype_st)))
+        if draw(st.booleans()):
+            return ShardedLeaf.from_global(t, draw(specs(shape)))
         return t
-    width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64, 16: torch.int64}[t.dtype.itemsize]
-    flat = t.contiguous().reshape(-1)
-    if t.dtype.itemsize == 16:
-        return torch.view_as_real(flat).contiguous().view(torch.int64)
-    return flat.view(width)
+
+    leaf = st.one_of(array(), _VALUES)
+
+    def containers(kids: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+        return st.one_of(
+            st.dictionaries(_KEYS, kids, max_size=3),
+            st.lists(kids, max_size=3),
+            st.lists(kids, max_size=3).map(tuple),
+        )
+
+    return containers(st.recursive(leaf, containers, max_leaves=max_leaves))
 
 
-def _layout_at(specs_tree: Any, key: str) -> Layout | None:
-    if isinstance(specs_tree, Layout) or specs_tree is None:
-        return specs_tree
-    if isinstance(specs_tree, dict):
-        return specs_tree.get(key)
-    raise TypeError("check_reshard takes a spec, None, or a dict of specs by key path")
+def target_specs(tree: Any, *, complete: bool = False, max_ranks: int = 8) -> st.SearchStrategy[Any]:
+    """Load layouts for ``tree``: a tree of its structure with a layout or None per tensor leaf.
+
+    Args:
+      tree: a tree of tensors, :class:`~pytreeckpt.ShardedLeaf` and Python values.
+      complete: layouts hold every element (False: they may leave gaps).
+      max_ranks: the most ranks a layout spans.
+
+    Returns:
+      A strategy of spec trees, to pass as ``spec_b`` of :func:`check_reshard`.
+    """
+    leaves, _, root = flatten(tree, _is_leaf)
+
+    @st.composite
+    def build(draw: st.DrawFn) -> Any:
+        out: list[Any] = []
+        for leaf in leaves:
+            if isinstance(leaf, torch.Tensor | ShardedLeaf):
+                shape = tuple(leaf.shape)
+                out.append(draw(st.one_of(st.none(), specs(shape, complete=complete, max_ranks=max_ranks))))
+            else:
+                out.append(None)
+        return root.unflatten(out)
+
+    return build()
+
+
+# --------------------------------------------------------------------------- the check
+
+
+def _bits(t: torch.Tensor) -> np.ndarray:
+    """The raw bytes of ``t``'s elements, one row per element (NaNs compare equal to themselves)."""
+    flat = t.detach().cpu().contiguous().reshape(-1)
+    return flat.view(torch.uint8).numpy().reshape(flat.numel(), t.dtype.itemsize)
+
+
+def _describe(layout: Layout | None, full: str) -> str:
+    return full if layout is None else repr(layout)
+
+
+def _compare(
+    key: str, have: torch.Tensor, want: torch.Tensor, saved: Layout | None, loaded: Layout | None, rank: int | None
+) -> None:
+    where = "" if rank is None else f" in rank {rank}'s shard"
+    context = (
+        f"leaf {key or '(root)'!r}: saved in layout {_describe(saved, 'unsharded')} and loaded in layout "
+        f"{_describe(loaded, 'full tensor')}"
+    )
+    if have.dtype != want.dtype or tuple(have.shape) != tuple(want.shape):
+        raise AssertionError(
+            f"{context}: expected{where} shape {tuple(want.shape)} and dtype {want.dtype}, "
+            f"loaded shape {tuple(have.shape)} and dtype {have.dtype}"
+        )
+    a, b = _bits(have), _bits(want)
+    differ = (a != b).any(axis=1)
+    if differ.any():
+        first = int(np.flatnonzero(differ)[0])
+        index = tuple(int(i) for i in np.unravel_index(first, tuple(want.shape))) if want.dim() else ()
+        raise AssertionError(
+            f"{context}: {int(differ.sum())} of {differ.size} elements differ{where}; the first at index {index}: "
+            f"saved bits {bytes(b[first]).hex()}, loaded bits {bytes(a[first]).hex()}"
+        )
+
+
+def _same_value(want: Any, got: Any) -> bool:
+    if type(want) is not type(got):
+        return False
+    if isinstance(want, float):
+        return repr(want) == repr(got)  # NaN equals NaN, -0.0 differs from 0.0
+    return bool(want == got)
 
 
 def check_reshard(
-    tree: Any, spec_a: Any, spec_b: Any, *, path: str | Path | None = None, chunking: ChunkingOptions | None = None
+    tree: Any,
+    spec_a: Any,
+    spec_b: Any,
+    *,
+    path: str | Path | None = None,
+    chunking: ChunkingOptions | None = None,
+    use_save_spec: bool = False,
+    asynchronous: bool = False,
 ) -> Any:
-    """Save ``tree`` in layout ``spec_a``, load it in layout ``spec_b``, and check every element.
+    """Save ``tree`` in layout ``spec_a``, load it in layout ``spec_b``, and check every element bit for bit.
 
     Args:
-      tree: a pytree whose tensor leaves are full (global) tensors.
-      spec_a: the layout to save from: one spec for every tensor, None (unsharded), or a
-        dict from key path to spec.
-      spec_b: the layout to load into, in the same form.
-      path: where to write (default: a temporary directory, removed afterwards).
-      chunking: chunking options for the save.
+      tree: a pytree whose array leaves are full (global) tensors or
+        :class:`~pytreeckpt.ShardedLeaf`; other leaves are plain Python values.
+      spec_a: the layouts to save from: a pytree prefix of ``tree`` whose leaves are
+        layouts or None. A tensor under a layout is cut into a ShardedLeaf of that
+        layout (every rank's shards); under None it is saved whole, and a ShardedLeaf
+        in its own layout.
+      spec_b: the layouts to load into, in the same form: an
+        :class:`~pytreeckpt.Abstract` target with that layout, or a full tensor under None.
+      path: the checkpoint directory (replaced if it holds one); by default a temporary
+        directory, removed afterwards.
+      chunking: chunking options of the save, e.g. tiny chunks so that chunks straddle
+        shards and are merged.
+      use_save_spec: pass ``spec_a`` as the ``spec`` argument of
+        :func:`pytreeckpt.save`, with full tensors, instead of cutting ShardedLeafs.
+      asynchronous: save with :func:`pytreeckpt.async_save` and wait.
 
     Returns:
-      The loaded tree (ShardedLeaf leaves where ``spec_b`` gives a spec).
+      The loaded tree: ShardedLeaf leaves where ``spec_b`` gives a layout, full tensors
+      elsewhere, Python values as stored.
 
     Raises:
-      AssertionError: naming the leaf and both layouts where a value differs.
+      AssertionError: naming the leaf's key path and both layouts where a loaded value,
+        shape, dtype or layout differs from the saved one.
     """
-    leaves, paths, root = flatten(tree, lambda x: not isinstance(x, dict | list | tuple))
+    leaves, paths, root = flatten(tree, _is_leaf)
     keys = [keystr(p) for p in paths]
-    saved, target = [], []
-    for key, leaf in zip(keys, leaves, strict=True):
-        if isinstance(leaf, torch.Tensor):
-            a, b = _layout_at(spec_a, key), _layout_at(spec_b, key)
-            saved.append(ShardedLeaf.from_global(leaf, a) if a is not None else leaf)
-            dtype_of_torch(leaf.dtype)
-            target.append(Abstract(tuple(leaf.shape), leaf.dtype, b))
+    a_specs = broadcast_prefix(spec_a, root, lambda x: isinstance(x, Layout), len(leaves))
+    b_specs = broadcast_prefix(spec_b, root, lambda x: isinstance(x, Layout), len(leaves))
+    wants: list[torch.Tensor | None] = []
+    saved_layouts: list[Layout | None] = []
+    to_save: list[Any] = []
+    save_specs: list[Layout | None] = []
+    targets: list[Any] = []
+    for key, leaf, a, b in zip(keys, leaves, a_specs, b_specs, strict=True):
+        if _is_value(leaf):
+            wants.append(None)
+            saved_layouts.append(None)
+            to_save.append(leaf)
+            save_specs.append(None)
+            targets.append(leaf)
+            continue
+        if isinstance(leaf, ShardedLeaf):
+            full = leaf.to_global()
+        elif isinstance(leaf, torch.Tensor):
+            full = leaf
         else:
-            saved.append(leaf)
-            target.append(leaf)
+            raise TypeError(
+                f"check_reshard: leaf {key or '(root)'!r} is a {type(leaf).__name__}; leaves are tensors, "
+                f"ShardedLeaf or plain Python values"
+            )
+        dtype_of_torch(full.dtype)
+        wants.append(full)
+        saved_layouts.append(a if a is not None else leaf.spec if isinstance(leaf, ShardedLeaf) else None)
+        if a is None:
+            to_save.append(leaf)
+            save_specs.append(None)
+        elif use_save_spec:
+            to_save.append(full)
+            save_specs.append(a)
+        else:
+            to_save.append(ShardedLeaf.from_global(full, a))
+            save_specs.append(None)
+        targets.append(Abstract(tuple(full.shape), full.dtype, b))
+
+    def roundtrip(where: Path) -> Any:
+        state = root.unflatten(to_save)
+        spec = root.unflatten(save_specs) if use_save_spec else None
+        if asynchronous:
+            async_save(where, state, spec, chunking=chunking, overwrite=True).wait()
+        else:
+            save(where, state, spec, chunking=chunking, overwrite=True)
+        return load(where, root.unflatten(targets))
+
     if path is None:
         with tempfile.TemporaryDirectory(prefix="pytreeckpt-check-") as d:
-            out = _roundtrip(Path(d) / "ckpt", root, saved, target, chunking)
+            out = roundtrip(Path(d) / "ckpt")
     else:
-        out = _roundtrip(Path(path), root, saved, target, chunking)
-    got_leaves, _, _ = flatten(out, lambda x: not isinstance(x, dict | list | tuple))
-    for key, want, got in zip(keys, leaves, got_leaves, strict=True):
-        a, b = _layout_at(spec_a, key), _layout_at(spec_b, key)
-        if isinstance(want, torch.Tensor):
-            pairs: list[tuple[torch.Tensor, torch.Tensor, int | None]]
-            if isinstance(got, ShardedLeaf):
-                pairs = [
-                    (got.shards[rank], ShardedLeaf.from_global(want, got.spec, ranks=[rank]).shards[rank], rank)
-                    for rank in range(got.spec.world_size)
-                ]
-            else:
-                pairs = [(got, want, None)]
-            for have, expected, rank in pairs:
-                same = have.dtype == expected.dtype and have.shape == expected.shape
-                if not same or not torch.equal(_bits(have), _bits(expected)):
-                    where = "" if rank is None else f" (rank {rank}'s shard)"
-                    raise AssertionError(
-                        f"leaf {key!r}: saved in layout {a} and loaded in layout {b}, the values differ{where} "
-                        f"(shape {tuple(want.shape)}, dtype {want.dtype})"
-                    )
-        elif want != got and not (want != want and got != got):
-            raise AssertionError(f"leaf {key!r}: saved {want!r}, loaded {got!r}")
+        out = roundtrip(Path(path))
+    _check_loaded(out, paths, keys, leaves, wants, saved_layouts, b_specs)
     return out
 
 
-def _roundtrip(path: Path, root: Any, saved: list[Any], target: list[Any], chunking: ChunkingOptions | None) -> Any:
-    save(path, root.unflatten(saved), chunking=chunking, overwrite=True)
-    return load(path, root.unflatten(target))
+def _check_loaded(
+    out: Any,
+    paths: list[Any],
+    keys: list[str],
+    leaves: list[Any],
+    wants: list[torch.Tensor | None],
+    saved_layouts: list[Layout | None],
+    b_specs: list[Any],
+) -> None:
+    got_leaves, got_paths, _ = flatten(out, _is_leaf)
+    if got_paths != paths:
+        raise AssertionError(
+            f"the loaded tree has leaves {[keystr(p) for p in got_paths]}, the saved one {[keystr(p) for p in paths]}"
+        )
+    for key, leaf, want, got, a, b in zip(keys, leaves, wants, got_leaves, saved_layouts, b_specs, strict=True):
+        if want is None:
+            if not _same_value(leaf, got):
+                raise AssertionError(f"leaf {key or '(root)'!r}: saved the value {leaf!r}, loaded {got!r}")
+            continue
+        if b is None:
+            if not isinstance(got, torch.Tensor):
+                raise AssertionError(f"leaf {key or '(root)'!r}: expected a full tensor, loaded {type(got).__name__}")
+            _compare(key, got, want, a, b, None)
+            continue
+        if not isinstance(got, ShardedLeaf) or got.spec != b or set(got.shards) != set(range(b.world_size)):
+            raise AssertionError(
+                f"leaf {key or '(root)'!r}: expected a ShardedLeaf in layout {b!r} holding all {b.world_size} ranks, "
+                f"loaded {got!r}"
+            )
+        expected = ShardedLeaf.from_global(want, b)
+        for rank in range(b.world_size):
+            _compare(key, got.shards[rank], expected.shards[rank], a, b, rank)

@@ -1,0 +1,76 @@
+"""A training loop checkpointing with CheckpointManager; kill it at any time and rerun it.
+
+    python examples/train_with_manager.py --dir /tmp/run --steps 60 --every 10
+    # kill it (Ctrl-C, SIGKILL, a crash), then run the same command again: it resumes
+
+Every run prints one line per step: `step N loss L`. A resumed run restores the newest
+committed checkpoint (model, optimizer, RNG state, data position) and its losses are
+identical to those an uninterrupted run prints for the same steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import pytreeckpt
+
+TEXT = torch.tensor(list(inspect.getsource(json.encoder).encode()), dtype=torch.long)
+SEQ, BATCH = 32, 16
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Embedding(256, 64), nn.Flatten(), nn.Linear(SEQ * 64, 256), nn.ReLU(), nn.Linear(256, 256))
+
+
+def batch(position: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(position)
+    starts = torch.randint(0, len(TEXT) - SEQ - 1, (BATCH,), generator=g)
+    x = torch.stack([TEXT[s : s + SEQ] for s in starts.tolist()])
+    return x, TEXT[starts + SEQ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dir", type=Path, required=True)
+    parser.add_argument("--steps", type=int, default=60, help="train until this step")
+    parser.add_argument("--every", type=int, default=10, help="checkpoint every N steps")
+    parser.add_argument("--keep", type=int, default=3, help="checkpoints to keep")
+    args = parser.parse_args()
+
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    dropout = nn.Dropout(0.1)  # uses the RNG: its state is part of the checkpoint
+    start = 0
+    with pytreeckpt.CheckpointManager(args.dir, max_to_keep=args.keep, save_interval_steps=args.every) as manager:
+        if manager.latest_step() is not None:
+            state = manager.restore()  # the newest committed step, as plain tensors
+            model.load_state_dict(state["model"])
+            opt.load_state_dict(state["optim"])
+            torch.set_rng_state(state["rng"])
+            start = state["step"]
+            print(f"resumed from step {start}", flush=True)
+        for step in range(start, args.steps):
+            x, y = batch(step)
+            loss = nn.functional.cross_entropy(dropout(model(x)), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            print(f"step {step + 1} loss {loss.item():.6f}", flush=True)
+            state = {
+                "model": model.state_dict(),
+                "optim": opt.state_dict(),
+                "rng": torch.get_rng_state(),
+                "step": step + 1,
+            }
+            manager.save(step + 1, state)  # async: returns after the snapshot; skips steps off the interval
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,170 @@
+"""Invariants of the pure save and load plans, checked exactly with numpy count arrays."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+from hypothesis import given
+from hypothesis import strategies as st
+
+from pytreeckpt import ChunkingOptions, ExplicitRegions, FlatRanges, Layout, Mesh, Replicate, ShardingSpec
+from pytreeckpt._plan import ArrayLayout, ArraySavePlan, LoadPlan, SavePlan, plan_load, plan_save
+from pytreeckpt._region import Region, chunk_region
+from pytreeckpt._sharding import Piece
+from pytreeckpt.testing import chunking_options, shapes, specs
+
+Pieces = tuple[tuple[Piece, ...], ...]
+SaveInputs = tuple[list[ArrayLayout], int, ChunkingOptions | None]
+
+
+@st.composite
+def save_inputs(draw: st.DrawFn) -> SaveInputs:
+    """Up to three arrays in random complete layouts, a world at least as large, and chunking options."""
+    layouts = []
+    for i in range(draw(st.integers(1, 3))):
+        shape = draw(shapes(max_side=8))
+        spec = draw(specs(shape))
+        layouts.append(ArrayLayout(f"a{i}", shape, draw(st.sampled_from([1, 2, 4, 8])), spec.rank_pieces(shape)))
+    world = max(len(a.pieces) for a in layouts) + draw(st.integers(0, 2))  # idle ranks too
+    return layouts, world, draw(chunking_options())
+
+
+def load_targets(layouts: list[ArrayLayout]) -> st.SearchStrategy[list[Pieces]]:
+    """Any target layout (gaps allowed) of every array."""
+    return st.tuples(*[specs(a.shape, complete=False) for a in layouts]).map(
+        lambda ss: [s.rank_pieces(a.shape) for s, a in zip(ss, layouts, strict=True)]
+    )
+
+
+def _stored(layouts: list[ArrayLayout], plan: SavePlan) -> list[tuple[str, tuple[int, ...], int, tuple[int, ...]]]:
+    return [(a.key, a.shape, a.itemsize, ap.chunk_shape) for a, ap in zip(layouts, plan.arrays, strict=True)]
+
+
+def _grid(ap: ArraySavePlan) -> tuple[int, ...]:
+    return tuple(-(-s // c) for s, c in zip(ap.shape, ap.chunk_shape, strict=True))
+
+
+@given(save_inputs())
+def test_every_element_is_written_exactly_once(inputs: SaveInputs) -> None:
+    layouts, world, chunking = inputs
+    plan = plan_save(layouts, world, chunking)
+    assert [ap.key for ap in plan.arrays] == [a.key for a in layouts]
+    for layout, ap in zip(layouts, plan.arrays, strict=True):
+        assert ap.shape == layout.shape
+        written = np.zeros(layout.shape, dtype=np.int64)
+        for op in ap.writes:
+            assert 0 <= op.writer < world
+            written[op.region.slices()] += 1
+        assert (written == 1).all()
+
+
+@given(save_inputs())
+def test_sources_partition_each_write_and_lie_in_their_pieces(inputs: SaveInputs) -> None:
+    layouts, world, chunking = inputs
+    plan = plan_save(layouts, world, chunking)
+    for layout, ap in zip(layouts, plan.arrays, strict=True):
+        for op in ap.writes:
+            covered = np.zeros(op.region.shape, dtype=np.int64)
+            for frag in op.sources:
+                assert 0 <= frag.rank < len(layout.pieces)
+                assert 0 <= frag.piece < len(layout.pieces[frag.rank])
+                assert layout.pieces[frag.rank][frag.piece].region.contains(frag.region)
+                assert op.region.contains(frag.region)
+                covered[frag.region.relative_to(op.region).slices()] += 1
+            assert (covered == 1).all()
+            if op.is_direct:
+                assert op.sources[0].rank == op.writer
+
+
+@given(save_inputs())
+def test_every_chunk_has_exactly_one_writer(inputs: SaveInputs) -> None:
+    layouts, world, chunking = inputs
+    plan = plan_save(layouts, world, chunking)
+    for ap in plan.arrays:
+        assert len(ap.chunk_shape) == len(ap.shape)
+        assert all(c >= 1 for c in ap.chunk_shape)
+        writes_of_chunk = np.zeros(_grid(ap), dtype=np.int64)
+        for op in ap.writes:
+            lo, hi = [], []
+            for o, e, c, n in zip(op.region.offset, op.region.stop, ap.chunk_shape, ap.shape, strict=True):
+                assert o % c == 0  # a write starts on a chunk boundary
+                assert e % c == 0 or e == n  # and ends on one: it is a union of whole chunks
+                lo.append(o // c)
+                hi.append(-(-e // c))
+            writes_of_chunk[tuple(slice(a, b) for a, b in zip(lo, hi, strict=True))] += 1
+        assert (writes_of_chunk == 1).all()
+
+
+@given(save_inputs(), st.data())
+def test_every_element_of_every_target_piece_is_read_exactly_once(inputs: SaveInputs, data: st.DataObject) -> None:
+    layouts, world, chunking = inputs
+    saved = plan_save(layouts, world, chunking)
+    targets = data.draw(load_targets(layouts))
+    t_world = max(len(t) for t in targets) + data.draw(st.integers(0, 2))
+    plan = plan_load(_stored(layouts, saved), targets, t_world)
+    for layout, ap, pieces, lp in zip(layouts, saved.arrays, targets, plan.arrays, strict=True):
+        delivered = {
+            (r, i): np.zeros(p.region.shape, dtype=np.int64) for r, ps in enumerate(pieces) for i, p in enumerate(ps)
+        }
+        for op in lp.reads:
+            assert Region.full(layout.shape).contains(op.region)
+            assert len(list(op.region.chunk_indices(ap.chunk_shape))) == 1  # within one stored chunk
+            assert op.reader in {t.rank for t in op.targets}  # read by a rank that wants it
+            for t in op.targets:
+                piece = pieces[t.rank][t.piece]
+                assert t.region == op.region
+                assert piece.region.contains(t.region)
+                delivered[(t.rank, t.piece)][t.region.relative_to(piece.region).slices()] += 1
+        for counts in delivered.values():
+            assert (counts == 1).all()
+        assert len({op.region for op in lp.reads}) == len(lp.reads)  # a region wanted twice is read once
+
+
+@given(save_inputs(), st.data())
+def test_plans_round_trip_through_json_and_are_deterministic(inputs: SaveInputs, data: st.DataObject) -> None:
+    layouts, world, chunking = inputs
+    plan = plan_save(layouts, world, chunking)
+    assert SavePlan.from_json(json.loads(json.dumps(plan.to_json()))) == plan
+    assert plan_save(layouts, world, chunking) == plan
+    stored = _stored(layouts, plan)
+    targets = data.draw(load_targets(layouts))
+    t_world = max(len(t) for t in targets)
+    lp = plan_load(stored, targets, t_world)
+    assert LoadPlan.from_json(json.loads(json.dumps(lp.to_json()))) == lp
+    assert plan_load(stored, targets, t_world) == lp
+
+
+def _replicated(kind: int, world: int, shape: tuple[int, ...]) -> Layout:
+    """A layout in which each of ``world`` ranks holds the whole array, in one of four spellings."""
+    if kind == 0:
+        return ShardingSpec(Mesh(world), [Replicate()])
+    if kind == 1:
+        return ShardingSpec(Mesh((1, world)), [Replicate(), Replicate()])
+    if kind == 2:
+        return FlatRanges([(0, math.prod(shape))] * world)
+    return ExplicitRegions([[Region.full(shape)]] * world)
+
+
+@given(
+    st.lists(st.tuples(shapes(min_dims=1, max_side=40), st.sampled_from([1, 2, 4]), st.integers(0, 3)), min_size=1,
+             max_size=6),
+    st.integers(1, 6),
+    chunking_options(),
+)  # fmt: skip
+def test_purely_replicated_data_is_balanced_across_its_holders(
+    arrays: list[tuple[tuple[int, ...], int, int]], world: int, chunking: ChunkingOptions | None
+) -> None:
+    layouts = [
+        ArrayLayout(f"a{i}", shape, size, _replicated(kind, world, shape).rank_pieces(shape))
+        for i, (shape, size, kind) in enumerate(arrays)
+    ]
+    plan = plan_save(layouts, world, chunking)
+    load = plan.bytes_per_rank()
+    assert sum(load) == sum(math.prod(shape) * size for shape, size, _ in arrays)
+    largest = max(
+        (chunk_region((0,) * len(ap.shape), ap.chunk_shape, ap.shape).size * ap.itemsize for ap in plan.arrays),
+        default=0,
+    )
+    assert max(load) - min(load) <= largest, (load, largest)
