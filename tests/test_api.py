@@ -282,3 +282,50 @@ def test_files_are_where_the_metadata_says(tmp_path: Path) -> None:
     names = sorted(os.listdir(tmp_path / "c" / "arrays"))
     assert len(names) == 3  # distinct even on case-insensitive file systems
     assert all(bits(v).numel() == 1 for v in pytreeckpt.load(tmp_path / "c").values())
+
+
+def _count_reads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    from pytreeckpt import _executor
+
+    counted: list[int] = []
+    original = _executor.Storage.read
+
+    def read(self: object, *args: object, **kwargs: object) -> int:
+        n = original(self, *args, **kwargs)  # type: ignore[arg-type]
+        counted.append(n)
+        return n
+
+    monkeypatch.setattr(_executor.Storage, "read", read)
+    return counted
+
+
+def test_partial_restore_by_glob_reads_only_the_matching_leaves(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _, _, state = trained_state()
+    pytreeckpt.save(tmp_path / "c", state)
+    counted = _count_reads(monkeypatch)
+    out = pytreeckpt.load(tmp_path / "c", include=["model.*.weight", "step"])
+    assert set(out) == {"model.0.weight", "model.1.weight", "model.2.weight", "step"}
+    assert out["step"] == 3
+    assert torch.equal(out["model.0.weight"], state["model"]["0.weight"])
+    assert sum(counted) == sum(state["model"][k].numel() * 4 for k in ("0.weight", "1.weight", "2.weight"))
+    with pytest.raises(pytreeckpt.TargetMismatchError, match="target=None"):
+        pytreeckpt.load(tmp_path / "c", {"step": 0}, include="step")
+
+
+def test_load_slice_reads_only_the_chunks_it_touches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    emb = torch.randn(64, 32)
+    opts = pytreeckpt.ChunkingOptions(single_chunk_bytes=0, min_chunk_bytes=0, max_chunk_bytes=32 * 4 * 8)
+    pytreeckpt.save(tmp_path / "c", {"emb": emb}, chunking=opts)  # chunks of 8 rows
+    counted = _count_reads(monkeypatch)
+    assert torch.equal(pytreeckpt.load_slice(tmp_path / "c", "emb", (slice(10, 12),)), emb[10:12])
+    assert sum(counted) == 2 * 32 * 4  # the region itself: rows 10-11
+    assert torch.equal(pytreeckpt.load_slice(tmp_path / "c", "emb", (-1, slice(3, 5))), emb[-1:, 3:5])
+    assert pytreeckpt.load_slice(tmp_path / "c", "emb", (slice(5, 5),)).shape == (0, 32)
+    with pytest.raises(pytreeckpt.TargetMismatchError, match="out of range"):
+        pytreeckpt.load_slice(tmp_path / "c", "emb", 64)
+    with pytest.raises(pytreeckpt.TargetMismatchError, match="step-1 slices"):
+        pytreeckpt.load_slice(tmp_path / "c", "emb", slice(0, 10, 2))
+    with pytest.raises(pytreeckpt.TargetMismatchError, match="'nope'"):
+        pytreeckpt.load_slice(tmp_path / "c", "nope")

@@ -18,6 +18,7 @@ from ._api import SaveHandle as SaveHandle
 from ._api import VerifyReport as VerifyReport
 from ._api import async_save as async_save
 from ._api import load as load
+from ._api import load_slice as load_slice
 from ._api import metadata as metadata
 from ._api import save as save
 from ._api import verify as verify
@@ -80,6 +81,7 @@ __all__ = [
     "export_safetensors",
     "import_safetensors",
     "load",
+    "load_slice",
     "metadata",
     "placements_from_spec",
     "save",

@@ -6,6 +6,7 @@ leaves), which is how layouts are resharded and tested without a process group.
 
 from __future__ import annotations
 
+import fnmatch
 import os
 import threading
 import time
@@ -28,7 +29,17 @@ from ._region import Region
 from ._sharding import Layout, Mesh, Piece, Replicate, ShardingSpec
 from ._tree import PYTHON_LEAF_TYPES, KeyEntry, Node, broadcast_prefix, encode_value, flatten, keystr
 
-__all__ = ["CheckpointMetadata", "SaveHandle", "VerifyReport", "async_save", "load", "metadata", "save", "verify"]
+__all__ = [
+    "CheckpointMetadata",
+    "SaveHandle",
+    "VerifyReport",
+    "async_save",
+    "load",
+    "load_slice",
+    "metadata",
+    "save",
+    "verify",
+]
 
 PathLike = str | os.PathLike[str]
 _SINGLE = ShardingSpec(Mesh(1), [Replicate()])
@@ -714,6 +725,7 @@ def load(
     namespace: str = "",
     executor: ExecutorOptions | None = None,
     process_group: Any = None,
+    include: str | Sequence[str] | None = None,
 ) -> Any:
     """Load a checkpoint, functionally: return a new tree.
 
@@ -728,6 +740,9 @@ def load(
         Stored leaves the target lacks are not read.
       namespace: the optree namespace of custom pytree nodes.
       executor: concurrency of the I/O.
+      include: key-path globs (``fnmatch``, e.g. ``"model.layers.*.weight"``): load only
+        the matching leaves, and return them as a flat dict from key path to leaf.
+        Other leaves are not read. Only with ``target=None``.
       process_group: when torch.distributed is initialised with several ranks, every
         rank calls ``load`` and gets its own part: its DTensor shards, its shard of
         each ShardedLeaf or Abstract spec, and full copies of plain tensors. Each rank
@@ -759,11 +774,28 @@ def load(
     doc = parse_document(raw, namespace=namespace)
     stored_paths = doc.tree.paths()
     by_path: dict[tuple[KeyEntry, ...], ArrayMeta | ValueMeta] = dict(zip(stored_paths, doc.leaves, strict=True))
-    if target is None:
-        t_leaves: list[Any] = [None] * len(doc.leaves)
+    if include is not None:
+        if target is not None:
+            raise TargetMismatchError("include= selects leaves of the stored tree; give it with target=None")
+        patterns = [include] if isinstance(include, str) else list(include)
+        chosen = [
+            (p, leaf)
+            for p, leaf in zip(stored_paths, doc.leaves, strict=True)
+            if any(fnmatch.fnmatchcase(leaf.key, pat) for pat in patterns)
+        ]
+        t_leaves: list[Any] = [None] * len(chosen)
+        t_paths = [p for p, _ in chosen]
+        structure: Node = Node(
+            "dict", [("s", leaf.key) for _, leaf in chosen], [Node("leaf", leaf=i) for i in range(len(chosen))]
+        )
+        target_given = False
+    elif target is None:
+        t_leaves = [None] * len(doc.leaves)
         t_paths = stored_paths
-        structure: Node = doc.tree
+        structure = doc.tree
+        target_given = False
     else:
+        target_given = True
         t_leaves, t_paths, structure = flatten(target, _is_leaf, namespace=namespace)
     # Before any destination is allocated: the stored bytes must back every claimed shape.
     wanted = [by_path[p] for p in t_paths if isinstance(by_path.get(p), ArrayMeta)]
@@ -777,7 +809,7 @@ def load(
         if stored is None:
             problems.append(f"leaf {_where(key)} of the target is not in the checkpoint")
             continue
-        if target is None:
+        if not target_given:
             if isinstance(stored, ValueMeta):
                 results[i] = stored.value
             else:
@@ -862,15 +894,67 @@ def _dtensor_dest(meta: ArrayMeta, leaf: Any, comm: Any) -> _Dest:
     return _Dest(meta, pieces, {comm.rank: local}, finish)
 
 
-def read_array(path: PathLike, meta: ArrayMeta, executor: ExecutorOptions | None = None) -> torch.Tensor:
-    """One stored array, whole, as a CPU tensor (``meta`` from :func:`metadata`)."""
+def read_array(
+    path: PathLike, meta: ArrayMeta, region: Region | None = None, executor: ExecutorOptions | None = None
+) -> torch.Tensor:
+    """A stored array, or the box ``region`` of it, as a CPU tensor (``meta`` from :func:`metadata`).
+
+    Only the chunks the region touches are read.
+    """
     storage = Storage(path, executor)
     storage.check_stored_sizes([meta])
-    dest = _full_dest(meta, False, None, None)
-    plan = plan_load([(meta.key, meta.shape, meta.dtype.itemsize, meta.chunk_shape)], [dest.pieces], 1)
-    storage.read([meta], plan.arrays, [dest.get], rank=None)
-    result: torch.Tensor = dest.finish()
-    return result
+    region = Region.full(meta.shape) if region is None else region
+    out = torch.empty(region.shape, dtype=meta.dtype.torch)
+    pieces = ((Piece(region, 0),),) if region.size else ((),)
+
+    def get(rank: int, pi: int) -> tuple[np.ndarray, Region]:
+        return numpy_view(out), region
+
+    plan = plan_load([(meta.key, meta.shape, meta.dtype.itemsize, meta.chunk_shape)], [pieces], 1)
+    storage.read([meta], plan.arrays, [get], rank=None)
+    return out
+
+
+def _region_of(index: Any, shape: tuple[int, ...], key: str) -> Region:
+    """A box from an index of ints and step-1 slices (missing trailing dims are whole)."""
+    items = index if isinstance(index, tuple) else (index,)
+    if len(items) > len(shape):
+        raise TargetMismatchError(f"leaf {_where(key)}: index {index!r} has more dims than shape {shape}")
+    offset, extent = [], []
+    for d, n in enumerate(shape):
+        it = items[d] if d < len(items) else slice(None)
+        if isinstance(it, int) and not isinstance(it, bool):
+            i = it + n if it < 0 else it
+            if not 0 <= i < n:
+                raise TargetMismatchError(f"leaf {_where(key)}: index {it} is out of range for dim {d} of size {n}")
+            offset.append(i)
+            extent.append(1)
+        elif isinstance(it, slice) and it.step in (None, 1):
+            lo, hi, _ = it.indices(n)
+            offset.append(lo)
+            extent.append(max(0, hi - lo))
+        else:
+            raise TargetMismatchError(f"leaf {_where(key)}: only ints and step-1 slices select a box, found {it!r}")
+    return Region(tuple(offset), tuple(extent))
+
+
+def load_slice(path: PathLike, key: str, index: Any = (), *, executor: ExecutorOptions | None = None) -> torch.Tensor:
+    """Read part of one stored tensor, by key path and index, reading only the chunks it touches.
+
+    ``index`` is an int, a step-1 slice or a tuple of them, as in ``t[index]`` (ints keep
+    their dim, of size 1).
+
+    >>> import tempfile, torch, pytreeckpt
+    >>> d = tempfile.mkdtemp() + "/ckpt"
+    >>> pytreeckpt.save(d, {"emb": torch.arange(12.0).reshape(4, 3)})
+    >>> pytreeckpt.load_slice(d, "emb", (slice(1, 3), 2))
+    tensor([[5.],
+            [8.]])
+    """
+    meta = metadata(path).arrays.get(key)
+    if meta is None:
+        raise TargetMismatchError(f"leaf {_where(key)} is not an array of the checkpoint at {os.fspath(path)}")
+    return read_array(path, meta, _region_of(index, meta.shape, key), executor)
 
 
 def _dest_for(key: str, stored: ArrayMeta, leaf: Any, comm: Any = None) -> tuple[str | None, _Dest | None]:
