@@ -326,3 +326,32 @@ def manager_steps(rank: int, world: int, directory: str) -> dict[str, Any]:
             "latest": m.latest_step(),
             "restored": float(restored["w"].full_tensor()[0, 0]),
         }
+
+
+def dcp_save(rank: int, world: int, path: str) -> None:
+    """A torch.distributed.checkpoint directory written by ``world`` ranks."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    w, r = torch.randn(10, 6), torch.randn(5)
+    state = {
+        "model": {"w": distribute_tensor(w, mesh, [Shard(0)]), "r": distribute_tensor(r, mesh, [Replicate()])},
+        "step": 7,
+        "meta": {"name": "run", "lrs": [0.1, 0.01]},
+    }
+    dcp.save(state, checkpoint_id=path)
+
+
+def dcp_imported_load(rank: int, world: int, path: str) -> bool:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    w, r = torch.randn(10, 6), torch.randn(5)
+    target = {"model.w": distribute_tensor(torch.zeros(10, 6), mesh, [Shard(1)]), "model.r": torch.zeros(5), "step": 0}
+    out = pytreeckpt.load(path, target)
+    return torch.equal(out["model.w"].full_tensor(), w) and torch.equal(out["model.r"], r) and out["step"] == 7

@@ -22,6 +22,7 @@ from ._api import load_slice as load_slice
 from ._api import metadata as metadata
 from ._api import save as save
 from ._api import verify as verify
+from ._dcp import import_dcp as import_dcp
 from ._distributed import placements_from_spec as placements_from_spec
 from ._distributed import spec_from_dtensor as spec_from_dtensor
 from ._errors import CheckpointError as CheckpointError
@@ -79,6 +80,7 @@ __all__ = [
     "VerifyReport",
     "async_save",
     "export_safetensors",
+    "import_dcp",
     "import_safetensors",
     "load",
     "load_slice",

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ._api import metadata, verify
+from ._dcp import import_dcp
 from ._errors import CheckpointError
 from ._format import ARRAYS_DIR, LOCK_FILE, METADATA_FILE, ArrayMeta
 from ._safetensors import export_safetensors, import_safetensors
@@ -173,7 +174,11 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_import(args: argparse.Namespace) -> int:
-    names = import_safetensors(args.src, args.out, overwrite=args.overwrite)
+    src = Path(args.src)
+    if (src / ".metadata").is_file():  # a torch.distributed.checkpoint directory
+        names = import_dcp(src, args.out, overwrite=args.overwrite)
+    else:
+        names = import_safetensors(src, args.out, overwrite=args.overwrite)
     if args.json:
         print(json.dumps({"out": str(args.out), "tensors": names}))
     else:
@@ -200,7 +205,9 @@ def _parser() -> argparse.ArgumentParser:
     exp.add_argument("--max-shard-size", default="5GB", help="split into files of at most this size (default 5GB)")
     exp.add_argument("--progress", action="store_true", help="show a progress bar on stderr")
     exp.set_defaults(run=cmd_export)
-    imp = sub.add_parser("import", help="make a checkpoint from safetensors files (one file, or a directory)")
+    imp = sub.add_parser(
+        "import", help="make a checkpoint from safetensors files (a file or a directory) or a DCP directory"
+    )
     imp.add_argument("src")
     imp.add_argument("out")
     imp.add_argument("--overwrite", action="store_true")
