@@ -42,4 +42,6 @@ def test_only_the_executor_imports_tensorstore_and_only_the_adapter_torch_distri
             assert "import tensorstore" not in text, f.name
         if f.name != "_distributed.py":
             assert "import torch.distributed" not in text, f.name
-        assert "import pickle" not in text, f.name
+        if f.name != "_dcp.py":  # DCP's own format is pickled: read there by allowlist-only unpicklers
+            assert "import pickle" not in text, f.name
+            assert "torch.load" not in text, f.name
