@@ -350,14 +350,36 @@ def _box_region(lo: Sequence[int], hi: Sequence[int], chunk_shape: Sequence[int]
 def _water_fill(
     chunks: list[tuple[int, ...]], holders: Sequence[int], sizes: dict[tuple[int, ...], int], load: list[int]
 ) -> dict[tuple[int, ...], int]:
-    """Hand ``chunks`` (in order) to ``holders`` in contiguous runs so loads even out."""
+    """Hand ``chunks`` (in order) to ``holders`` so loads even out, in contiguous runs where that balances.
+
+    Handing each chunk to the least loaded holder keeps the spread of the holders' loads
+    within the larger of its spread before and the largest chunk. Contiguous runs (fewer,
+    larger writes) are used when they keep that bound too.
+    """
+    runs = _contiguous_runs(chunks, holders, sizes, load)
+    if runs is not None:
+        after = list(load)
+        for c, r in runs.items():
+            after[r] += sizes[c]
+        spread_before = max(load[r] for r in holders) - min(load[r] for r in holders)
+        spread_after = max(after[r] for r in holders) - min(after[r] for r in holders)
+        if spread_after <= max(spread_before, max(sizes[c] for c in chunks)):
+            load[:] = after
+            return runs
+    out = {}
+    for c in chunks:
+        best = min(holders, key=lambda r: (load[r], r))
+        out[c] = best
+        load[best] += sizes[c]
+    return out
+
+
+def _contiguous_runs(
+    chunks: list[tuple[int, ...]], holders: Sequence[int], sizes: dict[tuple[int, ...], int], load: Sequence[int]
+) -> dict[tuple[int, ...], int] | None:
+    """Contiguous runs of ``chunks`` filling the holders below the water level, or None if pointless."""
     if len(holders) == 1 or len(chunks) == 1:
-        out = {}
-        for c in chunks:
-            best = min(holders, key=lambda r: (load[r], r))
-            out[c] = best
-            load[best] += sizes[c]
-        return out
+        return None
     total = sum(sizes[c] for c in chunks)
     current = sorted(load[r] for r in holders)
     # find the level L such that sum(max(0, L - load)) == total
@@ -372,16 +394,17 @@ def _water_fill(
             break
         acc += (nxt - v) * width
     quota = {r: max(0.0, level - load[r]) for r in holders}
-    order = [r for r in sorted(holders) if quota[r] > 0] or [min(holders, key=lambda r: (load[r], r))]
-    out, i, given = {}, 0, 0.0
+    order = [r for r in sorted(holders) if quota[r] > 0]
+    # Lay the quotas end to end; a chunk goes to the holder whose stretch holds the chunk's
+    # midpoint. Each holder gets a contiguous run, and no holder's rounding carries over.
+    out, i, bound, pos = {}, 0, quota[order[0]], 0.0
     for c in chunks:
-        while i < len(order) - 1 and given + sizes[c] / 2 > quota[order[i]]:
+        mid = pos + sizes[c] / 2
+        while i < len(order) - 1 and mid > bound:
             i += 1
-            given = 0.0
-        r = order[i]
-        out[c] = r
-        given += sizes[c]
-        load[r] += sizes[c]
+            bound += quota[order[i]]
+        out[c] = order[i]
+        pos += sizes[c]
     return out
 
 

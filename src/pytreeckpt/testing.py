@@ -326,7 +326,7 @@ def _special_bits(dtype: torch.dtype) -> np.ndarray:
 
 
 def _from_bits(raw: np.ndarray, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    flat = torch.from_numpy(np.ascontiguousarray(raw).reshape(-1))
+    flat = torch.from_numpy(np.array(raw, dtype=np.uint8).reshape(-1))  # a writable copy
     if dtype == torch.bool:
         return (flat & 1).view(torch.bool).reshape(shape).clone()
     return flat.view(dtype).reshape(shape).clone()
