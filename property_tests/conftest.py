@@ -3,8 +3,8 @@
 - "ci": derandomized (the same examples on every run), no deadline, a fixed number of
   examples per property that keeps the whole suite under about three minutes on two
   cores, and the reproduction blob printed with any failure.
-- "dev": ten times the examples, freshly random on every run, for a broad local search.
-  ``HYPOTHESIS_PROFILE=dev pytest property_tests``
+- "dev": 2000 examples per property, freshly random on every run, for a broad local
+  search (about a quarter of an hour): ``HYPOTHESIS_PROFILE=dev pytest property_tests``
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ import os
 
 from hypothesis import HealthCheck, settings
 
-CI_EXAMPLES = 50
+CI_EXAMPLES = 300
+DEV_EXAMPLES = 2000
 
 # Tensors and layouts are drawn whole, so some inputs are slow to generate or large.
 _SUPPRESSED = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example]
@@ -29,7 +30,7 @@ settings.register_profile(
 settings.register_profile(
     "dev",
     deadline=None,
-    max_examples=10 * CI_EXAMPLES,
+    max_examples=DEV_EXAMPLES,
     print_blob=True,
     suppress_health_check=_SUPPRESSED,
 )

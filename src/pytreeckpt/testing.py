@@ -86,7 +86,7 @@ _DTYPE_NAMES = (
     "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu",
     "float4_e2m1fn_x2", "bits8", "bits16",
 )  # fmt: skip
-STORED_DTYPES: tuple[torch.dtype, ...] = tuple(
+_STORED_DTYPES: tuple[torch.dtype, ...] = tuple(
     getattr(torch, n) for n in _DTYPE_NAMES if isinstance(getattr(torch, n, None), torch.dtype)
 )
 """Every torch dtype pytreeckpt stores bit for bit (those this torch has)."""
@@ -299,7 +299,7 @@ def dtypes() -> st.SearchStrategy[torch.dtype]:
     Returns:
       A strategy of ``torch.dtype``.
     """
-    return st.sampled_from(STORED_DTYPES)
+    return st.sampled_from(_STORED_DTYPES)
 
 
 @functools.cache
@@ -314,12 +314,16 @@ def _special_bits(dtype: torch.dtype) -> np.ndarray:
         b"\x01" + bytes(n - 1),  # the smallest subnormal, 1
     ]
     if dtype.is_floating_point or dtype.is_complex:
-        info = torch.finfo(dtype)
-        values = [math.inf, -math.inf, math.nan, -math.nan, -0.0, 1.0, info.max, -info.max, info.tiny, info.eps]
+        values = [math.inf, -math.inf, math.nan, -math.nan, -0.0, 1.0]
+        try:
+            info = torch.finfo(dtype)
+            values += [info.max, -info.max, info.tiny, info.eps]
+        except (NotImplementedError, RuntimeError, TypeError):  # packed types such as float4_e2m1fn_x2
+            pass
         for v in values:
             try:
                 t = torch.tensor([v], dtype=torch.float64).to(dtype)
-            except (RuntimeError, TypeError):
+            except (NotImplementedError, RuntimeError, TypeError):
                 continue
             rows.append(bytes(t.view(torch.uint8).numpy()))
     return np.frombuffer(b"".join(dict.fromkeys(rows)), dtype=np.uint8).reshape(-1, n).copy()
@@ -418,30 +422,33 @@ def sharded_trees(
             return ShardedLeaf.from_global(t, draw(specs(shape)))
         return t
 
-    leaf = st.one_of(array(), _VALUES)
+    leaf = st.one_of(array(), array(), _VALUES)  # mostly arrays
 
-    def containers(kids: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    def containers(kids: st.SearchStrategy[Any], min_size: int = 0) -> st.SearchStrategy[Any]:
         return st.one_of(
-            st.dictionaries(_KEYS, kids, max_size=3),
-            st.lists(kids, max_size=3),
-            st.lists(kids, max_size=3).map(tuple),
+            st.dictionaries(_KEYS, kids, min_size=min_size, max_size=3),
+            st.lists(kids, min_size=min_size, max_size=3),
+            st.lists(kids, min_size=min_size, max_size=3).map(tuple),
         )
 
-    return containers(st.recursive(leaf, containers, max_leaves=max_leaves))
+    return containers(st.recursive(leaf, containers, max_leaves=max_leaves), min_size=1)
 
 
-def target_specs(tree: Any, *, complete: bool = False, max_ranks: int = 8) -> st.SearchStrategy[Any]:
+def target_specs(
+    tree: Any, *, complete: bool = False, max_ranks: int = 8, namespace: str = ""
+) -> st.SearchStrategy[Any]:
     """Load layouts for ``tree``: a tree of its structure with a layout or None per tensor leaf.
 
     Args:
       tree: a tree of tensors, :class:`~pytreeckpt.ShardedLeaf` and Python values.
       complete: layouts hold every element (False: they may leave gaps).
       max_ranks: the most ranks a layout spans.
+      namespace: the optree namespace of custom pytree nodes in ``tree``.
 
     Returns:
-      A strategy of spec trees, to pass as ``spec_b`` of :func:`check_reshard`.
+      A strategy of spec trees, to pass as ``spec_a`` or ``spec_b`` of :func:`check_reshard`.
     """
-    leaves, _, root = flatten(tree, _is_leaf)
+    leaves, _, root = flatten(tree, _is_leaf, namespace=namespace)
 
     @st.composite
     def build(draw: st.DrawFn) -> Any:
@@ -458,6 +465,10 @@ def target_specs(tree: Any, *, complete: bool = False, max_ranks: int = 8) -> st
 
 
 # --------------------------------------------------------------------------- the check
+
+
+def _is_layout(x: Any) -> bool:
+    return isinstance(x, Layout)
 
 
 def _bits(t: torch.Tensor) -> np.ndarray:
@@ -511,6 +522,7 @@ def check_reshard(
     chunking: ChunkingOptions | None = None,
     use_save_spec: bool = False,
     asynchronous: bool = False,
+    namespace: str = "",
 ) -> Any:
     """Save ``tree`` in layout ``spec_a``, load it in layout ``spec_b``, and check every element bit for bit.
 
@@ -530,6 +542,7 @@ def check_reshard(
       use_save_spec: pass ``spec_a`` as the ``spec`` argument of
         :func:`pytreeckpt.save`, with full tensors, instead of cutting ShardedLeafs.
       asynchronous: save with :func:`pytreeckpt.async_save` and wait.
+      namespace: the optree namespace of custom pytree nodes in ``tree``.
 
     Returns:
       The loaded tree: ShardedLeaf leaves where ``spec_b`` gives a layout, full tensors
@@ -539,10 +552,10 @@ def check_reshard(
       AssertionError: naming the leaf's key path and both layouts where a loaded value,
         shape, dtype or layout differs from the saved one.
     """
-    leaves, paths, root = flatten(tree, _is_leaf)
+    leaves, paths, root = flatten(tree, _is_leaf, namespace=namespace)
     keys = [keystr(p) for p in paths]
-    a_specs = broadcast_prefix(spec_a, root, lambda x: isinstance(x, Layout), len(leaves))
-    b_specs = broadcast_prefix(spec_b, root, lambda x: isinstance(x, Layout), len(leaves))
+    a_specs = broadcast_prefix(spec_a, root, _is_layout, len(leaves), namespace=namespace)
+    b_specs = broadcast_prefix(spec_b, root, _is_layout, len(leaves), namespace=namespace)
     wants: list[torch.Tensor | None] = []
     saved_layouts: list[Layout | None] = []
     to_save: list[Any] = []
@@ -583,17 +596,17 @@ def check_reshard(
         state = root.unflatten(to_save)
         spec = root.unflatten(save_specs) if use_save_spec else None
         if asynchronous:
-            async_save(where, state, spec, chunking=chunking, overwrite=True).wait()
+            async_save(where, state, spec, chunking=chunking, overwrite=True, namespace=namespace).wait()
         else:
-            save(where, state, spec, chunking=chunking, overwrite=True)
-        return load(where, root.unflatten(targets))
+            save(where, state, spec, chunking=chunking, overwrite=True, namespace=namespace)
+        return load(where, root.unflatten(targets), namespace=namespace)
 
     if path is None:
         with tempfile.TemporaryDirectory(prefix="pytreeckpt-check-") as d:
             out = roundtrip(Path(d) / "ckpt")
     else:
         out = roundtrip(Path(path))
-    _check_loaded(out, paths, keys, leaves, wants, saved_layouts, b_specs)
+    _check_loaded(out, paths, keys, leaves, wants, saved_layouts, b_specs, namespace)
     return out
 
 
@@ -605,8 +618,9 @@ def _check_loaded(
     wants: list[torch.Tensor | None],
     saved_layouts: list[Layout | None],
     b_specs: list[Any],
+    namespace: str,
 ) -> None:
-    got_leaves, got_paths, _ = flatten(out, _is_leaf)
+    got_leaves, got_paths, _ = flatten(out, _is_leaf, namespace=namespace)
     if got_paths != paths:
         raise AssertionError(
             f"the loaded tree has leaves {[keystr(p) for p in got_paths]}, the saved one {[keystr(p) for p in paths]}"
