@@ -55,6 +55,9 @@ def typecheck(session: nox.Session) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """Benchmarks side by side with torch.save and a raw write/read; writes benchmarks/results/."""
-    _install(session, "test")
+    """pytreeckpt beside torch.save, torch.distributed.checkpoint, memcpy and raw I/O; writes benchmarks/results/.
+
+    ``nox -s bench -- --sizes-gib 1 --only single`` passes options on (``python -m benchmarks -h``).
+    """
+    _install(session, "test,bench")
     session.run("python", "-m", "benchmarks", *session.posargs)

@@ -355,3 +355,44 @@ def dcp_imported_load(rank: int, world: int, path: str) -> bool:
     target = {"model.w": distribute_tensor(torch.zeros(10, 6), mesh, [Shard(1)]), "model.r": torch.zeros(5), "step": 0}
     out = pytreeckpt.load(path, target)
     return torch.equal(out["model.w"].full_tensor(), w) and torch.equal(out["model.r"], r) and out["step"] == 7
+
+
+# --------------------------------------------------------------------------- async pipeline
+
+
+def async_monitored_save(rank: int, world: int, path: str) -> dict[str, Any]:
+    """async_save of sharded, replicated and flat-range leaves through a small staging pool, with a monitor."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    big = torch.randn(256, 1024)  # 1 MiB, sharded
+    plain = torch.randn(64, 1024)  # replicated on every rank
+    flat = torch.randn(37, 11)  # flat ranges: chunks straddle ranks and are merged
+    n = flat.numel()
+    per = math.ceil(n / world)
+    spec = FlatRanges([(min(r * per, n), min((r + 1) * per, n)) for r in range(world)])
+    mine = flat.reshape(-1)[rank * per : (rank + 1) * per].clone()
+    state = {
+        "big": distribute_tensor(big, mesh, [Shard(0)]),
+        "plain": plain.clone(),
+        "flat": ShardedLeaf(flat.shape, flat.dtype, spec, {rank: mine}),
+    }
+    monitor = pytreeckpt.Monitor()
+    opts = pytreeckpt.ExecutorOptions(staging_bytes=64 * 1024, staging_piece_bytes=32 * 1024)
+    chunking = pytreeckpt.ChunkingOptions(single_chunk_bytes=16 * 1024, max_chunk_bytes=16 * 1024)
+    h = pytreeckpt.async_save(path, state, executor=opts, chunking=chunking, monitor=monitor)
+    state["big"].to_local().zero_()  # training goes on
+    state["plain"].zero_()
+    state["flat"].shards[rank].zero_()
+    h.wait()
+    out = pytreeckpt.load(path, {"big": torch.zeros(256, 1024), "plain": torch.zeros(64, 1024), "flat": flat * 0})
+    same = torch.equal(out["big"], big) and torch.equal(out["plain"], plain) and torch.equal(out["flat"], flat)
+    return {
+        "same": same,
+        "ranks": sorted({s.rank for s in monitor.spans}),
+        "phases": sorted({s.phase for s in monitor.spans}),
+        "written": sum(s.nbytes for s in monitor.spans if s.phase == "write"),
+        "peak": pytreeckpt._staging.staging_pool().peak_bytes,
+    }

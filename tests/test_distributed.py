@@ -159,3 +159,14 @@ def test_flat_range_world_math() -> None:
     per = math.ceil(n / world)
     ranges = [(min(r * per, n), min((r + 1) * per, n)) for r in range(world)]
     assert sum(b - a for a, b in ranges) == n
+
+
+def test_async_save_through_a_small_pool_with_every_ranks_spans_on_rank_0(tmp_path: Path) -> None:
+    results = run_world(4, w.async_monitored_save, str(tmp_path / "ckpt"))
+    assert all(r["same"] for r in results)
+    assert results[0]["ranks"] == [0, 1, 2, 3]  # gathered on rank 0
+    assert results[1]["ranks"] == [1]  # the others keep their own
+    assert {"plan", "snapshot", "write", "merge", "commit"} <= set(results[0]["phases"])
+    state_bytes = (256 * 1024 + 64 * 1024 + 37 * 11) * 4
+    assert results[0]["written"] == state_bytes  # every byte written once, summed over ranks
+    assert all(0 < r["peak"] <= 64 * 1024 for r in results)

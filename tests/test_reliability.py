@@ -127,17 +127,19 @@ def test_a_second_writer_gets_a_clear_error_while_the_first_holds_the_path(tmp_p
 
 
 def _spy_on_staging(monkeypatch: pytest.MonkeyPatch) -> list[weakref.ref]:
-    """Weak references to every staging buffer an async save makes."""
-    from pytreeckpt import _api
+    """Weak references to the staging memory an async save takes."""
+    from pytreeckpt import _staging
 
     refs: list[weakref.ref] = []
-    original = _api._copies_source
+    pool = _staging.staging_pool()
+    original = pool.reserve
 
-    def spy(copies: dict) -> object:
-        refs.extend(weakref.ref(buf) for buf, _ in copies.values())
-        return original(copies)
+    def spy(capacity: int, *, pin: bool = False) -> None:
+        original(capacity, pin=pin)
+        assert pool._arena is not None
+        refs.append(weakref.ref(pool._arena))
 
-    monkeypatch.setattr(_api, "_copies_source", spy)
+    monkeypatch.setattr(pool, "reserve", spy)
     return refs
 
 
@@ -168,6 +170,7 @@ def test_a_disk_that_fills_fails_cleanly(small_disk: Path, use_async: bool, monk
         gc.collect()
         assert staged
         assert all(ref() is None for ref in staged)  # the staging memory is released
+        assert pytreeckpt._staging.staging_pool().capacity == 0
     else:
         with pytest.raises(pytreeckpt.CheckpointError, match=full):
             pytreeckpt.save(small_disk / "step_2", big)

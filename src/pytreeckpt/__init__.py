@@ -35,6 +35,8 @@ from ._format import ArrayMeta as ArrayMeta
 from ._leaf import Abstract as Abstract
 from ._leaf import ShardedLeaf as ShardedLeaf
 from ._manager import CheckpointManager as CheckpointManager
+from ._monitor import Monitor as Monitor
+from ._monitor import Span as Span
 from ._plan import ChunkingOptions as ChunkingOptions
 from ._plan import LoadPlan as LoadPlan
 from ._plan import SavePlan as SavePlan
@@ -67,6 +69,7 @@ __all__ = [
     "LoadPlan",
     "Mesh",
     "MetadataError",
+    "Monitor",
     "NotCommittedError",
     "Region",
     "Replicate",
@@ -75,6 +78,7 @@ __all__ = [
     "Shard",
     "ShardedLeaf",
     "ShardingSpec",
+    "Span",
     "StridedShard",
     "TargetMismatchError",
     "VerifyReport",

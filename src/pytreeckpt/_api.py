@@ -7,6 +7,7 @@ leaves), which is how layouts are resharded and tested without a process group.
 from __future__ import annotations
 
 import fnmatch
+import itertools
 import os
 import threading
 import time
@@ -24,9 +25,12 @@ from ._errors import CheckpointError, LayoutError, TargetMismatchError
 from ._executor import ExecutorOptions, PieceData, Storage, write_items
 from ._format import ARRAYS_DIR, ArrayMeta, ValueMeta, array_names, build_document, parse_document
 from ._leaf import Abstract, ShardedLeaf, piece_view
+from ._monitor import Monitor, Progress, Span
+from ._pipeline import Snapshot, staged_writes
 from ._plan import ArrayLayout, ChunkingOptions, SavePlan, plan_load, plan_save
 from ._region import Region
 from ._sharding import Layout, Mesh, Piece, Replicate, ShardingSpec
+from ._staging import PoolAborted, staging_pool
 from ._tree import PYTHON_LEAF_TYPES, KeyEntry, Node, broadcast_prefix, encode_value, flatten, keystr
 
 __all__ = [
@@ -84,6 +88,7 @@ class _ArrayIn:
     pieces: tuple[tuple[Piece, ...], ...]
     get: PieceData
     present: frozenset[int] | None = None  # ranks whose data is here; None: all
+    device: Any = None  # DeviceData for leaves on a CUDA device, else None
 
 
 def _global_source(arr: np.ndarray, pieces: tuple[tuple[Piece, ...], ...]) -> PieceData:
@@ -94,26 +99,45 @@ def _global_source(arr: np.ndarray, pieces: tuple[tuple[Piece, ...], ...]) -> Pi
     return get
 
 
-def _sharded_source(leaf: ShardedLeaf, pieces: tuple[tuple[Piece, ...], ...]) -> PieceData:
-    cpu = {r: t.detach().cpu() for r, t in leaf.shards.items()}
+def _shard_sources(shards: Mapping[int, torch.Tensor], pieces: tuple[tuple[Piece, ...], ...]) -> tuple[PieceData, Any]:
+    """Getters of the pieces of ranks' local tensors: numpy views of CPU memory, and for
+    CUDA shards also views on the device (the CPU copy is then made only if asked for)."""
+    cpu: dict[int, torch.Tensor] = {}
 
     def get(rank: int, pi: int) -> tuple[np.ndarray, Region]:
+        if rank not in shards:
+            raise CheckpointError(f"internal error: data of rank {rank} asked for, this process holds {sorted(shards)}")
+        if rank not in cpu:
+            cpu[rank] = shards[rank].detach().cpu()
         piece = pieces[rank][pi]
         return numpy_view(piece_view(cpu[rank], piece)), piece.region
 
-    return get
+    if not any(t.is_cuda for t in shards.values()):
+        return get, None
+
+    def device(rank: int, pi: int) -> tuple[torch.Tensor, Region]:
+        piece = pieces[rank][pi]
+        return piece_view(shards[rank].detach(), piece), piece.region
+
+    return get, device
 
 
-def _local_source(local: torch.Tensor, me: int, pieces: tuple[tuple[Piece, ...], ...]) -> PieceData:
-    cpu = local.detach().cpu()
+def _tensor_source(t: torch.Tensor, pieces: tuple[tuple[Piece, ...], ...]) -> tuple[PieceData, Any]:
+    """Getters of the pieces of a global tensor held whole (every rank's piece is a box of it)."""
+    if not t.is_cuda:
+        return _global_source(numpy_view(t.detach().cpu()), pieces), None
+    held: list[np.ndarray] = []
 
     def get(rank: int, pi: int) -> tuple[np.ndarray, Region]:
-        if rank != me:
-            raise CheckpointError(f"internal error: rank {me} asked for data of rank {rank}")
-        piece = pieces[rank][pi]
-        return numpy_view(piece_view(cpu, piece)), piece.region
+        if not held:
+            held.append(numpy_view(t.detach().cpu()))
+        return _global_source(held[0], pieces)(rank, pi)
 
-    return get
+    def device(rank: int, pi: int) -> tuple[torch.Tensor, Region]:
+        region = pieces[rank][pi].region
+        return t.detach()[region.slices()], region
+
+    return get, device
 
 
 def _pad(pieces: tuple[tuple[Piece, ...], ...], world: int, key: str) -> tuple[tuple[Piece, ...], ...]:
@@ -140,16 +164,9 @@ def _array_in(key: str, leaf: Any, spec: Any, comm: Any = None) -> _ArrayIn:
             from ._distributed import dtensor_layout
 
             layout, pieces = dtensor_layout(leaf, comm.world, comm.group)
-            local = leaf.to_local()
+            get, device = _shard_sources({comm.rank: leaf.to_local()}, pieces)
             return _ArrayIn(
-                key,
-                "torch",
-                dtype_of_torch(leaf.dtype),
-                tuple(leaf.shape),
-                layout,
-                layout,
-                pieces,
-                _local_source(local, comm.rank, pieces),
+                key, "torch", dtype_of_torch(leaf.dtype), tuple(leaf.shape), layout, layout, pieces, get, device=device
             )
         if isinstance(leaf, ShardedLeaf):
             if spec is not None and spec != leaf.spec:
@@ -164,40 +181,38 @@ def _array_in(key: str, leaf: Any, spec: Any, comm: Any = None) -> _ArrayIn:
                         f"leaf {_where(key)}: rank {comm.rank} saves a ShardedLeaf without its own shard "
                         f"(it holds ranks {sorted(leaf.shards)})"
                     )
-                source = _local_source(leaf.shards[comm.rank], comm.rank, pieces)
+                get, device = _shard_sources({comm.rank: leaf.shards[comm.rank]}, pieces)
                 present = frozenset({comm.rank})
             else:
-                source = _sharded_source(leaf, pieces)
+                get, device = _shard_sources(leaf.shards, pieces)
                 present = frozenset(leaf.shards)
             return _ArrayIn(
-                key,
-                "torch",
-                dtype_of_torch(leaf.dtype),
-                leaf.shape,
-                leaf.spec,
-                leaf.spec,
-                pieces,
-                source,
-                present,
+                key, "torch", dtype_of_torch(leaf.dtype), leaf.shape, leaf.spec, leaf.spec, pieces, get, present, device
             )
+        tensor: torch.Tensor | None = None
         if isinstance(leaf, torch.Tensor):
+            tensor = leaf
             dtype = dtype_of_torch(leaf.dtype)
-            arr = numpy_view(leaf.detach().cpu())
+            local_shape = tuple(int(s) for s in leaf.shape)
             container = "torch"
         else:
             arr = np.asarray(leaf)
             dtype = dtype_of_numpy(arr.dtype)
+            local_shape = tuple(int(s) for s in arr.shape)
             container = "numpy"
-        local_shape = tuple(int(s) for s in arr.shape)
+        whole: Layout | None = None
         if comm is None:
-            single: Layout = spec if spec is not None else _SINGLE
-            pieces = single.rank_pieces(local_shape)
-            return _ArrayIn(key, container, dtype, local_shape, single, spec, pieces, _global_source(arr, pieces))
-        if spec is None:
+            whole = spec if spec is not None else _SINGLE
+        elif spec is None:
             # Every rank holds the whole tensor: replicated, written once in total.
-            layout = ShardingSpec(Mesh(comm.world), [Replicate()])
-            pieces = layout.rank_pieces(local_shape)
-            return _ArrayIn(key, container, dtype, local_shape, layout, None, pieces, _global_source(arr, pieces))
+            whole = ShardingSpec(Mesh(comm.world), [Replicate()])
+        if whole is not None:
+            pieces = whole.rank_pieces(local_shape)
+            if tensor is not None:
+                get, device = _tensor_source(tensor, pieces)
+            else:
+                get, device = _global_source(arr, pieces), None
+            return _ArrayIn(key, container, dtype, local_shape, whole, spec, pieces, get, device=device)
         raise CheckpointError(
             f"leaf {_where(key)}: in a distributed save a plain tensor is this rank's full copy; to save it sharded "
             f"wrap this rank's shard as ShardedLeaf(global_shape, dtype, spec, {{rank: shard}}) or use a DTensor"
@@ -208,22 +223,30 @@ def _array_in(key: str, leaf: Any, spec: Any, comm: Any = None) -> _ArrayIn:
         raise LayoutError(f"leaf {_where(key)}: {e}") from None
 
 
-def _snapshot(plans: Sequence[Any], data: Sequence[PieceData], me: int | None) -> list[PieceData]:
-    """Copy what this process's writes read: per local piece, the box spanning the fragments used."""
+def _snapshot_merges(plans: Sequence[Any], data: Sequence[PieceData], me: int) -> tuple[list[PieceData], int]:
+    """Copy this rank's fragments of merged writes: per local piece, the box spanning them.
+
+    (Direct writes go through the staging pool; merge fragments travel to their writer.)
+    Returns the getters of the copies and the bytes copied.
+    """
     out: list[PieceData] = []
+    copied = 0
     for plan, get in zip(plans, data, strict=True):
         boxes: dict[tuple[int, int], Region] = {}
         for op in plan.writes:
+            if op.is_direct:
+                continue
             for frag in op.sources:
-                if me is None or frag.rank == me:
+                if frag.rank == me:
                     k = (frag.rank, frag.piece)
                     boxes[k] = frag.region if k not in boxes else _span(boxes[k], frag.region)
         copies: dict[tuple[int, int], tuple[np.ndarray, Region]] = {}
         for (rank, pi), box in boxes.items():
             view, where = get(rank, pi)
             copies[(rank, pi)] = (np.array(view[box.relative_to(where).slices()], copy=True), box)
-        out.append(_copies_source(copies))
-    return out
+            copied += copies[(rank, pi)][0].nbytes
+        out.append(_copies_source(copies) if copies else get)
+    return out, copied
 
 
 def _copies_source(copies: dict[tuple[int, int], tuple[np.ndarray, Region]]) -> PieceData:
@@ -248,31 +271,86 @@ class _SaveJob:
     document: bytes
     overwrite: bool
     timings: dict[str, float]
+    monitor: Monitor
     comm: Any = None
+    device: list[Any] = field(default_factory=list)
+    snap: Snapshot | None = None
     _lock: Any = None
 
-    def snapshot(self) -> None:
-        t0 = time.perf_counter()
-        self.data = _snapshot(self.plan.arrays, self.data, None if self.comm is None else self.comm.rank)
-        self.timings["snapshot"] = time.perf_counter() - t0
+    @property
+    def rank(self) -> int:
+        return 0 if self.comm is None else int(self.comm.rank)
+
+    def _progress(self, what: str, nbytes: int) -> Progress:
+        return Progress.maybe(self.storage.options.progress and self.rank == 0, what, nbytes)
+
+    def stage(self) -> tuple[Snapshot, float, int]:
+        """Prepare the pipelined snapshot: the pieces to copy and a staging pool to hold them.
+
+        In a distributed save this rank's fragments of merged writes are copied here,
+        before the writer starts sending them. Returns the snapshot, the start time of
+        the caller's stall and the bytes copied so far.
+        """
+        start = time.time()
+        merged = 0
+        if self.comm is not None:
+            self.data, merged = _snapshot_merges(self.plan.arrays, self.data, self.comm.rank)
+        opts = self.storage.options
+        rank = None if self.comm is None else self.comm.rank
+        writes = staged_writes(self.plan.arrays, rank, opts.staging_piece_bytes)
+        sizes = [-(-max(w.nbytes, 1) // 64) * 64 for w in writes]
+        need = sum(sizes)
+        capacity = need if opts.staging_bytes is None else min(need, opts.staging_bytes)
+        capacity = max(capacity, max(sizes, default=0))
+        device = self.device or [None] * len(self.metas)
+        pool = staging_pool()
+        pool.reserve(capacity, pin=any(d is not None for d in device))
+        torch_dtypes = [_torch_dtype_or_none(m) for m in self.metas]
+        dtypes = [m.dtype.numpy for m in self.metas]
+        self.snap = Snapshot(writes, self.data, device, dtypes, torch_dtypes, pool, hold=capacity >= need)
+        return self.snap, start, merged
+
+    def snapshot(self, snap: Snapshot, start: float, merged: int) -> None:
+        """The caller's part of an asynchronous save: copy the pieces, feeding the writer as they are ready."""
+        progress = self._progress("snapshot", snap.nbytes)
+        try:
+            snap.run(progress.advance if progress.stream else None)
+        finally:
+            progress.close()
+            end = time.time()
+            thread = threading.current_thread().name
+            self.monitor.add(Span("save", "snapshot", self.rank, start, end, merged + snap.copied_bytes, thread))
+            self.timings["snapshot"] = end - start
+
+    def _items(self) -> Any:
+        """This process's writes: staged pieces in an asynchronous save, else views of the caller's memory."""
+        if self.snap is not None:
+            return self.snap.items()
+        dtypes = [m.dtype.numpy for m in self.metas]
+        return ((i, op.region, buf, None) for i, op, buf in write_items(self.plan.arrays, self.data, dtypes, None))
 
     def persist(self) -> None:
         """Write and commit: the single-process path, or this rank's part of a distributed save."""
-        dtypes = [m.dtype.numpy for m in self.metas]
         t0 = time.perf_counter()
         if self.comm is None:
             lock = self.storage.lock()
             try:
                 self.storage.prepare(self.overwrite)
-                items = ((i, op.region, buf) for i, op, buf in write_items(self.plan.arrays, self.data, dtypes, None))
-                self.storage.write(self.metas, items)
+                total = sum(op.region.size * ap.itemsize for ap in self.plan.arrays for op in ap.writes)
+                progress = self._progress("save", total)
+                try:
+                    with self.monitor.phase("save", "write", 0) as box:
+                        box[0] = self.storage.write(self.metas, self._items(), progress=progress.advance)
+                finally:
+                    progress.close()
                 t1 = time.perf_counter()
-                self.storage.commit(self.document)
+                with self.monitor.phase("save", "commit", 0):
+                    self.storage.commit(self.document)
             finally:
                 lock.release()
         else:
             try:
-                t1 = self._persist_distributed(dtypes)
+                t1 = self._persist_distributed()
             finally:
                 if self._lock is not None:
                     self._lock.release()
@@ -280,11 +358,12 @@ class _SaveJob:
         self.timings["write"] = t1 - t0
         self.timings["commit"] = time.perf_counter() - t1
 
-    def _persist_distributed(self, dtypes: list[np.dtype]) -> float:
+    def _persist_distributed(self) -> float:
         """Rank 0 prepares the directory (holding its lock), every rank writes, rank 0 commits."""
         comm = self.comm
+        me = comm.rank
         error: BaseException | None = None
-        if comm.rank == 0:
+        if me == 0:
             try:
                 self._lock = self.storage.lock()
                 self.storage.prepare(self.overwrite)
@@ -292,22 +371,47 @@ class _SaveJob:
             except Exception as e:
                 error = e
         comm.agree(error, "preparing the checkpoint directory")
-        transfers = comm.post_write_transfers(self.plan.arrays, self.data, dtypes)
+        dtypes = [m.dtype.numpy for m in self.metas]
+        transfers = comm.post_write_transfers(self.plan.arrays, self.data, dtypes, direct=self.snap is None)
+        mine = sum(op.region.size * ap.itemsize for ap in self.plan.arrays for op in ap.writes if op.writer == me)
+        progress = self._progress("save", mine)
         try:
-            self.storage.write(self.metas, transfers.items(), create=False)
+            with self.monitor.phase("save", "write", me) as box:
+                staged = self.snap.items() if self.snap is not None else iter(())
+                items = itertools.chain(staged, transfers.items())
+                box[0] = self.storage.write(self.metas, items, create=False, progress=progress.advance)
         except Exception as e:
             error = e
         finally:
-            transfers.wait_all()
+            progress.close()
+            with self.monitor.phase("save", "merge", me, transfers.received_bytes()):
+                transfers.wait_all()
         comm.agree(error, "writing the checkpoint")
         t1 = time.perf_counter()
-        if comm.rank == 0:
+        if me == 0:
             try:
-                self.storage.commit(self.document)
+                with self.monitor.phase("save", "commit", 0):
+                    self.storage.commit(self.document)
             except Exception as e:
                 error = e
         comm.agree(error, "committing the checkpoint")
+        _gather_spans(comm, self.monitor)
         return t1
+
+
+def _torch_dtype_or_none(meta: ArrayMeta) -> torch.dtype | None:
+    try:
+        return meta.dtype.torch
+    except KeyError:  # numpy-only dtypes
+        return None
+
+
+def _gather_spans(comm: Any, monitor: Monitor) -> None:
+    """Bring every rank's spans of this call to rank 0's monitor (the other ranks keep their own)."""
+    mine = [s.to_json() for s in monitor.spans if s.rank == comm.rank]
+    gathered = comm.gather(mine)
+    if comm.rank == 0:
+        monitor.extend([Span.from_json(s) for r, spans in enumerate(gathered) if r != 0 for s in spans])
 
 
 def _plan_job(
@@ -361,8 +465,22 @@ def _plan_job(
     storage = Storage(path, executor)
     if comm is None or comm.rank == 0:
         storage.check_writable(overwrite)
-    timings = {"plan": time.perf_counter() - t0}
-    return _SaveJob(storage, metas, plan, [a.get for a in arrays], document, overwrite, timings, comm)
+    t1 = time.perf_counter()
+    monitor = Monitor()
+    rank = 0 if comm is None else comm.rank
+    monitor.add(Span("save", "plan", rank, time.time() - (t1 - t0), time.time(), 0, threading.current_thread().name))
+    return _SaveJob(
+        storage,
+        metas,
+        plan,
+        [a.get for a in arrays],
+        document,
+        overwrite,
+        {"plan": t1 - t0},
+        monitor,
+        comm,
+        [a.device for a in arrays],
+    )
 
 
 def _exchange_layouts(
@@ -409,6 +527,7 @@ def save(
     executor: ExecutorOptions | None = None,
     namespace: str = "",
     process_group: Any = None,
+    monitor: Monitor | None = None,
 ) -> None:
     """Save a pytree as a checkpoint at ``path``, returning once it is committed.
 
@@ -423,13 +542,15 @@ def save(
       overwrite: replace a committed checkpoint at ``path``.
       user_metadata: a JSON object stored with the checkpoint.
       chunking: how stored arrays are chunked.
-      executor: concurrency of the I/O.
+      executor: concurrency of the I/O, staging memory, progress bar.
       namespace: the optree namespace of custom pytree nodes in ``tree``.
       process_group: when torch.distributed is initialised with several ranks, every
         rank calls ``save`` with its own part of the state: DTensors, ShardedLeafs
         holding its shard, and plain tensors and values that every rank holds whole
         (written once in total). Checkpoint traffic runs on a gloo group of its own,
         or on ``process_group`` if given.
+      monitor: a :class:`Monitor` that records the time and bytes of every phase
+        (on rank 0, every rank's).
 
     Raises:
       CheckpointError: naming the leaf, for anything that cannot be saved. In a
@@ -445,23 +566,32 @@ def save(
     job = _plan_job(path, tree, spec, overwrite, user_metadata, chunking, executor, namespace, _comm(process_group))
     # The caller is blocked until the commit, so the state cannot change under the
     # writes: they read straight from the caller's memory, without a snapshot.
-    job.persist()
+    try:
+        job.persist()
+    finally:
+        if monitor is not None:
+            monitor.extend(job.monitor.spans)
 
 
 class SaveHandle:
-    """A save running in the background: ``wait()``, ``done()`` and per-phase ``timings``."""
+    """A save running in the background: ``wait()``, ``done()``, per-phase ``timings`` and its ``monitor``."""
 
-    def __init__(self, path: PathLike, timings: dict[str, float]) -> None:
+    def __init__(self, path: PathLike, timings: dict[str, float], monitor: Monitor, user: Monitor | None) -> None:
         self.path = os.fspath(path)
         self._timings = timings
+        self._monitor = monitor
+        self._user = user
         self._done = threading.Event()
         self._error: BaseException | None = None
         self._reported = False
+        self._parties = 2  # the caller's snapshot and the writer: the last to finish settles the pool
+        self._parties_lock = threading.Lock()
 
     def _run(self, job: _SaveJob) -> None:
         try:
             job.persist()
         except BaseException as e:
+            staging_pool().abort()  # a caller still copying stops
             # The traceback's frames would keep the staging buffers alive as long as the
             # error is kept: drop their locals, keep the lines for the report.
             cause: BaseException | None = e
@@ -472,8 +602,20 @@ class SaveHandle:
                 cause = cause.__cause__ or cause.__context__
             self._error = e
         finally:
-            job.data = []  # release the staging memory
+            job.data = []
+            job.snap = None
+            if self._user is not None:
+                self._user.extend(self._monitor.spans)
+            self._leave(job.storage.options.keep_staging)
             self._done.set()
+
+    def _leave(self, keep: bool) -> None:
+        """One side is done with the staging pool; the last frees it after a failure or when not kept."""
+        with self._parties_lock:
+            self._parties -= 1
+            last = self._parties == 0
+        if last and (self._error is not None or not keep):
+            staging_pool().free()
 
     def done(self) -> bool:
         """True once the save has committed or failed."""
@@ -502,6 +644,11 @@ class SaveHandle:
     def timings(self) -> Mapping[str, float]:
         """Seconds per phase: plan, snapshot (the caller's stall), write, commit."""
         return MappingProxyType(self._timings)
+
+    @property
+    def monitor(self) -> Monitor:
+        """The spans of this save (complete once it is done; on rank 0, every rank's)."""
+        return self._monitor
 
     def __repr__(self) -> str:
         state = "failed" if self._error else "committed" if self.done() else "running"
@@ -532,11 +679,17 @@ def async_save(
     executor: ExecutorOptions | None = None,
     namespace: str = "",
     process_group: Any = None,
+    monitor: Monitor | None = None,
 ) -> SaveHandle:
     """Like :func:`save`, but returns once the state is copied; writing and commit run behind.
 
-    The caller may change the tree's tensors as soon as this returns. A new save first
-    waits for the one in flight. Arguments are those of :func:`save`.
+    The caller may change the tree's tensors as soon as this returns. The copy goes into
+    a staging pool (``ExecutorOptions.staging_bytes``), reused from save to save, piece
+    by piece while the writer thread writes the pieces already copied; with a pool
+    smaller than the state, the call also waits for the writes that free its memory.
+    CUDA tensors are copied to pinned memory on a side stream; the caller's stream waits
+    for those copies, the host does not. A new save first waits for the one in flight.
+    Arguments are those of :func:`save`.
 
     >>> import tempfile, torch, pytreeckpt
     >>> d = tempfile.mkdtemp()
@@ -550,12 +703,23 @@ def async_save(
     """
     _wait_in_flight()
     job = _plan_job(path, tree, spec, overwrite, user_metadata, chunking, executor, namespace, _comm(process_group))
-    job.snapshot()
-    handle = SaveHandle(path, job.timings)
+    snap, start, merged = job.stage()
+    handle = SaveHandle(path, job.timings, job.monitor, monitor)
     thread = threading.Thread(target=handle._run, args=(job,), name="pytreeckpt-save", daemon=False)
     with _IN_FLIGHT_LOCK:
         _in_flight.append(handle)
     thread.start()
+    try:
+        job.snapshot(snap, start, merged)
+    except PoolAborted:
+        pass  # the writer failed: wait() reports it
+    except BaseException:
+        # A copy failed: the writer was told and commits nothing; the error is reported here.
+        handle._done.wait()
+        handle._reported = True
+        raise
+    finally:
+        handle._leave(job.storage.options.keep_staging)
     return handle
 
 
@@ -660,6 +824,7 @@ class _Dest:
     pieces: tuple[tuple[Piece, ...], ...]
     locals: dict[int, Any]  # rank -> torch tensor or numpy array (CPU)
     finish: Any  # callable: () -> result leaf
+    device_bytes: int = 0  # bytes copied to a device by finish()
 
     def get(self, rank: int, pi: int) -> tuple[np.ndarray, Region]:
         piece = self.pieces[rank][pi]
@@ -680,15 +845,21 @@ def _full_dest(
     if as_numpy:
         arr = np.empty(meta.shape, dtype=meta.dtype.numpy)
         return _Dest(meta, pieces, {me: arr}, lambda: arr)
-    t = torch.empty(meta.shape, dtype=meta.dtype.torch)
+    on_device = device is not None and device.type != "cpu"
+    t = _host_buffer(meta.shape, meta.dtype.torch, pinned=device is not None and device.type == "cuda")
 
     def finish() -> Any:
-        out = t if device is None or device.type == "cpu" else t.to(device)
+        out = t.to(device, non_blocking=True) if on_device else t
         if isinstance(param, torch.nn.Parameter):
             return torch.nn.Parameter(out, requires_grad=param.requires_grad)
         return out
 
-    return _Dest(meta, pieces, {me: t}, finish)
+    return _Dest(meta, pieces, {me: t}, finish, t.numel() * t.element_size() if on_device else 0)
+
+
+def _host_buffer(shape: tuple[int, ...], dtype: torch.dtype, pinned: bool) -> torch.Tensor:
+    """Host memory for a read; pinned when it goes on to a CUDA device (the copy is then asynchronous)."""
+    return torch.empty(shape, dtype=dtype, pin_memory=pinned and torch.cuda.is_available())
 
 
 def _sharded_dest(
@@ -701,13 +872,18 @@ def _sharded_dest(
     else:
         pieces = _pad(all_pieces, comm.world, meta.key)
         ranks = [comm.rank] if comm.rank < spec.world_size else []
-    locals_ = {r: torch.empty(spec.local_shape(r, meta.shape), dtype=meta.dtype.torch) for r in ranks}
+    moved = {r for r in ranks if r in devices and devices[r].type != "cpu"}
+    locals_ = {
+        r: _host_buffer(spec.local_shape(r, meta.shape), meta.dtype.torch, r in moved and devices[r].type == "cuda")
+        for r in ranks
+    }
 
     def finish() -> ShardedLeaf:
-        shards = {r: t.to(devices[r]) if r in devices else t for r, t in locals_.items()}
+        shards = {r: t.to(devices[r], non_blocking=True) if r in moved else t for r, t in locals_.items()}
         return ShardedLeaf(meta.shape, meta.dtype.torch, spec, shards)
 
-    return _Dest(meta, pieces, dict(locals_), finish)
+    device_bytes = sum(locals_[r].numel() * locals_[r].element_size() for r in moved)
+    return _Dest(meta, pieces, dict(locals_), finish, device_bytes)
 
 
 def _target_problem(key: str, stored: ArrayMeta, shape: tuple[int, ...], dtype_name: str) -> str | None:
@@ -726,6 +902,7 @@ def load(
     executor: ExecutorOptions | None = None,
     process_group: Any = None,
     include: str | Sequence[str] | None = None,
+    monitor: Monitor | None = None,
 ) -> Any:
     """Load a checkpoint, functionally: return a new tree.
 
@@ -747,6 +924,8 @@ def load(
         rank calls ``load`` and gets its own part: its DTensor shards, its shard of
         each ShardedLeaf or Abstract spec, and full copies of plain tensors. Each rank
         reads only its regions; a region several ranks want is read once and sent on.
+      monitor: a :class:`Monitor` that records the time and bytes of every phase
+        (on rank 0, every rank's).
 
     Raises:
       NotCommittedError: ``path`` holds no committed checkpoint.
@@ -758,6 +937,25 @@ def load(
     # writing the very checkpoint asked for: let it finish first.
     _wait_in_flight()
     comm = _comm(process_group)
+    spans = Monitor()
+    try:
+        return _load(path, target, namespace, executor, include, comm, spans)
+    finally:
+        if monitor is not None:
+            monitor.extend(spans.spans)
+
+
+def _load(
+    path: PathLike,
+    target: Any,
+    namespace: str,
+    executor: ExecutorOptions | None,
+    include: str | Sequence[str] | None,
+    comm: Any,
+    monitor: Monitor,
+) -> Any:
+    me = 0 if comm is None else comm.rank
+    t0 = time.time()
     storage = Storage(path, executor)
     if comm is None:
         raw = storage.read_metadata()
@@ -854,20 +1052,49 @@ def load(
     )
     metas = [d.meta for _, d in dests]
     getters = [d.get for _, d in dests]
-    if comm is None:
-        storage.read(metas, plan.arrays, getters, rank=None)
-    else:
-        error = None
-        after, finish = comm.read_forwarding(plan.arrays, getters, [m.dtype.numpy for m in metas])
-        try:
-            storage.read(metas, plan.arrays, getters, rank=comm.rank, after=after)
-        except Exception as e:
-            error = e
-        finally:
-            finish()  # every posted transfer completes, even after a failed read
-        comm.agree(error, "loading the checkpoint")
-    for i, d in dests:
+    thread = threading.current_thread().name
+    monitor.add(Span("load", "plan", me, t0, time.time(), 0, thread))
+    h2d_bytes, h2d_seconds = [0], [0.0]
+
+    def finish(k: int) -> None:
+        """Make array ``k``'s result leaf: for a device target, start its host-to-device copy."""
+        i, d = dests[k]
+        start = time.perf_counter()
         results[i] = d.finish()
+        if d.device_bytes:
+            h2d_bytes[0] += d.device_bytes
+            h2d_seconds[0] += time.perf_counter() - start
+
+    mine = sum(op.region.size * ap.itemsize for ap in plan.arrays for op in ap.reads if comm is None or op.reader == me)
+    progress = Progress.maybe(storage.options.progress and me == 0, "load", mine)
+    try:
+        if comm is None:
+            # each array's host-to-device copy starts as soon as it is read, overlapping later reads
+            with monitor.phase("load", "read", me) as box:
+                box[0] = storage.read(metas, plan.arrays, getters, None, array_done=finish, progress=progress.advance)
+        else:
+            error = None
+            after, forward = comm.read_forwarding(plan.arrays, getters, [m.dtype.numpy for m in metas])
+            try:
+                with monitor.phase("load", "read", me) as box:
+                    box[0] = storage.read(
+                        metas, plan.arrays, getters, comm.rank, after=after, progress=progress.advance
+                    )
+            except Exception as e:
+                error = e
+            finally:
+                with monitor.phase("load", "transfer", me):
+                    forward()  # every posted transfer completes, even after a failed read
+            comm.agree(error, "loading the checkpoint")
+            for k in range(len(dests)):
+                finish(k)
+    finally:
+        progress.close()
+    if h2d_bytes[0]:
+        end = time.time()
+        monitor.add(Span("load", "h2d", me, end - h2d_seconds[0], end, h2d_bytes[0], thread))
+    if comm is not None:
+        _gather_spans(comm, monitor)
     return structure.unflatten(results)
 
 
@@ -879,11 +1106,12 @@ def _dtensor_dest(meta: ArrayMeta, leaf: Any, comm: Any) -> _Dest:
 
     _, pieces = dtensor_layout(leaf, comm.world, comm.group)
     local_target = leaf.to_local()
-    local = torch.empty(tuple(local_target.shape), dtype=meta.dtype.torch)
+    on_device = local_target.device.type != "cpu"
+    local = _host_buffer(tuple(local_target.shape), meta.dtype.torch, local_target.is_cuda)
 
     def finish() -> Any:
         return DTensor.from_local(
-            local.to(local_target.device),
+            local.to(local_target.device, non_blocking=True) if on_device else local,
             leaf.device_mesh,
             leaf.placements,
             run_check=False,
@@ -891,7 +1119,7 @@ def _dtensor_dest(meta: ArrayMeta, leaf: Any, comm: Any) -> _Dest:
             stride=leaf.stride(),
         )
 
-    return _Dest(meta, pieces, {comm.rank: local}, finish)
+    return _Dest(meta, pieces, {comm.rank: local}, finish, local.numel() * local.element_size() if on_device else 0)
 
 
 def read_array(

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ._errors import CheckpointError, LayoutError
-from ._executor import PieceData
+from ._executor import PieceData, WriteItem
 from ._plan import ArrayLoadPlan, ArraySavePlan, ReadOp
 from ._region import Region
 from ._sharding import Layout, Mesh, Piece, Placement, Replicate, Shard, ShardingSpec, StridedShard
@@ -176,6 +176,12 @@ class DistComm:
         dist.all_gather_object(out, obj, group=self.group)
         return out
 
+    def gather(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` on rank 0 (other ranks get an empty list)."""
+        out: list[Any] | None = [None] * self.world if self.rank == 0 else None
+        dist.gather_object(obj, out, dst=self.global_rank(0), group=self.group)
+        return out if out is not None else []
+
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         box = [obj]
         dist.broadcast_object_list(box, src=self.global_rank(src), group=self.group)
@@ -193,9 +199,16 @@ class DistComm:
 
     # ------------------------------------------------------------------ save
     def post_write_transfers(
-        self, plans: Sequence[ArraySavePlan], data: Sequence[PieceData], dtypes: Sequence[np.dtype]
+        self,
+        plans: Sequence[ArraySavePlan],
+        data: Sequence[PieceData],
+        dtypes: Sequence[np.dtype],
+        direct: bool = True,
     ) -> WriteTransfers:
         """Post every send and receive of merge fragments at once, before any write.
+
+        With ``direct=False`` the transfers yield only the merged writes (the direct
+        ones come from the staging pipeline).
 
         Fragments of a merged chunk held by other ranks travel point to point to the
         chunk's writer, overlapping the direct writes. Every posted receive is always
@@ -235,7 +248,7 @@ class DistComm:
                     t.merged.append((i, op.region, buf, pending))
         for i, plan in enumerate(plans):
             for op in plan.writes:
-                if op.is_direct and op.writer == me:
+                if direct and op.is_direct and op.writer == me:
                     t.direct.append((i, op, data[i]))
         return t
 
@@ -307,20 +320,26 @@ class WriteTransfers:
         self.merged: list[tuple[int, Region, np.ndarray, list[tuple[Any, torch.Tensor, Region]]]] = []
         self.direct: list[tuple[int, Any, PieceData]] = []
         self.error: BaseException | None = None
+        self.received = 0
 
-    def items(self) -> Iterator[tuple[int, Region, np.ndarray]]:
+    def items(self) -> Iterator[WriteItem]:
         """This rank's writes: direct ones at once, merged ones as their fragments arrive."""
         if self.error is not None:
             raise self.error
         for i, op, get in self.direct:
             src, where = get(op.writer, op.sources[0].piece)
-            yield i, op.region, src[op.region.relative_to(where).slices()]
+            yield i, op.region, src[op.region.relative_to(where).slices()], None
         for i, region, buf, pending in self.merged:
             while pending:
                 work, tmp, rel = pending.pop(0)  # a gloo work is waited on once only
                 work.wait()
                 buf[rel.slices()] = tmp.numpy().view(buf.dtype).reshape(rel.shape)
-            yield i, region, buf
+                self.received += tmp.numel()
+            yield i, region, buf, None
+
+    def received_bytes(self) -> int:
+        """Bytes of merge fragments received from other ranks so far, and still pending."""
+        return self.received + sum(tmp.numel() for _, _, _, pending in self.merged for _, tmp, _ in pending)
 
     def wait_all(self) -> None:
         """Complete every posted transfer not yet completed, whatever happened to the writes."""

@@ -30,11 +30,14 @@ from ._format import ARRAYS_DIR, LOCK_FILE, METADATA_FILE, ArrayMeta, zarr_metad
 from ._plan import ArrayLoadPlan, ArraySavePlan, ReadOp, WriteOp
 from ._region import Region, chunk_region
 
-__all__ = ["ExecutorOptions", "PieceData", "Storage", "assemble", "write_items"]
+__all__ = ["ExecutorOptions", "PieceData", "Storage", "WriteItem", "assemble", "write_items"]
 
 PieceData = Callable[[int, int], tuple[np.ndarray, Region]]
 """``(rank, piece) -> (view, region)``: a numpy view of the local memory holding that
 piece, and the global region it covers."""
+
+WriteItem = tuple[int, Region, np.ndarray, Callable[[], None] | None]
+"""``(array index, region, data, done)``: one write; ``done`` runs when it has finished."""
 
 MiB = 1 << 20
 
@@ -47,11 +50,24 @@ class ExecutorOptions:
       max_inflight_bytes: bytes of writes or reads issued and not yet finished.
       file_io_concurrency: TensorStore's limit on concurrent file operations.
       data_copy_concurrency: TensorStore's limit on threads encoding and decoding chunks.
+      staging_bytes: the bound on the staging memory of an asynchronous save. None: as
+        much as the state this rank writes, so the caller waits only for the copy; a
+        smaller pool is reused ping-pong, the caller then also waiting for the writes
+        that make room. Never less than one piece.
+      staging_piece_bytes: the largest piece copied and written as one (whole chunks).
+      keep_staging: keep the staging memory for the next asynchronous save (a copy
+        into memory already mapped is several times faster); False frees it after each
+        save. It is always freed after a failed save.
+      progress: draw a progress bar on stderr for saves and loads.
     """
 
     max_inflight_bytes: int = 512 * MiB
     file_io_concurrency: int = 16
     data_copy_concurrency: int = 4
+    staging_bytes: int | None = None
+    staging_piece_bytes: int = 64 * MiB
+    keep_staging: bool = True
+    progress: bool = False
 
 
 class _Window:
@@ -282,41 +298,56 @@ class Storage:
         return spec
 
     def open_arrays(self, metas: Sequence[ArrayMeta], create: bool) -> list[Any]:
+        def failed(meta: ArrayMeta, e: Exception) -> CheckpointError:
+            return CheckpointError(
+                f"leaf {meta.key!r}: cannot {'create' if create else 'open'} stored array {meta.path!r}: {e}"
+            )
+
         futures = []
         for meta in metas:
             if not create:
                 self._check_inside(self.root / meta.path, meta.key)
             spec = self._spec(meta, create)
-            if create:
-                futures.append(ts.open(spec, context=self.context, create=True))
-            else:
-                futures.append(ts.open(spec, context=self.context, open=True))
+            try:  # a spec TensorStore rejects (e.g. sizes past its limits) fails here, not in the future
+                if create:
+                    futures.append(ts.open(spec, context=self.context, create=True))
+                else:
+                    futures.append(ts.open(spec, context=self.context, open=True))
+            except Exception as e:
+                raise failed(meta, e) from e
         stores = []
         for meta, f in zip(metas, futures, strict=True):
             try:
                 stores.append(f.result())
             except Exception as e:
-                raise CheckpointError(
-                    f"leaf {meta.key!r}: cannot {'create' if create else 'open'} stored array {meta.path!r}: {e}"
-                ) from e
+                raise failed(meta, e) from e
         return stores
 
     def write(
-        self, metas: Sequence[ArrayMeta], items: Iterable[tuple[int, Region, np.ndarray]], create: bool = True
+        self,
+        metas: Sequence[ArrayMeta],
+        items: Iterable[WriteItem],
+        create: bool = True,
+        progress: Callable[[int], None] | None = None,
     ) -> int:
-        """Write ``(array index, region, data)`` items, a bounded number of bytes at a time.
+        """Write ``(array index, region, data, done)`` items, a bounded number of bytes at a time.
 
         ``items`` may be a generator that assembles each buffer when asked, so memory
-        stays bounded by ``max_inflight_bytes``. With ``create=False`` the arrays must
-        exist already (another rank created them). Returns the bytes written.
+        stays bounded by ``max_inflight_bytes``; ``done`` (or None) is called once the
+        write of that buffer has finished, well or not, so its memory may be reused.
+        With ``create=False`` the arrays must exist already (another rank created them).
+        ``progress(nbytes)`` is called as writes finish. Returns the bytes written.
         """
         stores = self.open_arrays(metas, create=create)
         window = _Window(self.options.max_inflight_bytes)
         written = 0
-        for i, region, buf in items:
+        for i, region, buf, done in items:
             nbytes = buf.nbytes
             written += nbytes
-            window.add(stores[i][region.slices()].write(buf), nbytes, f"leaf {metas[i].key!r}: writing {region}")
+            future = stores[i][region.slices()].write(buf)
+            if done is not None or progress is not None:
+                future.add_done_callback(_finished(done, progress, nbytes))
+            window.add(future, nbytes, f"leaf {metas[i].key!r}: writing {region}")
         window.drain()
         return written
 
@@ -327,20 +358,25 @@ class Storage:
         dest: Sequence[PieceData],
         rank: int | None,
         after: Callable[[int, ReadOp, np.ndarray], None] | None = None,
+        array_done: Callable[[int], None] | None = None,
+        progress: Callable[[int], None] | None = None,
     ) -> int:
         """Run the reads of ``rank`` (every rank when None) straight into destination memory.
 
         Each region lands in the reader's own target and is copied to the other targets
         in this process; ``after(array index, op, data)`` then runs, e.g. to send it on
-        to targets on other ranks. Returns the bytes read.
+        to targets on other ranks. ``array_done(i)`` runs once every read of array ``i``
+        has landed (while later arrays are still being read), ``progress(nbytes)`` as
+        reads land. Returns the bytes read.
         """
         stores = self.open_arrays(metas, create=False)
         window = _Window(self.options.max_inflight_bytes)
         read = 0
         for i, (meta, plan, store, get) in enumerate(zip(metas, plans, stores, dest, strict=True)):
-            for op in plan.reads:
-                if rank is not None and op.reader != rank:
-                    continue
+            mine = [op for op in plan.reads if rank is None or op.reader == rank]
+            if not mine and array_done is not None:
+                array_done(i)
+            for n, op in enumerate(mine):
                 outs = []
                 for t in sorted(op.targets, key=lambda t: t.rank != op.reader):
                     if rank is None or t.rank == rank:
@@ -349,19 +385,41 @@ class Storage:
                 first = outs[0]
                 future = ts.array(first).write(store[op.region.slices()])
 
+                nbytes = op.region.size * plan.itemsize
+
                 def fan_out(
-                    first: np.ndarray = first, rest: list[np.ndarray] = outs[1:], i: int = i, op: ReadOp = op
+                    first: np.ndarray = first,
+                    rest: list[np.ndarray] = outs[1:],
+                    i: int = i,
+                    op: ReadOp = op,
+                    last: bool = n == len(mine) - 1,
+                    nbytes: int = nbytes,
                 ) -> None:
                     for o in rest:
                         o[...] = first
                     if after is not None:
                         after(i, op, first)
+                    if progress is not None:
+                        progress(nbytes)
+                    if last and array_done is not None:
+                        array_done(i)
 
-                nbytes = op.region.size * plan.itemsize
                 read += nbytes
                 window.add(future, nbytes, f"leaf {meta.key!r}: reading {op.region} of {meta.path!r}", fan_out)
         window.drain()
         return read
+
+
+def _finished(
+    done: Callable[[], None] | None, progress: Callable[[int], None] | None, nbytes: int
+) -> Callable[[Any], None]:
+    def callback(_future: Any) -> None:
+        if done is not None:
+            done()
+        if progress is not None:
+            progress(nbytes)
+
+    return callback
 
 
 class _Lock:

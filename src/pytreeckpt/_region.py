@@ -147,3 +147,43 @@ def chunk_region(index: Sequence[int], chunk_shape: Sequence[int], shape: Sequen
     offset = tuple(i * c for i, c in zip(index, chunk_shape, strict=True))
     extent = tuple(min(c, s - o) for o, c, s in zip(offset, chunk_shape, shape, strict=True))
     return Region(offset, extent)
+
+
+def split_aligned(region: Region, chunk_shape: Sequence[int], itemsize: int, max_bytes: int) -> list[Region]:
+    """Cut ``region`` (a union of whole chunks) into boxes of whole chunks of at most ``max_bytes``.
+
+    Cuts fall on chunk boundaries, outer dimensions first; a single chunk larger than
+    ``max_bytes`` stays whole.
+
+    >>> [r.shape for r in split_aligned(Region((0, 0), (8, 4)), (2, 2), 1, 8)]
+    [(2, 4), (2, 4), (2, 4), (2, 4)]
+    >>> [r.offset for r in split_aligned(Region((0, 0), (2, 4)), (2, 2), 1, 4)]
+    [(0, 0), (0, 2)]
+    """
+    if region.size * itemsize <= max_bytes or region.ndim == 0:
+        return [region]
+    out: list[Region] = []
+    _split(region, tuple(chunk_shape), itemsize, max_bytes, 0, out)
+    return out
+
+
+def _split(region: Region, chunk: tuple[int, ...], itemsize: int, max_bytes: int, d: int, out: list[Region]) -> None:
+    if region.size * itemsize <= max_bytes or d == region.ndim:
+        out.append(region)
+        return
+    inner = math.prod(region.shape[:d] + region.shape[d + 1 :]) * itemsize  # bytes per index along d
+    step = max(chunk[d], 1)
+    take = max(1, max_bytes // max(inner * step, 1)) * step
+    lo, end = region.offset[d], region.offset[d] + region.shape[d]
+    while lo < end:
+        # the first cut lands on the chunk grid even if the region starts off it
+        hi = min(end, (lo // step) * step + take)
+        offset = list(region.offset)
+        shape = list(region.shape)
+        offset[d], shape[d] = lo, hi - lo
+        part = Region(tuple(offset), tuple(shape))
+        if part.size * itemsize > max_bytes and take == step:
+            _split(part, chunk, itemsize, max_bytes, d + 1, out)
+        else:
+            out.append(part)
+        lo = hi

@@ -1,0 +1,152 @@
+"""What every benchmark shares: states, timing, the page cache, and the physical limits."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+GiB = 1 << 30
+MiB = 1 << 20
+
+
+def make_state(nbytes: int, leaves: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random float32 and bfloat16 matrices (alternating) of ``nbytes`` in all: random, since this
+    machine's storage is faster on zeros than on real data."""
+    g = torch.Generator().manual_seed(seed)
+    per = nbytes // leaves
+    out = {}
+    for i in range(leaves):
+        dtype = torch.float32 if i % 2 == 0 else torch.bfloat16
+        cols = 1024
+        rows = per // (cols * (4 if dtype == torch.float32 else 2))
+        out[f"layer{i}.weight"] = torch.randn(rows, cols, generator=g).to(dtype)
+    return out
+
+
+def nbytes_of(state: dict[str, torch.Tensor]) -> int:
+    return sum(v.numel() * v.element_size() for v in state.values())
+
+
+_DROP = Path("/proc/sys/vm/drop_caches")
+
+
+def drop_caches() -> bool:
+    """Empty the page cache (needs root); False where the machine does not allow it."""
+    subprocess.run(["sync"], check=False)
+    try:
+        _DROP.write_text("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def can_drop_caches() -> bool:
+    return drop_caches()
+
+
+def timed(fn: Callable[[], Any], repeat: int, setup: Callable[[], None] | None = None) -> float:
+    """Median seconds of ``fn`` over ``repeat`` runs, ``setup`` run untimed before each."""
+    times = []
+    for _ in range(repeat):
+        if setup is not None:
+            setup()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def fresh(path: Path) -> Callable[[], None]:
+    """A setup that removes ``path`` (every tool writes to a new place each time)."""
+
+    def setup() -> None:
+        shutil.rmtree(path, ignore_errors=True)
+        if path.exists():
+            path.unlink()
+
+    return setup
+
+
+def memcpy_into_preallocated(state: dict[str, torch.Tensor]) -> Callable[[], None]:
+    """A bare copy of the state into memory allocated and touched beforehand: the stall's limit."""
+    dst = {k: torch.empty_like(v) for k, v in state.items()}
+    for v in dst.values():
+        v.zero_()  # map every page
+
+    def run() -> None:
+        for k, v in state.items():
+            dst[k].copy_(v)
+
+    return run
+
+
+def raw_write(state: dict[str, torch.Tensor], d: Path) -> None:
+    """Each tensor's bytes with ``numpy.ndarray.tofile``, then fsync of each file and the directory."""
+    d.mkdir(parents=True, exist_ok=True)
+    for k, v in state.items():
+        with open(d / k, "wb") as f:
+            v.contiguous().view(torch.uint8).numpy().tofile(f)
+            f.flush()
+            os.fsync(f.fileno())
+    fsync_dir(d)
+
+
+def raw_read(state: dict[str, torch.Tensor], d: Path) -> None:
+    for k in state:
+        np.fromfile(d / k, dtype=np.uint8)
+
+
+def fsync_file(path: Path) -> None:
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(path: Path) -> None:
+    """fsync every file below ``path``, and the directories (for tools that do not sync themselves)."""
+    if path.is_file():
+        fsync_file(path)
+        fsync_dir(path.parent)
+        return
+    for root, _dirs, files in os.walk(path):
+        for f in files:
+            fsync_file(Path(root) / f)
+        fsync_dir(Path(root))
+
+
+def count_files(path: Path) -> int:
+    if path.is_file():
+        return 1
+    return sum(len(files) for _, _, files in os.walk(path))
+
+
+def save_load_targets(s: dict[str, float], cold: bool, reshard: str) -> list[tuple[str, float, str, float]]:
+    """Issue 4's targets as (name, measured ratio, comparison, bound), from one run's seconds."""
+    mode = "cold" if cold else "warm"
+    stall = s["pytreeckpt.async_save stall"]
+    load = s[f"pytreeckpt.load {mode}"]
+    return [
+        ("async_save stall / memcpy", stall / s["memcpy"], "<=", 1.5),
+        ("async_save stall / DCP async_save stall", stall / s["dcp.async_save stall"], "<=", 0.5),
+        ("save throughput / raw write", s["raw write+fsync"] / s["pytreeckpt.save"], ">=", 0.7),
+        ("save throughput / DCP save", s["dcp.save"] / s["pytreeckpt.save"], ">=", 2.0),
+        (f"{mode} load throughput / raw read", s[f"raw read {mode}"] / load, ">=", 0.7),
+        (f"{mode} load throughput / DCP load", s[f"dcp.load {mode}"] / load, ">=", 1.2),
+        (f"{mode} {reshard}", s[f"pytreeckpt.load resharded {mode}"] / load, "<=", 1.25),
+    ]

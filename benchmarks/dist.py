@@ -1,0 +1,219 @@
+"""Several gloo ranks: a sharded model-like state saved and loaded by each tool, then resharded at fewer ranks.
+
+Each rank holds its shard of every matrix (DTensor ``Shard(0)``) and a copy of small
+replicated tensors. Every timing is taken between barriers, so it is the slowest rank's.
+The resharded load reads the checkpoints written at ``ranks`` ranks at ``ranks // 2``
+ranks with ``Shard(1)`` placements.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import statistics
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import pytreeckpt
+
+from ._common import drop_caches, fsync_tree, raw_read, raw_write, save_load_targets
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _shapes(total: int, leaves: int) -> list[tuple[str, tuple[int, int], torch.dtype]]:
+    out = []
+    for i in range(leaves):
+        dtype = torch.float32 if i % 2 == 0 else torch.bfloat16
+        cols = 4096
+        rows = total // leaves // (cols * (4 if dtype == torch.float32 else 2))
+        out.append((f"layers.{i}.weight", (rows, cols), dtype))
+    return out
+
+
+def _state(rank: int, world: int, total: int, leaves: int, mesh: Any, placements: Any) -> dict[str, Any]:
+    from torch.distributed.tensor import DTensor, Shard
+
+    g = torch.Generator().manual_seed(rank)
+    state: dict[str, Any] = {}
+    for key, (rows, cols), dtype in _shapes(total, leaves):
+        if placements is None:  # this rank's Shard(0) rows, made locally
+            per = rows // world
+            local = torch.randn(per, cols, generator=g).to(dtype)
+            state[key] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=(rows, cols))
+        else:  # a load target: Shard(placements), fresh memory
+            spec = pytreeckpt.ShardingSpec(pytreeckpt.Mesh(world), [pytreeckpt.Shard(placements)])
+            shape = spec.local_shape(rank, (rows, cols))
+            state[key] = DTensor.from_local(
+                torch.empty(shape, dtype=dtype), mesh, [Shard(placements)], run_check=False, shape=(rows, cols)
+            )
+    g = torch.Generator().manual_seed(1234)  # the same on every rank: replicated
+    for i in range(32):
+        norm = torch.randn(16 * 1024, generator=g)
+        state[f"norms.{i}"] = norm if placements is None else torch.empty_like(norm)
+    return state
+
+
+def _timed(fn: Callable[[], Any], repeat: int, setup: Callable[[], None] | None = None) -> float:
+    times = []
+    for _ in range(repeat):
+        if setup is not None:
+            setup()
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        dist.barrier()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _drop(rank: int) -> Callable[[], None]:
+    def setup() -> None:
+        dist.barrier()
+        if rank == 0:
+            drop_caches()
+        dist.barrier()
+
+    return setup
+
+
+def _rm(rank: int, path: Path) -> Callable[[], None]:
+    def setup() -> None:
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(path, ignore_errors=True)
+        dist.barrier()
+
+    return setup
+
+
+def _loads(name: str, fn: Callable[[], Any], repeat: int, rank: int, cold: bool, out: dict[str, float]) -> None:
+    if cold:
+        out[f"{name} cold"] = _timed(fn, repeat, _drop(rank))
+    fn()
+    out[f"{name} warm"] = _timed(fn, repeat)
+
+
+def _worker(rank: int, world: int, port: int, args: dict[str, Any]) -> None:
+    warnings.filterwarnings("ignore")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (world,))
+        work = Path(args["workdir"])
+        repeat, cold = args["repeat"], args["cold"]
+        s: dict[str, float] = {}
+        import torch.distributed.checkpoint as dcp
+
+        dpath, ppath = work / "dcp", work / "ptc"
+        if args["phase"] == "save":
+            state = _state(rank, world, args["bytes"], args["leaves"], mesh, None)
+            local = {k: v.to_local() if hasattr(v, "to_local") else v for k, v in state.items()}
+            dst = {k: torch.empty_like(v).zero_() for k, v in local.items()}
+            s["memcpy"] = _timed(lambda: [dst[k].copy_(v) for k, v in local.items()], repeat)
+            raw = work / f"raw{rank}"
+            s["raw write+fsync"] = _timed(lambda: raw_write(local, raw), repeat)
+            _loads("raw read", lambda: raw_read(local, raw), repeat, rank, cold, s)
+            shutil.rmtree(raw, ignore_errors=True)
+            tpath = work / f"torch{rank}.pt"
+
+            def torch_save() -> None:
+                torch.save(local, tpath)
+                fsync_tree(tpath)
+
+            s["torch.save"] = _timed(torch_save, repeat)
+            _loads("torch.load", lambda: torch.load(tpath, weights_only=True), repeat, rank, cold, s)
+            tpath.unlink()
+
+            s["dcp.save"] = _timed(lambda: dcp.save(state, checkpoint_id=dpath), repeat, _rm(rank, dpath))
+            stalls: list[float] = []
+
+            def dcp_async() -> None:
+                t0 = time.perf_counter()
+                fut = dcp.async_save(state, checkpoint_id=dpath)
+                stalls.append(_slowest(time.perf_counter() - t0))
+                fut.result()
+
+            s["dcp.async_save total"] = _timed(dcp_async, repeat, _rm(rank, dpath))
+            s["dcp.async_save stall"] = statistics.median(stalls)
+
+            def dcp_load() -> None:
+                target = _state(rank, world, args["bytes"], args["leaves"], mesh, 0)
+                dcp.load(target, checkpoint_id=dpath)
+
+            _loads("dcp.load", dcp_load, repeat, rank, cold, s)
+
+            s["pytreeckpt.save"] = _timed(lambda: pytreeckpt.save(ppath, state), repeat, _rm(rank, ppath))
+            stalls = []
+
+            def ptc_async() -> None:
+                t0 = time.perf_counter()
+                h = pytreeckpt.async_save(ppath, state)
+                stalls.append(_slowest(time.perf_counter() - t0))
+                h.wait()
+
+            _rm(rank, ppath)()
+            ptc_async()  # maps the staging pool's pages once
+            s["pytreeckpt.async_save total"] = _timed(ptc_async, repeat, _rm(rank, ppath))
+            s["pytreeckpt.async_save stall"] = statistics.median(stalls[1:])
+
+            def ptc_load() -> None:
+                target = _state(rank, world, args["bytes"], args["leaves"], mesh, 0)
+                pytreeckpt.load(ppath, target)
+
+            _loads("pytreeckpt.load", ptc_load, repeat, rank, cold, s)
+        else:  # resharded: fewer ranks, Shard(1)
+
+            def dcp_reshard() -> None:
+                target = _state(rank, world, args["bytes"], args["leaves"], mesh, 1)
+                dcp.load(target, checkpoint_id=dpath)
+
+            def ptc_reshard() -> None:
+                target = _state(rank, world, args["bytes"], args["leaves"], mesh, 1)
+                pytreeckpt.load(ppath, target)
+
+            _loads("dcp.load resharded", dcp_reshard, repeat, rank, cold, s)
+            _loads("pytreeckpt.load resharded", ptc_reshard, repeat, rank, cold, s)
+        if rank == 0:
+            (work / f"result-{args['phase']}.json").write_text(json.dumps(s))
+    finally:
+        dist.destroy_process_group()
+
+
+def _slowest(seconds: float) -> float:
+    t = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def run(ranks: int, size: int, leaves: int, repeat: int, workdir: Path, cold: bool) -> dict[str, Any]:
+    args = {"workdir": str(workdir), "repeat": repeat, "cold": cold, "bytes": size, "leaves": leaves}
+    mp.spawn(_worker, args=(ranks, _free_port(), {**args, "phase": "save"}), nprocs=ranks, join=True)
+    seconds = json.loads((workdir / "result-save.json").read_text())
+    fewer = max(1, ranks // 2)
+    mp.spawn(_worker, args=(fewer, _free_port(), {**args, "phase": "reshard"}), nprocs=fewer, join=True)
+    seconds.update(json.loads((workdir / "result-reshard.json").read_text()))
+    shutil.rmtree(workdir / "dcp", ignore_errors=True)
+    shutil.rmtree(workdir / "ptc", ignore_errors=True)
+    state = sum(rows * cols * dt.itemsize for _, (rows, cols), dt in _shapes(size, leaves)) + 32 * 16 * 1024 * 4
+    return {"ranks": ranks, "reshard_ranks": fewer, "bytes": state, "seconds": seconds}
+
+
+def targets(r: dict[str, Any], cold: bool) -> list[tuple[str, float, str, float]]:
+    """(target, measured ratio, comparison, bound) rows for this run."""
+    return save_load_targets(r["seconds"], cold, "resharded load / same-layout load")

@@ -1,0 +1,178 @@
+"""The pipelined snapshot of an asynchronous save.
+
+The caller's thread copies the state into the staging pool piece by piece (a piece is a
+box of whole chunks of at most ``ExecutorOptions.staging_piece_bytes``) and hands each
+piece to the writer thread, which writes it while the next is copied; a piece's memory
+goes back to the pool when its write has finished. The caller is blocked only for the
+copies, and, when the state is larger than the pool, for the writes that make room.
+
+CUDA leaves are copied device-to-host with ``non_blocking=True`` on a side stream that
+first waits for the caller's stream; the writer waits on each piece's event before
+writing it, and the caller's stream waits on the side stream before the call returns, so
+kernels the caller queues afterwards cannot change the state before it is copied, and the
+host does not wait for the copies at all.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from ._executor import PieceData
+from ._plan import ArraySavePlan, Fragment
+from ._region import Region, split_aligned
+from ._staging import Stage, StagingPool, copy_into
+
+__all__ = ["DeviceData", "Snapshot", "StagedWrite", "staged_writes"]
+
+DeviceData = Callable[[int, int], tuple[torch.Tensor, Region]]
+"""``(rank, piece) -> (tensor view, region)`` for leaves on a CUDA device."""
+
+
+@dataclass(frozen=True, slots=True)
+class StagedWrite:
+    """A box of whole chunks of array ``array``, assembled from ``sources``, copied and written as one piece."""
+
+    array: int
+    region: Region
+    sources: tuple[Fragment, ...]
+    nbytes: int
+
+
+def staged_writes(plans: Sequence[ArraySavePlan], rank: int | None, max_bytes: int) -> list[StagedWrite]:
+    """The pieces the caller copies: every write in one process (``rank=None``), else this rank's direct writes.
+
+    Writes merged from other ranks' fragments take another path in a distributed save
+    (the fragments travel to the writer), so only direct writes are staged there.
+    """
+    out: list[StagedWrite] = []
+    for i, plan in enumerate(plans):
+        for op in plan.writes:
+            if rank is not None and (op.writer != rank or not op.is_direct):
+                continue
+            for part in split_aligned(op.region, plan.chunk_shape, plan.itemsize, max_bytes):
+                sources = []
+                for frag in op.sources:
+                    inter = frag.region.intersect(part)
+                    if inter is not None:
+                        sources.append(Fragment(frag.rank, frag.piece, inter))
+                out.append(StagedWrite(i, part, tuple(sources), part.size * plan.itemsize))
+    return out
+
+
+_DONE = object()
+
+
+class Snapshot:
+    """Copies staged writes into the pool (caller's thread) and yields them to the writer (writer's thread)."""
+
+    def __init__(
+        self,
+        writes: Sequence[StagedWrite],
+        data: Sequence[PieceData],
+        device_data: Sequence[DeviceData | None],
+        dtypes: Sequence[np.dtype],
+        torch_dtypes: Sequence[torch.dtype | None],
+        pool: StagingPool,
+        hold: bool = False,
+    ) -> None:
+        self.writes = writes
+        self.data = data
+        self.device_data = device_data
+        self.dtypes = dtypes
+        self.torch_dtypes = torch_dtypes
+        self.pool = pool
+        self.queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.copied_bytes = 0
+        self.uses_cuda = any(d is not None for d in device_data)
+        # With room for every piece there is nothing to overlap: the writer waits until
+        # the copy is over rather than compete with it for memory bandwidth and cores.
+        self.hold = hold
+        self.copied = threading.Event()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(w.nbytes for w in self.writes)
+
+    def run(self, progress: Callable[[int], None] | None = None) -> None:
+        """Copy every piece, in order, waiting for room in the pool; the writer is fed as pieces are ready.
+
+        Raises what the writer failed with (the pool is aborted) or what a copy failed
+        with (the writer is told, and commits nothing).
+        """
+        side = main = None
+        if self.uses_cuda:
+            main = torch.cuda.current_stream()
+            side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+            side.wait_stream(main)
+        try:
+            for w in self.writes:
+                stage = self.pool.acquire(w.nbytes)
+                try:
+                    buf, event = self._copy(w, stage, side)
+                except BaseException:
+                    self.pool.release(stage)
+                    raise
+                self.queue.put((w, buf, stage, event))
+                self.copied_bytes += w.nbytes
+                if progress is not None:
+                    progress(w.nbytes)
+        except BaseException as e:
+            self.queue.put(e)
+            raise
+        finally:
+            if side is not None and main is not None:
+                main.wait_stream(side)
+            self.copied.set()
+        self.queue.put(_DONE)
+
+    def _copy(self, w: StagedWrite, stage: Stage, side: Any) -> tuple[np.ndarray, Any]:
+        dtype = self.dtypes[w.array]
+        buf = stage.buf.numpy().view(dtype).reshape(w.region.shape)
+        device = self.device_data[w.array]
+        if device is None:
+            get = self.data[w.array]
+            for frag in w.sources:
+                src, where = get(frag.rank, frag.piece)
+                copy_into(buf[frag.region.relative_to(w.region).slices()], src[frag.region.relative_to(where).slices()])
+            return buf, None
+        tdtype = self.torch_dtypes[w.array]
+        assert tdtype is not None
+        dst = stage.buf.view(tdtype).view(w.region.shape)
+        with torch.cuda.stream(side):
+            for frag in w.sources:
+                src_t, where = device(frag.rank, frag.piece)
+                part = src_t[frag.region.relative_to(where).slices()]
+                dst[frag.region.relative_to(w.region).slices()].copy_(part, non_blocking=True)
+                part.record_stream(side)
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record(side)
+        return buf, event
+
+    def items(self) -> Iterator[tuple[int, Region, np.ndarray, Callable[[], None]]]:
+        """The writer's side: each piece once its copy is complete, with the callback that frees its memory."""
+        if self.hold:
+            self.copied.wait()
+        while True:
+            item = self.queue.get()
+            if item is _DONE:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            w, buf, stage, event = item
+            if event is not None:
+                event.synchronize()
+            yield w.array, w.region, buf, _releaser(self.pool, stage)
+
+
+def _releaser(pool: StagingPool, stage: Stage) -> Callable[[], None]:
+    def release() -> None:
+        pool.release(stage)
+
+    return release

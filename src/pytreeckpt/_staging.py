@@ -1,0 +1,152 @@
+"""Staging memory for asynchronous saves: one bounded arena, reused from save to save.
+
+An asynchronous save copies the state into staging memory piece by piece while the
+executor writes the pieces already copied; a piece's memory returns to the pool when its
+write has finished. The arena is a ring: allocations go in order, releases may come in
+any order, and the space of the oldest live allocations is reused first. So the copy of
+the next piece overlaps the write of the last (ping-pong, generalised to many pieces),
+and a state larger than the pool still saves with host memory bounded by the pool.
+
+The arena outlives a save: reusing memory whose pages are already mapped makes the copy
+several times faster than copying into fresh memory (on the development machine, 5 GiB/s
+against 0.6 GiB/s), and that copy is the training loop's stall.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ._errors import CheckpointError
+
+__all__ = ["PoolAborted", "Stage", "StagingPool", "copy_into", "staging_pool"]
+
+_ALIGN = 64
+
+
+class PoolAborted(Exception):
+    """Raised by :meth:`StagingPool.acquire` once the writer has failed: stop copying."""
+
+
+@dataclass(slots=True)
+class Stage:
+    """One allocation of the pool: ``buf`` is its memory (uint8), ``start`` its offset."""
+
+    start: int
+    stop: int
+    buf: torch.Tensor
+    released: bool = False
+
+
+class StagingPool:
+    """A ring of staging memory; ``acquire`` blocks while the pool is full."""
+
+    def __init__(self) -> None:
+        self._arena: torch.Tensor | None = None
+        self._cond = threading.Condition()
+        self._live: collections.deque[Stage] = collections.deque()
+        self._aborted = False
+        self.peak_bytes = 0
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self._arena is None else int(self._arena.numel())
+
+    def reserve(self, capacity: int, *, pin: bool = False) -> None:
+        """Make the arena ``capacity`` bytes (kept if it is that size already) for a new save.
+
+        Only one save uses the pool at a time (a save waits for the one in flight), so
+        nothing from an earlier save is live any more.
+        """
+        with self._cond:
+            self._live.clear()
+            self._aborted = False
+            self.peak_bytes = 0
+            arena = self._arena
+            if arena is not None and arena.numel() == capacity and (arena.is_pinned() or not pin):
+                return
+            self._arena = None  # free the old arena before taking the new one
+            if capacity:
+                self._arena = torch.empty(capacity, dtype=torch.uint8, pin_memory=pin)
+
+    def free(self) -> None:
+        """Give the arena back to the allocator once its save is over (the next save allocates anew).
+
+        Pieces still referenced (a failed save's queue) keep their memory until dropped.
+        """
+        with self._cond:
+            self._live.clear()
+            self._arena = None
+
+    def abort(self) -> None:
+        """Wake every waiting ``acquire``, and make every later one raise :class:`PoolAborted`."""
+        with self._cond:
+            self._aborted = True
+            self._cond.notify_all()
+
+    def acquire(self, nbytes: int) -> Stage:
+        """``nbytes`` of staging memory, waiting for releases while the ring has no room."""
+        size = -(-max(nbytes, 1) // _ALIGN) * _ALIGN
+        with self._cond:
+            if self._arena is None or size > self._arena.numel():
+                raise CheckpointError(
+                    f"internal error: a staging piece of {nbytes} bytes exceeds the pool of {self.capacity} bytes"
+                )
+            while True:
+                if self._aborted:
+                    raise PoolAborted()
+                start = self._fit(size)
+                if start is not None:
+                    break
+                self._cond.wait()
+            stage = Stage(start, start + size, self._arena[start : start + nbytes])
+            self._live.append(stage)
+            used = sum(s.stop - s.start for s in self._live)
+            self.peak_bytes = max(self.peak_bytes, used)
+            return stage
+
+    def _fit(self, size: int) -> int | None:
+        cap = self.capacity
+        if not self._live:
+            return 0
+        oldest, newest = self._live[0].start, self._live[-1].stop
+        if newest > oldest or (newest == oldest and self._live[-1].start >= oldest):
+            # not wrapped: room after the newest, else at the start before the oldest
+            if cap - newest >= size:
+                return newest
+            if oldest >= size:
+                return 0
+            return None
+        # wrapped: room only between the newest and the oldest
+        return newest if oldest - newest >= size else None
+
+    def release(self, stage: Stage) -> None:
+        with self._cond:
+            stage.released = True
+            while self._live and self._live[0].released:
+                self._live.popleft()
+            self._cond.notify_all()
+
+
+_POOL = StagingPool()
+
+
+def staging_pool() -> StagingPool:
+    """The process's staging pool (one save runs at a time, so one pool serves them all)."""
+    return _POOL
+
+
+_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def copy_into(dst: np.ndarray, src: np.ndarray) -> None:
+    """``dst[...] = src`` for same-shaped arrays of one dtype, by torch's copy where it can (it is faster)."""
+    uint = _UINT.get(dst.dtype.itemsize)
+    if uint is None or dst.size == 0 or not src.flags.writeable or any(s < 0 for s in src.strides):
+        np.copyto(dst, src, casting="no")  # torch takes no read-only or reversed numpy arrays
+        return
+    torch.from_numpy(dst.view(uint)).copy_(torch.from_numpy(src.view(uint)))
