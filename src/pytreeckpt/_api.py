@@ -6,6 +6,7 @@ leaves), which is how layouts are resharded and tested without a process group.
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import itertools
 import os
@@ -89,6 +90,7 @@ class _ArrayIn:
     get: PieceData
     present: frozenset[int] | None = None  # ranks whose data is here; None: all
     device: Any = None  # DeviceData for leaves on a CUDA device, else None
+    watch: tuple[torch.Tensor, ...] = ()  # tensors whose version counters tell of a change during a snapshot
 
 
 def _global_source(arr: np.ndarray, pieces: tuple[tuple[Piece, ...], ...]) -> PieceData:
@@ -164,10 +166,11 @@ def _array_in(key: str, leaf: Any, spec: Any, comm: Any = None) -> _ArrayIn:
             from ._distributed import dtensor_layout
 
             layout, pieces = dtensor_layout(leaf, comm.world, comm.group)
-            get, device = _shard_sources({comm.rank: leaf.to_local()}, pieces)
-            return _ArrayIn(
-                key, "torch", dtype_of_torch(leaf.dtype), tuple(leaf.shape), layout, layout, pieces, get, device=device
-            )
+            local = leaf.to_local()
+            get, device = _shard_sources({comm.rank: local}, pieces)
+            dtype = dtype_of_torch(leaf.dtype)
+            shape = tuple(leaf.shape)
+            return _ArrayIn(key, "torch", dtype, shape, layout, layout, pieces, get, device=device, watch=(local,))
         if isinstance(leaf, ShardedLeaf):
             if spec is not None and spec != leaf.spec:
                 raise CheckpointError(
@@ -186,9 +189,9 @@ def _array_in(key: str, leaf: Any, spec: Any, comm: Any = None) -> _ArrayIn:
             else:
                 get, device = _shard_sources(leaf.shards, pieces)
                 present = frozenset(leaf.shards)
-            return _ArrayIn(
-                key, "torch", dtype_of_torch(leaf.dtype), leaf.shape, leaf.spec, leaf.spec, pieces, get, present, device
-            )
+            watch = tuple(leaf.shards[r] for r in sorted(present))
+            dtype = dtype_of_torch(leaf.dtype)
+            return _ArrayIn(key, "torch", dtype, leaf.shape, leaf.spec, leaf.spec, pieces, get, present, device, watch)
         tensor: torch.Tensor | None = None
         if isinstance(leaf, torch.Tensor):
             tensor = leaf
@@ -212,7 +215,8 @@ def _array_in(key: str, leaf: Any, spec: Any, comm: Any = None) -> _ArrayIn:
                 get, device = _tensor_source(tensor, pieces)
             else:
                 get, device = _global_source(arr, pieces), None
-            return _ArrayIn(key, container, dtype, local_shape, whole, spec, pieces, get, device=device)
+            watch = () if tensor is None else (tensor,)
+            return _ArrayIn(key, container, dtype, local_shape, whole, spec, pieces, get, device=device, watch=watch)
         raise CheckpointError(
             f"leaf {_where(key)}: in a distributed save a plain tensor is this rank's full copy; to save it sharded "
             f"wrap this rank's shard as ShardedLeaf(global_shape, dtype, spec, {{rank: shard}}) or use a DTensor"
@@ -274,6 +278,7 @@ class _SaveJob:
     monitor: Monitor
     comm: Any = None
     device: list[Any] = field(default_factory=list)
+    watch: list[tuple[torch.Tensor, ...]] = field(default_factory=list)
     snap: Snapshot | None = None
     _lock: Any = None
 
@@ -307,7 +312,18 @@ class _SaveJob:
         pool.reserve(capacity, pin=any(d is not None for d in device))
         torch_dtypes = [_torch_dtype_or_none(m) for m in self.metas]
         dtypes = [m.dtype.numpy for m in self.metas]
-        self.snap = Snapshot(writes, self.data, device, dtypes, torch_dtypes, pool, hold=capacity >= need)
+        watch = [_versions(ts) for ts in self.watch] if self.watch else []
+        self.snap = Snapshot(
+            writes,
+            self.data,
+            device,
+            dtypes,
+            torch_dtypes,
+            pool,
+            hold=capacity >= need,
+            watch=watch,
+            keys=[m.key for m in self.metas],
+        )
         return self.snap, start, merged
 
     def snapshot(self, snap: Snapshot, start: float, merged: int) -> None:
@@ -399,6 +415,16 @@ class _SaveJob:
         return t1
 
 
+def _versions(tensors: tuple[torch.Tensor, ...]) -> tuple[tuple[torch.Tensor, int], ...]:
+    out = []
+    for t in tensors:
+        try:
+            out.append((t, t._version))
+        except RuntimeError:  # inference tensors keep no version counter
+            continue
+    return tuple(out)
+
+
 def _torch_dtype_or_none(meta: ArrayMeta) -> torch.dtype | None:
     try:
         return meta.dtype.torch
@@ -480,6 +506,7 @@ def _plan_job(
         monitor,
         comm,
         [a.device for a in arrays],
+        [a.watch for a in arrays],
     )
 
 
@@ -586,6 +613,8 @@ class SaveHandle:
         self._reported = False
         self._parties = 2  # the caller's snapshot and the writer: the last to finish settles the pool
         self._parties_lock = threading.Lock()
+        self._copied = threading.Event()
+        self._copy_error: BaseException | None = None
 
     def _run(self, job: _SaveJob) -> None:
         try:
@@ -616,6 +645,56 @@ class SaveHandle:
             last = self._parties == 0
         if last and (self._error is not None or not keep):
             staging_pool().free()
+
+    def _snapshot(self, job: _SaveJob, snap: Snapshot, start: float, merged: int) -> None:
+        """The copy into staging memory (the caller's thread, or a thread of its own when lazy)."""
+        try:
+            job.snapshot(snap, start, merged)
+        except PoolAborted:
+            pass  # the writer failed: wait() reports it
+        except BaseException as e:
+            self._copy_error = e  # the writer was told and commits nothing
+            raise
+        finally:
+            self._leave(job.storage.options.keep_staging)
+            self._copied.set()
+
+    def wait_snapshot(self, timeout: float | None = None) -> None:
+        """Block until the state is copied: from then on the caller may change it.
+
+        Immediate for an eager snapshot. For ``snapshot="lazy"`` call it before the
+        first in-place change of a saved tensor (:meth:`guard` does so for an optimizer).
+
+        Raises:
+          TimeoutError: not copied within ``timeout`` seconds.
+          CheckpointError: the copy failed (for instance because a tensor was changed
+            before it was copied); the save commits nothing.
+        """
+        if not self._copied.wait(timeout):
+            raise TimeoutError(f"the snapshot for {self.path} is still being copied after {timeout} s")
+        if self._copy_error is not None:
+            raise self._copy_error
+
+    def guard(self, *optimizers: torch.optim.Optimizer) -> None:
+        """Make each optimizer's next ``step()`` first wait for this save's snapshot (a step pre-hook, used once).
+
+        >>> import tempfile, torch, pytreeckpt
+        >>> model = torch.nn.Linear(4, 2)
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> h = pytreeckpt.async_save(tempfile.mkdtemp() + "/c", model.state_dict(), snapshot="lazy")
+        >>> h.guard(opt)
+        >>> model(torch.ones(4)).sum().backward()  # forward and backward leave the parameters alone
+        >>> opt.step()  # waits for the copy, then changes them
+        >>> h.wait()
+        """
+        for opt in optimizers:
+            hooks: list[Any] = []
+
+            def wait_then_unhook(_opt: Any, _args: Any, _kwargs: Any, hooks: list[Any] = hooks) -> None:
+                hooks[0].remove()
+                self.wait_snapshot()
+
+            hooks.append(opt.register_step_pre_hook(wait_then_unhook))
 
     def done(self) -> bool:
         """True once the save has committed or failed."""
@@ -680,6 +759,7 @@ def async_save(
     namespace: str = "",
     process_group: Any = None,
     monitor: Monitor | None = None,
+    snapshot: str = "eager",
 ) -> SaveHandle:
     """Like :func:`save`, but returns once the state is copied; writing and commit run behind.
 
@@ -689,7 +769,16 @@ def async_save(
     smaller than the state, the call also waits for the writes that free its memory.
     CUDA tensors are copied to pinned memory on a side stream; the caller's stream waits
     for those copies, the host does not. A new save first waits for the one in flight.
-    Arguments are those of :func:`save`.
+    Other arguments are those of :func:`save`.
+
+    Args:
+      snapshot: ``"eager"`` returns once the state is copied. ``"lazy"`` returns at
+        once and copies on a thread of its own while training goes on, which is right
+        while forward and backward passes leave parameters and optimizer state alone:
+        the first in-place change must wait for :meth:`SaveHandle.wait_snapshot`
+        (:meth:`SaveHandle.guard` makes an optimizer's step do so). A change that
+        overtakes the copy is detected by the tensors' version counters and fails the
+        save, which then commits nothing.
 
     >>> import tempfile, torch, pytreeckpt
     >>> d = tempfile.mkdtemp()
@@ -701,6 +790,8 @@ def async_save(
     >>> pytreeckpt.load(d + "/ckpt")["w"]
     tensor([1., 1., 1.])
     """
+    if snapshot not in ("eager", "lazy"):
+        raise ValueError(f"snapshot must be 'eager' or 'lazy', found {snapshot!r}")
     _wait_in_flight()
     job = _plan_job(path, tree, spec, overwrite, user_metadata, chunking, executor, namespace, _comm(process_group))
     snap, start, merged = job.stage()
@@ -709,18 +800,26 @@ def async_save(
     with _IN_FLIGHT_LOCK:
         _in_flight.append(handle)
     thread.start()
+    if snapshot == "lazy":
+        copier = threading.Thread(
+            target=_quietly, args=(handle._snapshot, job, snap, start, merged), name="pytreeckpt-snapshot"
+        )
+        copier.start()
+        return handle
     try:
-        job.snapshot(snap, start, merged)
-    except PoolAborted:
-        pass  # the writer failed: wait() reports it
+        handle._snapshot(job, snap, start, merged)
     except BaseException:
         # A copy failed: the writer was told and commits nothing; the error is reported here.
         handle._done.wait()
         handle._reported = True
         raise
-    finally:
-        handle._leave(job.storage.options.keep_staging)
     return handle
+
+
+def _quietly(fn: Any, *args: Any) -> None:
+    """Run ``fn`` on a thread whose errors are reported elsewhere (wait_snapshot and wait)."""
+    with contextlib.suppress(BaseException):
+        fn(*args)
 
 
 # --------------------------------------------------------------------------- load

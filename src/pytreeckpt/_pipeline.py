@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ._errors import CheckpointError
 from ._executor import PieceData
 from ._plan import ArraySavePlan, Fragment
 from ._region import Region, split_aligned
@@ -81,6 +82,8 @@ class Snapshot:
         torch_dtypes: Sequence[torch.dtype | None],
         pool: StagingPool,
         hold: bool = False,
+        watch: Sequence[Sequence[tuple[torch.Tensor, int]]] = (),
+        keys: Sequence[str] = (),
     ) -> None:
         self.writes = writes
         self.data = data
@@ -95,6 +98,10 @@ class Snapshot:
         # the copy is over rather than compete with it for memory bandwidth and cores.
         self.hold = hold
         self.copied = threading.Event()
+        # the version counters of each array's tensors at the call: a copy made after
+        # an in-place change (a lazy snapshot overtaken by training) is refused
+        self.watch = watch
+        self.keys = keys
 
     @property
     def nbytes(self) -> int:
@@ -116,6 +123,7 @@ class Snapshot:
                 stage = self.pool.acquire(w.nbytes)
                 try:
                     buf, event = self._copy(w, stage, side)
+                    self._check_unchanged(w.array)
                 except BaseException:
                     self.pool.release(stage)
                     raise
@@ -154,6 +162,18 @@ class Snapshot:
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record(side)
         return buf, event
+
+    def _check_unchanged(self, i: int) -> None:
+        if not self.watch:
+            return
+        for t, version in self.watch[i]:
+            if t._version != version:
+                raise CheckpointError(
+                    f"leaf {self.keys[i]!r} was changed in place (its version went from {version} to {t._version}) "
+                    f"before the snapshot had copied it, so this save would not hold the state of one moment; "
+                    f"nothing is committed. With snapshot='lazy', call handle.wait_snapshot() (or handle.guard("
+                    f"optimizer)) before the optimizer step"
+                )
 
     def items(self) -> Iterator[tuple[int, Region, np.ndarray, Callable[[], None]]]:
         """The writer's side: each piece once its copy is complete, with the callback that frees its memory."""
