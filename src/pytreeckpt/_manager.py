@@ -13,6 +13,7 @@ from typing import Any
 from ._api import SaveHandle, _comm, async_save, load, save
 from ._errors import CheckpointError, NotCommittedError
 from ._executor import Storage
+from ._staging import staging_pool
 
 __all__ = ["CheckpointManager"]
 
@@ -199,10 +200,11 @@ class CheckpointManager:
             raise CheckpointError(f"the CheckpointManager of {self.directory} is closed")
 
     def close(self) -> None:
-        """Finish the save in flight; the manager cannot be used afterwards."""
+        """Finish the save in flight and free the staging memory; the manager cannot be used afterwards."""
         if not self._closed:
             self._finish_in_flight()
             self._closed = True
+            staging_pool().free()
 
     def __enter__(self) -> CheckpointManager:
         return self
