@@ -3,6 +3,9 @@
     python examples/train_with_manager.py --dir /tmp/run --steps 60 --every 10
     # kill it (Ctrl-C, SIGKILL, a crash), then run the same command again: it resumes
 
+With `--fast-dir /dev/shm/run --fast-every 2` it also checkpoints every 2 steps to memory
+(TwoTierManager), and a rerun resumes from whichever tier holds the newer step.
+
 Every run prints one line per step: `step N loss L`. A resumed run restores the newest
 committed checkpoint (model, optimizer, RNG state, data position) and its losses are
 identical to those an uninterrupted run prints for the same steps.
@@ -42,15 +45,28 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60, help="train until this step")
     parser.add_argument("--every", type=int, default=10, help="checkpoint every N steps")
     parser.add_argument("--keep", type=int, default=3, help="checkpoints to keep")
+    parser.add_argument("--fast-dir", type=Path, help="a fast tier in memory (e.g. /dev/shm/run): two tiers")
+    parser.add_argument("--fast-every", type=int, default=2, help="with --fast-dir: save there every N steps")
     args = parser.parse_args()
 
     model = make_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     dropout = nn.Dropout(0.1)  # uses the RNG: its state is part of the checkpoint
     start = 0
-    with pytreeckpt.CheckpointManager(args.dir, max_to_keep=args.keep, save_interval_steps=args.every) as manager:
+    manager: pytreeckpt.CheckpointManager | pytreeckpt.TwoTierManager
+    if args.fast_dir is None:
+        manager = pytreeckpt.CheckpointManager(args.dir, max_to_keep=args.keep, save_interval_steps=args.every)
+    else:  # frequent checkpoints in memory, every --every steps to --dir
+        manager = pytreeckpt.TwoTierManager(
+            args.fast_dir,
+            args.dir,
+            fast_interval_steps=args.fast_every,
+            durable_interval_steps=args.every,
+            durable_max_to_keep=args.keep,
+        )
+    with manager:
         if manager.latest_step() is not None:
-            state = manager.restore()  # the newest committed step, as plain tensors
+            state = manager.restore()  # the newest committed step (of either tier), as plain tensors
             model.load_state_dict(state["model"])
             opt.load_state_dict(state["optim"])
             torch.set_rng_state(state["rng"])

@@ -51,6 +51,7 @@ from ._sharding import Replicate as Replicate
 from ._sharding import Shard as Shard
 from ._sharding import ShardingSpec as ShardingSpec
 from ._sharding import StridedShard as StridedShard
+from ._tiered import TwoTierManager as TwoTierManager
 
 __version__ = "0.1.0"
 
@@ -81,6 +82,7 @@ __all__ = [
     "Span",
     "StridedShard",
     "TargetMismatchError",
+    "TwoTierManager",
     "VerifyReport",
     "async_save",
     "export_safetensors",

@@ -1,0 +1,128 @@
+"""Two tiers of checkpoints: frequent ones in fast memory, fewer on durable storage."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from ._errors import NotCommittedError
+from ._manager import CheckpointManager
+
+__all__ = ["TwoTierManager"]
+
+
+class TwoTierManager:
+    """Checkpoints every ``fast_interval_steps`` to a fast tier and every ``durable_interval_steps`` to durable storage.
+
+    The fast tier is a directory in memory, such as ``/dev/shm/<run>``: saving there
+    costs a memory copy, so it can be frequent, and it survives the training process (a
+    crash, a kill) but not the machine. The durable tier is an ordinary directory. A
+    step on both intervals goes to the durable tier only. :meth:`restore` takes the
+    newest committed step of either tier, so a restarted process resumes from the fast
+    tier when it holds a newer step, and from the durable one when the fast tier is
+    gone. Each tier is a :class:`CheckpointManager` with its own retention; the fast
+    tier keeps ``fast_max_to_keep`` steps. In a distributed program the fast directory
+    must be one that every rank sees (``/dev/shm`` on a single machine).
+
+    >>> import tempfile, torch
+    >>> fast, durable = tempfile.mkdtemp(), tempfile.mkdtemp()
+    >>> with TwoTierManager(fast, durable, fast_interval_steps=2, durable_interval_steps=5) as m:
+    ...     for step in range(1, 9):
+    ...         _ = m.save(step, {"step": step})
+    ...     m.wait()
+    ...     m.all_steps(), m.restore()["step"]
+    ({'fast': [6, 8], 'durable': [5]}, 8)
+    """
+
+    def __init__(
+        self,
+        fast_directory: str | os.PathLike[str],
+        durable_directory: str | os.PathLike[str],
+        *,
+        fast_interval_steps: int,
+        durable_interval_steps: int,
+        fast_max_to_keep: int = 2,
+        durable_max_to_keep: int | None = None,
+        keep_every_n_steps: int | None = None,
+        async_: bool = True,
+        process_group: Any = None,
+    ) -> None:
+        if fast_interval_steps < 1 or durable_interval_steps < 1:
+            raise ValueError(
+                f"intervals must be at least 1, found fast {fast_interval_steps} and durable {durable_interval_steps}"
+            )
+        if Path(fast_directory).absolute() == Path(durable_directory).absolute():
+            raise ValueError(f"the two tiers need two directories, both are {fast_directory}")
+        self.fast_interval_steps = fast_interval_steps
+        self.durable_interval_steps = durable_interval_steps
+        self.fast = CheckpointManager(
+            fast_directory, max_to_keep=fast_max_to_keep, async_=async_, process_group=process_group
+        )
+        self.durable = CheckpointManager(
+            durable_directory,
+            max_to_keep=durable_max_to_keep,
+            keep_every_n_steps=keep_every_n_steps,
+            async_=async_,
+            process_group=process_group,
+        )
+
+    def save(self, step: int, tree: Any, spec: Any = None, *, force: bool = False, **kwargs: Any) -> str | None:
+        """Save ``step`` to the tier whose interval it is on: returns ``"durable"``, ``"fast"`` or None.
+
+        ``force`` saves to the durable tier off its interval. Other arguments are those of
+        :meth:`CheckpointManager.save`.
+        """
+        if force or step % self.durable_interval_steps == 0:
+            self.fast.wait()  # one save runs at a time; let the fast tier's retention run now
+            self.durable.save(step, tree, spec, force=force, **kwargs)
+            return "durable"
+        if step % self.fast_interval_steps == 0:
+            self.durable.wait()
+            self.fast.save(step, tree, spec, force=True, **kwargs)  # a fast step may be redone after a restart
+            return "fast"
+        return None
+
+    def all_steps(self) -> dict[str, list[int]]:
+        """Committed steps of each tier, oldest first."""
+        return {"fast": self.fast.all_steps(), "durable": self.durable.all_steps()}
+
+    def latest_step(self) -> int | None:
+        """The newest committed step of either tier, or None."""
+        steps = [s for s in (self.fast.latest_step(), self.durable.latest_step()) if s is not None]
+        return max(steps) if steps else None
+
+    def restore(self, step: int | None = None, target: Any = None, **kwargs: Any) -> Any:
+        """Load ``step`` (default: the newest committed of either tier; the fast tier first on a tie)."""
+        self.wait()
+        if step is None:
+            step = self.latest_step()
+            if step is None:
+                raise NotCommittedError(
+                    f"no committed checkpoint in the fast tier {self.fast.directory} "
+                    f"nor in the durable tier {self.durable.directory}"
+                )
+        if step in self.fast.all_steps():
+            return self.fast.restore(step, target, **kwargs)
+        return self.durable.restore(step, target, **kwargs)
+
+    def wait(self) -> None:
+        """Block until both tiers' saves have committed."""
+        self.fast.wait()
+        self.durable.wait()
+
+    def close(self) -> None:
+        self.fast.close()
+        self.durable.close()
+
+    def __enter__(self) -> TwoTierManager:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"TwoTierManager(fast={str(self.fast.directory)!r}, durable={str(self.durable.directory)!r})"

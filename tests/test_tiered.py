@@ -1,0 +1,93 @@
+"""TwoTierManager: frequent checkpoints in memory, fewer on durable storage, restore from the newer."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+import pytreeckpt
+
+EXAMPLE = Path(__file__).parent.parent / "examples" / "train_with_manager.py"
+
+
+@pytest.fixture
+def shm() -> Iterator[Path]:
+    """A fast tier in RAM (/dev/shm where the machine has it)."""
+    root = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp")
+    path = root / f"pytreeckpt-test-{uuid.uuid4().hex[:8]}"
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_steps_go_to_their_tier_with_retention_and_restore_takes_the_newest(tmp_path: Path, shm: Path) -> None:
+    with pytreeckpt.TwoTierManager(shm, tmp_path / "d", fast_interval_steps=2, durable_interval_steps=5) as m:
+        tiers = {step: m.save(step, {"w": torch.full((4,), float(step)), "step": step}) for step in range(1, 13)}
+        m.wait()
+        assert tiers[5] == tiers[10] == "durable"
+        assert tiers[2] == tiers[12] == "fast"
+        assert tiers[3] is None
+        assert m.all_steps() == {"fast": [8, 12], "durable": [5, 10]}  # the fast tier keeps 2
+        assert m.latest_step() == 12
+        assert m.restore()["step"] == 12
+        assert torch.equal(m.restore(10)["w"], torch.full((4,), 10.0))
+    shutil.rmtree(shm)  # the machine restarted: the fast tier is gone
+    with pytreeckpt.TwoTierManager(shm, tmp_path / "d", fast_interval_steps=2, durable_interval_steps=5) as m:
+        assert m.restore()["step"] == 10
+    with (
+        pytreeckpt.TwoTierManager(shm, tmp_path / "none", fast_interval_steps=2, durable_interval_steps=5) as m,
+        pytest.raises(pytreeckpt.NotCommittedError, match="fast tier"),
+    ):
+        m.restore()
+
+
+def _losses(text: str) -> dict[int, str]:
+    return {int(m.group(1)): m.group(2) for m in re.finditer(r"step (\d+) loss (\S+)", text)}
+
+
+def _killed_at(base: list[str], step: int) -> None:
+    with subprocess.Popen(base, stdout=subprocess.PIPE, text=True) as proc:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.startswith(f"step {step} "):
+                proc.send_signal(signal.SIGKILL)  # the training process dies
+                break
+        proc.wait(60)
+
+
+@pytest.mark.parametrize("lose_fast_tier", [False, True])
+def test_a_killed_run_resumes_from_the_fast_tier_or_from_the_durable_one(
+    tmp_path: Path, shm: Path, lose_fast_tier: bool
+) -> None:
+    common = [sys.executable, str(EXAMPLE), "--steps", "24", "--every", "10", "--fast-every", "3"]
+    reference = subprocess.run(
+        [*common, "--dir", str(tmp_path / "ref"), "--fast-dir", str(shm) + "-ref"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    shutil.rmtree(str(shm) + "-ref", ignore_errors=True)
+    assert reference.returncode == 0, reference.stderr
+    want = _losses(reference.stdout)
+    base = [*common, "--dir", str(tmp_path / "run"), "--fast-dir", str(shm)]
+    _killed_at(base, 17)
+    if lose_fast_tier:
+        shutil.rmtree(shm)
+    resumed = subprocess.run(base, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    restart = int(re.search(r"resumed from step (\d+)", resumed.stdout).group(1))  # type: ignore[union-attr]
+    if lose_fast_tier:
+        assert restart == 10  # the durable tier's newest
+    else:
+        assert restart in (12, 15)  # a fast-tier step newer than the durable 10
+    got = _losses(resumed.stdout)
+    assert sorted(got) == list(range(restart + 1, 25))
+    assert all(got[s] == want[s] for s in got)  # identical to the uninterrupted run
