@@ -32,6 +32,7 @@ from ._errors import NotCommittedError as NotCommittedError
 from ._errors import TargetMismatchError as TargetMismatchError
 from ._executor import ExecutorOptions as ExecutorOptions
 from ._format import ArrayMeta as ArrayMeta
+from ._format import Compression as Compression
 from ._leaf import Abstract as Abstract
 from ._leaf import ShardedLeaf as ShardedLeaf
 from ._manager import CheckpointManager as CheckpointManager
@@ -62,6 +63,7 @@ __all__ = [
     "CheckpointManager",
     "CheckpointMetadata",
     "ChunkingOptions",
+    "Compression",
     "ExecutorOptions",
     "ExplicitRegions",
     "FlatRanges",

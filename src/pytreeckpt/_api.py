@@ -24,7 +24,7 @@ import torch
 from ._dtypes import DType, dtype_of_numpy, dtype_of_torch, numpy_view
 from ._errors import CheckpointError, LayoutError, TargetMismatchError
 from ._executor import ExecutorOptions, PieceData, Storage, write_items
-from ._format import ARRAYS_DIR, ArrayMeta, ValueMeta, array_names, build_document, parse_document
+from ._format import ARRAYS_DIR, ArrayMeta, Compression, ValueMeta, array_names, build_document, parse_document
 from ._leaf import Abstract, ShardedLeaf, piece_view
 from ._monitor import Monitor, Progress, Span
 from ._pipeline import Snapshot, staged_writes
@@ -450,11 +450,13 @@ def _plan_job(
     executor: ExecutorOptions | None,
     namespace: str,
     comm: Any = None,
+    compression: Any = None,
 ) -> _SaveJob:
     t0 = time.perf_counter()
     leaves, paths, root = flatten(tree, _is_leaf, namespace=namespace)
     specs = broadcast_prefix(spec, root, lambda x: isinstance(x, Layout), len(leaves), namespace=namespace)
     keys = [keystr(p) for p in paths]
+    codecs = _compressions(compression, root, keys, len(leaves), namespace)
     arrays: list[_ArrayIn] = []
     entries: list[dict[str, Any] | None] = []
     for key, leaf, sp in zip(keys, leaves, specs, strict=True):
@@ -482,7 +484,9 @@ def _plan_job(
                         )
     names = array_names([a.key for a in arrays])
     metas = [
-        ArrayMeta(a.key, a.container, a.dtype, a.shape, ap.chunk_shape, f"{ARRAYS_DIR}/{name}", a.saved_layout)
+        ArrayMeta(
+            a.key, a.container, a.dtype, a.shape, ap.chunk_shape, f"{ARRAYS_DIR}/{name}", a.saved_layout, codecs[a.key]
+        )
         for a, ap, name in zip(arrays, plan.arrays, names, strict=True)
     ]
     it = iter(metas)
@@ -508,6 +512,24 @@ def _plan_job(
         [a.device for a in arrays],
         [a.watch for a in arrays],
     )
+
+
+def _is_compression(x: Any) -> bool:
+    return x is None or isinstance(x, (str, Compression))
+
+
+def _compressions(compression: Any, root: Any, keys: list[str], n: int, namespace: str) -> dict[str, Any]:
+    """Each leaf's Compression (or None) from a prefix tree of compressions."""
+    if compression is None:
+        return dict.fromkeys(keys)
+    chosen = broadcast_prefix(compression, root, _is_compression, n, namespace=namespace)
+    out = {}
+    for key, c in zip(keys, chosen, strict=True):
+        try:
+            out[key] = Compression.parse(c)
+        except ValueError as e:
+            raise CheckpointError(f"leaf {_where(key)}: {e}") from None
+    return out
 
 
 def _exchange_layouts(
@@ -555,6 +577,7 @@ def save(
     namespace: str = "",
     process_group: Any = None,
     monitor: Monitor | None = None,
+    compression: Any = None,
 ) -> None:
     """Save a pytree as a checkpoint at ``path``, returning once it is committed.
 
@@ -578,6 +601,9 @@ def save(
         or on ``process_group`` if given.
       monitor: a :class:`Monitor` that records the time and bytes of every phase
         (on rank 0, every rank's).
+      compression: lossless compression of stored chunks, off by default: a
+        :class:`Compression`, ``"zstd"``, ``"blosc"`` or None, or a pytree prefix of
+        ``tree`` with one of those per subtree (like ``spec``).
 
     Raises:
       CheckpointError: naming the leaf, for anything that cannot be saved. In a
@@ -590,7 +616,9 @@ def save(
     7
     """
     _wait_in_flight()
-    job = _plan_job(path, tree, spec, overwrite, user_metadata, chunking, executor, namespace, _comm(process_group))
+    job = _plan_job(
+        path, tree, spec, overwrite, user_metadata, chunking, executor, namespace, _comm(process_group), compression
+    )
     # The caller is blocked until the commit, so the state cannot change under the
     # writes: they read straight from the caller's memory, without a snapshot.
     try:
@@ -760,6 +788,7 @@ def async_save(
     process_group: Any = None,
     monitor: Monitor | None = None,
     snapshot: str = "eager",
+    compression: Any = None,
 ) -> SaveHandle:
     """Like :func:`save`, but returns once the state is copied; writing and commit run behind.
 
@@ -793,7 +822,9 @@ def async_save(
     if snapshot not in ("eager", "lazy"):
         raise ValueError(f"snapshot must be 'eager' or 'lazy', found {snapshot!r}")
     _wait_in_flight()
-    job = _plan_job(path, tree, spec, overwrite, user_metadata, chunking, executor, namespace, _comm(process_group))
+    job = _plan_job(
+        path, tree, spec, overwrite, user_metadata, chunking, executor, namespace, _comm(process_group), compression
+    )
     snap, start, merged = job.stage()
     handle = SaveHandle(path, job.timings, job.monitor, monitor)
     thread = threading.Thread(target=handle._run, args=(job,), name="pytreeckpt-save", daemon=False)

@@ -14,6 +14,7 @@ from typing import Any
 from ._api import metadata, verify
 from ._dcp import import_dcp
 from ._errors import CheckpointError
+from ._executor import Storage
 from ._format import ARRAYS_DIR, LOCK_FILE, METADATA_FILE, ArrayMeta
 from ._safetensors import export_safetensors, import_safetensors
 from ._tree import decode_value, encode_value
@@ -90,8 +91,17 @@ def _layout_text(a: ArrayMeta) -> str:
     return f"{j['kind']} x{ranks} ranks"
 
 
+def _compression_text(a: ArrayMeta) -> str:
+    c = a.compression
+    if c is None:
+        return "-"
+    return f"zstd-{c.level}" if c.codec == "zstd" else f"blosc-{c.cname}-{c.level}-{c.shuffle}"
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     meta = metadata(args.path)
+    storage = Storage(args.path)
+    stored = {a.key: storage.stored_bytes(a) for a in meta.arrays.values()}
     doc = json.loads((Path(args.path) / METADATA_FILE).read_text())
     values = {leaf["key"]: decode_value(leaf["value"]) for leaf in doc["leaves"] if leaf["kind"] == "value"}
     if args.json:
@@ -104,6 +114,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                     "dtype": a.dtype.name,
                     "shape": list(a.shape),
                     "bytes": a.nbytes,
+                    "stored_bytes": stored[a.key],
+                    "compression": None if a.compression is None else a.compression.to_json(),
+                    "ratio": a.nbytes / stored[a.key] if stored[a.key] else None,
                     "chunk_shape": list(a.chunk_shape),
                     "path": a.path,
                     "layout": None if a.layout is None else a.layout.to_json(),
@@ -121,13 +134,16 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             a.dtype.name,
             str(tuple(a.shape)),
             _size(a.nbytes),
+            _compression_text(a),
+            f"{a.nbytes / stored[a.key]:.2f}" if stored[a.key] else "-",
             str(tuple(a.chunk_shape)),
             _layout_text(a),
         ]
         for a in meta.arrays.values()
     ]
-    rows += [[k or "(root)", type(v).__name__, repr(v)[:40], "", "", ""] for k, v in values.items()]
-    print(_table(rows, ["key", "dtype", "shape / value", "bytes", "chunks", "saved layout"]))
+    rows += [[k or "(root)", type(v).__name__, repr(v)[:40], "", "", "", "", ""] for k, v in values.items()]
+    headers = ["key", "dtype", "shape / value", "bytes", "compression", "ratio", "chunks", "saved layout"]
+    print(_table(rows, headers))
     print(f"\n{len(meta.arrays)} arrays, {len(values)} values, {_size(meta.nbytes)}; format version {meta.version}")
     return 0
 

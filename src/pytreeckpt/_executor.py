@@ -41,6 +41,10 @@ WriteItem = tuple[int, Region, np.ndarray, Callable[[], None] | None]
 
 MiB = 1 << 20
 
+MAX_COMPRESSION_RATIO = 1 << 16
+"""The most a compressed array's metadata may claim over its stored bytes (all-zero
+chunks compress about 13,000 times with zstd)."""
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ExecutorOptions:
@@ -208,22 +212,29 @@ class Storage:
     def check_stored_sizes(self, metas: Sequence[ArrayMeta]) -> None:
         """Refuse metadata that claims more bytes than are stored, before anything is allocated.
 
-        Chunks are stored uncompressed (raw bytes and a 4-byte checksum), so an array's
-        chunk files hold at least its size: a document claiming a huge shape is caught
-        here instead of by a huge allocation.
+        Uncompressed chunks (raw bytes and a 4-byte checksum) hold at least the array's
+        size; compressed ones at least ``1 / MAX_COMPRESSION_RATIO`` of it. A document
+        claiming a huge shape is caught here instead of by a huge allocation.
         """
         for meta in metas:
-            folder = self._check_inside(self.root / meta.path, meta.key)
-            stored = 0
-            for dirpath, _dirs, files in os.walk(folder):
-                for name in files:
-                    if name != "zarr.json":
-                        stored += os.stat(os.path.join(dirpath, name)).st_size
-            if stored < meta.nbytes:
+            stored = self.stored_bytes(meta)
+            ratio = 1 if meta.compression is None else MAX_COMPRESSION_RATIO
+            if stored * ratio < meta.nbytes:
                 raise MetadataError(
                     f"leaf {meta.key!r}: the metadata claims a {meta.dtype.name} array of shape {meta.shape} "
                     f"({meta.nbytes} bytes) but {meta.path!r} holds only {stored} bytes of chunks"
+                    + ("" if ratio == 1 else f", more than {ratio} times less than that")
                 )
+
+    def stored_bytes(self, meta: ArrayMeta) -> int:
+        """Bytes of the chunk files of one stored array."""
+        folder = self._check_inside(self.root / meta.path, meta.key)
+        stored = 0
+        for dirpath, _dirs, files in os.walk(folder):
+            for name in files:
+                if name != "zarr.json":
+                    stored += os.stat(os.path.join(dirpath, name)).st_size
+        return stored
 
     def verify(self, metas: Sequence[ArrayMeta]) -> tuple[list[tuple[str, tuple[int, ...] | None, str]], int, int]:
         """Read every chunk of every array; returns ``(problems, chunks read, bytes read)``.
@@ -288,7 +299,7 @@ class Storage:
         spec: dict[str, Any] = {
             "driver": "zarr3",
             "kvstore": {"driver": "file", "path": str(self.root / meta.path) + "/"},
-            "metadata": zarr_metadata(meta.dtype, meta.shape, meta.chunk_shape),
+            "metadata": zarr_metadata(meta.dtype, meta.shape, meta.chunk_shape, meta.compression),
             # Every chunk is stored, even one equal to the fill value (so -0.0 and NaN
             # payloads survive and a missing chunk is an error), and a missing chunk
             # fails a read instead of reading as zeros.
