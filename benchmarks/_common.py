@@ -101,8 +101,11 @@ def raw_write(state: dict[str, torch.Tensor], d: Path) -> None:
 
 
 def raw_read(state: dict[str, torch.Tensor], d: Path) -> None:
-    for k in state:
-        np.fromfile(d / k, dtype=np.uint8)
+    """Each file read whole into fresh memory with one ``readinto`` (faster here than ``numpy.fromfile``)."""
+    for k, v in state.items():
+        buf = np.empty(v.numel() * v.element_size(), dtype=np.uint8)
+        with open(d / k, "rb", buffering=0) as f:
+            f.readinto(memoryview(buf))
 
 
 def fsync_file(path: Path) -> None:
