@@ -15,6 +15,7 @@ import time
 import traceback
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
@@ -23,8 +24,17 @@ import torch
 
 from ._dtypes import DType, dtype_of_numpy, dtype_of_torch, numpy_view
 from ._errors import CheckpointError, LayoutError, TargetMismatchError
-from ._executor import ExecutorOptions, PieceData, Storage, write_items
-from ._format import ARRAYS_DIR, ArrayMeta, Compression, ValueMeta, array_names, build_document, parse_document
+from ._executor import ChunkReuse, ExecutorOptions, PieceData, Storage, write_items
+from ._format import (
+    ARRAYS_DIR,
+    ArrayMeta,
+    Compression,
+    ValueMeta,
+    array_names,
+    build_document,
+    parse_document,
+    with_chunk_hashes,
+)
 from ._leaf import Abstract, ShardedLeaf, piece_view
 from ._monitor import Monitor, Progress, Span
 from ._pipeline import Snapshot, staged_writes
@@ -279,6 +289,7 @@ class _SaveJob:
     comm: Any = None
     device: list[Any] = field(default_factory=list)
     watch: list[tuple[torch.Tensor, ...]] = field(default_factory=list)
+    reuse: ChunkReuse | None = None
     snap: Snapshot | None = None
     _lock: Any = None
 
@@ -356,12 +367,14 @@ class _SaveJob:
                 progress = self._progress("save", total)
                 try:
                     with self.monitor.phase("save", "write", 0) as box:
-                        box[0] = self.storage.write(self.metas, self._items(), progress=progress.advance)
+                        box[0] = self.storage.write(
+                            self.metas, self._items(), progress=progress.advance, reuse=self.reuse
+                        )
                 finally:
                     progress.close()
                 t1 = time.perf_counter()
                 with self.monitor.phase("save", "commit", 0):
-                    self.storage.commit(self.document)
+                    self.storage.commit(self._final_document(None))
             finally:
                 lock.release()
         else:
@@ -373,6 +386,18 @@ class _SaveJob:
                     self._lock = None
         self.timings["write"] = t1 - t0
         self.timings["commit"] = time.perf_counter() - t1
+
+    def _final_document(self, gathered: list[Any] | None) -> bytes:
+        """The metadata document, with every array's chunk hashes when they were computed."""
+        reuse = self.reuse
+        if reuse is None:
+            return self.document
+        if gathered is not None:  # every rank's hashes, on rank 0
+            for other in gathered:
+                for i, got in (other or {}).items():
+                    reuse.hashes.setdefault(i, {}).update(got)
+        hashes = {m.key: reuse.chunk_hashes(i) for i, m in enumerate(self.metas)}
+        return with_chunk_hashes(self.document, {k: v for k, v in hashes.items() if v})
 
     def _persist_distributed(self) -> float:
         """Rank 0 prepares the directory (holding its lock), every rank writes, rank 0 commits."""
@@ -395,7 +420,9 @@ class _SaveJob:
             with self.monitor.phase("save", "write", me) as box:
                 staged = self.snap.items() if self.snap is not None else iter(())
                 items = itertools.chain(staged, transfers.items())
-                box[0] = self.storage.write(self.metas, items, create=False, progress=progress.advance)
+                box[0] = self.storage.write(
+                    self.metas, items, create=False, progress=progress.advance, reuse=self.reuse
+                )
         except Exception as e:
             error = e
         finally:
@@ -404,10 +431,11 @@ class _SaveJob:
                 transfers.wait_all()
         comm.agree(error, "writing the checkpoint")
         t1 = time.perf_counter()
+        gathered = comm.gather(self.reuse.hashes) if self.reuse is not None else None
         if me == 0:
             try:
                 with self.monitor.phase("save", "commit", 0):
-                    self.storage.commit(self.document)
+                    self.storage.commit(self._final_document(gathered))
             except Exception as e:
                 error = e
         comm.agree(error, "committing the checkpoint")
@@ -451,6 +479,8 @@ def _plan_job(
     namespace: str,
     comm: Any = None,
     compression: Any = None,
+    base: PathLike | None = None,
+    chunk_hashes: bool = False,
 ) -> _SaveJob:
     t0 = time.perf_counter()
     leaves, paths, root = flatten(tree, _is_leaf, namespace=namespace)
@@ -499,6 +529,7 @@ def _plan_job(
     monitor = Monitor()
     rank = 0 if comm is None else comm.rank
     monitor.add(Span("save", "plan", rank, time.time() - (t1 - t0), time.time(), 0, threading.current_thread().name))
+    reuse = _chunk_reuse(metas, base) if base is not None or chunk_hashes else None
     return _SaveJob(
         storage,
         metas,
@@ -511,7 +542,32 @@ def _plan_job(
         comm,
         [a.device for a in arrays],
         [a.watch for a in arrays],
+        reuse,
     )
+
+
+def _chunk_reuse(metas: list[ArrayMeta], base: PathLike | None) -> ChunkReuse:
+    """Hash this save's chunks; with a base checkpoint, link its chunks that are unchanged."""
+    reuse = ChunkReuse([m.chunk_shape for m in metas], [m.shape for m in metas], [m.path for m in metas])
+    if base is None:
+        return reuse
+    stored = metadata(base).arrays
+    if stored and all(b.chunk_hashes is None for b in stored.values()):
+        raise CheckpointError(
+            f"the base checkpoint {os.fspath(base)} records no chunk hashes: save it with chunk_hashes=True "
+            f"(CheckpointManager(incremental=True) does) to use it as a base"
+        )
+    reuse.base = Path(base).absolute()
+    for m in metas:
+        b = stored.get(m.key)
+        same = (
+            b is not None
+            and b.chunk_hashes is not None
+            and (b.shape, b.dtype.name, b.chunk_shape, b.compression)
+            == (m.shape, m.dtype.name, m.chunk_shape, m.compression)
+        )
+        reuse.base_chunks.append((b.path, b.chunk_hashes) if same and b is not None and b.chunk_hashes else None)
+    return reuse
 
 
 def _is_compression(x: Any) -> bool:
@@ -578,6 +634,8 @@ def save(
     process_group: Any = None,
     monitor: Monitor | None = None,
     compression: Any = None,
+    base: PathLike | None = None,
+    chunk_hashes: bool = False,
 ) -> None:
     """Save a pytree as a checkpoint at ``path``, returning once it is committed.
 
@@ -604,6 +662,13 @@ def save(
       compression: lossless compression of stored chunks, off by default: a
         :class:`Compression`, ``"zstd"``, ``"blosc"`` or None, or a pytree prefix of
         ``tree`` with one of those per subtree (like ``spec``).
+      base: an earlier committed checkpoint (on a local file system): chunks whose
+        content equals the base's are hard-linked from it instead of written, so a save
+        after a small change writes little, and every checkpoint stays whole on its own
+        (deleting the base frees nothing the new one uses). The base must have been
+        saved with ``chunk_hashes`` (or a base of its own).
+      chunk_hashes: record a content hash of every chunk, so that this checkpoint can be
+        a ``base``; implied by ``base``.
 
     Raises:
       CheckpointError: naming the leaf, for anything that cannot be saved. In a
@@ -617,7 +682,18 @@ def save(
     """
     _wait_in_flight()
     job = _plan_job(
-        path, tree, spec, overwrite, user_metadata, chunking, executor, namespace, _comm(process_group), compression
+        path,
+        tree,
+        spec,
+        overwrite,
+        user_metadata,
+        chunking,
+        executor,
+        namespace,
+        _comm(process_group),
+        compression,
+        base,
+        chunk_hashes,
     )
     # The caller is blocked until the commit, so the state cannot change under the
     # writes: they read straight from the caller's memory, without a snapshot.
@@ -789,6 +865,8 @@ def async_save(
     monitor: Monitor | None = None,
     snapshot: str = "eager",
     compression: Any = None,
+    base: PathLike | None = None,
+    chunk_hashes: bool = False,
 ) -> SaveHandle:
     """Like :func:`save`, but returns once the state is copied; writing and commit run behind.
 
@@ -823,7 +901,18 @@ def async_save(
         raise ValueError(f"snapshot must be 'eager' or 'lazy', found {snapshot!r}")
     _wait_in_flight()
     job = _plan_job(
-        path, tree, spec, overwrite, user_metadata, chunking, executor, namespace, _comm(process_group), compression
+        path,
+        tree,
+        spec,
+        overwrite,
+        user_metadata,
+        chunking,
+        executor,
+        namespace,
+        _comm(process_group),
+        compression,
+        base,
+        chunk_hashes,
     )
     snap, start, merged = job.stage()
     handle = SaveHandle(path, job.timings, job.monitor, monitor)

@@ -14,11 +14,14 @@ from __future__ import annotations
 import collections
 import contextlib
 import fcntl
+import hashlib
+import math
 import os
 import shutil
 import tempfile
+import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -340,6 +343,7 @@ class Storage:
         items: Iterable[WriteItem],
         create: bool = True,
         progress: Callable[[int], None] | None = None,
+        reuse: ChunkReuse | None = None,
     ) -> int:
         """Write ``(array index, region, data, done)`` items, a bounded number of bytes at a time.
 
@@ -347,20 +351,43 @@ class Storage:
         stays bounded by ``max_inflight_bytes``; ``done`` (or None) is called once the
         write of that buffer has finished, well or not, so its memory may be reused.
         With ``create=False`` the arrays must exist already (another rank created them).
-        ``progress(nbytes)`` is called as writes finish. Returns the bytes written.
+        ``progress(nbytes)`` is called as writes finish. With ``reuse`` every chunk's
+        content is hashed, and a chunk equal to the base checkpoint's is hard-linked from
+        it instead of written. Returns the bytes written.
         """
         stores = self.open_arrays(metas, create=create)
         window = _Window(self.options.max_inflight_bytes)
         written = 0
         for i, region, buf, done in items:
-            nbytes = buf.nbytes
-            written += nbytes
-            future = stores[i][region.slices()].write(buf)
-            if done is not None or progress is not None:
-                future.add_done_callback(_finished(done, progress, nbytes))
-            window.add(future, nbytes, f"leaf {metas[i].key!r}: writing {region}")
+            parts = [(region, buf)] if reuse is None else reuse.keep(i, region, buf, self)
+            if not parts:  # every chunk linked from the base
+                if done is not None:
+                    done()
+                if progress is not None:
+                    progress(buf.nbytes)
+                continue
+            done_all = done if len(parts) == 1 else _after_all(len(parts), done)
+            for part, data in parts:
+                nbytes = data.nbytes
+                written += nbytes
+                future = stores[i][part.slices()].write(data)
+                if done_all is not None or progress is not None:
+                    future.add_done_callback(_finished(done_all, progress, nbytes))
+                window.add(future, nbytes, f"leaf {metas[i].key!r}: writing {part}")
         window.drain()
         return written
+
+    def link_chunk(self, base: Path, base_path: str, path: str, index: tuple[int, ...]) -> bool:
+        """Hard-link chunk ``index`` of the base checkpoint's array into this one; False where links fail."""
+        key = "/".join(["c", *map(str, index)])
+        src = base / base_path / key
+        dst = self.root / path / key
+        try:
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            os.link(src, dst)
+        except OSError:
+            return False
+        return True
 
     def read(
         self,
@@ -419,6 +446,81 @@ class Storage:
                 window.add(future, nbytes, f"leaf {meta.key!r}: reading {op.region} of {meta.path!r}", fan_out)
         window.drain()
         return read
+
+
+def _after_all(n: int, done: Callable[[], None] | None) -> Callable[[], None] | None:
+    """A callback that calls ``done`` on its ``n``-th call."""
+    if done is None:
+        return None
+    left = [n]
+    lock = threading.Lock()
+
+    def one() -> None:
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            done()
+
+    return one
+
+
+def chunk_hash(data: np.ndarray) -> str:
+    """blake2b-128 of an array's raw bytes in C order."""
+    raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+    return hashlib.blake2b(raw.data, digest_size=16).hexdigest()
+
+
+@dataclass(slots=True)
+class ChunkReuse:
+    """Hashes the chunks of a save, and links those equal to the base checkpoint's instead of writing them.
+
+    ``base_chunks[i]`` is the base's array path and chunk hashes for array ``i`` when the
+    base stores that leaf the same way (shape, dtype, chunk grid, codecs), else None.
+    """
+
+    chunk_shapes: list[tuple[int, ...]]
+    shapes: list[tuple[int, ...]]
+    paths: list[str]
+    base: Path | None = None
+    base_chunks: list[tuple[str, tuple[str, ...]] | None] = field(default_factory=list)
+    hashes: dict[int, dict[int, str]] = field(default_factory=dict)
+    linked_bytes: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def keep(self, i: int, region: Region, buf: np.ndarray, storage: Storage) -> list[tuple[Region, np.ndarray]]:
+        """Hash every chunk of this write; link the unchanged ones; return the boxes still to write."""
+        chunk_shape, shape = self.chunk_shapes[i], self.shapes[i]
+        grid = [-(-s // c) for s, c in zip(shape, chunk_shape, strict=True)]
+        base = self.base_chunks[i] if self.base_chunks else None
+        rest: list[tuple[Region, np.ndarray]] = []
+        linked_any = False
+        for index in region.chunk_indices(chunk_shape):
+            box = chunk_region(index, chunk_shape, shape)
+            data = buf[box.relative_to(region).slices()]
+            digest = chunk_hash(data)
+            flat = int(np.ravel_multi_index(index, grid)) if grid else 0
+            with self._lock:
+                self.hashes.setdefault(i, {})[flat] = digest
+            if (
+                base is not None
+                and self.base is not None
+                and base[1][flat] == digest
+                and storage.link_chunk(self.base, base[0], self.paths[i], index)
+            ):
+                with self._lock:
+                    self.linked_bytes += data.nbytes
+                linked_any = True
+                continue
+            rest.append((box, data))
+        if not linked_any:
+            return [(region, buf)]
+        return rest
+
+    def chunk_hashes(self, i: int) -> tuple[str, ...]:
+        got = self.hashes.get(i, {})
+        n = math.prod(-(-s // c) for s, c in zip(self.shapes[i], self.chunk_shapes[i], strict=True))
+        return tuple(got[k] for k in range(n)) if len(got) == n else ()
 
 
 def _finished(

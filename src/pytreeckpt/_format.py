@@ -40,7 +40,9 @@ __all__ = [
     "Compression",
     "ValueMeta",
     "array_names",
+    "chunk_count",
     "parse_document",
+    "with_chunk_hashes",
     "zarr_metadata",
 ]
 
@@ -67,13 +69,14 @@ class ArrayMeta:
     path: str
     layout: Layout | None
     compression: Compression | None = None
+    chunk_hashes: tuple[str, ...] | None = None  # blake2b-128 of each chunk's raw bytes, C order of the grid
 
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.dtype.itemsize
 
     def to_json(self) -> dict[str, Any]:
-        out = {
+        out: dict[str, Any] = {
             "kind": "array",
             "key": self.key,
             "container": self.container,
@@ -86,6 +89,8 @@ class ArrayMeta:
         }
         if self.compression is not None:
             out["compression"] = self.compression.to_json()
+        if self.chunk_hashes is not None:
+            out["chunk_hashes"] = list(self.chunk_hashes)
         return out
 
 
@@ -282,7 +287,17 @@ def _parse_leaf(data: Any, index: int) -> ArrayMeta | ValueMeta:
         compression = None if data.get("compression") is None else Compression.from_json(data["compression"])
     except (ValueError, TypeError) as e:
         raise MetadataError(f"leaf {key!r}: malformed compression: {e}") from None
-    return ArrayMeta(key, container, dtype, shape, chunk_shape, path, layout, compression)
+    hashes = data.get("chunk_hashes")
+    if hashes is not None:
+        n = chunk_count(shape, chunk_shape)
+        if (
+            not isinstance(hashes, list)
+            or len(hashes) != n
+            or not all(isinstance(h, str) and _HASH.fullmatch(h) for h in hashes)
+        ):
+            raise MetadataError(f"leaf {key!r}: chunk_hashes must be {n} hex digests of 32 digits")
+        hashes = tuple(hashes)
+    return ArrayMeta(key, container, dtype, shape, chunk_shape, path, layout, compression, hashes)
 
 
 def parse_document(raw: bytes, namespace: str = "") -> CheckpointDoc:
@@ -333,6 +348,23 @@ def _leaf_ids(node: Node) -> list[int]:
 
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"non-standard JSON constant {name}")
+
+
+_HASH = re.compile(r"[0-9a-f]{32}")
+
+
+def chunk_count(shape: Sequence[int], chunk_shape: Sequence[int]) -> int:
+    """The number of chunks of a regular grid (a 0-d array has one; a zero-size one none)."""
+    return math.prod(-(-s // c) for s, c in zip(shape, chunk_shape, strict=True))
+
+
+def with_chunk_hashes(document: bytes, hashes: dict[str, tuple[str, ...]]) -> bytes:
+    """The document with ``chunk_hashes`` added to the array leaves named in ``hashes``."""
+    doc = json.loads(document)
+    for leaf in doc["leaves"]:
+        if leaf["kind"] == "array" and leaf["key"] in hashes:
+            leaf["chunk_hashes"] = list(hashes[leaf["key"]])
+    return json.dumps(doc, allow_nan=False, separators=(",", ":")).encode()
 
 
 def build_document(tree: Node, leaves: Sequence[dict[str, Any]], user_metadata: dict[str, Any] | None) -> bytes:

@@ -25,8 +25,11 @@ class CheckpointManager:
 
     Each step is a checkpoint at ``directory/step_<n>``. Retention runs only once a save
     has committed: the newest ``max_to_keep`` committed steps are kept, and so is every
-    step divisible by ``keep_every_n_steps``. Directories of saves that never committed
-    (a crash) are never listed or restored, and are removed once no writer holds them.
+    step divisible by ``keep_every_n_steps``. With ``incremental=True`` each save writes
+    only the chunks that changed since the newest step and hard-links the others from it
+    (see ``base`` in :func:`pytreeckpt.save`), so retention may delete any step.
+    Directories of saves that never committed (a crash) are never listed or restored,
+    and are removed once no writer holds them.
     In a distributed program every rank makes the manager and calls its methods; rank 0
     lists and deletes, and the ranks agree on its answers.
 
@@ -48,6 +51,7 @@ class CheckpointManager:
         save_interval_steps: int = 1,
         async_: bool = True,
         process_group: Any = None,
+        incremental: bool = False,
     ) -> None:
         if max_to_keep is not None and max_to_keep < 1:
             raise ValueError(f"max_to_keep must be at least 1 or None, found {max_to_keep}")
@@ -58,6 +62,7 @@ class CheckpointManager:
         self.keep_every_n_steps = keep_every_n_steps
         self.save_interval_steps = save_interval_steps
         self.async_ = async_
+        self.incremental = incremental
         self._process_group = process_group
         self._comm = _comm(process_group)
         self._handle: SaveHandle | None = None
@@ -113,6 +118,12 @@ class CheckpointManager:
             raise CheckpointError(f"step {step} is already saved in {self.directory}; pass force=True to replace it")
         path = self.step_path(step)
         kwargs.setdefault("process_group", self._process_group)
+        if self.incremental:
+            # unchanged chunks are hard-linked from the newest step: each step stays whole on its own
+            kwargs.setdefault("chunk_hashes", True)
+            latest = self.latest_step()
+            if latest is not None and latest != step and "base" not in kwargs:
+                kwargs["base"] = self.step_path(latest)
         if self.async_:
             self._handle = async_save(path, tree, spec, overwrite=force, **kwargs)
         else:
