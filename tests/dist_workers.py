@@ -396,3 +396,31 @@ def async_monitored_save(rank: int, world: int, path: str) -> dict[str, Any]:
         "written": sum(s.nbytes for s in monitor.spans if s.phase == "write"),
         "peak": pytreeckpt._staging.staging_pool().peak_bytes,
     }
+
+
+def incremental_saves(rank: int, world: int, path: str) -> dict[str, Any]:
+    """Two saves of Shard(0) DTensors; between them only rank 0's shard of one tensor changes."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    a, b = torch.randn(256, 1024), torch.randn(256, 1024)
+    state = {"a": distribute_tensor(a, mesh, [Shard(0)]), "b": distribute_tensor(b, mesh, [Shard(0)])}
+    chunking = pytreeckpt.ChunkingOptions(single_chunk_bytes=64 * 1024, max_chunk_bytes=64 * 1024)
+    full = pytreeckpt.Monitor()
+    pytreeckpt.save(f"{path}/s1", state, chunking=chunking, chunk_hashes=True, monitor=full)
+    if rank == 0:
+        state["a"].to_local().add_(1.0)
+    inc = pytreeckpt.Monitor()
+    h = pytreeckpt.async_save(f"{path}/s2", state, chunking=chunking, base=f"{path}/s1", monitor=inc)
+    h.wait()
+    out = pytreeckpt.load(f"{path}/s2", {"a": torch.zeros(256, 1024), "b": torch.zeros(256, 1024)})
+    a_now = a.clone()
+    a_now[: 256 // world] += 1.0
+    return {
+        "same": torch.equal(out["a"], a_now) and torch.equal(out["b"], b),
+        "full": sum(s.nbytes for s in full.spans if s.phase == "write"),
+        "inc": sum(s.nbytes for s in inc.spans if s.phase == "write"),
+        "hashes": pytreeckpt.metadata(f"{path}/s2").arrays["a"].chunk_hashes is not None,
+    }

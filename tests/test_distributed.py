@@ -170,3 +170,11 @@ def test_async_save_through_a_small_pool_with_every_ranks_spans_on_rank_0(tmp_pa
     state_bytes = (256 * 1024 + 64 * 1024 + 37 * 11) * 4
     assert results[0]["written"] == state_bytes  # every byte written once, summed over ranks
     assert all(0 < r["peak"] <= 64 * 1024 for r in results)
+
+
+def test_incremental_saves_link_unchanged_chunks_across_ranks(tmp_path: Path) -> None:
+    results = run_world(2, w.incremental_saves, str(tmp_path))
+    assert all(r["same"] and r["hashes"] for r in results)
+    full, inc = results[0]["full"], results[0]["inc"]  # rank 0's monitor holds every rank's spans
+    assert full == 2 * 256 * 1024 * 4
+    assert inc == 128 * 1024 * 4  # only rank 0's changed half of "a"
