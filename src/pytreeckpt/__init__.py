@@ -34,6 +34,8 @@ from ._executor import ExecutorOptions as ExecutorOptions
 from ._format import ArrayMeta as ArrayMeta
 from ._leaf import Abstract as Abstract
 from ._leaf import ShardedLeaf as ShardedLeaf
+from ._location import Location as Location
+from ._location import StorageOptions as StorageOptions
 from ._manager import CheckpointManager as CheckpointManager
 from ._plan import ChunkingOptions as ChunkingOptions
 from ._plan import LoadPlan as LoadPlan
@@ -65,6 +67,7 @@ __all__ = [
     "Layout",
     "LayoutError",
     "LoadPlan",
+    "Location",
     "Mesh",
     "MetadataError",
     "NotCommittedError",
@@ -75,6 +78,7 @@ __all__ = [
     "Shard",
     "ShardedLeaf",
     "ShardingSpec",
+    "StorageOptions",
     "StridedShard",
     "TargetMismatchError",
     "VerifyReport",

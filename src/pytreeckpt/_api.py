@@ -7,7 +7,7 @@ leaves), which is how layouts are resharded and tested without a process group.
 from __future__ import annotations
 
 import fnmatch
-import os
+import math
 import threading
 import time
 import traceback
@@ -22,8 +22,18 @@ import torch
 from ._dtypes import DType, dtype_of_numpy, dtype_of_torch, numpy_view
 from ._errors import CheckpointError, LayoutError, TargetMismatchError
 from ._executor import ExecutorOptions, PieceData, Storage, write_items
-from ._format import ARRAYS_DIR, ArrayMeta, ValueMeta, array_names, build_document, parse_document
+from ._format import (
+    ARRAYS_DIR,
+    MAX_PACKED_BYTES,
+    PACKED_DIR,
+    ArrayMeta,
+    ValueMeta,
+    array_names,
+    build_document,
+    parse_document,
+)
 from ._leaf import Abstract, ShardedLeaf, piece_view
+from ._location import Where, describe
 from ._plan import ArrayLayout, ChunkingOptions, SavePlan, plan_load, plan_save
 from ._region import Region
 from ._sharding import Layout, Mesh, Piece, Replicate, ShardingSpec
@@ -41,7 +51,7 @@ __all__ = [
     "verify",
 ]
 
-PathLike = str | os.PathLike[str]
+PathLike = Where  # a local path, a URL (file://, memory://, s3://, gs://), a kvstore spec or a Location
 _SINGLE = ShardingSpec(Mesh(1), [Replicate()])
 
 
@@ -288,10 +298,15 @@ class _SaveJob:
             try:
                 self._lock = self.storage.lock()
                 self.storage.prepare(self.overwrite)
-                self.storage.open_arrays(self.metas, create=True)
+                self.storage.open_arrays([m for m in self.metas if m.database is None], create=True)
             except Exception as e:
                 error = e
         comm.agree(error, "preparing the checkpoint directory")
+        try:  # each rank alone writes its own OCDBT database of packed arrays
+            self.storage.open_arrays([m for m in self.metas if m.database == f"{PACKED_DIR}/{comm.rank}"], create=True)
+        except Exception as e:
+            error = e
+        comm.agree(error, "creating the packed arrays")
         transfers = comm.post_write_transfers(self.plan.arrays, self.data, dtypes)
         try:
             self.storage.write(self.metas, transfers.items(), create=False)
@@ -322,6 +337,7 @@ def _plan_job(
     comm: Any = None,
 ) -> _SaveJob:
     t0 = time.perf_counter()
+    storage = Storage(path, executor)
     leaves, paths, root = flatten(tree, _is_leaf, namespace=namespace)
     specs = broadcast_prefix(spec, root, lambda x: isinstance(x, Layout), len(leaves), namespace=namespace)
     keys = [keystr(p) for p in paths]
@@ -340,7 +356,9 @@ def _plan_job(
         world = comm.world
     else:
         world = max((a.layout.world_size for a in arrays), default=1)
-    plan = plan_save([ArrayLayout(a.key, a.shape, a.dtype.itemsize, a.pieces) for a in arrays], world, chunking)
+    plan = plan_save(
+        [ArrayLayout(a.key, a.shape, a.dtype.itemsize, a.pieces) for a in arrays], world, chunking or storage.chunking
+    )
     for a, ap in zip(arrays, plan.arrays, strict=True):
         if a.present is not None:
             for op in ap.writes:
@@ -352,17 +370,28 @@ def _plan_job(
                         )
     names = array_names([a.key for a in arrays])
     metas = [
-        ArrayMeta(a.key, a.container, a.dtype, a.shape, ap.chunk_shape, f"{ARRAYS_DIR}/{name}", a.saved_layout)
-        for a, ap, name in zip(arrays, plan.arrays, names, strict=True)
+        ArrayMeta(a.key, a.container, a.dtype, a.shape, ap.chunk_shape, f"{ARRAYS_DIR}/{name}", a.saved_layout, db)
+        for a, ap, name, db in zip(arrays, plan.arrays, names, _databases(storage, plan), strict=True)
     ]
     it = iter(metas)
     leaf_json = [e if e is not None else next(it).to_json() for e in entries]
     document = build_document(root, leaf_json, dict(user_metadata or {}))
-    storage = Storage(path, executor)
     if comm is None or comm.rank == 0:
         storage.check_writable(overwrite)
     timings = {"plan": time.perf_counter() - t0}
     return _SaveJob(storage, metas, plan, [a.get for a in arrays], document, overwrite, timings, comm)
+
+
+def _databases(storage: Storage, plan: SavePlan) -> list[str | None]:
+    """Where each array goes: the OCDBT database of its writer if it is small, has one writer and packing is on."""
+    opts = storage.location.options
+    out: list[str | None] = []
+    for ap in plan.arrays:
+        nbytes = math.prod(ap.shape) * ap.itemsize
+        one_writer = len({op.writer for op in ap.writes}) == 1
+        packed = opts.pack_small_leaves and one_writer and 0 < nbytes <= min(opts.pack_max_bytes, MAX_PACKED_BYTES)
+        out.append(f"{PACKED_DIR}/{ap.writes[0].writer}" if packed else None)
+    return out
 
 
 def _exchange_layouts(
@@ -452,7 +481,7 @@ class SaveHandle:
     """A save running in the background: ``wait()``, ``done()`` and per-phase ``timings``."""
 
     def __init__(self, path: PathLike, timings: dict[str, float]) -> None:
-        self.path = os.fspath(path)
+        self.path = describe(path)
         self._timings = timings
         self._done = threading.Event()
         self._error: BaseException | None = None
@@ -642,7 +671,7 @@ def verify(path: PathLike, *, executor: ExecutorOptions | None = None) -> Verify
     storage, doc = _open(path, "", executor)
     metas = [leaf for leaf in doc.leaves if isinstance(leaf, ArrayMeta)]
     problems, chunks, nbytes = storage.verify(metas)
-    return VerifyReport(os.fspath(path), tuple(problems), len(metas), chunks, nbytes)
+    return VerifyReport(describe(path), tuple(problems), len(metas), chunks, nbytes)
 
 
 def _abstract_of(meta: ArrayMeta) -> Any:
@@ -836,7 +865,7 @@ def load(
             dests.append((i, dest))
     if problems:
         raise TargetMismatchError(
-            f"the target does not match the checkpoint at {os.fspath(path)}:\n  " + "\n  ".join(problems)
+            f"the target does not match the checkpoint at {describe(path)}:\n  " + "\n  ".join(problems)
         )
     if comm is not None:
         layouts = _exchange_layouts(
@@ -953,7 +982,7 @@ def load_slice(path: PathLike, key: str, index: Any = (), *, executor: ExecutorO
     """
     meta = metadata(path).arrays.get(key)
     if meta is None:
-        raise TargetMismatchError(f"leaf {_where(key)} is not an array of the checkpoint at {os.fspath(path)}")
+        raise TargetMismatchError(f"leaf {_where(key)} is not an array of the checkpoint at {describe(path)}")
     return read_array(path, meta, _region_of(index, meta.shape, key), executor)
 
 

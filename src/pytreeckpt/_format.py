@@ -5,6 +5,8 @@ A checkpoint is a directory::
     pytreeckpt.json          the metadata document; written last, atomically: the commit
     arrays/<name>/zarr.json  one zarr v3 array per tensor leaf, of its global shape
     arrays/<name>/c/...      its chunks
+    ocdbt/<rank>/            small arrays packed: an OCDBT database per writing rank,
+                             holding arrays/<name>/... as keys
 
 The metadata document (format version 1)::
 
@@ -35,6 +37,7 @@ __all__ = [
     "FORMAT_NAME",
     "FORMAT_VERSION",
     "METADATA_FILE",
+    "PACKED_DIR",
     "ArrayMeta",
     "CheckpointDoc",
     "ValueMeta",
@@ -44,12 +47,18 @@ __all__ = [
 ]
 
 FORMAT_NAME = "pytreeckpt"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""The newest version written: 2 when some array is packed in an OCDBT database, else 1."""
 METADATA_FILE = "pytreeckpt.json"
 LOCK_FILE = ".pytreeckpt.lock"
 ARRAYS_DIR = "arrays"
+PACKED_DIR = "ocdbt"
 CONTAINERS = ("torch", "numpy")
 MAX_METADATA_BYTES = 1 << 30
+MAX_PACKED_BYTES = 64 << 20
+"""A packed array is small: a document claiming a bigger one is refused before any allocation."""
+
+_DATABASE = re.compile(r"^ocdbt/(0|[1-9][0-9]{0,8})$")
 
 _SAFE_COMPONENT = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.~-]{0,199}$")
 
@@ -65,13 +74,14 @@ class ArrayMeta:
     chunk_shape: tuple[int, ...]
     path: str
     layout: Layout | None
+    database: str | None = None  # "ocdbt/<rank>": the array is packed in that OCDBT database
 
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.dtype.itemsize
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "kind": "array",
             "key": self.key,
             "container": self.container,
@@ -82,6 +92,9 @@ class ArrayMeta:
             "path": self.path,
             "layout": None if self.layout is None else self.layout.to_json(),
         }
+        if self.database is not None:
+            out["database"] = self.database
+        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,12 +202,21 @@ def _parse_leaf(data: Any, index: int) -> ArrayMeta | ValueMeta:
     if len(chunk_shape) != len(shape) or any(c < 1 for c in chunk_shape):
         raise MetadataError(f"leaf {key!r}: chunk_shape {chunk_shape} does not fit shape {shape}")
     path = check_relative_path(data.get("path"), key)
+    database = data.get("database")
+    if database is not None:
+        if not isinstance(database, str) or not _DATABASE.match(database):
+            raise MetadataError(f"leaf {key!r}: database must be 'ocdbt/<rank>', found {str(database)[:200]!r}")
+        nbytes = math.prod(shape) * dtype.itemsize
+        if nbytes > MAX_PACKED_BYTES:
+            raise MetadataError(
+                f"leaf {key!r}: a packed array holds at most {MAX_PACKED_BYTES} bytes, the metadata claims {nbytes}"
+            )
     layout_json = data.get("layout")
     try:
         layout = None if layout_json is None else layout_from_json(layout_json)
     except Exception as e:  # a layout is informative only; a malformed one is still an error
         raise MetadataError(f"leaf {key!r}: malformed saved layout: {e}") from None
-    return ArrayMeta(key, container, dtype, shape, chunk_shape, path, layout)
+    return ArrayMeta(key, container, dtype, shape, chunk_shape, path, layout, database)
 
 
 def parse_document(raw: bytes, namespace: str = "") -> CheckpointDoc:
@@ -249,9 +271,10 @@ def _reject_constant(name: str) -> Any:
 
 def build_document(tree: Node, leaves: Sequence[dict[str, Any]], user_metadata: dict[str, Any] | None) -> bytes:
     """Serialise a metadata document."""
+    packed = any("database" in leaf for leaf in leaves)
     doc = {
         "format": FORMAT_NAME,
-        "version": FORMAT_VERSION,
+        "version": FORMAT_VERSION if packed else 1,
         "tree": tree.to_json(),
         "leaves": list(leaves),
         "user_metadata": user_metadata or {},
