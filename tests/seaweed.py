@@ -53,6 +53,22 @@ class Server:
     pid: int
     proc: subprocess.Popen[bytes]
     log: Path
+    metrics: str | None = None
+
+    def request_counts(self) -> dict[str, float]:
+        """The server's own S3 request counters by action (from its Prometheus metrics), if enabled."""
+        import urllib.request
+
+        if self.metrics is None:
+            return {}
+        text = urllib.request.urlopen(self.metrics, timeout=10).read().decode()
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            if line.startswith("SeaweedFS_s3_request_total{"):
+                labels, value = line[len("SeaweedFS_s3_request_total{") :].rsplit("} ", 1)
+                action = dict(kv.split("=", 1) for kv in labels.split(",")).get("type", '"?"').strip('"')
+                out[action] = out.get(action, 0.0) + float(value)
+        return out
 
     def options(self, **kw: object) -> pytreeckpt.StorageOptions:
         return pytreeckpt.StorageOptions(
@@ -81,7 +97,7 @@ class Server:
                 self.proc.wait(10)
 
 
-def start(workdir: Path, timeout: float = 90.0) -> Server:
+def start(workdir: Path, timeout: float = 90.0, metrics: bool = False) -> Server:
     """Start ``weed mini`` in ``workdir``; raise (with its log) if it does not serve S3 in time."""
     data = workdir / "data"
     data.mkdir(parents=True)
@@ -89,7 +105,7 @@ def start(workdir: Path, timeout: float = 90.0) -> Server:
     identity = {"name": "ckpt", "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}]}
     identity["actions"] = ["Read", "Write", "List", "Tagging"]  # type: ignore[assignment]
     config.write_text(json.dumps({"identities": [identity]}))
-    ports = _free_ports(10)
+    ports = _free_ports(11)
     names = [
         "master.port",
         "master.port.grpc",
@@ -117,12 +133,16 @@ def start(workdir: Path, timeout: float = 90.0) -> Server:
         "-admin.ui=false",
         "-master.telemetry=false",
         "-master.volumeSizeLimitMB=64",
-        *(f"-{n}={p}" for n, p in zip(names, ports, strict=True)),
+        *(f"-{n}={p}" for n, p in zip(names, ports, strict=False)),
     ]
+    if metrics:
+        args.append(f"-metricsPort={ports[10]}")
     log = workdir / "weed.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, cwd=workdir, start_new_session=True)
     server = Server(f"http://127.0.0.1:{ports[names.index('s3.port')]}", proc.pid, proc, log)
+    if metrics:
+        server.metrics = f"http://127.0.0.1:{ports[10]}/metrics"
     deadline = time.monotonic() + timeout
     last: Exception | None = None
     while time.monotonic() < deadline:

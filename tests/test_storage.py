@@ -86,6 +86,41 @@ def test_memory_locations_keep_the_commit_protocol() -> None:
     assert pytreeckpt.verify(where).ok
 
 
+# --------------------------------------------------------------------------- packing
+
+
+def test_packed_arrays_are_few_files_and_damage_to_them_is_found(tmp_path: Path) -> None:
+    tree = {f"b{i}": torch.full((16,), float(i)) for i in range(300)}
+    tree["big"] = torch.randn(1024, 512)  # 2 MiB: over pack_max_bytes, stored on its own
+    pytreeckpt.save(tmp_path / "c", tree)
+    doc = json.loads((tmp_path / "c" / "pytreeckpt.json").read_text())
+    assert doc["version"] == 2
+    assert {leaf["key"] for leaf in doc["leaves"] if "database" not in leaf} == {"big"}
+    assert sum(len(f) for _, _, f in os.walk(tmp_path / "c" / "ocdbt")) < 20  # not 600 files
+    got = pytreeckpt.load(tmp_path / "c")
+    assert all(torch.equal(got[k], v) for k, v in tree.items())
+    for f in (tmp_path / "c" / "ocdbt" / "0" / "d").iterdir():
+        raw = bytearray(f.read_bytes())
+        raw[len(raw) // 2] ^= 0xFF
+        f.write_bytes(bytes(raw))
+    report = pytreeckpt.verify(tmp_path / "c")
+    assert not report.ok
+    assert "big" not in report.damaged_leaves
+    assert len(report.damaged_leaves) > 0
+    with pytest.raises(pytreeckpt.CheckpointError, match=r"(checksum|DATA_LOSS)"):
+        pytreeckpt.load(tmp_path / "c")
+
+
+def test_a_packed_leaf_claiming_a_huge_shape_is_refused(tmp_path: Path) -> None:
+    pytreeckpt.save(tmp_path / "c", {"w": torch.ones(3)})
+    doc = json.loads((tmp_path / "c" / "pytreeckpt.json").read_text())
+    doc["leaves"][0]["shape"] = [1 << 40]
+    doc["leaves"][0]["chunk_shape"] = [1 << 40]
+    (tmp_path / "c" / "pytreeckpt.json").write_text(json.dumps(doc))
+    with pytest.raises(pytreeckpt.MetadataError, match="packed array holds at most"):
+        pytreeckpt.load(tmp_path / "c")
+
+
 # --------------------------------------------------------------------------- S3
 
 

@@ -28,7 +28,7 @@ import tensorstore as ts
 
 from ._errors import CheckpointError, MetadataError, NotCommittedError
 from ._format import ARRAYS_DIR, LOCK_FILE, METADATA_FILE, PACKED_DIR, ArrayMeta, zarr_metadata
-from ._location import OBJECT_STORE_CHUNKING, KvPrefix, Where, make_context, resolve
+from ._location import OBJECT_STORE_CHUNKING, OCDBT_CACHE, KvPrefix, Where, make_context, resolve
 from ._plan import ArrayLoadPlan, ArraySavePlan, ChunkingOptions, ReadOp, WriteOp
 from ._region import Region, chunk_region
 
@@ -361,7 +361,12 @@ class Storage:
         if meta.database is None:
             kvstore = self.location.kvstore(meta.path + "/")
         else:  # packed: the array's keys inside its writer's OCDBT database
-            kvstore = {"driver": "ocdbt", "base": self.location.kvstore(meta.database + "/"), "path": meta.path + "/"}
+            kvstore = {
+                "driver": "ocdbt",
+                "base": self.location.kvstore(meta.database + "/"),
+                "path": meta.path + "/",
+                "cache_pool": OCDBT_CACHE,  # its b-tree nodes are read once, not once per array
+            }
         spec: dict[str, Any] = {
             "driver": "zarr3",
             "kvstore": kvstore,
@@ -376,9 +381,13 @@ class Storage:
 
     def open_arrays(self, metas: Sequence[ArrayMeta], create: bool) -> list[Any]:
         futures = []
+        checked: set[str] = set()
         for meta in metas:
             if not create and self.kv is None:
-                self._check_inside(self.root / (meta.path if meta.database is None else meta.database), meta.key)
+                where = meta.path if meta.database is None else meta.database
+                if where not in checked:  # a database holding many packed arrays is checked once
+                    self._check_inside(self.root / where, meta.key)
+                    checked.add(where)
             spec = self._spec(meta, create)
             if create:
                 futures.append(ts.open(spec, context=self.context, create=True))

@@ -71,6 +71,9 @@ class StorageOptions:
     pack_max_bytes: int = 1 * MiB
 
 
+OCDBT_CACHE = "cache_pool#ocdbt"
+"""The cache of packed arrays' OCDBT b-tree nodes (array data itself is never cached)."""
+
 OBJECT_STORE_CHUNKING = ChunkingOptions(single_chunk_bytes=4 * MiB, min_chunk_bytes=4 * MiB, max_chunk_bytes=64 * MiB)
 
 
@@ -249,6 +252,7 @@ def context_spec(r: Resolved, file_io_concurrency: int, data_copy_concurrency: i
         "file_io_concurrency": {"limit": file_io_concurrency},
         "data_copy_concurrency": {"limit": data_copy_concurrency},
         "cache_pool": {"total_bytes_limit": 0},
+        OCDBT_CACHE: {"total_bytes_limit": 64 * MiB},
     }
     retries = {
         "max_retries": o.max_retries,
