@@ -442,7 +442,9 @@ def save(
     """Save a pytree as a checkpoint at ``path``, returning once it is committed.
 
     Args:
-      path: a directory; created if missing. An interrupted, uncommitted save there is
+      path: a directory (created if missing), a URL (``file://``, ``memory://``,
+        ``s3://bucket/prefix``, ``gs://bucket/prefix``), a TensorStore kvstore spec, or a
+        :class:`Location` with its :class:`StorageOptions`. An interrupted, uncommitted save there is
         cleared; a committed checkpoint is replaced only with ``overwrite=True``.
       tree: a pytree whose leaves are tensors, numpy arrays, :class:`ShardedLeaf` or
         plain Python values (int, float, bool, str, None).
@@ -759,7 +761,7 @@ def load(
     """Load a checkpoint, functionally: return a new tree.
 
     Args:
-      path: a committed checkpoint.
+      path: a committed checkpoint: a path, URL, kvstore spec or :class:`Location`.
       target: None to rebuild the stored tree with full tensors (numpy leaves come back
         as numpy arrays); or a tree whose structure the result takes, whose leaves say
         what to load: a tensor or numpy array (full, same shape and dtype, on the

@@ -39,6 +39,7 @@ PieceData = Callable[[int, int], tuple[np.ndarray, Region]]
 piece, and the global region it covers."""
 
 MiB = 1 << 20
+OCDBT_INLINE_BYTES = 64 * 1024
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -367,6 +368,8 @@ class Storage:
                 "path": meta.path + "/",
                 "cache_pool": OCDBT_CACHE,  # its b-tree nodes are read once, not once per array
             }
+            if create:  # small values live inside the b-tree nodes: one read serves many arrays
+                kvstore["config"] = {"max_inline_value_bytes": OCDBT_INLINE_BYTES}
         spec: dict[str, Any] = {
             "driver": "zarr3",
             "kvstore": kvstore,
