@@ -121,6 +121,13 @@ def test_a_packed_leaf_claiming_a_huge_shape_is_refused(tmp_path: Path) -> None:
         pytreeckpt.load(tmp_path / "c")
 
 
+def test_a_manager_passes_its_location_options_to_every_step(tmp_path: Path) -> None:
+    with pytreeckpt.CheckpointManager(Location(tmp_path, StorageOptions(pack_small_leaves=False))) as m:
+        m.save(1, {"b": torch.ones(3)})
+    assert (tmp_path / "step_1" / "arrays" / "b" / "zarr.json").is_file()
+    assert not (tmp_path / "step_1" / "ocdbt").exists()
+
+
 # --------------------------------------------------------------------------- S3
 
 

@@ -87,8 +87,9 @@ class CheckpointManager:
         return self._location(f"step_{int(step)}")
 
     def _location(self, name: str) -> Location:
+        """A step's location with the directory's storage options (local or not)."""
         r = self._where.child(name)
-        return Location(r.spec or {}, r.options)
+        return Location(r.path if r.path is not None else r.spec or {}, r.options)
 
     def _listed(self) -> list[tuple[int, Path | Location, bool]]:
         out: list[tuple[int, Path | Location, bool]] = []
@@ -131,7 +132,7 @@ class CheckpointManager:
         self._finish_in_flight()
         if not force and step in self.all_steps():
             raise CheckpointError(f"step {step} is already saved in {self.directory}; pass force=True to replace it")
-        path = self.step_path(step)
+        path = self._location(f"step_{int(step)}")
         kwargs.setdefault("process_group", self._process_group)
         if self.async_:
             self._handle = async_save(path, tree, spec, overwrite=force, **kwargs)
@@ -219,13 +220,13 @@ class CheckpointManager:
             if step is None:
                 raise NotCommittedError(f"no committed checkpoint in {self.directory}")
         kwargs.setdefault("process_group", self._process_group)
-        return load(self.step_path(step), target, **kwargs)
+        return load(self._location(f"step_{int(step)}"), target, **kwargs)
 
     def metadata_of(self, step: int) -> Mapping[str, Any]:
         """The user metadata stored with ``step``."""
         from ._api import metadata
 
-        return metadata(self.step_path(step)).user_metadata
+        return metadata(self._location(f"step_{int(step)}")).user_metadata
 
     # ------------------------------------------------------------------ lifetime
     def _check_open(self) -> None:
