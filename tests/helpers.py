@@ -10,6 +10,8 @@ import numpy as np
 import optree
 import torch
 
+import pytreeckpt
+
 NAMESPACE = "pytreeckpt-tests"
 
 
@@ -104,3 +106,8 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     if t.dtype.itemsize == 16:
         return torch.view_as_real(t).contiguous().view(torch.int64)
     return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.dtype.itemsize])
+
+
+def unpacked(path: Any) -> pytreeckpt.Location:
+    """``path`` with packing off: every array in files of its own, for tests that look at or damage them."""
+    return pytreeckpt.Location(path, pytreeckpt.StorageOptions(pack_small_leaves=False))

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import unpacked
 from safetensors.torch import load_file, save_file
 
 import pytreeckpt
@@ -29,7 +30,7 @@ def ckpts(tmp_path: Path) -> Path:
         tmp_path / "step_1",
         {"model": {"w": ShardedLeaf.from_global(w, FlatRanges([(0, 13), (13, 40)]))}, "step": 1, "lr": float("nan")},
     )
-    pytreeckpt.save(tmp_path / "step_2", {"model": {"w": w + 1}, "step": 2})
+    pytreeckpt.save(unpacked(tmp_path / "step_2"), {"model": {"w": w + 1}, "step": 2})
     (tmp_path / "step_3" / "arrays").mkdir(parents=True)  # a crashed save
     return tmp_path
 

@@ -17,10 +17,10 @@ from pytreeckpt import Compression
 
 def _state() -> dict:
     torch.manual_seed(0)
-    w = torch.randn(512, 256)
+    w = torch.randn(1024, 768)  # arrays over 1 MiB have files of their own (smaller ones are packed)
     return {
-        "model": {"w": w, "w_bf16": w.to(torch.bfloat16), "zeros": torch.zeros(256, 256)},
-        "optim": {"m": torch.randn(512, 256) * 1e-3, "step": torch.tensor(7)},
+        "model": {"w": w, "w_bf16": w.to(torch.bfloat16), "zeros": torch.zeros(1024, 512)},
+        "optim": {"m": torch.randn(1024, 512) * 1e-3, "step": torch.tensor(7)},
         "note": "hello",
     }
 
@@ -38,8 +38,8 @@ def test_compressed_leaves_round_trip_bit_for_bit_and_open_with_plain_tensorstor
         assert torch.equal(out["model"][k], state["model"][k])
         assert out["model"][k].dtype == state["model"][k].dtype
     assert torch.equal(out["optim"]["m"], state["optim"]["m"])
-    assert _stored(tmp_path / "c", "model.zeros") < 256 * 256 * 4 // 100  # zeros all but vanish
-    assert _stored(tmp_path / "c", "model.w_bf16") < 512 * 256 * 2  # bf16 exponents compress
+    assert _stored(tmp_path / "c", "model.zeros") < 1024 * 512 * 4 // 100  # zeros all but vanish
+    assert _stored(tmp_path / "c", "model.w_bf16") < 1024 * 768 * 2  # bf16 exponents compress
     zarr = json.loads((tmp_path / "c" / "arrays" / "model.w" / "zarr.json").read_text())
     names = [c["name"] for c in zarr["codecs"]]
     assert names[0] == "bytes"
@@ -82,14 +82,14 @@ def test_bad_compressions_are_errors_naming_the_leaf(tmp_path: Path) -> None:
 
 
 def test_a_compressed_leaf_claiming_a_huge_shape_is_refused(tmp_path: Path) -> None:
-    pytreeckpt.save(tmp_path / "c", {"w": torch.zeros(64, 64)}, compression="zstd")
+    pytreeckpt.save(tmp_path / "c", {"w": torch.zeros(1024, 512)}, compression="zstd")
     doc = json.loads((tmp_path / "c" / "pytreeckpt.json").read_text())
     leaf = next(leaf for leaf in doc["leaves"] if leaf["key"] == "w")
     leaf["shape"] = [1 << 20, 1 << 20]
     (tmp_path / "c" / "pytreeckpt.json").write_text(json.dumps(doc))
     with pytest.raises(pytreeckpt.MetadataError, match="claims"):
         pytreeckpt.load(tmp_path / "c")
-    leaf["shape"] = [64, 64]
+    leaf["shape"] = [1024, 512]
     leaf["compression"] = {"codec": "zstd", "level": "high"}
     (tmp_path / "c" / "pytreeckpt.json").write_text(json.dumps(doc))
     with pytest.raises(pytreeckpt.MetadataError, match="malformed compression"):

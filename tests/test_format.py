@@ -9,13 +9,14 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import unpacked
 
 import pytreeckpt
 from pytreeckpt._format import array_names, parse_document
 
 
 def saved(tmp_path: Path) -> tuple[Path, dict[str, Any]]:
-    pytreeckpt.save(tmp_path / "c", {"w": torch.arange(4.0), "step": 1})
+    pytreeckpt.save(unpacked(tmp_path / "c"), {"w": torch.arange(4.0), "step": 1})
     return tmp_path / "c", json.loads((tmp_path / "c" / "pytreeckpt.json").read_text())
 
 
@@ -91,7 +92,7 @@ def test_a_huge_claimed_shape_is_refused_before_any_allocation(tmp_path: Path) -
 
 def test_verify_reports_damaged_leaves_and_chunks(tmp_path: Path) -> None:
     pytreeckpt.save(
-        tmp_path / "c",
+        unpacked(tmp_path / "c"),
         {"a": torch.arange(64.0), "b": torch.arange(64.0), "c": torch.ones(3)},
         chunking=pytreeckpt.ChunkingOptions(single_chunk_bytes=0, min_chunk_bytes=0, max_chunk_bytes=64),
     )

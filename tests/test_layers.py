@@ -38,7 +38,7 @@ def test_only_the_executor_imports_tensorstore_and_only_the_adapter_torch_distri
     src = pathlib.Path(pytreeckpt.__file__).parent
     for f in src.glob("*.py"):
         text = f.read_text()
-        if f.name != "_executor.py":
+        if f.name not in ("_executor.py", "_location.py"):  # storage: the executor and its locations
             assert "import tensorstore" not in text, f.name
         if f.name != "_distributed.py":
             assert "import torch.distributed" not in text, f.name

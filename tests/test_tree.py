@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import NAMESPACE, Config, Pair, Point, assert_trees_equal, every_node_kind
+from helpers import NAMESPACE, Config, Pair, Point, assert_trees_equal, every_node_kind, unpacked
 
 import pytreeckpt
 from pytreeckpt import Abstract, Mesh, Shard, ShardingSpec
@@ -64,7 +64,7 @@ def test_key_paths_are_dotted_and_readable(tmp_path: Path) -> None:
     opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
     m(torch.ones(1, 2)).sum().backward()
     opt.step()
-    pytreeckpt.save(tmp_path / "c", {"model": m.state_dict(), "optim": opt.state_dict()})
+    pytreeckpt.save(unpacked(tmp_path / "c"), {"model": m.state_dict(), "optim": opt.state_dict()})
     arrays = pytreeckpt.metadata(tmp_path / "c").arrays
     assert {"model.0.weight", "model.0.bias", "optim.state.0.momentum_buffer"} <= set(arrays)
     assert (tmp_path / "c" / "arrays" / "model.0.weight" / "zarr.json").exists()

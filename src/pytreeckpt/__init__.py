@@ -35,6 +35,8 @@ from ._format import ArrayMeta as ArrayMeta
 from ._format import Compression as Compression
 from ._leaf import Abstract as Abstract
 from ._leaf import ShardedLeaf as ShardedLeaf
+from ._location import Location as Location
+from ._location import StorageOptions as StorageOptions
 from ._manager import CheckpointManager as CheckpointManager
 from ._monitor import Monitor as Monitor
 from ._monitor import Span as Span
@@ -70,6 +72,7 @@ __all__ = [
     "Layout",
     "LayoutError",
     "LoadPlan",
+    "Location",
     "Mesh",
     "MetadataError",
     "Monitor",
@@ -82,6 +85,7 @@ __all__ = [
     "ShardedLeaf",
     "ShardingSpec",
     "Span",
+    "StorageOptions",
     "StridedShard",
     "TargetMismatchError",
     "TwoTierManager",

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import itertools
+import math
 import os
 import threading
 import time
@@ -27,6 +28,8 @@ from ._errors import CheckpointError, LayoutError, TargetMismatchError
 from ._executor import ChunkReuse, ExecutorOptions, PieceData, Storage, write_items
 from ._format import (
     ARRAYS_DIR,
+    MAX_PACKED_BYTES,
+    PACKED_DIR,
     ArrayMeta,
     Compression,
     ValueMeta,
@@ -36,6 +39,7 @@ from ._format import (
     with_chunk_hashes,
 )
 from ._leaf import Abstract, ShardedLeaf, piece_view
+from ._location import Where, describe
 from ._monitor import Monitor, Progress, Span
 from ._pipeline import Snapshot, staged_writes
 from ._plan import ArrayLayout, ChunkingOptions, SavePlan, plan_load, plan_save
@@ -56,7 +60,7 @@ __all__ = [
     "verify",
 ]
 
-PathLike = str | os.PathLike[str]
+PathLike = Where  # a local path, a URL (file://, memory://, s3://, gs://), a kvstore spec or a Location
 _SINGLE = ShardingSpec(Mesh(1), [Replicate()])
 
 
@@ -408,10 +412,15 @@ class _SaveJob:
             try:
                 self._lock = self.storage.lock()
                 self.storage.prepare(self.overwrite)
-                self.storage.open_arrays(self.metas, create=True)
+                self.storage.open_arrays([m for m in self.metas if m.database is None], create=True)
             except Exception as e:
                 error = e
         comm.agree(error, "preparing the checkpoint directory")
+        try:  # each rank alone writes its own OCDBT database of packed arrays
+            self.storage.open_arrays([m for m in self.metas if m.database == f"{PACKED_DIR}/{comm.rank}"], create=True)
+        except Exception as e:
+            error = e
+        comm.agree(error, "creating the packed arrays")
         dtypes = [m.dtype.numpy for m in self.metas]
         transfers = comm.post_write_transfers(self.plan.arrays, self.data, dtypes, direct=self.snap is None)
         mine = sum(op.region.size * ap.itemsize for ap in self.plan.arrays for op in ap.writes if op.writer == me)
@@ -483,6 +492,7 @@ def _plan_job(
     chunk_hashes: bool = False,
 ) -> _SaveJob:
     t0 = time.perf_counter()
+    storage = Storage(path, executor)
     leaves, paths, root = flatten(tree, _is_leaf, namespace=namespace)
     specs = broadcast_prefix(spec, root, lambda x: isinstance(x, Layout), len(leaves), namespace=namespace)
     keys = [keystr(p) for p in paths]
@@ -502,7 +512,9 @@ def _plan_job(
         world = comm.world
     else:
         world = max((a.layout.world_size for a in arrays), default=1)
-    plan = plan_save([ArrayLayout(a.key, a.shape, a.dtype.itemsize, a.pieces) for a in arrays], world, chunking)
+    plan = plan_save(
+        [ArrayLayout(a.key, a.shape, a.dtype.itemsize, a.pieces) for a in arrays], world, chunking or storage.chunking
+    )
     for a, ap in zip(arrays, plan.arrays, strict=True):
         if a.present is not None:
             for op in ap.writes:
@@ -515,14 +527,21 @@ def _plan_job(
     names = array_names([a.key for a in arrays])
     metas = [
         ArrayMeta(
-            a.key, a.container, a.dtype, a.shape, ap.chunk_shape, f"{ARRAYS_DIR}/{name}", a.saved_layout, codecs[a.key]
+            a.key,
+            a.container,
+            a.dtype,
+            a.shape,
+            ap.chunk_shape,
+            f"{ARRAYS_DIR}/{name}",
+            a.saved_layout,
+            codecs[a.key],
+            database=db,
         )
-        for a, ap, name in zip(arrays, plan.arrays, names, strict=True)
+        for a, ap, name, db in zip(arrays, plan.arrays, names, _databases(storage, plan), strict=True)
     ]
     it = iter(metas)
     leaf_json = [e if e is not None else next(it).to_json() for e in entries]
     document = build_document(root, leaf_json, dict(user_metadata or {}))
-    storage = Storage(path, executor)
     if comm is None or comm.rank == 0:
         storage.check_writable(overwrite)
     t1 = time.perf_counter()
@@ -551,10 +570,12 @@ def _chunk_reuse(metas: list[ArrayMeta], base: PathLike | None) -> ChunkReuse:
     reuse = ChunkReuse([m.chunk_shape for m in metas], [m.shape for m in metas], [m.path for m in metas])
     if base is None:
         return reuse
+    if not isinstance(base, (str, os.PathLike)) or "://" in os.fspath(base):
+        raise CheckpointError(f"an incremental base must be a local directory, found {describe(base)}")
     stored = metadata(base).arrays
     if stored and all(b.chunk_hashes is None for b in stored.values()):
         raise CheckpointError(
-            f"the base checkpoint {os.fspath(base)} records no chunk hashes: save it with chunk_hashes=True "
+            f"the base checkpoint {describe(base)} records no chunk hashes: save it with chunk_hashes=True "
             f"(CheckpointManager(incremental=True) does) to use it as a base"
         )
     reuse.base = Path(base).absolute()
@@ -585,6 +606,18 @@ def _compressions(compression: Any, root: Any, keys: list[str], n: int, namespac
             out[key] = Compression.parse(c)
         except ValueError as e:
             raise CheckpointError(f"leaf {_where(key)}: {e}") from None
+    return out
+
+
+def _databases(storage: Storage, plan: SavePlan) -> list[str | None]:
+    """Where each array goes: the OCDBT database of its writer if it is small, has one writer and packing is on."""
+    opts = storage.location.options
+    out: list[str | None] = []
+    for ap in plan.arrays:
+        nbytes = math.prod(ap.shape) * ap.itemsize
+        one_writer = len({op.writer for op in ap.writes}) == 1
+        packed = opts.pack_small_leaves and one_writer and 0 < nbytes <= min(opts.pack_max_bytes, MAX_PACKED_BYTES)
+        out.append(f"{PACKED_DIR}/{ap.writes[0].writer}" if packed else None)
     return out
 
 
@@ -640,7 +673,9 @@ def save(
     """Save a pytree as a checkpoint at ``path``, returning once it is committed.
 
     Args:
-      path: a directory; created if missing. An interrupted, uncommitted save there is
+      path: a directory (created if missing), a URL (``file://``, ``memory://``,
+        ``s3://bucket/prefix``, ``gs://bucket/prefix``), a TensorStore kvstore spec, or a
+        :class:`Location` with its :class:`StorageOptions`. An interrupted, uncommitted save there is
         cleared; a committed checkpoint is replaced only with ``overwrite=True``.
       tree: a pytree whose leaves are tensors, numpy arrays, :class:`ShardedLeaf` or
         plain Python values (int, float, bool, str, None).
@@ -708,7 +743,7 @@ class SaveHandle:
     """A save running in the background: ``wait()``, ``done()``, per-phase ``timings`` and its ``monitor``."""
 
     def __init__(self, path: PathLike, timings: dict[str, float], monitor: Monitor, user: Monitor | None) -> None:
-        self.path = os.fspath(path)
+        self.path = describe(path)
         self._timings = timings
         self._monitor = monitor
         self._user = user
@@ -1025,7 +1060,7 @@ def verify(path: PathLike, *, executor: ExecutorOptions | None = None) -> Verify
     storage, doc = _open(path, "", executor)
     metas = [leaf for leaf in doc.leaves if isinstance(leaf, ArrayMeta)]
     problems, chunks, nbytes = storage.verify(metas)
-    return VerifyReport(os.fspath(path), tuple(problems), len(metas), chunks, nbytes)
+    return VerifyReport(describe(path), tuple(problems), len(metas), chunks, nbytes)
 
 
 def _abstract_of(meta: ArrayMeta) -> Any:
@@ -1126,7 +1161,7 @@ def load(
     """Load a checkpoint, functionally: return a new tree.
 
     Args:
-      path: a committed checkpoint.
+      path: a committed checkpoint: a path, URL, kvstore spec or :class:`Location`.
       target: None to rebuild the stored tree with full tensors (numpy leaves come back
         as numpy arrays); or a tree whose structure the result takes, whose leaves say
         what to load: a tensor or numpy array (full, same shape and dtype, on the
@@ -1253,7 +1288,7 @@ def _load(
             dests.append((i, dest))
     if problems:
         raise TargetMismatchError(
-            f"the target does not match the checkpoint at {os.fspath(path)}:\n  " + "\n  ".join(problems)
+            f"the target does not match the checkpoint at {describe(path)}:\n  " + "\n  ".join(problems)
         )
     if comm is not None:
         layouts = _exchange_layouts(
@@ -1400,7 +1435,7 @@ def load_slice(path: PathLike, key: str, index: Any = (), *, executor: ExecutorO
     """
     meta = metadata(path).arrays.get(key)
     if meta is None:
-        raise TargetMismatchError(f"leaf {_where(key)} is not an array of the checkpoint at {os.fspath(path)}")
+        raise TargetMismatchError(f"leaf {_where(key)} is not an array of the checkpoint at {describe(path)}")
     return read_array(path, meta, _region_of(index, meta.shape, key), executor)
 
 

@@ -15,7 +15,8 @@ from ._api import metadata, verify
 from ._dcp import import_dcp
 from ._errors import CheckpointError
 from ._executor import Storage
-from ._format import ARRAYS_DIR, LOCK_FILE, METADATA_FILE, ArrayMeta
+from ._format import ARRAYS_DIR, LOCK_FILE, METADATA_FILE, PACKED_DIR, ArrayMeta
+from ._location import resolve
 from ._safetensors import export_safetensors, import_safetensors
 from ._tree import decode_value, encode_value
 
@@ -49,7 +50,45 @@ def _is_checkpoint_dir(p: Path) -> bool:
     return p.is_dir() and ((p / METADATA_FILE).exists() or (p / ARRAYS_DIR).is_dir() or (p / LOCK_FILE).exists())
 
 
+def _kv_entries(where: str) -> list[dict[str, Any]]:
+    """Checkpoints under a key-value store prefix (listings there carry no sizes or times)."""
+    kv = Storage(where).kv
+    assert kv is not None
+    kv.check_reachable()
+    keys = kv.list()
+    parts = [k.split("/") for k in keys]
+    marks = (METADATA_FILE, ARRAYS_DIR, PACKED_DIR)
+    if any(p[0] in marks for p in parts):
+        groups: dict[str, list[list[str]]] = {"": parts}
+    else:
+        groups = {}
+        for p in parts:
+            if len(p) > 1 and p[1] in marks:
+                groups.setdefault(p[0], []).append(p[1:])
+    entries = []
+    base = resolve(where).url
+    for name, members in sorted(groups.items()):
+        entries.append(
+            {
+                "name": name or base.rsplit("/", 1)[-1],
+                "path": f"{base}/{name}" if name else base,
+                "committed": [METADATA_FILE] in members,
+                "bytes": None,
+                "time": None,
+            }
+        )
+    return entries
+
+
 def cmd_ls(args: argparse.Namespace) -> int:
+    if not resolve(args.dir).is_local:
+        found = _kv_entries(args.dir)
+        if args.json:
+            print(json.dumps(found, indent=2))
+        else:
+            rows = [[e["name"], "committed" if e["committed"] else "UNCOMMITTED", "-", "-"] for e in found]
+            print(_table(rows, ["checkpoint", "state", "size", "time"]) if rows else f"no checkpoints in {args.dir}")
+        return 0
     root = Path(args.dir)
     if not root.is_dir():
         raise CheckpointError(f"{root} is not a directory")
@@ -91,6 +130,11 @@ def _layout_text(a: ArrayMeta) -> str:
     return f"{j['kind']} x{ranks} ranks"
 
 
+def _ratio(nbytes: int, stored: int | None) -> float | None:
+    """Logical over stored bytes; None where the store cannot tell (packed arrays, object stores)."""
+    return nbytes / stored if stored else None
+
+
 def _compression_text(a: ArrayMeta) -> str:
     c = a.compression
     if c is None:
@@ -102,7 +146,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     meta = metadata(args.path)
     storage = Storage(args.path)
     stored = {a.key: storage.stored_bytes(a) for a in meta.arrays.values()}
-    doc = json.loads((Path(args.path) / METADATA_FILE).read_text())
+    doc = json.loads(storage.read_metadata())
     values = {leaf["key"]: decode_value(leaf["value"]) for leaf in doc["leaves"] if leaf["kind"] == "value"}
     if args.json:
         out = {
@@ -116,7 +160,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                     "bytes": a.nbytes,
                     "stored_bytes": stored[a.key],
                     "compression": None if a.compression is None else a.compression.to_json(),
-                    "ratio": a.nbytes / stored[a.key] if stored[a.key] else None,
+                    "ratio": _ratio(a.nbytes, stored[a.key]),
                     "chunk_shape": list(a.chunk_shape),
                     "path": a.path,
                     "layout": None if a.layout is None else a.layout.to_json(),
@@ -135,7 +179,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             str(tuple(a.shape)),
             _size(a.nbytes),
             _compression_text(a),
-            f"{a.nbytes / stored[a.key]:.2f}" if stored[a.key] else "-",
+            "-" if _ratio(a.nbytes, stored[a.key]) is None else f"{_ratio(a.nbytes, stored[a.key]):.2f}",
             str(tuple(a.chunk_shape)),
             _layout_text(a),
         ]
@@ -205,7 +249,9 @@ def cmd_import(args: argparse.Namespace) -> int:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pytreeckpt", description="Look inside and convert pytreeckpt checkpoints.")
     sub = p.add_subparsers(dest="command", required=True)
-    ls = sub.add_parser("ls", help="list the checkpoints in a directory, committed or not")
+    ls = sub.add_parser(
+        "ls", help="list the checkpoints in a directory or object store prefix (s3://bucket/run), committed or not"
+    )
     ls.add_argument("dir")
     ls.set_defaults(run=cmd_ls)
     ins = sub.add_parser("inspect", help="the tree: key paths, dtypes, shapes, bytes, saved layouts, values")

@@ -29,8 +29,9 @@ import numpy as np
 import tensorstore as ts
 
 from ._errors import CheckpointError, MetadataError, NotCommittedError
-from ._format import ARRAYS_DIR, LOCK_FILE, METADATA_FILE, ArrayMeta, zarr_metadata
-from ._plan import ArrayLoadPlan, ArraySavePlan, ReadOp, WriteOp
+from ._format import ARRAYS_DIR, LOCK_FILE, METADATA_FILE, PACKED_DIR, ArrayMeta, zarr_metadata
+from ._location import OBJECT_STORE_CHUNKING, OCDBT_CACHE, KvPrefix, Where, make_context, resolve
+from ._plan import ArrayLoadPlan, ArraySavePlan, ChunkingOptions, ReadOp, WriteOp
 from ._region import Region, chunk_region
 
 __all__ = ["ExecutorOptions", "PieceData", "Storage", "WriteItem", "assemble", "write_items"]
@@ -43,6 +44,7 @@ WriteItem = tuple[int, Region, np.ndarray, Callable[[], None] | None]
 """``(array index, region, data, done)``: one write; ``done`` runs when it has finished."""
 
 MiB = 1 << 20
+OCDBT_INLINE_BYTES = 64 * 1024
 
 MAX_COMPRESSION_RATIO = 1 << 16
 """The most a compressed array's metadata may claim over its stored bytes (all-zero
@@ -115,18 +117,33 @@ class _Window:
 
 
 class Storage:
-    """A checkpoint directory on a local file system."""
+    """A checkpoint location: a directory on a local file system, or a prefix of a key-value store.
 
-    def __init__(self, path: str | os.PathLike[str], options: ExecutorOptions | None = None) -> None:
-        self.root = Path(path).absolute()
+    On a local file system the commit is an atomic rename and writers hold an ``flock``.
+    On a key-value store (``memory://``, ``s3://``, ``gs://``) there is no rename: the
+    commit is the metadata document, the last object written, put whole in one request.
+    There is no lock there either: one writer per prefix is the caller's responsibility.
+    """
+
+    def __init__(self, path: Where, options: ExecutorOptions | None = None) -> None:
+        self.location = resolve(path)
+        self.url = self.location.url
         self.options = options or ExecutorOptions()
-        self.context = ts.Context(
-            {
-                "file_io_concurrency": {"limit": self.options.file_io_concurrency},
-                "data_copy_concurrency": {"limit": self.options.data_copy_concurrency},
-                "cache_pool": {"total_bytes_limit": 0},
-            }
-        )
+        self.context = make_context(self.location, self.options.file_io_concurrency, self.options.data_copy_concurrency)
+        self.kv = None if self.location.is_local else KvPrefix(self.location, self.context)
+
+    @property
+    def root(self) -> Path:
+        """The directory of a local checkpoint."""
+        assert self.location.path is not None, "a key-value store location has no directory"
+        return self.location.path
+
+    @property
+    def chunking(self) -> ChunkingOptions:
+        """How arrays are chunked here when the caller says nothing."""
+        if self.location.options.chunking is not None:
+            return self.location.options.chunking
+        return ChunkingOptions() if self.kv is None else OBJECT_STORE_CHUNKING
 
     # ------------------------------------------------------------------ commit protocol
     @property
@@ -134,14 +151,20 @@ class Storage:
         return self.root / METADATA_FILE
 
     def is_committed(self) -> bool:
+        if self.kv is not None:
+            return self.kv.read(METADATA_FILE) is not None
         return self.metadata_path.is_file()
 
     def lock(self) -> _Lock:
         """Take the directory's writer lock, or raise: one save at a time per checkpoint path.
 
         The lock is an ``flock`` on a file inside the directory, so the kernel releases it
-        when its holder dies: a crashed save never blocks the next one.
+        when its holder dies: a crashed save never blocks the next one. A key-value store
+        has no such lock: there the lock is a no-op and one writer per prefix is the
+        caller's responsibility.
         """
+        if self.kv is not None:
+            return _Lock(None)
         try:
             self.root.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.root / LOCK_FILE, os.O_CREAT | os.O_RDWR, 0o644)
@@ -158,6 +181,20 @@ class Storage:
 
     def check_writable(self, overwrite: bool) -> None:
         """Raise now, before any work, if a save here would be refused."""
+        if self.kv is not None:
+            self.kv.check_reachable()
+            keys = self.kv.list()
+            if METADATA_FILE in keys and not overwrite:
+                raise CheckpointError(
+                    f"{self.url} already holds a committed checkpoint; pass overwrite=True to replace it"
+                )
+            unknown = [k for k in keys if k != METADATA_FILE and k.split("/")[0] not in (ARRAYS_DIR, PACKED_DIR)]
+            if unknown:
+                raise CheckpointError(
+                    f"{self.url} is not empty and is not a pytreeckpt checkpoint (it holds {unknown[:5]}); "
+                    f"refusing to write into it"
+                )
+            return
         if self.root.exists() and not self.root.is_dir():
             raise CheckpointError(f"{self.root} exists and is not a directory")
         if self.is_committed() and not overwrite:
@@ -165,7 +202,7 @@ class Storage:
                 f"{self.root} already holds a committed checkpoint; pass overwrite=True to replace it"
             )
         if self.root.is_dir():
-            known = {ARRAYS_DIR, METADATA_FILE, LOCK_FILE}
+            known = {ARRAYS_DIR, PACKED_DIR, METADATA_FILE, LOCK_FILE}
             unknown = [p.name for p in self.root.iterdir() if p.name not in known and not p.name.startswith(".tmp-")]
             if unknown:
                 raise CheckpointError(
@@ -181,6 +218,10 @@ class Storage:
         so a crash midway never leaves it loadable with half-new data.
         """
         self.check_writable(overwrite)
+        if self.kv is not None:
+            self.kv.delete(METADATA_FILE)  # withdraw the commit before anything else
+            self.kv.delete_prefix("")
+            return
         try:
             if self.is_committed():
                 self.metadata_path.unlink()
@@ -196,7 +237,14 @@ class Storage:
             raise CheckpointError(f"cannot prepare {self.root} for a new checkpoint: {e}") from e
 
     def commit(self, document: bytes) -> None:
-        """Write the metadata document atomically: temporary file, fsync, rename, fsync of the directory."""
+        """Write the metadata document atomically.
+
+        Locally: temporary file, fsync, rename, fsync of the directory. On a key-value
+        store: one PUT of the whole document, after every array write has finished.
+        """
+        if self.kv is not None:
+            self.kv.write(METADATA_FILE, document)
+            return
         try:
             fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=self.root)
             try:
@@ -212,15 +260,33 @@ class Storage:
         except OSError as e:
             raise CheckpointError(f"cannot commit the checkpoint at {self.root}: {e}") from e
 
+    def remove(self) -> None:
+        """Delete the checkpoint: its commit first, so a crash midway leaves no half checkpoint."""
+        if self.kv is not None:
+            self.kv.delete(METADATA_FILE)
+            self.kv.delete_prefix("")
+            return
+        if self.is_committed():
+            self.metadata_path.unlink()
+        shutil.rmtree(self.root)
+
     def check_stored_sizes(self, metas: Sequence[ArrayMeta]) -> None:
         """Refuse metadata that claims more bytes than are stored, before anything is allocated.
 
         Uncompressed chunks (raw bytes and a 4-byte checksum) hold at least the array's
         size; compressed ones at least ``1 / MAX_COMPRESSION_RATIO`` of it. A document
-        claiming a huge shape is caught here instead of by a huge allocation.
+        claiming a huge shape is caught here instead of by a huge allocation. Packed
+        arrays are small by definition (the metadata parser caps them). On a key-value
+        store, whose listings carry no sizes, every chunk object must be present; a chunk
+        shorter than claimed fails its read.
         """
         for meta in metas:
-            stored = self.stored_bytes(meta)
+            if meta.database is not None:
+                continue
+            if self.kv is not None:
+                self._check_chunks_listed(meta)
+                continue
+            stored = self.stored_bytes(meta) or 0
             ratio = 1 if meta.compression is None else MAX_COMPRESSION_RATIO
             if stored * ratio < meta.nbytes:
                 raise MetadataError(
@@ -229,8 +295,10 @@ class Storage:
                     + ("" if ratio == 1 else f", more than {ratio} times less than that")
                 )
 
-    def stored_bytes(self, meta: ArrayMeta) -> int:
-        """Bytes of the chunk files of one stored array."""
+    def stored_bytes(self, meta: ArrayMeta) -> int | None:
+        """Bytes of the chunk files of one stored array; None where the store cannot tell (packed, key-value)."""
+        if meta.database is not None or self.kv is not None:
+            return None
         folder = self._check_inside(self.root / meta.path, meta.key)
         stored = 0
         for dirpath, _dirs, files in os.walk(folder):
@@ -238,6 +306,21 @@ class Storage:
                 if name != "zarr.json":
                     stored += os.stat(os.path.join(dirpath, name)).st_size
         return stored
+
+    def _check_chunks_listed(self, meta: ArrayMeta) -> None:
+        assert self.kv is not None
+        if meta.nbytes == 0:
+            return
+        prefix = meta.path + "/"
+        listed = set(self.kv.list(prefix))
+        grid = [-(-n // c) for n, c in zip(meta.shape, meta.chunk_shape, strict=True)]
+        expected = math.prod(grid)
+        chunks = sum(1 for k in listed if k.startswith(prefix + "c"))
+        if chunks < expected:
+            raise MetadataError(
+                f"leaf {meta.key!r}: the metadata claims a {meta.dtype.name} array of shape {meta.shape} "
+                f"in {expected} chunks but {self.url}/{meta.path} holds only {chunks} chunk objects"
+            )
 
     def verify(self, metas: Sequence[ArrayMeta]) -> tuple[list[tuple[str, tuple[int, ...] | None, str]], int, int]:
         """Read every chunk of every array; returns ``(problems, chunks read, bytes read)``.
@@ -281,6 +364,15 @@ class Storage:
         return problems, chunks, nbytes
 
     def read_metadata(self) -> bytes:
+        if self.kv is not None:
+            raw = self.kv.read(METADATA_FILE)
+            if raw is None:
+                self.kv.check_reachable()  # a missing bucket reads as a missing object: say which it is
+                raise NotCommittedError(
+                    f"{self.url} is not a committed checkpoint (no {METADATA_FILE}); "
+                    f"it may be a save that was interrupted, or nothing at all"
+                )
+            return raw
         if not self.root.is_dir():
             raise NotCommittedError(f"{self.root} does not exist or is not a directory")
         if not self.is_committed():
@@ -299,9 +391,20 @@ class Storage:
 
     # ------------------------------------------------------------------ arrays
     def _spec(self, meta: ArrayMeta, create: bool) -> dict[str, Any]:
+        if meta.database is None:
+            kvstore = self.location.kvstore(meta.path + "/")
+        else:  # packed: the array's keys inside its writer's OCDBT database
+            kvstore = {
+                "driver": "ocdbt",
+                "base": self.location.kvstore(meta.database + "/"),
+                "path": meta.path + "/",
+                "cache_pool": OCDBT_CACHE,  # its b-tree nodes are read once, not once per array
+            }
+            if create:  # small values live inside the b-tree nodes: one read serves many arrays
+                kvstore["config"] = {"max_inline_value_bytes": OCDBT_INLINE_BYTES}
         spec: dict[str, Any] = {
             "driver": "zarr3",
-            "kvstore": {"driver": "file", "path": str(self.root / meta.path) + "/"},
+            "kvstore": kvstore,
             "metadata": zarr_metadata(meta.dtype, meta.shape, meta.chunk_shape, meta.compression),
             # Every chunk is stored, even one equal to the fill value (so -0.0 and NaN
             # payloads survive and a missing chunk is an error), and a missing chunk
@@ -318,9 +421,13 @@ class Storage:
             )
 
         futures = []
+        checked: set[str] = set()
         for meta in metas:
-            if not create:
-                self._check_inside(self.root / meta.path, meta.key)
+            if not create and self.kv is None:
+                where = meta.path if meta.database is None else meta.database
+                if where not in checked:  # a database holding many packed arrays is checked once
+                    self._check_inside(self.root / where, meta.key)
+                    checked.add(where)
             spec = self._spec(meta, create)
             try:  # a spec TensorStore rejects (e.g. sizes past its limits) fails here, not in the future
                 if create:
@@ -378,7 +485,12 @@ class Storage:
         return written
 
     def link_chunk(self, base: Path, base_path: str, path: str, index: tuple[int, ...]) -> bool:
-        """Hard-link chunk ``index`` of the base checkpoint's array into this one; False where links fail."""
+        """Hard-link chunk ``index`` of the base checkpoint's array into this one; False where links fail.
+
+        Only local directories have links; packed arrays live in a database, not in files.
+        """
+        if self.kv is not None:
+            return False
         key = "/".join(["c", *map(str, index)])
         src = base / base_path / key
         dst = self.root / path / key
@@ -538,7 +650,7 @@ def _finished(
 class _Lock:
     """A held writer lock; ``release()`` (or process exit) frees it."""
 
-    def __init__(self, fd: int) -> None:
+    def __init__(self, fd: int | None) -> None:
         self.fd: int | None = fd
 
     def release(self) -> None:

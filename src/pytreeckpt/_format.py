@@ -5,6 +5,8 @@ A checkpoint is a directory::
     pytreeckpt.json          the metadata document; written last, atomically: the commit
     arrays/<name>/zarr.json  one zarr v3 array per tensor leaf, of its global shape
     arrays/<name>/c/...      its chunks
+    ocdbt/<rank>/            small arrays packed: an OCDBT database per writing rank,
+                             holding arrays/<name>/... as keys
 
 The metadata document (format version 1)::
 
@@ -35,6 +37,7 @@ __all__ = [
     "FORMAT_NAME",
     "FORMAT_VERSION",
     "METADATA_FILE",
+    "PACKED_DIR",
     "ArrayMeta",
     "CheckpointDoc",
     "Compression",
@@ -47,12 +50,18 @@ __all__ = [
 ]
 
 FORMAT_NAME = "pytreeckpt"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""The newest version written: 2 when some array is packed in an OCDBT database, else 1."""
 METADATA_FILE = "pytreeckpt.json"
 LOCK_FILE = ".pytreeckpt.lock"
 ARRAYS_DIR = "arrays"
+PACKED_DIR = "ocdbt"
 CONTAINERS = ("torch", "numpy")
 MAX_METADATA_BYTES = 1 << 30
+MAX_PACKED_BYTES = 64 << 20
+"""A packed array is small: a document claiming a bigger one is refused before any allocation."""
+
+_DATABASE = re.compile(r"^ocdbt/(0|[1-9][0-9]{0,8})$")
 
 _SAFE_COMPONENT = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.~-]{0,199}$")
 
@@ -70,6 +79,7 @@ class ArrayMeta:
     layout: Layout | None
     compression: Compression | None = None
     chunk_hashes: tuple[str, ...] | None = None  # blake2b-128 of each chunk's raw bytes, C order of the grid
+    database: str | None = None  # "ocdbt/<rank>": the array is packed in that OCDBT database
 
     @property
     def nbytes(self) -> int:
@@ -91,6 +101,8 @@ class ArrayMeta:
             out["compression"] = self.compression.to_json()
         if self.chunk_hashes is not None:
             out["chunk_hashes"] = list(self.chunk_hashes)
+        if self.database is not None:
+            out["database"] = self.database
         return out
 
 
@@ -278,6 +290,15 @@ def _parse_leaf(data: Any, index: int) -> ArrayMeta | ValueMeta:
     if len(chunk_shape) != len(shape) or any(c < 1 for c in chunk_shape):
         raise MetadataError(f"leaf {key!r}: chunk_shape {chunk_shape} does not fit shape {shape}")
     path = check_relative_path(data.get("path"), key)
+    database = data.get("database")
+    if database is not None:
+        if not isinstance(database, str) or not _DATABASE.match(database):
+            raise MetadataError(f"leaf {key!r}: database must be 'ocdbt/<rank>', found {str(database)[:200]!r}")
+        nbytes = math.prod(shape) * dtype.itemsize
+        if nbytes > MAX_PACKED_BYTES:
+            raise MetadataError(
+                f"leaf {key!r}: a packed array holds at most {MAX_PACKED_BYTES} bytes, the metadata claims {nbytes}"
+            )
     layout_json = data.get("layout")
     try:
         layout = None if layout_json is None else layout_from_json(layout_json)
@@ -297,7 +318,7 @@ def _parse_leaf(data: Any, index: int) -> ArrayMeta | ValueMeta:
         ):
             raise MetadataError(f"leaf {key!r}: chunk_hashes must be {n} hex digests of 32 digits")
         hashes = tuple(hashes)
-    return ArrayMeta(key, container, dtype, shape, chunk_shape, path, layout, compression, hashes)
+    return ArrayMeta(key, container, dtype, shape, chunk_shape, path, layout, compression, hashes, database)
 
 
 def parse_document(raw: bytes, namespace: str = "") -> CheckpointDoc:
@@ -369,9 +390,10 @@ def with_chunk_hashes(document: bytes, hashes: dict[str, tuple[str, ...]]) -> by
 
 def build_document(tree: Node, leaves: Sequence[dict[str, Any]], user_metadata: dict[str, Any] | None) -> bytes:
     """Serialise a metadata document."""
+    packed = any("database" in leaf for leaf in leaves)
     doc = {
         "format": FORMAT_NAME,
-        "version": FORMAT_VERSION,
+        "version": FORMAT_VERSION if packed else 1,
         "tree": tree.to_json(),
         "leaves": list(leaves),
         "user_metadata": user_metadata or {},

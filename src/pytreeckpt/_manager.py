@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 from collections.abc import Mapping
@@ -13,6 +12,8 @@ from typing import Any
 from ._api import SaveHandle, _comm, async_save, load, save
 from ._errors import CheckpointError, NotCommittedError
 from ._executor import Storage
+from ._format import METADATA_FILE
+from ._location import Location, Where, resolve
 from ._staging import staging_pool
 
 __all__ = ["CheckpointManager"]
@@ -29,7 +30,10 @@ class CheckpointManager:
     only the chunks that changed since the newest step and hard-links the others from it
     (see ``base`` in :func:`pytreeckpt.save`), so retention may delete any step.
     Directories of saves that never committed (a crash) are never listed or restored,
-    and are removed once no writer holds them.
+    and are removed once no writer holds them. On an object store (``s3://bucket/run``,
+    or a :class:`Location`) there are no locks: an uncommitted step is removed only when
+    it is older than the newest committed one, and one manager (one writer) per
+    directory is the caller's responsibility.
     In a distributed program every rank makes the manager and calls its methods; rank 0
     lists and deletes, and the ranks agree on its answers.
 
@@ -44,7 +48,7 @@ class CheckpointManager:
 
     def __init__(
         self,
-        directory: str | os.PathLike[str],
+        directory: Where,
         *,
         max_to_keep: int | None = None,
         keep_every_n_steps: int | None = None,
@@ -57,7 +61,9 @@ class CheckpointManager:
             raise ValueError(f"max_to_keep must be at least 1 or None, found {max_to_keep}")
         if save_interval_steps < 1:
             raise ValueError(f"save_interval_steps must be at least 1, found {save_interval_steps}")
-        self.directory = Path(directory)
+        self._where = resolve(directory)
+        self.directory: Path | str = self._where.path if self._where.path is not None else self._where.url
+        self._kv = None if self._where.is_local else Storage(directory).kv
         self.max_to_keep = max_to_keep
         self.keep_every_n_steps = keep_every_n_steps
         self.save_interval_steps = save_interval_steps
@@ -68,7 +74,8 @@ class CheckpointManager:
         self._handle: SaveHandle | None = None
         self._closed = False
         if self._is_leader:
-            self.directory.mkdir(parents=True, exist_ok=True)
+            if isinstance(self.directory, Path):
+                self.directory.mkdir(parents=True, exist_ok=True)
             self._clean_uncommitted()
 
     # ------------------------------------------------------------------ paths and listing
@@ -79,18 +86,33 @@ class CheckpointManager:
     def _agree(self, value: Any) -> Any:
         return value if self._comm is None else self._comm.broadcast(value)
 
-    def step_path(self, step: int) -> Path:
-        """Where ``step`` is (or would be) stored."""
-        return self.directory / f"step_{int(step)}"
+    def step_path(self, step: int) -> Path | Location:
+        """Where ``step`` is (or would be) stored: a directory, or a Location on a key-value store."""
+        if isinstance(self.directory, Path):
+            return self.directory / f"step_{int(step)}"
+        return self._location(f"step_{int(step)}")
 
-    def _listed(self) -> list[tuple[int, Path, bool]]:
-        out = []
-        if self.directory.is_dir():
+    def _location(self, name: str) -> Location:
+        """A step's location with the directory's storage options (local or not)."""
+        r = self._where.child(name)
+        return Location(r.path if r.path is not None else r.spec or {}, r.options)
+
+    def _listed(self) -> list[tuple[int, Path | Location, bool]]:
+        out: list[tuple[int, Path | Location, bool]] = []
+        if self._kv is not None:
+            keys = set(self._kv.list())
+            steps = {k.split("/", 1)[0] for k in keys if "/" in k}
+            for name in steps:
+                m = _STEP.match(name)
+                if m:
+                    out.append((int(m.group(1)), self._location(name), f"{name}/{METADATA_FILE}" in keys))
+            return sorted(out, key=lambda e: e[0])
+        if isinstance(self.directory, Path) and self.directory.is_dir():
             for p in self.directory.iterdir():
                 m = _STEP.match(p.name)
                 if m and p.is_dir():
                     out.append((int(m.group(1)), p, Storage(p).is_committed()))
-        return sorted(out)
+        return sorted(out, key=lambda e: (e[0], str(e[1])))
 
     def all_steps(self) -> list[int]:
         """Committed steps, oldest first."""
@@ -116,13 +138,14 @@ class CheckpointManager:
         self._finish_in_flight()
         if not force and step in self.all_steps():
             raise CheckpointError(f"step {step} is already saved in {self.directory}; pass force=True to replace it")
-        path = self.step_path(step)
+        path = self._location(f"step_{int(step)}")
         kwargs.setdefault("process_group", self._process_group)
         if self.incremental:
             # unchanged chunks are hard-linked from the newest step: each step stays whole on its own
             kwargs.setdefault("chunk_hashes", True)
             latest = self.latest_step()
-            if latest is not None and latest != step and "base" not in kwargs:
+            local = isinstance(self.directory, Path)  # object stores have no links: every chunk is written
+            if local and latest is not None and latest != step and "base" not in kwargs:
                 kwargs["base"] = self.step_path(latest)
         if self.async_:
             self._handle = async_save(path, tree, spec, overwrite=force, **kwargs)
@@ -156,6 +179,10 @@ class CheckpointManager:
     def _remove(self, step: int) -> None:
         path = self.step_path(step)
         storage = Storage(path)
+        if storage.kv is not None:
+            storage.remove()
+            return
+        assert isinstance(path, Path)
         lock = storage.lock()  # never under a writer's feet
         try:
             if storage.is_committed():  # uncommit first: a crash midway leaves no half checkpoint
@@ -165,9 +192,18 @@ class CheckpointManager:
             lock.release()
 
     def _clean_uncommitted(self) -> None:
-        for _step, path, committed in self._listed():
+        listed = self._listed()
+        newest = max((s for s, _, c in listed if c), default=None)
+        for step, path, committed in listed:
             if committed:
                 continue
+            if self._kv is not None:
+                # No lock tells a crashed save from one in progress: only steps older than
+                # the newest commit are taken as crashed.
+                if newest is not None and step < newest:
+                    Storage(path).remove()
+                continue
+            assert isinstance(path, Path)
             try:
                 lock = Storage(path).lock()
             except CheckpointError:
@@ -197,13 +233,13 @@ class CheckpointManager:
             if step is None:
                 raise NotCommittedError(f"no committed checkpoint in {self.directory}")
         kwargs.setdefault("process_group", self._process_group)
-        return load(self.step_path(step), target, **kwargs)
+        return load(self._location(f"step_{int(step)}"), target, **kwargs)
 
     def metadata_of(self, step: int) -> Mapping[str, Any]:
         """The user metadata stored with ``step``."""
         from ._api import metadata
 
-        return metadata(self.step_path(step)).user_metadata
+        return metadata(self._location(f"step_{int(step)}")).user_metadata
 
     # ------------------------------------------------------------------ lifetime
     def _check_open(self) -> None:

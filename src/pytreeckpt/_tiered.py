@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 from ._errors import NotCommittedError
+from ._location import Where, describe
 from ._manager import CheckpointManager
 
 __all__ = ["TwoTierManager"]
@@ -18,7 +17,8 @@ class TwoTierManager:
 
     The fast tier is a directory in memory, such as ``/dev/shm/<run>``: saving there
     costs a memory copy, so it can be frequent, and it survives the training process (a
-    crash, a kill) but not the machine. The durable tier is an ordinary directory. A
+    crash, a kill) but not the machine. (``memory://`` works too, for a process that
+    only needs to survive its own errors.) The durable tier is an ordinary directory. A
     step on both intervals goes to the durable tier only. :meth:`restore` takes the
     newest committed step of either tier, so a restarted process resumes from the fast
     tier when it holds a newer step, and from the durable one when the fast tier is
@@ -38,8 +38,8 @@ class TwoTierManager:
 
     def __init__(
         self,
-        fast_directory: str | os.PathLike[str],
-        durable_directory: str | os.PathLike[str],
+        fast_directory: Where,
+        durable_directory: Where,
         *,
         fast_interval_steps: int,
         durable_interval_steps: int,
@@ -53,8 +53,8 @@ class TwoTierManager:
             raise ValueError(
                 f"intervals must be at least 1, found fast {fast_interval_steps} and durable {durable_interval_steps}"
             )
-        if Path(fast_directory).absolute() == Path(durable_directory).absolute():
-            raise ValueError(f"the two tiers need two directories, both are {fast_directory}")
+        if describe(fast_directory) == describe(durable_directory):
+            raise ValueError(f"the two tiers need two directories, both are {describe(fast_directory)}")
         self.fast_interval_steps = fast_interval_steps
         self.durable_interval_steps = durable_interval_steps
         self.fast = CheckpointManager(

@@ -1,0 +1,358 @@
+"""Where a checkpoint lives: local paths, URLs and TensorStore kvstore specs.
+
+A location is a local directory (a path, ``file://`` URL or ``{"driver": "file"}``
+spec), handled with the file system's own guarantees (``flock``, rename, fsync), or a
+prefix of a key-value store reached through TensorStore (``memory://``, ``s3://``,
+``gs://`` or any other kvstore spec), where objects are written whole and there is no
+rename. This module parses locations and runs the few whole-object operations the
+commit protocol needs on a key-value store; arrays themselves are opened by the
+executor with the kvstore spec given here.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import tempfile
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import tensorstore as ts
+
+from ._errors import CheckpointError
+from ._plan import ChunkingOptions
+
+__all__ = ["KvPrefix", "Location", "Resolved", "StorageOptions", "describe", "resolve"]
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StorageOptions:
+    """How a location is reached and how data is laid out there.
+
+    Attributes:
+      endpoint: the S3 endpoint URL (``http://host:port``); default ``AWS_ENDPOINT_URL``
+        (or ``AWS_ENDPOINT_URL_S3``), else AWS itself.
+      region: the S3 region; default ``AWS_REGION`` / ``AWS_DEFAULT_REGION``, else
+        ``us-east-1`` when an endpoint is set.
+      access_key_id, secret_access_key: S3 credentials; default the usual chain
+        (``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY``, ``~/.aws``, instance roles).
+        Given here, they reach TensorStore through a private (0600) credentials file that
+        is removed when the process exits.
+      aws_credentials: a TensorStore ``aws_credentials`` spec (e.g. ``{"type": "profile",
+        "profile": "ckpt"}``), used instead of the above when given.
+      request_concurrency: concurrent requests to an object store (S3 or GCS).
+      max_retries: retries of a request that failed with a transient error (throttling,
+        5xx, a refused connection), with exponential backoff from ``initial_retry_delay``
+        up to ``max_retry_delay`` seconds. Bounded, so a dead endpoint fails in seconds.
+      chunking: how arrays are chunked when ``save`` is given no ``chunking``; None: the
+        backend's default (several MiB per chunk on object stores, fewer requests).
+      pack_small_leaves: store arrays of one chunk and at most ``pack_max_bytes`` in an
+        OCDBT database per writing rank instead of as files / objects of their own.
+      pack_max_bytes: the largest array packed.
+    """
+
+    endpoint: str | None = None
+    region: str | None = None
+    access_key_id: str | None = None
+    secret_access_key: str | None = None
+    aws_credentials: Mapping[str, Any] | None = None
+    request_concurrency: int = 32
+    max_retries: int = 4
+    initial_retry_delay: float = 0.1
+    max_retry_delay: float = 2.0
+    chunking: ChunkingOptions | None = None
+    pack_small_leaves: bool = True
+    pack_max_bytes: int = 1 * MiB
+
+
+OCDBT_CACHE = "cache_pool#ocdbt"
+"""The cache of packed arrays' OCDBT b-tree nodes (array data itself is never cached)."""
+
+OBJECT_STORE_CHUNKING = ChunkingOptions(single_chunk_bytes=4 * MiB, min_chunk_bytes=4 * MiB, max_chunk_bytes=64 * MiB)
+
+
+@dataclass(frozen=True, slots=True)
+class Location:
+    """A checkpoint location with its storage options.
+
+    ``target`` is a local path, a URL (``file://``, ``memory://``, ``s3://bucket/prefix``,
+    ``gs://bucket/prefix``) or a TensorStore kvstore spec. Every call that takes a path
+    also takes a ``Location``; a bare path or URL uses default options.
+
+    >>> Location("s3://bucket/run1", StorageOptions(endpoint="http://127.0.0.1:8333")).child("step_3")
+    Location('s3://bucket/run1/step_3')
+    """
+
+    target: str | os.PathLike[str] | Mapping[str, Any]
+    options: StorageOptions = field(default_factory=StorageOptions)
+
+    def child(self, name: str) -> Location:
+        """The location ``name`` below this one, with the same options."""
+        r = resolve(self).child(name)
+        return Location(r.path if r.path is not None else dict(r.spec or {}), self.options)
+
+    def __repr__(self) -> str:
+        return f"Location({resolve(self).url!r})"
+
+
+Where = str | os.PathLike[str] | Mapping[str, Any] | Location
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """A parsed location: a local directory (``path``) or a kvstore prefix (``spec``, its path ending in ``/``)."""
+
+    path: Path | None
+    spec: dict[str, Any] | None
+    options: StorageOptions
+    url: str
+
+    @property
+    def is_local(self) -> bool:
+        return self.path is not None
+
+    def child(self, name: str) -> Resolved:
+        if self.path is not None:
+            return Resolved(self.path / name, None, self.options, str(self.path / name))
+        assert self.spec is not None
+        spec = {**self.spec, "path": self.spec["path"] + name + "/"}
+        return Resolved(None, spec, self.options, _url_of(spec))
+
+    def kvstore(self, relative: str) -> dict[str, Any]:
+        """The kvstore spec of ``relative`` (a path below the location; ``/``-separated)."""
+        if self.path is not None:
+            tail = "/" if relative.endswith("/") else ""
+            return {"driver": "file", "path": str(self.path / relative).rstrip("/") + tail}
+        assert self.spec is not None
+        return {**self.spec, "path": self.spec["path"] + relative}
+
+
+def _url_of(spec: Mapping[str, Any]) -> str:
+    driver, path = spec.get("driver"), spec.get("path", "")
+    if driver == "s3":
+        return f"s3://{spec.get('bucket')}/{path}".rstrip("/")
+    if driver == "gcs":
+        return f"gs://{spec.get('bucket')}/{path}".rstrip("/")
+    if driver == "memory":
+        return f"memory://{path}".rstrip("/")
+    return f"{driver}:{path}"
+
+
+def _prefix(path: str) -> str:
+    path = path.strip("/")
+    return path + "/" if path else ""
+
+
+def resolve(where: Where, options: StorageOptions | None = None) -> Resolved:
+    """Parse a path, URL, kvstore spec or :class:`Location`."""
+    if isinstance(where, Location):
+        return resolve(where.target, where.options)
+    opts = options or StorageOptions()
+    if isinstance(where, Mapping):
+        spec = dict(where)
+        driver = spec.get("driver")
+        if not isinstance(driver, str):
+            raise CheckpointError(f"a kvstore spec needs a 'driver', found {where!r}")
+        if driver == "file":
+            return _local(str(spec.get("path", "")), opts)
+        spec["path"] = _prefix(str(spec.get("path", "")))
+        if driver == "s3":
+            spec = _s3_spec(spec, opts)
+        return Resolved(None, spec, opts, _url_of(spec))
+    text = os.fspath(where)
+    if "://" not in text:
+        return _local(text, opts)
+    scheme, rest = text.split("://", 1)
+    if scheme == "file":
+        return _local(rest, opts)
+    if scheme == "memory":
+        spec = {"driver": "memory", "path": _prefix(rest)}
+    elif scheme in ("s3", "gs"):
+        bucket, _, path = rest.partition("/")
+        if not bucket:
+            raise CheckpointError(f"{text}: no bucket in the URL; expected {scheme}://bucket/prefix")
+        spec = {"driver": "s3" if scheme == "s3" else "gcs", "bucket": bucket, "path": _prefix(path)}
+        if scheme == "s3":
+            spec = _s3_spec(spec, opts)
+    else:
+        raise CheckpointError(
+            f"{text}: unsupported location scheme {scheme!r}; use a local path, file://, memory://, s3:// or gs://, "
+            f"or a TensorStore kvstore spec"
+        )
+    return Resolved(None, spec, opts, _url_of(spec))
+
+
+def _local(path: str, opts: StorageOptions) -> Resolved:
+    if not path:
+        raise CheckpointError("an empty path is not a checkpoint location")
+    p = Path(path).absolute()
+    return Resolved(p, None, opts, str(p))
+
+
+def _s3_spec(spec: dict[str, Any], opts: StorageOptions) -> dict[str, Any]:
+    endpoint = opts.endpoint or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    if endpoint and "endpoint" not in spec:
+        spec["endpoint"] = endpoint
+    region = opts.region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+    if "aws_region" not in spec and (region or "endpoint" in spec):
+        spec["aws_region"] = region or "us-east-1"
+    return spec
+
+
+def describe(where: Where) -> str:
+    """A location as people read it: the absolute path or the URL."""
+    try:
+        return resolve(where).url
+    except CheckpointError:
+        return repr(where)
+
+
+# --------------------------------------------------------------------------- contexts
+
+_SHARED: dict[str, Any] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def _shared_parent() -> Any:
+    """One parent context per process, so ``memory://`` data outlives the call that wrote it."""
+    with _SHARED_LOCK:
+        if "parent" not in _SHARED:
+            _SHARED["parent"] = ts.Context()
+        return _SHARED["parent"]
+
+
+def _credentials_file(key_id: str, secret: str) -> str:
+    """A private AWS credentials file holding one profile, removed at exit."""
+    with _SHARED_LOCK:
+        files: dict[tuple[str, str], str] = _SHARED.setdefault("credentials", {})
+        if (key_id, secret) not in files:
+            fd, name = tempfile.mkstemp(prefix="pytreeckpt-aws-", suffix=".ini")
+            with os.fdopen(fd, "w") as f:  # mkstemp makes it 0600
+                f.write(f"[pytreeckpt]\naws_access_key_id = {key_id}\naws_secret_access_key = {secret}\n")
+            atexit.register(_remove_quietly, name)
+            files[(key_id, secret)] = name
+        return files[(key_id, secret)]
+
+
+def _remove_quietly(name: str) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(name)
+
+
+def context_spec(r: Resolved, file_io_concurrency: int, data_copy_concurrency: int) -> dict[str, Any]:
+    """TensorStore context resources for a location: concurrency, retries, credentials."""
+    o = r.options
+    spec: dict[str, Any] = {
+        "file_io_concurrency": {"limit": file_io_concurrency},
+        "data_copy_concurrency": {"limit": data_copy_concurrency},
+        "cache_pool": {"total_bytes_limit": 0},
+        OCDBT_CACHE: {"total_bytes_limit": 64 * MiB},
+    }
+    retries = {
+        "max_retries": o.max_retries,
+        "initial_delay": f"{o.initial_retry_delay}s",
+        "max_delay": f"{o.max_retry_delay}s",
+    }
+    driver = None if r.spec is None else r.spec.get("driver")
+    if driver == "s3":
+        spec["s3_request_concurrency"] = {"limit": o.request_concurrency}
+        spec["s3_request_retries"] = retries
+        if o.aws_credentials is not None:
+            spec["aws_credentials"] = dict(o.aws_credentials)
+        elif o.access_key_id is not None and o.secret_access_key is not None:
+            spec["aws_credentials"] = {
+                "type": "profile",
+                "profile": "pytreeckpt",
+                "credentials_file": _credentials_file(o.access_key_id, o.secret_access_key),
+                "config_file": os.devnull,
+            }
+    elif driver == "gcs":
+        spec["gcs_request_concurrency"] = {"limit": o.request_concurrency}
+        spec["gcs_request_retries"] = retries
+    return spec
+
+
+def make_context(r: Resolved, file_io_concurrency: int = 16, data_copy_concurrency: int = 4) -> Any:
+    spec = context_spec(r, file_io_concurrency, data_copy_concurrency)
+    if r.spec is not None and r.spec.get("driver") == "memory":
+        return ts.Context(spec, parent=_shared_parent())
+    return ts.Context(spec)
+
+
+# --------------------------------------------------------------------------- whole objects
+
+
+class KvPrefix:
+    """Whole-object operations below a kvstore prefix; errors are CheckpointErrors naming the location."""
+
+    def __init__(self, r: Resolved, context: Any) -> None:
+        assert r.spec is not None
+        self.resolved = r
+        self.url = r.url
+        self.context = context
+        self._store: Any = None
+
+    @property
+    def store(self) -> Any:
+        if self._store is None:
+            self._store = self._run(lambda: ts.KvStore.open(self.resolved.spec, context=self.context).result(), "open")
+        return self._store
+
+    def _run(self, fn: Any, what: str) -> Any:
+        try:
+            return fn()
+        except CheckpointError:
+            raise
+        except Exception as e:
+            raise CheckpointError(f"{self.url}: cannot {what}: {_short(e)}") from e
+
+    def read(self, key: str) -> bytes | None:
+        """The object ``key``, or None if it does not exist."""
+        result = self._run(lambda: self.store.read(key).result(), f"read {key!r}")
+        return None if result.state == "missing" else bytes(result.value)
+
+    def write(self, key: str, data: bytes) -> None:
+        self._run(lambda: self.store.write(key, data).result(), f"write {key!r}")
+
+    def list(self, prefix: str = "") -> list[str]:
+        """Every key below ``prefix`` (relative to the location), sorted."""
+        rng = ts.KvStore.KeyRange(prefix, _after(prefix)) if prefix else None
+        keys = self._run(lambda: self.store.list(rng).result(), f"list {prefix or 'the location'}")
+        return sorted(k.decode() for k in keys)
+
+    def delete_prefix(self, prefix: str) -> None:
+        """Delete every key below ``prefix`` (all keys when empty)."""
+        rng = ts.KvStore.KeyRange(prefix, _after(prefix)) if prefix else ts.KvStore.KeyRange()
+        self._run(lambda: self.store.delete_range(rng).result(), f"delete {prefix or 'the location'}")
+
+    def delete(self, key: str) -> None:
+        self._run(lambda: self.store.delete_range(ts.KvStore.KeyRange(key, key + "\0")).result(), f"delete {key!r}")
+
+    def check_reachable(self) -> None:
+        """Raise now if the store cannot be listed (no such bucket, wrong credentials, no endpoint)."""
+        probe = ".pytreeckpt-probe/"  # a listing of a key range that holds nothing: one cheap request
+        self._run(lambda: self.store.list(ts.KvStore.KeyRange(probe, _after(probe))).result(), "reach the store")
+
+
+def _after(prefix: str) -> str:
+    """The smallest key greater than every key starting with ``prefix``."""
+    b = prefix.encode()
+    while b and b[-1] == 0xFF:
+        b = b[:-1]
+    return (b[:-1] + bytes([b[-1] + 1])).decode("utf-8", "surrogateescape") if b else ""
+
+
+def _short(e: BaseException) -> str:
+    """TensorStore's message without the echoed response body."""
+    text = str(e)
+    cut = text.find(" [http_response_body=")
+    if cut < 0:
+        return text
+    code = text.find("[http_response_code", cut)
+    return text[:cut] + ("" if code < 0 else " " + text[code:].split("]")[0] + "]")

@@ -1,0 +1,323 @@
+"""Locations beyond local paths: memory://, kvstore specs, and a real S3 server (SeaweedFS)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import multiprocessing as mp
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import seaweed
+import torch
+from crash_workers import save_when_told, state
+from helpers import bits
+from safetensors.torch import load_file
+
+import pytreeckpt
+from pytreeckpt import Abstract, Location, Mesh, Replicate, Shard, ShardedLeaf, ShardingSpec, StorageOptions
+from pytreeckpt._location import resolve
+
+
+def assert_state(got: dict, seed: int) -> None:
+    want = state(seed)
+    assert got["step"] == want["step"]
+    for group in ("big", "small"):
+        for k, v in want[group].items():
+            assert torch.equal(bits(got[group][k]), bits(v)), (group, k)
+
+
+# --------------------------------------------------------------------------- parsing
+
+
+def test_locations_parse_paths_urls_and_specs(tmp_path: Path) -> None:
+    assert resolve(tmp_path / "c").path == tmp_path / "c"
+    assert resolve(f"file://{tmp_path}/c").path == tmp_path / "c"
+    assert resolve({"driver": "file", "path": str(tmp_path / "c")}).path == tmp_path / "c"
+    s3 = resolve("s3://bucket/run/step_1", StorageOptions(endpoint="http://127.0.0.1:9", region="eu-west-1"))
+    assert s3.spec == {
+        "driver": "s3",
+        "bucket": "bucket",
+        "path": "run/step_1/",
+        "endpoint": "http://127.0.0.1:9",
+        "aws_region": "eu-west-1",
+    }
+    assert s3.url == "s3://bucket/run/step_1"
+    assert resolve("gs://b/p").spec == {"driver": "gcs", "bucket": "b", "path": "p/"}
+    assert resolve("memory://x/y").url == "memory://x/y"
+    assert repr(Location("s3://b/run").child("step_2")) == "Location('s3://b/run/step_2')"
+    with pytest.raises(pytreeckpt.CheckpointError, match="unsupported location scheme 'ftp'"):
+        resolve("ftp://host/x")
+    with pytest.raises(pytreeckpt.CheckpointError, match="no bucket"):
+        resolve("s3:///x")
+
+
+def test_s3_settings_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:7")
+    monkeypatch.setenv("AWS_REGION", "ap-south-1")
+    spec = resolve("s3://b/p").spec
+    assert spec is not None
+    assert (spec["endpoint"], spec["aws_region"]) == ("http://127.0.0.1:7", "ap-south-1")
+
+
+# --------------------------------------------------------------------------- memory://
+
+
+def test_memory_locations_keep_the_commit_protocol() -> None:
+    where = f"memory://{uuid.uuid4().hex}/step_1"
+    with pytest.raises(pytreeckpt.NotCommittedError, match="not a committed checkpoint"):
+        pytreeckpt.load(where)
+    tree = {"w": torch.randn(64, 32), "b": torch.ones(3), "step": 4}
+    pytreeckpt.save(where, tree)
+    got = pytreeckpt.load(where)
+    assert torch.equal(got["w"], tree["w"])
+    assert got["step"] == 4
+    with pytest.raises(pytreeckpt.CheckpointError, match="already holds a committed checkpoint"):
+        pytreeckpt.save(where, tree)
+    pytreeckpt.async_save(where, {"w": torch.zeros(2), "step": 5}, overwrite=True).wait()
+    assert pytreeckpt.load(where)["step"] == 5
+    assert pytreeckpt.verify(where).ok
+
+
+# --------------------------------------------------------------------------- packing
+
+
+def test_packed_arrays_are_few_files_and_damage_to_them_is_found(tmp_path: Path) -> None:
+    tree = {f"b{i}": torch.full((16,), float(i)) for i in range(300)}
+    tree["big"] = torch.randn(1024, 512)  # 2 MiB: over pack_max_bytes, stored on its own
+    pytreeckpt.save(tmp_path / "c", tree)
+    doc = json.loads((tmp_path / "c" / "pytreeckpt.json").read_text())
+    assert doc["version"] == 2
+    assert {leaf["key"] for leaf in doc["leaves"] if "database" not in leaf} == {"big"}
+    assert sum(len(f) for _, _, f in os.walk(tmp_path / "c" / "ocdbt")) < 20  # not 600 files
+    got = pytreeckpt.load(tmp_path / "c")
+    assert all(torch.equal(got[k], v) for k, v in tree.items())
+    for f in (tmp_path / "c" / "ocdbt" / "0" / "d").iterdir():
+        raw = bytearray(f.read_bytes())
+        raw[len(raw) // 2] ^= 0xFF
+        f.write_bytes(bytes(raw))
+    report = pytreeckpt.verify(tmp_path / "c")
+    assert not report.ok
+    assert "big" not in report.damaged_leaves
+    assert len(report.damaged_leaves) > 0
+    with pytest.raises(pytreeckpt.CheckpointError, match=r"(checksum|DATA_LOSS)"):
+        pytreeckpt.load(tmp_path / "c")
+
+
+def test_a_packed_leaf_claiming_a_huge_shape_is_refused(tmp_path: Path) -> None:
+    pytreeckpt.save(tmp_path / "c", {"w": torch.ones(3)})
+    doc = json.loads((tmp_path / "c" / "pytreeckpt.json").read_text())
+    doc["leaves"][0]["shape"] = [1 << 40]
+    doc["leaves"][0]["chunk_shape"] = [1 << 40]
+    (tmp_path / "c" / "pytreeckpt.json").write_text(json.dumps(doc))
+    with pytest.raises(pytreeckpt.MetadataError, match="packed array holds at most"):
+        pytreeckpt.load(tmp_path / "c")
+
+
+def test_a_manager_passes_its_location_options_to_every_step(tmp_path: Path) -> None:
+    with pytreeckpt.CheckpointManager(Location(tmp_path, StorageOptions(pack_small_leaves=False))) as m:
+        m.save(1, {"b": torch.ones(3)})
+    assert (tmp_path / "step_1" / "arrays" / "b" / "zarr.json").is_file()
+    assert not (tmp_path / "step_1" / "ocdbt").exists()
+
+
+# --------------------------------------------------------------------------- S3
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[seaweed.Server]:
+    """SeaweedFS for this module. If it cannot start, the tests fail (CI must not silently skip them)."""
+    try:
+        server = seaweed.start(tmp_path_factory.mktemp("seaweed"))
+    except Exception as e:
+        pytest.fail(f"cannot start the S3 test server: {e}", pytrace=False)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def _prefix() -> str:
+    return f"t-{uuid.uuid4().hex[:10]}"
+
+
+@pytest.mark.parametrize("pack", [True, False])
+def test_s3_save_async_save_and_resharded_load(s3: seaweed.Server, pack: bool) -> None:
+    run = _prefix()
+    w = torch.randn(96, 40)
+    tree = {
+        "w": ShardedLeaf.from_global(w, ShardingSpec(Mesh((2, 2)), [Replicate(), Shard(0)])),
+        "small": {f"b{i}": torch.full((5,), float(i)) for i in range(20)},
+        "step": 7,
+    }
+    loc = s3.location(f"{run}/step_7", pack_small_leaves=pack)
+    pytreeckpt.save(loc, tree, user_metadata={"note": "s3"})
+    target = {
+        "w": Abstract(w.shape, w.dtype, ShardingSpec(Mesh(3), [Shard(1)])),
+        "small": {f"b{i}": torch.zeros(5) for i in range(20)},
+        "step": 0,
+    }
+    got = pytreeckpt.load(loc, target)
+    assert torch.equal(got["w"].to_global(), w)
+    assert all(torch.equal(got["small"][f"b{i}"], torch.full((5,), float(i))) for i in range(20))
+    assert got["step"] == 7
+    meta = pytreeckpt.metadata(loc)
+    assert meta.user_metadata == {"note": "s3"}
+    assert (meta.version == 2) is pack
+    assert pytreeckpt.verify(loc).ok
+    assert torch.equal(pytreeckpt.load_slice(loc, "w", (slice(10, 20), 3)), w[10:20, 3:4])
+    # async, then the staged copy is what is stored
+    w2 = torch.randn(96, 40)
+    h = pytreeckpt.async_save(s3.location(f"{run}/step_8", pack_small_leaves=pack), {"w": w2, "step": 8})
+    expect = w2.clone()
+    w2.add_(1.0)
+    h.wait()
+    assert torch.equal(pytreeckpt.load(s3.location(f"{run}/step_8"))["w"], expect)
+
+
+def test_s3_bare_urls_use_the_environment(s3: seaweed.Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    for k, v in s3.env().items():
+        if k.startswith("AWS_"):
+            monkeypatch.setenv(k, v)
+    where = f"s3://{seaweed.BUCKET}/{_prefix()}/c"
+    pytreeckpt.save(where, {"w": torch.arange(10)})
+    assert torch.equal(pytreeckpt.load(where)["w"], torch.arange(10))
+
+
+def test_s3_manager_retention_and_restore(s3: seaweed.Server) -> None:
+    directory = s3.location(_prefix())
+    with pytreeckpt.CheckpointManager(directory, max_to_keep=2, keep_every_n_steps=4) as m:
+        for step in range(1, 7):
+            m.save(step, {"w": torch.full((3,), float(step)), "step": step})
+        m.wait()
+        assert m.all_steps() == [4, 5, 6]
+        assert torch.equal(m.restore()["w"], torch.full((3,), 6.0))
+        assert m.restore(4)["step"] == 4
+        m.delete(5)
+        assert m.all_steps() == [4, 6]
+    # an interrupted step older than the newest commit is cleaned up by the next manager
+    crashed = directory.child("step_2")
+    pytreeckpt.save(crashed, {"w": torch.ones(1)})
+    kv = pytreeckpt._executor.Storage(crashed).kv
+    assert kv is not None
+    kv.delete("pytreeckpt.json")  # as a save killed before its commit leaves it
+    with pytreeckpt.CheckpointManager(directory) as m:
+        assert m.all_steps() == [4, 6]
+    assert kv.list() == []
+
+
+def test_s3_command_line(s3: seaweed.Server, tmp_path: Path) -> None:
+    run = _prefix()
+    w = torch.arange(40.0).reshape(8, 5)
+    pytreeckpt.save(s3.location(f"{run}/step_1"), {"model": {"w": w}, "step": 1})
+    pytreeckpt.save(s3.location(f"{run}/step_2"), {"model": {"w": w + 1}, "step": 2})
+    kv = pytreeckpt._executor.Storage(s3.location(f"{run}/step_3")).kv
+    assert kv is not None
+    kv.write("arrays/w/zarr.json", b"{}")  # a save that never committed
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        cmd = [sys.executable, "-m", "pytreeckpt", *args]
+        return subprocess.run(cmd, capture_output=True, text=True, env=s3.env(), timeout=120)
+
+    base = f"s3://{seaweed.BUCKET}/{run}"
+    done = cli("ls", base, "--json")
+    assert done.returncode == 0, done.stderr
+    listed = {e["name"]: e["committed"] for e in json.loads(done.stdout)}
+    assert listed == {"step_1": True, "step_2": True, "step_3": False}
+    done = cli("inspect", f"{base}/step_2", "--json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["arrays"][0]["shape"] == [8, 5]
+    done = cli("verify", f"{base}/step_2")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("ok:")
+    done = cli("export", f"{base}/step_2", str(tmp_path / "out"))
+    assert done.returncode == 0, done.stderr
+    assert torch.equal(load_file(tmp_path / "out" / "model.safetensors")["model.w"], w + 1)
+    done = cli("inspect", f"{base}/step_3")
+    assert done.returncode == 2
+    assert "not a committed checkpoint" in done.stderr
+
+
+def _ctx() -> mp.context.BaseContext:
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "pytreeckpt", "crash_workers"])
+    return ctx
+
+
+def test_a_save_to_s3_killed_midway_is_not_a_checkpoint_and_the_previous_one_stays(s3: seaweed.Server) -> None:
+    ctx = _ctx()
+    run = _prefix()
+    old, new = s3.location(f"{run}/step_1"), s3.location(f"{run}/step_2")
+    pytreeckpt.save(old, state(1))
+
+    def save_in_child(kill_after: float | None) -> float:
+        """Seconds from the go to the save's end (or to the kill)."""
+        ready, go, done = ctx.Event(), ctx.Event(), ctx.Event()
+        p = ctx.Process(target=save_when_told, args=(new, 2, False, ready, go, done))
+        p.start()
+        assert ready.wait(60)
+        t0 = time.perf_counter()
+        go.set()
+        if kill_after is None:
+            assert done.wait(120)
+        else:
+            time.sleep(kill_after)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid, signal.SIGKILL)
+        elapsed = time.perf_counter() - t0
+        p.join(30)
+        return elapsed
+
+    duration = min(save_in_child(None) for _ in range(2))
+    uncommitted = 0
+    for fraction in (0.3, 0.6, 0.9):
+        save_in_child(duration * fraction)
+        assert_state(pytreeckpt.load(old), 1)
+        try:
+            got = pytreeckpt.load(new)
+        except pytreeckpt.NotCommittedError:
+            uncommitted += 1
+        else:
+            assert_state(got, 2)  # the kill came after the commit: then it is whole
+    assert uncommitted >= 1
+    pytreeckpt.save(new, state(2), overwrite=True)  # a retry clears the leftovers and succeeds
+    assert_state(pytreeckpt.load(new), 2)
+
+
+def test_s3_failures_are_quick_clear_errors_naming_the_location(s3: seaweed.Server) -> None:
+    tree = {"w": torch.ones(3)}
+    cases = [
+        (
+            Location(
+                f"s3://{seaweed.BUCKET}/x",
+                StorageOptions(endpoint=s3.endpoint, access_key_id="no", secret_access_key="no"),
+            ),
+            r"s3://ckpt/x.*(InvalidAccessKeyId|PERMISSION_DENIED|403)",
+        ),
+        (Location("s3://no-such-bucket/x", s3.options()), r"s3://no-such-bucket/x.*NoSuchBucket"),
+        (
+            Location(f"s3://{seaweed.BUCKET}/x", StorageOptions(endpoint=f"http://127.0.0.1:{_closed_port()}")),
+            r"s3://ckpt/x.*(connect|retry)",
+        ),
+    ]
+    for where, pattern in cases:
+        for op in (lambda w=where: pytreeckpt.save(w, tree), lambda w=where: pytreeckpt.load(w)):
+            t0 = time.perf_counter()
+            with pytest.raises(pytreeckpt.CheckpointError, match=pattern):
+                op()
+            assert time.perf_counter() - t0 < 15, where
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
