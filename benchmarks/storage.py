@@ -181,6 +181,8 @@ def check_default(report: dict[str, Any]) -> list[str]:
     for name in report["bytes"]:
         local = [r for r in report["rows"] if r["state"] == name and r["backend"] == "local disk"]
         default = next(r for r in local if r["default"])
+        if all(r["packed arrays"] == 0 for r in local):
+            continue  # nothing packed: both configurations run the same code on the same files
         for op in ("best save", "best load"):
             best = min(r[op] for r in local)
             if default[op] > 1.10 * best:
@@ -207,7 +209,8 @@ def table(report: dict[str, Any]) -> str:
     problems = check_default(report)
     lines.append("")
     lines.append(
-        "Default within 10% of the fastest on local disk (best runs): "
+        "Default within 10% of the fastest on local disk (best runs; states where no array is packed are the "
+        "same configuration twice, and their differences are the machine's noise): "
         + ("yes" if not problems else "NO: " + "; ".join(problems))
     )
     return "\n".join(lines) + "\n"
