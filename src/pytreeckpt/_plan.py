@@ -16,6 +16,7 @@ read once, by one reader, and delivered to every rank piece that wants exactly i
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections import defaultdict
 from collections.abc import Sequence
@@ -376,10 +377,13 @@ def _water_fill(
             load[:] = after
             return runs
     out = {}
+    heap = [(load[r], r) for r in holders]  # the least loaded holder, lowest rank first, is heap[0]
+    heapq.heapify(heap)
     for c in chunks:
-        best = min(holders, key=lambda r: (load[r], r))
+        best = heap[0][1]
         out[c] = best
         load[best] += sizes[c]
+        heapq.heapreplace(heap, (load[best], best))
     return out
 
 

@@ -47,6 +47,7 @@ from ._plan import (
     WriteOp,
     _coalesce,
     _plan_array_save,
+    _subtract_box,
     _water_fill,
     chunk_shape_from_cuts,
     merge_sources,
@@ -340,9 +341,11 @@ class _Group:
     """Chunks held by the same two or more positions, in row-major order."""
 
     members: tuple[int, ...]
+    member_arr: np.ndarray
     chunks: list[tuple[int, ...]]
     sizes: dict[tuple[int, ...], int]
     piece_of: dict[tuple[int, tuple[int, ...]], int]  # (member, chunk) -> its piece
+    memo: dict[bytes, tuple[dict[tuple[int, ...], int], np.ndarray]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, eq=False)
@@ -351,7 +354,57 @@ class _Merge:
     parts: list[tuple[int, int, Region]]  # (position, piece, part), in position order
     overlap: dict[int, int]  # position -> elements of the chunk it holds
     tied: tuple[int, ...]  # positions holding the most: the writer is one of them
-    sources: dict[int, tuple[Fragment, ...]] = field(default_factory=dict)  # writer position -> its sources
+    tied_arr: np.ndarray
+    overlap_arr: np.ndarray
+    # distinct part boxes, each with its holders (position, piece) best first: most overlap, lowest position
+    distinct: list[tuple[tuple[tuple[int, ...], tuple[int, ...]], list[tuple[int, int]]]] = field(default_factory=list)
+    first_holders: frozenset[int] = frozenset()  # positions first in line for some distinct box
+    sources: dict[int, _Sources] = field(default_factory=dict)  # writer position -> its sources
+
+    def sources_for(self, key: str, writer: int) -> _Sources:
+        """The sources when ``writer`` (a position) writes: as ``merge_sources`` gives them, memoised.
+
+        ``merge_sources`` skips a part equal to one already used, so only the first holder
+        of each distinct box in its order (the writer's own boxes first) matters.
+        """
+        got = self.sources.get(writer)
+        if got is None:
+            firsts = []
+            for (lo, hi), holders in self.distinct:
+                mine = [pi for p, pi in holders if p == writer]
+                p, pi = (writer, min(mine)) if mine else holders[0]
+                firsts.append(((p != writer, -self.overlap[p], p, pi), p, pi, lo, hi))
+            firsts.sort(key=lambda f: f[0])
+            uncovered = [(self.chunk.offset, self.chunk.stop)]
+            frags: list[Fragment] = []
+            for _, p, pi, plo, phi in firsts:
+                rest = []
+                for ulo, uhi in uncovered:
+                    if ulo[0] >= phi[0] or uhi[0] <= plo[0]:
+                        rest.append((ulo, uhi))
+                        continue
+                    glo = tuple(map(max, ulo, plo))
+                    ghi = tuple(map(min, uhi, phi))
+                    if any(h <= a for a, h in zip(glo, ghi, strict=True)):
+                        rest.append((ulo, uhi))
+                        continue
+                    frags.append(Fragment(p, pi, Region(glo, tuple(h - a for a, h in zip(glo, ghi, strict=True)))))
+                    rest.extend(_subtract_box(ulo, uhi, glo, ghi))
+                uncovered = rest
+                if not uncovered:
+                    break
+            if uncovered:  # the reference raises the error naming the leaf
+                merge_sources(key, self.chunk, writer, self.parts, self.overlap)
+            pos = tuple(f.rank for f in frags)
+            got = self.sources[writer] = _Sources(tuple(frags), pos, frozenset(pos))
+        return got
+
+
+@dataclass(frozen=True, slots=True)
+class _Sources:
+    fragments: tuple[Fragment, ...]  # ranks are positions
+    positions: tuple[int, ...]
+    position_set: frozenset[int]
 
 
 @dataclass(frozen=True, eq=False)
@@ -361,8 +414,9 @@ class GridInfo:
     ``regular`` is False when the fast planner does not apply (then ``_plan`` plans it).
     In position space: ``single_*`` are boxes of chunks held by one piece only (a direct
     write each), ``groups`` chunks held by several, ``merges`` chunks no piece holds whole.
-    ``coupled`` gives, per position, the positions whose written bytes decide where its own
-    replicated or merged chunks go.
+    ``component`` labels positions (-1: alone) so that positions whose written bytes decide
+    where each other's replicated or tied merged chunks go share a label; ``members`` lists
+    each label's positions.
     """
 
     chunk_shape: tuple[int, ...]
@@ -375,8 +429,8 @@ class GridInfo:
     single_elems: np.ndarray = field(default_factory=lambda: np.zeros(0, _I64))
     groups: list[_Group] = field(default_factory=list)
     merges: list[_Merge] = field(default_factory=list)
-    coupled: dict[int, frozenset[int]] = field(default_factory=dict)
-    pos_rows: dict[int, list[int]] = field(default_factory=dict)  # position -> its single rows
+    component: np.ndarray = field(default_factory=lambda: np.zeros(0, _I64))
+    members: list[np.ndarray] = field(default_factory=list)
 
 
 def _contained(table: PieceTable, chunk: tuple[int, ...], shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
@@ -448,9 +502,6 @@ def grid_info_of_table(table: PieceTable, shape: tuple[int, ...], itemsize: int,
     lo_el = s_lo * c
     ext_el = np.minimum(s_hi * c, n) - lo_el
     single_pos = table.pos[srows]
-    pos_rows: dict[int, list[int]] = defaultdict(list)
-    for i, p in enumerate(single_pos.tolist()):
-        pos_rows[p].append(i)
     # Replicated boxes: grouped by their holder positions.
     by_members: dict[tuple[int, ...], list[int]] = defaultdict(list)
     rep_rows = rows[~one]
@@ -461,7 +512,7 @@ def grid_info_of_table(table: PieceTable, shape: tuple[int, ...], itemsize: int,
     for b, hs in holders_of_box.items():
         by_members[tuple(sorted({p for p, _ in hs}))].append(b)
     groups = []
-    coupled: dict[int, set[int]] = defaultdict(set)
+    uf = _UnionFind(table.positions)
     for mem, bs in by_members.items():
         chunks: list[tuple[int, ...]] = []
         piece_of: dict[tuple[int, tuple[int, ...]], int] = {}
@@ -474,9 +525,8 @@ def grid_info_of_table(table: PieceTable, shape: tuple[int, ...], itemsize: int,
                     piece_of[(p, ci)] = pi
         chunks.sort()
         sizes = {ci: _chunk_size(ci, chunk, shape) * itemsize for ci in chunks}
-        groups.append(_Group(mem, chunks, sizes, piece_of))
-        for p in mem:
-            coupled[p].update(mem)
+        groups.append(_Group(mem, np.asarray(mem, dtype=_I64), chunks, sizes, piece_of))
+        uf.union(mem)
     groups.sort(key=lambda g: (len(g.members), g.members))
     # Merged chunks: those no piece holds whole, in row-major order.
     merges = []
@@ -500,10 +550,27 @@ def grid_info_of_table(table: PieceTable, shape: tuple[int, ...], itemsize: int,
             parts.append((p, int(table.piece[r]), part))
         best = max(overlap.values(), default=0)
         tied = tuple(sorted(p for p, v in overlap.items() if v == best))
-        merges.append(_Merge(creg, parts, dict(overlap), tied))
+        holders_of: dict[Region, list[tuple[int, int]]] = {}
+        for p, pi, part in parts:
+            holders_of.setdefault(part, []).append((p, pi))
+        distinct = [
+            ((box.offset, box.stop), sorted(hs, key=lambda h: (-overlap[h[0]], h[0], h[1])))
+            for box, hs in holders_of.items()
+        ]
+        merges.append(
+            _Merge(
+                creg,
+                parts,
+                dict(overlap),
+                tied,
+                np.asarray(tied, dtype=_I64),
+                np.asarray(sorted(overlap), dtype=_I64),
+                distinct,
+                frozenset(hs[0][0] for _, hs in distinct),
+            )
+        )
         if len(tied) > 1:
-            for p in tied:
-                coupled[p].update(tied)
+            uf.union(tied)
     return GridInfo(
         chunk,
         regular=True,
@@ -515,9 +582,43 @@ def grid_info_of_table(table: PieceTable, shape: tuple[int, ...], itemsize: int,
         single_elems=np.prod(ext_el, axis=1),
         groups=groups,
         merges=merges,
-        coupled={p: frozenset(s) for p, s in coupled.items()},
-        pos_rows=dict(pos_rows),
+        component=uf.labels(),
+        members=uf.members(),
     )
+
+
+class _UnionFind:
+    def __init__(self, n: int) -> None:
+        self.parent = list(range(n))
+        self.touched: set[int] = set()
+
+    def find(self, a: int) -> int:
+        while self.parent[a] != a:
+            self.parent[a] = self.parent[self.parent[a]]
+            a = self.parent[a]
+        return a
+
+    def union(self, items: Sequence[int]) -> None:
+        root = self.find(items[0])
+        self.touched.update(items)
+        for b in items[1:]:
+            rb = self.find(b)
+            if rb != root:
+                self.parent[rb] = root
+
+    def labels(self) -> np.ndarray:
+        out = np.full(len(self.parent), -1, dtype=_I64)
+        roots: dict[int, int] = {}
+        for a in sorted(self.touched):
+            out[a] = roots.setdefault(self.find(a), len(roots))
+        return out
+
+    def members(self) -> list[np.ndarray]:
+        labels = self.labels()
+        order = np.argsort(labels, kind="stable")
+        order = order[labels[order] >= 0]
+        counts = np.bincount(labels[order]) if len(order) else np.zeros(0, _I64)
+        return np.split(order, np.cumsum(counts)[:-1]) if len(order) else []
 
 
 def _box_indices(lo: list[int], hi: list[int]) -> list[tuple[int, ...]]:
@@ -550,7 +651,7 @@ class ArraySaveTable:
     extent: np.ndarray
     writer: np.ndarray
     piece: np.ndarray
-    merged: dict[int, WriteOp]
+    merged: dict[int, WriteOp | _LazyMerge]
 
     def __len__(self) -> int:
         return len(self.writer)
@@ -566,6 +667,8 @@ class ArraySaveTable:
             if op is None:
                 region = Region(tuple(off[i]), tuple(ext[i]))
                 op = WriteOp(region, writer[i], (Fragment(writer[i], piece[i], region),))
+            elif isinstance(op, _LazyMerge):
+                op = op.op()
             writes.append(op)
         return ArraySavePlan(self.key, self.shape, self.itemsize, self.chunk_shape, tuple(writes))
 
@@ -573,14 +676,36 @@ class ArraySaveTable:
         """Rows whose write involves ``rank``, as writer or as a source."""
         rows = set(np.flatnonzero(self.writer == rank).tolist())
         for i, op in self.merged.items():
-            if any(s.rank == rank for s in op.sources):
+            if isinstance(op, _LazyMerge):
+                if op.has_source(rank):
+                    rows.add(i)
+            elif any(s.rank == rank for s in op.sources):
                 rows.add(i)
         return sorted(rows)
 
 
+@dataclass(frozen=True, slots=True)
+class _LazyMerge:
+    """A merged write whose sources are kept in layout positions until asked for."""
+
+    chunk: Region
+    writer: int
+    sources: _Sources
+    ranks: np.ndarray
+
+    def has_source(self, rank: int) -> bool:
+        pos = _pos_of(self.ranks, rank)
+        return pos is not None and pos in self.sources.position_set
+
+    def op(self) -> WriteOp:
+        r = self.ranks
+        frags = tuple(Fragment(int(r[f.rank]), f.piece, f.region) for f in self.sources.fragments)
+        return WriteOp(self.chunk, self.writer, frags)
+
+
 def _table_of_plan(ap: ArraySavePlan) -> ArraySaveTable:
     nd = len(ap.shape)
-    merged = {i: w for i, w in enumerate(ap.writes) if not w.is_direct}
+    merged: dict[int, WriteOp | _LazyMerge] = {i: w for i, w in enumerate(ap.writes) if not w.is_direct}
     return ArraySaveTable(
         ap.key,
         ap.shape,
@@ -594,123 +719,105 @@ def _table_of_plan(ap: ArraySavePlan) -> ArraySaveTable:
     )
 
 
-class _Load:
-    """Bytes given to each rank so far: a dense vector, or a dict for a closure of ranks."""
-
-    def __init__(self, world: int, dense: bool) -> None:
-        self.vec = np.zeros(world if dense else 0, dtype=_I64)
-        self.sparse: dict[int, int] = defaultdict(int)
-        self.dense = dense
-
-    def __getitem__(self, r: int) -> int:
-        return int(self.vec[r]) if self.dense else self.sparse[r]
-
-    def add(self, r: int, v: int) -> None:
-        if self.dense:
-            self.vec[r] += v
-        else:
-            self.sparse[r] += v
-
-
 def _plan_array(
     spec: ArraySpec,
     world: int,
     options: ChunkingOptions,
-    load: _Load,
-    only: frozenset[int] | None,
+    load: np.ndarray,
+    only: np.ndarray | None,
     emit: int | None = None,
+    info: GridInfo | None = None,
 ) -> ArraySaveTable:
-    """One array's writes.
+    """One array's writes, adding the bytes it gives each rank to ``load``.
 
-    With ``only`` (a closed set of ranks), only the bytes of those ranks are tracked, and
+    With ``only`` (a mask of a closed set of ranks), only the bytes of those ranks are tracked, and
     with ``emit`` only the writes involving that rank are made.
     """
-    info = grid_info(spec.layout, spec.shape, spec.itemsize, options)
+    if info is None:
+        info = grid_info(spec.layout, spec.shape, spec.itemsize, options)
     ranks = spec.rank_array()
     monotonic = len(ranks) < 2 or bool((np.diff(ranks) > 0).all())
     if not info.regular or not monotonic or (len(ranks) and (ranks[0] < 0 or ranks[-1] >= world)):
-        return _plan_reference(spec, world, options, load, only)
+        if only is not None:
+            raise _NotClosed
+        return _plan_reference(spec, world, options, load)
     nd = len(spec.shape)
     itemsize = spec.itemsize
+    chunk = np.asarray(info.chunk_shape, dtype=_I64)
+    shape = np.asarray(spec.shape, dtype=_I64)
     # Chunks with one holder: a direct write each.
     if only is None:
         srow = np.arange(len(info.single_pos))
     else:
-        pos_of = _positions_of(ranks, only)
-        srow = np.asarray(
-            sorted(i for p in pos_of for i in info.pos_rows.get(p, ())),
-            dtype=_I64,
-        )
+        srow = np.flatnonzero(only[ranks[info.single_pos]])
     writers = ranks[info.single_pos[srow]] if len(srow) else np.zeros(0, _I64)
-    nbytes = info.single_elems[srow] * itemsize
-    if load.dense:
-        np.add.at(load.vec, writers, nbytes)
-    else:
-        for w, b in zip(writers.tolist(), nbytes.tolist(), strict=True):
-            load.sparse[w] += b
+    np.add.at(load, writers, info.single_elems[srow] * itemsize)
     if emit is not None:
         keep = writers == emit
         srow, writers = srow[keep], writers[keep]
-    off_l = [info.single_lo[srow]]
-    ext_l = [info.single_ext[srow]]
-    wr_l = [writers]
-    pc_l = [info.single_piece[srow]]
-    merged_ops: list[WriteOp] = []
+    extra: list[tuple[list[int], list[int], int, int, _LazyMerge | None]] = []
     # Replicated chunks: balanced over their holders.
     for g in info.groups:
-        holders = [int(ranks[p]) for p in g.members]
-        if only is not None and not only.intersection(holders):
+        holder_arr = ranks[g.member_arr]
+        if only is not None and not only[holder_arr].any():
             continue
-        local = [load[h] for h in holders]
-        assign = _water_fill(g.chunks, range(len(holders)), g.sizes, local)
-        for h, v0, v1 in zip(holders, [load[h] for h in holders], local, strict=True):
-            load.add(h, v1 - v0)
+        before = load[holder_arr]
+        memo_key = before.tobytes()
+        hit = g.memo.get(memo_key)
+        if hit is None:
+            local = before.tolist()
+            assign = _water_fill(g.chunks, range(len(local)), g.sizes, local)
+            hit = g.memo[memo_key] = (assign, np.asarray(local, dtype=_I64))
+        assign = hit[0]
+        load[holder_arr] = hit[1]
+        holders = holder_arr.tolist()
         if emit is not None and emit not in holders:
             continue
         by_source: dict[tuple[int, int], list[tuple[int, ...]]] = defaultdict(list)
         for ci, k in assign.items():
-            by_source[(k, g.piece_of[(g.members[k], ci)])].append(ci)
+            if emit is None or holders[k] == emit:
+                by_source[(k, g.piece_of[(g.members[k], ci)])].append(ci)
         for (k, pi), idxs in sorted(by_source.items()):
-            if emit is not None and holders[k] != emit:
-                continue
-            for lo, hi in _coalesce(idxs):
-                a = np.asarray(lo, dtype=_I64) * np.asarray(info.chunk_shape, dtype=_I64)
-                b = np.minimum(np.asarray(hi, dtype=_I64) * info.chunk_shape, spec.shape)
-                off_l.append(a.reshape(1, nd))
-                ext_l.append((b - a).reshape(1, nd))
-                wr_l.append(np.asarray([holders[k]], dtype=_I64))
-                pc_l.append(np.asarray([pi], dtype=_I64))
-    # Merged chunks: the rank holding most of each, ties to the least loaded.
+            boxes = [(idxs[0], tuple(i + 1 for i in idxs[0]))] if len(idxs) == 1 else _coalesce(idxs)
+            for lo, hi in boxes:
+                a = [i * c for i, c in zip(lo, info.chunk_shape, strict=True)]
+                b = [min(i * c, n) for i, c, n in zip(hi, info.chunk_shape, spec.shape, strict=True)]
+                extra.append((a, [y - x for x, y in zip(a, b, strict=True)], holders[k], pi, None))
+    # Merged chunks: the rank holding most of each, ties to the least loaded, then the lowest.
     for m in info.merges:
-        if only is not None and not any(int(ranks[p]) in only for p in m.overlap):
+        if only is not None and not only[ranks[m.overlap_arr]].any():
             continue
         if len(m.tied) == 1:
             writer_pos = m.tied[0]
+        elif len(m.tied) == 0:
+            merge_writer(spec.key, m.chunk, {}, load)  # raises: nobody holds it
+            raise AssertionError
         else:
-            writer_pos = merge_writer(spec.key, m.chunk, {p: m.overlap[p] for p in m.tied}, _MappedLoad(load, ranks))
+            writer_pos = m.tied[int(np.argmin(load[ranks[m.tied_arr]]))]
         writer = int(ranks[writer_pos])
-        load.add(writer, m.chunk.size * itemsize)
-        if emit is not None and writer != emit and _pos_of(ranks, emit) not in m.overlap:
+        load[writer] += m.chunk.size * itemsize
+        # ``emit`` feeds the chunk only if it is the first holder of some distinct box
+        if emit is not None and writer != emit and _pos_of(ranks, emit) not in m.first_holders:
             continue
-        sources = m.sources.get(writer_pos)
-        if sources is None:
-            sources = m.sources[writer_pos] = merge_sources(spec.key, m.chunk, writer_pos, m.parts, m.overlap).sources
-        frags = tuple(Fragment(int(ranks[f.rank]), f.piece, f.region) for f in sources)
-        merged_ops.append(WriteOp(m.chunk, writer, frags))
-    for op in merged_ops:
-        off_l.append(np.asarray([op.region.offset], dtype=_I64).reshape(1, nd))
-        ext_l.append(np.asarray([op.region.shape], dtype=_I64).reshape(1, nd))
-        wr_l.append(np.asarray([op.writer], dtype=_I64))
-        pc_l.append(np.asarray([-1], dtype=_I64))
-    offset = np.concatenate(off_l).reshape(-1, nd)
-    extent = np.concatenate(ext_l).reshape(-1, nd)
-    writer_a = np.concatenate(wr_l)
-    piece_a = np.concatenate(pc_l)
+        lazy = _LazyMerge(m.chunk, writer, m.sources_for(spec.key, writer_pos), ranks)
+        extra.append((list(m.chunk.offset), list(m.chunk.shape), writer, -1, lazy))
+    offset = info.single_lo[srow]
+    extent = info.single_ext[srow]
+    writer_a = writers
+    piece_a = info.single_piece[srow]
+    if extra:
+        offset = np.concatenate([offset, np.asarray([e[0] for e in extra], dtype=_I64).reshape(-1, nd)])
+        extent = np.concatenate([extent, np.asarray([e[1] for e in extra], dtype=_I64).reshape(-1, nd)])
+        writer_a = np.concatenate([writer_a, np.asarray([e[2] for e in extra], dtype=_I64)])
+        piece_a = np.concatenate([piece_a, np.asarray([e[3] for e in extra], dtype=_I64)])
+    del chunk, shape
     order = np.lexsort(offset.T[::-1]) if nd else np.arange(len(writer_a))
-    n_direct = len(writer_a) - len(merged_ops)
-    rank_of_row = np.empty(len(order), dtype=_I64)
-    rank_of_row[order] = np.arange(len(order))
-    merged = {int(rank_of_row[n_direct + j]): op for j, op in enumerate(merged_ops)}
+    row_of = np.empty(len(order), dtype=_I64)
+    row_of[order] = np.arange(len(order))
+    base = len(srow)
+    merged: dict[int, WriteOp | _LazyMerge] = {
+        int(row_of[base + j]): e[4] for j, e in enumerate(extra) if e[4] is not None
+    }
     return ArraySaveTable(
         spec.key,
         spec.shape,
@@ -724,33 +831,10 @@ def _plan_array(
     )
 
 
-class _MappedLoad:
-    """Bytes given so far, indexed by layout position."""
-
-    def __init__(self, load: _Load, ranks: np.ndarray) -> None:
-        self.load, self.ranks = load, ranks
-
-    def __getitem__(self, p: int) -> tuple[int, int]:
-        r = int(self.ranks[p])
-        return (self.load[r], r)
-
-
-def _positions_of(ranks: np.ndarray, only: frozenset[int]) -> list[int]:
-    want = np.asarray(sorted(only), dtype=_I64)
-    pos = np.searchsorted(ranks, want)
-    ok = (pos < len(ranks)) & (ranks[np.minimum(pos, len(ranks) - 1)] == want)
-    return [int(v) for v in pos[ok]]
-
-
-def _plan_reference(
-    spec: ArraySpec, world: int, options: ChunkingOptions, load: _Load, only: frozenset[int] | None
-) -> ArraySaveTable:
-    layout = spec.array_layout(world)
-    if only is not None:
-        raise _NotClosed
-    lst = load.vec.tolist()
-    ap = _plan_array_save(layout, options, lst)
-    load.vec[:] = lst
+def _plan_reference(spec: ArraySpec, world: int, options: ChunkingOptions, load: np.ndarray) -> ArraySaveTable:
+    lst = load.tolist()
+    ap = _plan_array_save(spec.array_layout(world), options, lst)
+    load[:] = lst
     return _table_of_plan(ap)
 
 
@@ -760,7 +844,12 @@ class _NotClosed(Exception):
 
 def _check_world(specs: Sequence[ArraySpec], world: int) -> None:
     for s in specs:
-        if s.layout.world_size > world or (s.ranks is not None and len(s.ranks) and max(s.ranks) >= world):
+        top = s.layout.world_size - 1
+        if isinstance(s.ranks, range) and len(s.ranks):
+            top = max(s.ranks[0], s.ranks[-1])
+        elif s.ranks is not None and len(s.ranks):
+            top = max(s.ranks)
+        if s.layout.world_size > world or top >= world:
             raise LayoutError(f"leaf {s.key!r}: its layout spans ranks beyond the world of {world}")
 
 
@@ -777,7 +866,7 @@ def plan_save_tables(
     """
     options = options or ChunkingOptions()
     _check_world(specs, world)
-    load = _Load(world, dense=True)
+    load = np.zeros(world, dtype=_I64)
     return [_plan_array(s, world, options, load, None) for s in specs]
 
 
@@ -786,22 +875,25 @@ def rank_part(tables: Sequence[ArraySaveTable], world: int, rank: int) -> SavePl
     return SavePlan(world, tuple(t.to_plan(t.rows_of(rank)) for t in tables))
 
 
-def _closure(specs: Sequence[ArraySpec], world: int, rank: int, options: ChunkingOptions) -> frozenset[int] | None:
-    """The ranks whose written bytes decide ``rank``'s writes: closed under sharing a replicated or tied chunk.
+def _closure(specs: Sequence[ArraySpec], infos: Sequence[GridInfo], world: int, rank: int) -> np.ndarray | None:
+    """The ranks whose written bytes decide ``rank``'s writes, as a mask over the world.
 
-    None when some array is not regular (then the rank's part comes from the global plan).
+    Closed under sharing a replicated chunk or tying for a merged one; None when some
+    array is not regular (then the rank's part comes from the global plan).
     """
-    distinct: dict[tuple[int, Any], tuple[GridInfo, np.ndarray | None]] = {}
-    for s in specs:
-        info = grid_info(s.layout, s.shape, s.itemsize, options)
+    distinct: dict[tuple[int, Any], tuple[GridInfo, np.ndarray]] = {}
+    for s, info in zip(specs, infos, strict=True):
         if not info.regular:
             return None
-        if info.coupled or info.merges:
+        if info.members:
             key = (id(info), s.ranks)
             if key not in distinct:
-                distinct[key] = (info, None if s.ranks is None else s.rank_array())
-    members = {rank}
-    stack = [rank]
+                ranks = s.rank_array()
+                if len(ranks) > 1 and not bool((np.diff(ranks) > 0).all()):
+                    return None
+                distinct[key] = (info, ranks)
+    mask = np.zeros(world, dtype=bool)
+    mask[rank] = True
     # Merges ``rank`` only feeds still depend on the bytes of the ranks tied to write them.
     for info, ranks in distinct.values():
         pos = _pos_of(ranks, rank)
@@ -809,35 +901,27 @@ def _closure(specs: Sequence[ArraySpec], world: int, rank: int, options: Chunkin
             continue
         for m in info.merges:
             if len(m.tied) > 1 and pos in m.overlap:
-                for p in m.tied:
-                    q = _rank_at(ranks, p)
-                    if q not in members:
-                        members.add(q)
-                        stack.append(q)
-    coupled = [(info, ranks) for info, ranks in distinct.values() if info.coupled]
-    while stack:
-        r = stack.pop()
-        for info, ranks in coupled:
-            pos = _pos_of(ranks, r)
-            if pos is None:
-                continue
-            for p in info.coupled.get(pos, ()):
-                q = _rank_at(ranks, p)
-                if q not in members:
-                    members.add(q)
-                    stack.append(q)
-    return frozenset(members)
+                mask[ranks[m.tied_arr]] = True
+    done: set[tuple[Any, int]] = set()
+    changed = True
+    while changed:
+        changed = False
+        for key, (info, ranks) in distinct.items():
+            labels = np.unique(info.component[np.flatnonzero(mask[ranks])])
+            for label in labels[labels >= 0].tolist():
+                if (key, label) in done:
+                    continue
+                done.add((key, label))
+                add = ranks[info.members[label]]
+                if not mask[add].all():
+                    mask[add] = True
+                    changed = True
+    return mask
 
 
-def _pos_of(ranks: np.ndarray | None, r: int) -> int | None:
-    if ranks is None:
-        return r
+def _pos_of(ranks: np.ndarray, r: int) -> int | None:
     i = int(np.searchsorted(ranks, r))
     return i if i < len(ranks) and ranks[i] == r else None
-
-
-def _rank_at(ranks: np.ndarray | None, p: int) -> int:
-    return p if ranks is None else int(ranks[p])
 
 
 def plan_save_rank(
@@ -845,27 +929,31 @@ def plan_save_rank(
 ) -> SavePlan:
     """``rank``'s part of the global save plan, computed without planning the whole world.
 
-    Equal to ``rank_part(plan_save_tables(specs, world), world, rank)``.
+    Equal to ``rank_part(plan_save_tables(specs, world), world, rank)``: only the arrays
+    and ranks whose bytes decide this rank's writes are planned.
     """
     options = options or ChunkingOptions()
     _check_world(specs, world)
-    only = _closure(specs, world, rank, options)
+    infos = [grid_info(s.layout, s.shape, s.itemsize, options) for s in specs]
+    only = _closure(specs, infos, world, rank)
     if only is None:
         return rank_part(plan_save_tables(specs, world, options), world, rank)
-    load = _Load(world, dense=False)
+    load = np.zeros(world, dtype=_I64)
     involved: dict[Any, bool] = {}
     out = []
-    for s in specs:
-        key = s.ranks
-        hit = involved.get(key)
-        if hit is None:
-            hit = involved[key] = bool(_positions_of(s.rank_array(), only))
-        if not hit:
-            info = grid_info(s.layout, s.shape, s.itemsize, options)
-            out.append(ArraySavePlan(s.key, s.shape, s.itemsize, info.chunk_shape, ()))
-            continue
-        table = _plan_array(s, world, options, load, only, rank)
-        out.append(table.to_plan(table.rows_of(rank)))
+    try:
+        for s, info in zip(specs, infos, strict=True):
+            key = s.ranks
+            hit = involved.get(key)
+            if hit is None:
+                hit = involved[key] = bool(only[s.rank_array()].any())
+            if not hit:
+                out.append(ArraySavePlan(s.key, s.shape, s.itemsize, info.chunk_shape, ()))
+                continue
+            table = _plan_array(s, world, options, load, only, rank, info)
+            out.append(table.to_plan(table.rows_of(rank)))
+    except _NotClosed:
+        return rank_part(plan_save_tables(specs, world, options), world, rank)
     return SavePlan(world, tuple(out))
 
 
