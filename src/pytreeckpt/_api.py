@@ -24,7 +24,8 @@ from ._errors import CheckpointError, LayoutError, TargetMismatchError
 from ._executor import ExecutorOptions, PieceData, Storage, write_items
 from ._format import ARRAYS_DIR, ArrayMeta, ValueMeta, array_names, build_document, parse_document
 from ._leaf import Abstract, ShardedLeaf, piece_view
-from ._plan import ArrayLayout, ChunkingOptions, SavePlan, plan_load, plan_save
+from ._plan import ArrayLayout, ChunkingOptions, SavePlan, plan_load
+from ._plan_table import cached_plan_save
 from ._region import Region
 from ._sharding import Layout, Mesh, Piece, Replicate, ShardingSpec
 from ._tree import PYTHON_LEAF_TYPES, KeyEntry, Node, broadcast_prefix, encode_value, flatten, keystr
@@ -340,7 +341,7 @@ def _plan_job(
         world = comm.world
     else:
         world = max((a.layout.world_size for a in arrays), default=1)
-    plan = plan_save([ArrayLayout(a.key, a.shape, a.dtype.itemsize, a.pieces) for a in arrays], world, chunking)
+    plan = cached_plan_save([ArrayLayout(a.key, a.shape, a.dtype.itemsize, a.pieces) for a in arrays], world, chunking)
     for a, ap in zip(arrays, plan.arrays, strict=True):
         if a.present is not None:
             for op in ap.writes:

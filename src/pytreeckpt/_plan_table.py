@@ -62,9 +62,11 @@ __all__ = [
     "GridInfo",
     "PieceTable",
     "PlanCache",
+    "cached_plan_save",
     "grid_info",
     "layouts_digest",
     "piece_table",
+    "plan_save_fast",
     "plan_save_rank",
     "plan_save_tables",
     "rank_part",
@@ -141,8 +143,8 @@ def _table_from_pieces(pieces: Sequence[Sequence[Piece]], ndim: int) -> PieceTab
         len(pieces),
         np.asarray(pos, dtype=_I64),
         np.asarray(idx, dtype=_I64),
-        np.asarray(lo, dtype=_I64).reshape(-1, ndim),
-        np.asarray(ext, dtype=_I64).reshape(-1, ndim),
+        np.asarray(lo, dtype=_I64).reshape(len(pos), ndim),
+        np.asarray(ext, dtype=_I64).reshape(len(pos), ndim),
     )
 
 
@@ -225,8 +227,8 @@ def _mesh_table(spec: ShardingSpec, shape: tuple[int, ...]) -> PieceTable:
         positions,
         pos_a[order],
         idx_a[order],
-        np.concatenate(lo_l).reshape(-1, len(shape))[order],
-        np.concatenate(ext_l).reshape(-1, len(shape))[order],
+        np.concatenate(lo_l).reshape(len(pos_a), len(shape))[order],
+        np.concatenate(ext_l).reshape(len(pos_a), len(shape))[order],
     )
 
 
@@ -283,8 +285,8 @@ def _flat_table(spec: FlatRanges, shape: tuple[int, ...]) -> PieceTable:
         spec.world_size,
         np.asarray(pos, dtype=_I64),
         np.asarray(idx, dtype=_I64),
-        np.asarray(lo, dtype=_I64).reshape(-1, nd),
-        np.asarray(ext, dtype=_I64).reshape(-1, nd),
+        np.asarray(lo, dtype=_I64).reshape(len(pos), nd),
+        np.asarray(ext, dtype=_I64).reshape(len(pos), nd),
     )
 
 
@@ -711,8 +713,8 @@ def _table_of_plan(ap: ArraySavePlan) -> ArraySaveTable:
         ap.shape,
         ap.itemsize,
         ap.chunk_shape,
-        np.asarray([w.region.offset for w in ap.writes], dtype=_I64).reshape(-1, nd),
-        np.asarray([w.region.shape for w in ap.writes], dtype=_I64).reshape(-1, nd),
+        np.asarray([w.region.offset for w in ap.writes], dtype=_I64).reshape(len(ap.writes), nd),
+        np.asarray([w.region.shape for w in ap.writes], dtype=_I64).reshape(len(ap.writes), nd),
         np.asarray([w.writer for w in ap.writes], dtype=_I64),
         np.asarray([-1 if i in merged else w.sources[0].piece for i, w in enumerate(ap.writes)], dtype=_I64),
         merged,
@@ -806,8 +808,8 @@ def _plan_array(
     writer_a = writers
     piece_a = info.single_piece[srow]
     if extra:
-        offset = np.concatenate([offset, np.asarray([e[0] for e in extra], dtype=_I64).reshape(-1, nd)])
-        extent = np.concatenate([extent, np.asarray([e[1] for e in extra], dtype=_I64).reshape(-1, nd)])
+        offset = np.concatenate([offset, np.asarray([e[0] for e in extra], dtype=_I64).reshape(len(extra), nd)])
+        extent = np.concatenate([extent, np.asarray([e[1] for e in extra], dtype=_I64).reshape(len(extra), nd)])
         writer_a = np.concatenate([writer_a, np.asarray([e[2] for e in extra], dtype=_I64)])
         piece_a = np.concatenate([piece_a, np.asarray([e[3] for e in extra], dtype=_I64)])
     del chunk, shape
@@ -960,13 +962,34 @@ def plan_save_rank(
 # --------------------------------------------------------------------------- cache
 
 
-def layouts_digest(parts: Sequence[Any]) -> str:
-    """A digest of planning inputs (anything with a stable ``repr``): the plan cache's key."""
-    h = hashlib.blake2b(digest_size=16)
-    for p in parts:
-        h.update(repr(p).encode())
-        h.update(b"\0")
-    return h.hexdigest()
+@dataclass(frozen=True, slots=True, eq=False)
+class _GivenPieces(Layout):
+    """Pieces already computed (gathered from the ranks), as a layout; equal by content."""
+
+    pieces: tuple[tuple[Piece, ...], ...]
+
+    @property
+    def world_size(self) -> int:
+        return len(self.pieces)
+
+    def rank_pieces(self, shape: Sequence[int]) -> tuple[tuple[Piece, ...], ...]:
+        return self.pieces
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _GivenPieces) and self.pieces == other.pieces
+
+    def __hash__(self) -> int:
+        return hash(self.pieces)
+
+
+def plan_save_fast(layouts: Sequence[ArrayLayout], world: int, options: ChunkingOptions | None = None) -> SavePlan:
+    """:func:`~pytreeckpt._plan.plan_save`, computed by the tables: the same plan, errors and all."""
+    options = options or ChunkingOptions()
+    for a in layouts:
+        if len(a.pieces) > world:
+            raise LayoutError(f"leaf {a.key!r}: its layout spans {len(a.pieces)} ranks but the world has {world}")
+    specs = [ArraySpec(a.key, a.shape, a.itemsize, _GivenPieces(a.pieces)) for a in layouts]
+    return SavePlan(world, tuple(t.to_plan() for t in plan_save_tables(specs, world, options)))
 
 
 class PlanCache:
@@ -999,3 +1022,28 @@ class PlanCache:
 
     def clear(self) -> None:
         self._items.clear()
+
+
+_SAVE_PLANS = PlanCache(4)  # the plans of the last few saves
+
+
+def cached_plan_save(
+    layouts: Sequence[ArrayLayout], world: int, options: ChunkingOptions | None = None, cache: PlanCache | None = None
+) -> SavePlan:
+    """:func:`plan_save_fast`, reusing the plan of an earlier save whose layouts, world and options were equal.
+
+    The key is the layouts themselves (a dict lookup: their hash, then equality), so a
+    hit is exact, never a collision.
+    """
+    cache = _SAVE_PLANS if cache is None else cache
+    key = (world, options or ChunkingOptions(), tuple(layouts))
+    return cache.get_or(key, lambda: plan_save_fast(layouts, world, options))
+
+
+def layouts_digest(parts: Sequence[Any]) -> str:
+    """A digest of planning inputs (anything with a stable ``repr``): the plan cache's key."""
+    h = hashlib.blake2b(digest_size=16)
+    for p in parts:
+        h.update(repr(p).encode())
+        h.update(b"\0")
+    return h.hexdigest()
