@@ -10,6 +10,7 @@ PURE = [
     "pytreeckpt._sharding",
     "pytreeckpt._plan",
     "pytreeckpt._plan_table",
+    "pytreeckpt._plan_load_table",
     "pytreeckpt._llama",
     "pytreeckpt._tree",
 ]
