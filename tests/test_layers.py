@@ -11,6 +11,7 @@ PURE = [
     "pytreeckpt._plan",
     "pytreeckpt._plan_table",
     "pytreeckpt._plan_load_table",
+    "pytreeckpt._plan_check",
     "pytreeckpt._llama",
     "pytreeckpt._tree",
 ]

@@ -25,6 +25,7 @@ Layouts:
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -126,13 +127,14 @@ def llama_state(
         dp = world // (tp * pp)
         per_stage = dp * tp
         stages = _stage_of_units(cfg.layers, pp)
+        stage_ranks = [range(s * per_stage, (s + 1) * per_stage) for s in range(pp)]
         out = []
         for prefix, itemsize in kinds:
             sharded_opt = prefix != "model"
             for key, shape, tp_dim, unit in params:
                 stage = stages[unit]
                 spec = _megatron_spec(shape, tp_dim, dp, tp, sharded_opt)
-                ranks = range(stage * per_stage, (stage + 1) * per_stage)
+                ranks = stage_ranks[stage]
                 out.append(ArraySpec(f"{prefix}.{key}", shape, itemsize, spec, None if pp == 1 else ranks))
         return out
     if layout == "fsdp_tp":
@@ -140,7 +142,11 @@ def llama_state(
             raise LayoutError(f"a world of {world} ranks is not divisible by tp={tp}")
         dp = world // tp
         mesh = Mesh((dp, tp), ("dp", "tp"))
-        specs = {key: ShardingSpec(mesh, _fsdp_tp_placements(shape, tp_dim, tp)) for key, shape, tp_dim, _ in params}
+        shared: dict[tuple[Placement, ...], Layout] = {}
+        specs = {}
+        for key, shape, tp_dim, _ in params:
+            placements = tuple(_fsdp_tp_placements(shape, tp_dim, tp))
+            specs[key] = shared.setdefault(placements, ShardingSpec(mesh, placements))
         return [
             ArraySpec(f"{prefix}.{key}", shape, itemsize, specs[key], None)
             for prefix, itemsize in kinds
@@ -165,6 +171,7 @@ def _stage_of_units(layers: int, pp: int) -> dict[int, int]:
     return stages
 
 
+@functools.lru_cache(maxsize=256)
 def _megatron_spec(shape: tuple[int, ...], tp_dim: int | None, dp: int, tp: int, sharded: bool) -> Layout:
     mesh = Mesh((dp, tp), ("dp", "tp"))
     tp_p: Placement = Replicate() if tp_dim is None else Shard(tp_dim)

@@ -70,6 +70,7 @@ __all__ = [
     "plan_save_rank",
     "plan_save_tables",
     "rank_part",
+    "spec_plan_key",
 ]
 
 _I64 = np.int64
@@ -353,15 +354,36 @@ class _Group:
 @dataclass(frozen=True, eq=False)
 class _Merge:
     chunk: Region
-    parts: list[tuple[int, int, Region]]  # (position, piece, part), in position order
+    part_pos: np.ndarray  # the pieces meeting the chunk, in position order, and their parts of it
+    part_piece: np.ndarray
+    part_lo: np.ndarray
+    part_hi: np.ndarray
     overlap: dict[int, int]  # position -> elements of the chunk it holds
     tied: tuple[int, ...]  # positions holding the most: the writer is one of them
     tied_arr: np.ndarray
     overlap_arr: np.ndarray
-    # distinct part boxes, each with its holders (position, piece) best first: most overlap, lowest position
-    distinct: list[tuple[tuple[tuple[int, ...], tuple[int, ...]], list[tuple[int, int]]]] = field(default_factory=list)
-    first_holders: frozenset[int] = frozenset()  # positions first in line for some distinct box
+    # distinct part boxes (lo, hi), each with its holders (position, piece) best first
+    distinct: list[tuple[tuple[tuple[int, ...], tuple[int, ...]], list[tuple[int, int]]]]
+    by_pos: dict[int, list[tuple[int, int]]]  # position -> (its lowest piece, box) for the boxes it holds
+    base: list[int]  # boxes in the order of their first holders
+    is_grid: bool  # the distinct boxes are the cells of a grid over the chunk
+    first_holders: frozenset[int] = field(init=False)
     sources: dict[int, _Sources] = field(default_factory=dict)  # writer position -> its sources
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "first_holders", frozenset(hs[0][0] for _, hs in self.distinct))
+
+    def parts(self) -> list[tuple[int, int, Region]]:
+        return [
+            (p, pi, Region(tuple(lo), tuple(h - a for a, h in zip(lo, hi, strict=True))))
+            for p, pi, lo, hi in zip(
+                self.part_pos.tolist(),
+                self.part_piece.tolist(),
+                self.part_lo.tolist(),
+                self.part_hi.tolist(),
+                strict=True,
+            )
+        ]
 
     def sources_for(self, key: str, writer: int) -> _Sources:
         """The sources when ``writer`` (a position) writes: as ``merge_sources`` gives them, memoised.
@@ -371,15 +393,18 @@ class _Merge:
         """
         got = self.sources.get(writer)
         if got is None:
-            firsts = []
-            for (lo, hi), holders in self.distinct:
-                mine = [pi for p, pi in holders if p == writer]
-                p, pi = (writer, min(mine)) if mine else holders[0]
-                firsts.append(((p != writer, -self.overlap[p], p, pi), p, pi, lo, hi))
-            firsts.sort(key=lambda f: f[0])
+            own = sorted(self.by_pos.get(writer, ()))
+            mine = {b for _, b in own}
+            firsts = [(writer, pi, *self.distinct[b][0]) for pi, b in own]
+            firsts += [(*self.distinct[b][1][0], *self.distinct[b][0]) for b in self.base if b not in mine]
+            if self.is_grid:
+                # Boxes on a grid: every box left uncovered is a union of grid cells, so each
+                # distinct box is one fragment, whole.
+                got = self.sources[writer] = _Sources(firsts)
+                return got
             uncovered = [(self.chunk.offset, self.chunk.stop)]
-            frags: list[Fragment] = []
-            for _, p, pi, plo, phi in firsts:
+            frags: list[tuple[int, int, tuple[int, ...], tuple[int, ...]]] = []
+            for p, pi, plo, phi in firsts:
                 rest = []
                 for ulo, uhi in uncovered:
                     if ulo[0] >= phi[0] or uhi[0] <= plo[0]:
@@ -390,23 +415,32 @@ class _Merge:
                     if any(h <= a for a, h in zip(glo, ghi, strict=True)):
                         rest.append((ulo, uhi))
                         continue
-                    frags.append(Fragment(p, pi, Region(glo, tuple(h - a for a, h in zip(glo, ghi, strict=True)))))
+                    frags.append((p, pi, glo, ghi))
                     rest.extend(_subtract_box(ulo, uhi, glo, ghi))
                 uncovered = rest
                 if not uncovered:
                     break
             if uncovered:  # the reference raises the error naming the leaf
-                merge_sources(key, self.chunk, writer, self.parts, self.overlap)
-            pos = tuple(f.rank for f in frags)
-            got = self.sources[writer] = _Sources(tuple(frags), pos, frozenset(pos))
+                merge_sources(key, self.chunk, writer, self.parts(), self.overlap)
+            got = self.sources[writer] = _Sources(frags)
         return got
 
 
-@dataclass(frozen=True, slots=True)
 class _Sources:
-    fragments: tuple[Fragment, ...]  # ranks are positions
-    positions: tuple[int, ...]
-    position_set: frozenset[int]
+    """The sources of a merged write, as (position, piece, lo, hi); fragments made when asked for."""
+
+    __slots__ = ("_fragments", "items", "position_set")
+
+    def __init__(self, items: list[tuple[int, int, tuple[int, ...], tuple[int, ...]]]) -> None:
+        self.items = items
+        self.position_set = frozenset(i[0] for i in items)
+        self._fragments: tuple[Fragment, ...] | None = None
+
+    def fragments(self, ranks: list[int]) -> tuple[Fragment, ...]:
+        return tuple(
+            Fragment(ranks[p], pi, Region(lo, tuple(h - a for a, h in zip(lo, hi, strict=True))))
+            for p, pi, lo, hi in self.items
+        )
 
 
 @dataclass(frozen=True, eq=False)
@@ -538,41 +572,9 @@ def grid_info_of_table(table: PieceTable, shape: tuple[int, ...], itemsize: int,
             tuple(i * k for i, k in zip(cidx, chunk, strict=True)),
             tuple(min(k, s - i * k) for i, k, s in zip(cidx, chunk, shape, strict=True)),
         )
-        clo_el = np.asarray(creg.offset, dtype=_I64)
-        chi_el = clo_el + np.asarray(creg.shape, dtype=_I64)
-        ilo = np.maximum(table.lo, clo_el)
-        ihi = np.minimum(end, chi_el)
-        hit = np.flatnonzero((ihi > ilo).all(axis=1))
-        parts = []
-        overlap: dict[int, int] = defaultdict(int)
-        for r in hit.tolist():
-            part = Region(tuple(ilo[r].tolist()), tuple((ihi[r] - ilo[r]).tolist()))
-            p = int(table.pos[r])
-            overlap[p] += part.size
-            parts.append((p, int(table.piece[r]), part))
-        best = max(overlap.values(), default=0)
-        tied = tuple(sorted(p for p, v in overlap.items() if v == best))
-        holders_of: dict[Region, list[tuple[int, int]]] = {}
-        for p, pi, part in parts:
-            holders_of.setdefault(part, []).append((p, pi))
-        distinct = [
-            ((box.offset, box.stop), sorted(hs, key=lambda h: (-overlap[h[0]], h[0], h[1])))
-            for box, hs in holders_of.items()
-        ]
-        merges.append(
-            _Merge(
-                creg,
-                parts,
-                dict(overlap),
-                tied,
-                np.asarray(tied, dtype=_I64),
-                np.asarray(sorted(overlap), dtype=_I64),
-                distinct,
-                frozenset(hs[0][0] for _, hs in distinct),
-            )
-        )
-        if len(tied) > 1:
-            uf.union(tied)
+        merges.append(_make_merge(table, end, creg))
+        if len(merges[-1].tied) > 1:
+            uf.union(merges[-1].tied)
     return GridInfo(
         chunk,
         regular=True,
@@ -587,6 +589,67 @@ def grid_info_of_table(table: PieceTable, shape: tuple[int, ...], itemsize: int,
         component=uf.labels(),
         members=uf.members(),
     )
+
+
+def _make_merge(table: PieceTable, end: np.ndarray, creg: Region) -> _Merge:
+    clo = np.asarray(creg.offset, dtype=_I64)
+    chi = clo + np.asarray(creg.shape, dtype=_I64)
+    ilo = np.maximum(table.lo, clo)
+    ihi = np.minimum(end, chi)
+    hit = np.flatnonzero((ihi > ilo).all(axis=1))
+    hpos, hpiece, hlo, hhi = table.pos[hit], table.piece[hit], ilo[hit], ihi[hit]
+    if not len(hit):
+        return _Merge(creg, hpos, hpiece, hlo, hhi, {}, (), np.zeros(0, _I64), np.zeros(0, _I64), [], {}, [], False)
+    upos, inv = np.unique(hpos, return_inverse=True)
+    ov = np.zeros(len(upos), dtype=_I64)
+    np.add.at(ov, inv.reshape(-1), np.prod(hhi - hlo, axis=1))
+    overlap = dict(zip(upos.tolist(), ov.tolist(), strict=True))
+    tied_arr = upos[ov == ov.max()]
+    ubox, binv = np.unique(np.concatenate([hlo, hhi], axis=1), axis=0, return_inverse=True)
+    binv = binv.reshape(-1)
+    row_ov = ov[inv.reshape(-1)]
+    order = np.lexsort((hpiece, hpos, -row_ov, binv))
+    nd = hlo.shape[1]
+    boxes = [(tuple(b[:nd]), tuple(b[nd:])) for b in ubox.tolist()]
+    holders: list[list[tuple[int, int]]] = [[] for _ in boxes]
+    for b, p, pi in zip(binv[order].tolist(), hpos[order].tolist(), hpiece[order].tolist(), strict=True):
+        holders[b].append((p, pi))
+    # Boxes in the order their first holders come when the writer holds none of them.
+    base = sorted(range(len(boxes)), key=lambda b: (-overlap[holders[b][0][0]], holders[b][0][0], holders[b][0][1]))
+    by_pos: dict[int, list[tuple[int, int]]] = {}
+    for b, hs in enumerate(holders):
+        best: dict[int, int] = {}
+        for p, pi in hs:
+            best[p] = min(pi, best.get(p, pi))
+        for p, pi in best.items():
+            by_pos.setdefault(p, []).append((pi, b))
+    return _Merge(
+        creg,
+        hpos,
+        hpiece,
+        hlo,
+        hhi,
+        overlap,
+        tuple(tied_arr.tolist()),
+        tied_arr,
+        upos,
+        [(boxes[b], holders[b]) for b in range(len(boxes))],
+        by_pos,
+        base,
+        _is_grid(ubox, clo, chi),
+    )
+
+
+def _is_grid(ubox: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> bool:
+    """True when the boxes ``ubox`` (lo | hi rows, distinct) are every cell of a grid over ``[lo, hi)``."""
+    nd = len(lo)
+    cells = 1
+    for d in range(nd):
+        iv = np.unique(ubox[:, [d, nd + d]], axis=0)
+        if iv[0, 0] != lo[d] or iv[-1, 1] != hi[d] or (iv[1:, 0] != iv[:-1, 1]).any():
+            return False
+        cells *= len(iv)
+    return cells == len(ubox)
 
 
 class _UnionFind:
@@ -701,7 +764,7 @@ class _LazyMerge:
 
     def op(self) -> WriteOp:
         r = self.ranks
-        frags = tuple(Fragment(int(r[f.rank]), f.piece, f.region) for f in self.sources.fragments)
+        frags = self.sources.fragments(r.tolist())
         return WriteOp(self.chunk, self.writer, frags)
 
 
@@ -938,7 +1001,7 @@ def plan_save_rank(
     _check_world(specs, world)
     infos = [grid_info(s.layout, s.shape, s.itemsize, options) for s in specs]
     only = _closure(specs, infos, world, rank)
-    if only is None:
+    if only is None or 2 * int(only.sum()) > world:  # restricting would not save much
         return rank_part(plan_save_tables(specs, world, options), world, rank)
     load = np.zeros(world, dtype=_I64)
     involved: dict[Any, bool] = {}
@@ -1022,6 +1085,37 @@ class PlanCache:
 
     def clear(self) -> None:
         self._items.clear()
+
+
+def spec_plan_key(specs: Sequence[ArraySpec], *extra: Hashable) -> tuple[Any, ...]:
+    """An exact cache key for plans of ``specs``, then ``extra`` (world, options, rank...).
+
+    Per array (key, shape, itemsize, layout number, ranks), then the distinct layouts,
+    compared by value. Cheap when arrays share layout objects (the layers of a model
+    do): each layout object is numbered once by identity; only distinct ones are hashed.
+
+    >>> from pytreeckpt import Mesh, Shard, ShardingSpec
+    >>> spec = ShardingSpec(Mesh(2), [Shard(0)])
+    >>> a = [ArraySpec("w", (4, 4), 4, spec), ArraySpec("v", (4, 4), 4, spec)]
+    >>> b = [ArraySpec("w", (4, 4), 4, ShardingSpec(Mesh(2), [Shard(0)])), ArraySpec("v", (4, 4), 4, spec)]
+    >>> spec_plan_key(a, 2) == spec_plan_key(b, 2)
+    True
+    """
+    number: dict[int, int] = {}
+    layouts: list[Layout] = []
+    rows = []
+    for s in specs:
+        i = number.get(id(s.layout))
+        if i is None:
+            i = number[id(s.layout)] = len(layouts)
+            layouts.append(s.layout)
+        rows.append((s.key, s.shape, s.itemsize, i, s.ranks))
+    # Equal layouts met as distinct objects get distinct numbers: normalise by value.
+    canon: dict[Layout, int] = {}
+    remap = [canon.setdefault(lay, len(canon)) for lay in layouts]
+    if remap != list(range(len(layouts))):
+        rows = [(k, sh, it, remap[i], r) for k, sh, it, i, r in rows]
+    return (tuple(rows), tuple(canon), *extra)
 
 
 _SAVE_PLANS = PlanCache(4)  # the plans of the last few saves
