@@ -436,10 +436,15 @@ class _Sources:
         self.position_set = frozenset(i[0] for i in items)
         self._fragments: tuple[Fragment, ...] | None = None
 
-    def fragments(self, ranks: list[int]) -> tuple[Fragment, ...]:
+    def fragments(self, ranks: np.ndarray, only: int | None = None) -> tuple[Fragment, ...]:
+        """The sources as fragments of world ranks; with ``only``, just that rank's."""
+        items = self.items
+        if only is not None:
+            pos = _pos_of(ranks, only)
+            items = [i for i in items if i[0] == pos]
         return tuple(
-            Fragment(ranks[p], pi, Region(lo, tuple(h - a for a, h in zip(lo, hi, strict=True))))
-            for p, pi, lo, hi in self.items
+            Fragment(int(ranks[p]), pi, Region(lo, tuple(h - a for a, h in zip(lo, hi, strict=True))))
+            for p, pi, lo, hi in items
         )
 
 
@@ -653,37 +658,46 @@ def _is_grid(ubox: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> bool:
 
 
 class _UnionFind:
-    def __init__(self, n: int) -> None:
-        self.parent = list(range(n))
-        self.touched: set[int] = set()
+    """Connected components of positions joined by groups, labelled 0.. in order of first position (-1: alone)."""
 
-    def find(self, a: int) -> int:
-        while self.parent[a] != a:
-            self.parent[a] = self.parent[self.parent[a]]
-            a = self.parent[a]
-        return a
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.groups: list[np.ndarray] = []
+        self._labels: np.ndarray | None = None
 
     def union(self, items: Sequence[int]) -> None:
-        root = self.find(items[0])
-        self.touched.update(items)
-        for b in items[1:]:
-            rb = self.find(b)
-            if rb != root:
-                self.parent[rb] = root
+        self.groups.append(np.asarray(items, dtype=_I64))
+        self._labels = None
 
     def labels(self) -> np.ndarray:
-        out = np.full(len(self.parent), -1, dtype=_I64)
-        roots: dict[int, int] = {}
-        for a in sorted(self.touched):
-            out[a] = roots.setdefault(self.find(a), len(roots))
-        return out
+        if self._labels is None:
+            lab = np.arange(self.n, dtype=_I64)
+            touched = np.zeros(self.n, dtype=bool)
+            for g in self.groups:
+                touched[g] = True
+            changed = True
+            while changed:
+                changed = False
+                for g in self.groups:
+                    m = lab[g].min()
+                    if (lab[g] != m).any():
+                        lab[g] = m
+                        changed = True
+                lab = lab[lab]
+            out = np.full(self.n, -1, dtype=_I64)
+            _, inv = np.unique(lab[touched], return_inverse=True)
+            out[touched] = inv.reshape(-1)
+            self._labels = out
+        return self._labels
 
     def members(self) -> list[np.ndarray]:
         labels = self.labels()
         order = np.argsort(labels, kind="stable")
         order = order[labels[order] >= 0]
-        counts = np.bincount(labels[order]) if len(order) else np.zeros(0, _I64)
-        return np.split(order, np.cumsum(counts)[:-1]) if len(order) else []
+        if not len(order):
+            return []
+        counts = np.bincount(labels[order])
+        return np.split(order, np.cumsum(counts)[:-1])
 
 
 def _box_indices(lo: list[int], hi: list[int]) -> list[tuple[int, ...]]:
@@ -721,19 +735,26 @@ class ArraySaveTable:
     def __len__(self) -> int:
         return len(self.writer)
 
-    def to_plan(self, rows: Sequence[int] | None = None) -> ArraySavePlan:
-        """The :class:`ArraySavePlan` of these writes (or of ``rows`` of them)."""
-        sel = range(len(self.writer)) if rows is None else rows
-        off, ext = self.offset.tolist(), self.extent.tolist()
-        writer, piece = self.writer.tolist(), self.piece.tolist()
+    def to_plan(self, rows: Sequence[int] | None = None, rank: int | None = None) -> ArraySavePlan:
+        """The :class:`ArraySavePlan` of these writes (or of ``rows`` of them).
+
+        With ``rank``, a merged write that ``rank`` feeds but does not write keeps only
+        ``rank``'s own fragments: what that rank sends, and to whom.
+        """
+        sel = list(range(len(self.writer))) if rows is None else list(rows)
+        off, ext = self.offset[sel].tolist(), self.extent[sel].tolist()
+        writer, piece = self.writer[sel].tolist(), self.piece[sel].tolist()
         writes = []
-        for i in sel:
+        for j, i in enumerate(sel):
             op = self.merged.get(i)
             if op is None:
-                region = Region(tuple(off[i]), tuple(ext[i]))
-                op = WriteOp(region, writer[i], (Fragment(writer[i], piece[i], region),))
-            elif isinstance(op, _LazyMerge):
-                op = op.op()
+                region = Region(tuple(off[j]), tuple(ext[j]))
+                op = WriteOp(region, writer[j], (Fragment(writer[j], piece[j], region),))
+            else:
+                if isinstance(op, _LazyMerge):
+                    op = op.op(None if rank == op.writer else rank)
+                elif rank is not None and rank != op.writer:
+                    op = WriteOp(op.region, op.writer, tuple(f for f in op.sources if f.rank == rank))
             writes.append(op)
         return ArraySavePlan(self.key, self.shape, self.itemsize, self.chunk_shape, tuple(writes))
 
@@ -762,10 +783,9 @@ class _LazyMerge:
         pos = _pos_of(self.ranks, rank)
         return pos is not None and pos in self.sources.position_set
 
-    def op(self) -> WriteOp:
-        r = self.ranks
-        frags = self.sources.fragments(r.tolist())
-        return WriteOp(self.chunk, self.writer, frags)
+    def op(self, only: int | None = None) -> WriteOp:
+        """The write; with ``only``, keeping just the fragments of that rank."""
+        return WriteOp(self.chunk, self.writer, self.sources.fragments(self.ranks, only))
 
 
 def _table_of_plan(ap: ArraySavePlan) -> ArraySaveTable:
@@ -908,13 +928,17 @@ class _NotClosed(Exception):
 
 
 def _check_world(specs: Sequence[ArraySpec], world: int) -> None:
+    sizes: dict[int, int] = {}
     for s in specs:
-        top = s.layout.world_size - 1
+        size = sizes.get(id(s.layout))
+        if size is None:
+            size = sizes[id(s.layout)] = s.layout.world_size
+        top = size - 1
         if isinstance(s.ranks, range) and len(s.ranks):
             top = max(s.ranks[0], s.ranks[-1])
         elif s.ranks is not None and len(s.ranks):
             top = max(s.ranks)
-        if s.layout.world_size > world or top >= world:
+        if size > world or top >= world:
             raise LayoutError(f"leaf {s.key!r}: its layout spans ranks beyond the world of {world}")
 
 
@@ -936,8 +960,11 @@ def plan_save_tables(
 
 
 def rank_part(tables: Sequence[ArraySaveTable], world: int, rank: int) -> SavePlan:
-    """The part of a global plan that involves ``rank``: every array, with only the writes it writes or feeds."""
-    return SavePlan(world, tuple(t.to_plan(t.rows_of(rank)) for t in tables))
+    """The part of a global plan that involves ``rank``: every array, with only the writes it writes or feeds.
+
+    A merged write the rank feeds but does not write keeps only the rank's own fragments.
+    """
+    return SavePlan(world, tuple(t.to_plan(t.rows_of(rank), rank) for t in tables))
 
 
 def _closure(specs: Sequence[ArraySpec], infos: Sequence[GridInfo], world: int, rank: int) -> np.ndarray | None:
@@ -999,7 +1026,14 @@ def plan_save_rank(
     """
     options = options or ChunkingOptions()
     _check_world(specs, world)
-    infos = [grid_info(s.layout, s.shape, s.itemsize, options) for s in specs]
+    by_id: dict[tuple[int, tuple[int, ...], int], GridInfo] = {}
+    infos = []
+    for s in specs:
+        k = (id(s.layout), s.shape, s.itemsize)
+        info = by_id.get(k)
+        if info is None:
+            info = by_id[k] = grid_info(s.layout, s.shape, s.itemsize, options)
+        infos.append(info)
     only = _closure(specs, infos, world, rank)
     if only is None or 2 * int(only.sum()) > world:  # restricting would not save much
         return rank_part(plan_save_tables(specs, world, options), world, rank)
@@ -1016,7 +1050,7 @@ def plan_save_rank(
                 out.append(ArraySavePlan(s.key, s.shape, s.itemsize, info.chunk_shape, ()))
                 continue
             table = _plan_array(s, world, options, load, only, rank, info)
-            out.append(table.to_plan(table.rows_of(rank)))
+            out.append(table.to_plan(table.rows_of(rank), rank))
     except _NotClosed:
         return rank_part(plan_save_tables(specs, world, options), world, rank)
     return SavePlan(world, tuple(out))
