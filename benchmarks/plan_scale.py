@@ -57,7 +57,7 @@ from pytreeckpt._plan_table import (
 )
 from pytreeckpt._tree import Node
 
-PP = {"8b": 1, "70b": 4, "405b": 8}
+PP = {"8b": 1, "70b": 4, "405b": 16}  # 405B: TP8 x PP16, as Llama 3 405B was trained
 TP = 8
 RANKS = (64, 512, 4096, 16384)
 

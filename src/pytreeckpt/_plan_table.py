@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import operator
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
@@ -1135,21 +1136,25 @@ def spec_plan_key(specs: Sequence[ArraySpec], *extra: Hashable) -> tuple[Any, ..
     >>> spec_plan_key(a, 2) == spec_plan_key(b, 2)
     True
     """
-    number: dict[int, int] = {}
-    layouts: list[Layout] = []
-    rows = []
-    for s in specs:
-        i = number.get(id(s.layout))
-        if i is None:
-            i = number[id(s.layout)] = len(layouts)
-            layouts.append(s.layout)
-        rows.append((s.key, s.shape, s.itemsize, i, s.ranks))
-    # Equal layouts met as distinct objects get distinct numbers: normalise by value.
+    layouts = list(map(_LAYOUT, specs))
+    ids = list(map(id, layouts))
+    by_id = dict(zip(ids, layouts, strict=True))
+    # Arrays of one (layout object, shape, itemsize, ranks) share a number: per array, a
+    # dict lookup of a small tuple; the distinct combinations are few (the model's layer shapes).
+    combo: dict[tuple[Any, ...], int] = {}
+    numbers = [combo.setdefault(c, len(combo)) for c in zip(ids, map(_COLUMNS, specs), strict=True)]
+    # Equal layouts met as distinct objects are normalised by value.
     canon: dict[Layout, int] = {}
-    remap = [canon.setdefault(lay, len(canon)) for lay in layouts]
-    if remap != list(range(len(layouts))):
-        rows = [(k, sh, it, remap[i], r) for k, sh, it, i, r in rows]
-    return (tuple(rows), tuple(canon), *extra)
+    by_value: dict[tuple[Any, ...], int] = {}
+    remap = [by_value.setdefault((canon.setdefault(by_id[i], len(canon)), cols), len(by_value)) for i, cols in combo]
+    numbered = np.asarray(remap, dtype=_I64)[np.asarray(numbers, dtype=_I64)]
+    keys = "\0".join(map(_KEY, specs))
+    return (keys, numbered.tobytes(), tuple(by_value), tuple(canon), *extra)
+
+
+_LAYOUT = operator.attrgetter("layout")
+_KEY = operator.attrgetter("key")
+_COLUMNS = operator.attrgetter("shape", "itemsize", "ranks")
 
 
 _SAVE_PLANS = PlanCache(4)  # the plans of the last few saves
