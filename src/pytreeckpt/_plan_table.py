@@ -328,6 +328,8 @@ def piece_table(layout: Layout, shape: tuple[int, ...]) -> PieceTable:
     """Every piece of ``layout`` over an array of ``shape``, memoised per (layout, shape)."""
 
     def make() -> PieceTable:
+        if any(s == 0 for s in shape):  # empty arrays: rank_pieces' own conventions, at no cost
+            return _table_from_pieces(layout.rank_pieces(shape), len(shape))
         if isinstance(layout, ShardingSpec):
             return _mesh_table(layout, shape)
         if isinstance(layout, FlatRanges):
