@@ -55,6 +55,7 @@ def typecheck(session: nox.Session) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """Benchmarks side by side with torch.save and a raw write/read; writes benchmarks/results/."""
-    _install(session, "test")
+    """Benchmarks: save/load beside torch.save and a raw write/read, and planning at scale; to benchmarks/results/."""
+    _install(session, "bench")
     session.run("python", "-m", "benchmarks", *session.posargs)
+    session.run("python", "benchmarks/plan_scale.py")

@@ -371,10 +371,15 @@ class _Merge:
     base: list[int]  # boxes in the order of their first holders
     is_grid: bool  # the distinct boxes are the cells of a grid over the chunk
     first_holders: frozenset[int] = field(init=False)
+    first_boxes: dict[int, list[int]] = field(init=False)  # position -> the boxes it is first in line for
     sources: dict[int, _Sources] = field(default_factory=dict)  # writer position -> its sources
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "first_holders", frozenset(hs[0][0] for _, hs in self.distinct))
+        first_boxes: dict[int, list[int]] = {}
+        for b, (_, hs) in enumerate(self.distinct):
+            first_boxes.setdefault(hs[0][0], []).append(b)
+        object.__setattr__(self, "first_boxes", first_boxes)
 
     def parts(self) -> list[tuple[int, int, Region]]:
         return [
@@ -398,13 +403,13 @@ class _Merge:
         if got is None:
             own = sorted(self.by_pos.get(writer, ()))
             mine = {b for _, b in own}
-            firsts = [(writer, pi, *self.distinct[b][0]) for pi, b in own]
-            firsts += [(*self.distinct[b][1][0], *self.distinct[b][0]) for b in self.base if b not in mine]
             if self.is_grid:
                 # Boxes on a grid: every box left uncovered is a union of grid cells, so each
-                # distinct box is one fragment, whole.
-                got = self.sources[writer] = _Sources(firsts)
+                # distinct box is one fragment, whole: the writer's own, then the others in order.
+                got = self.sources[writer] = _GridSources(self, writer, own, mine)
                 return got
+            firsts = [(writer, pi, *self.distinct[b][0]) for pi, b in own]
+            firsts += [(*self.distinct[b][1][0], *self.distinct[b][0]) for b in self.base if b not in mine]
             uncovered = [(self.chunk.offset, self.chunk.stop)]
             frags: list[tuple[int, int, tuple[int, ...], tuple[int, ...]]] = []
             for p, pi, plo, phi in firsts:
@@ -432,16 +437,21 @@ class _Merge:
 class _Sources:
     """The sources of a merged write, as (position, piece, lo, hi); fragments made when asked for."""
 
-    __slots__ = ("_fragments", "items", "position_set")
+    __slots__ = ("_items", "position_set")
 
     def __init__(self, items: list[tuple[int, int, tuple[int, ...], tuple[int, ...]]]) -> None:
-        self.items = items
+        self._items = items
         self.position_set = frozenset(i[0] for i in items)
-        self._fragments: tuple[Fragment, ...] | None = None
+
+    def has(self, pos: int) -> bool:
+        return pos in self.position_set
+
+    def entries(self) -> list[tuple[int, int, tuple[int, ...], tuple[int, ...]]]:
+        return self._items
 
     def fragments(self, ranks: np.ndarray, only: int | None = None) -> tuple[Fragment, ...]:
         """The sources as fragments of world ranks; with ``only``, just that rank's."""
-        items = self.items
+        items = self.entries()
         if only is not None:
             pos = _pos_of(ranks, only)
             items = [i for i in items if i[0] == pos]
@@ -597,6 +607,28 @@ def grid_info_of_table(table: PieceTable, shape: tuple[int, ...], itemsize: int,
         component=uf.labels(),
         members=uf.members(),
     )
+
+
+class _GridSources(_Sources):
+    """The sources of a merged write on a grid of boxes, listed only when asked for."""
+
+    __slots__ = ("merge", "mine", "own", "writer")
+
+    def __init__(self, merge: _Merge, writer: int, own: list[tuple[int, int]], mine: set[int]) -> None:
+        self.merge, self.writer, self.own, self.mine = merge, writer, own, mine
+
+    def has(self, pos: int) -> bool:
+        if pos == self.writer:
+            return bool(self.own)
+        m = self.merge
+        firsts = m.first_boxes.get(pos, ())
+        return any(b not in self.mine for b in firsts)
+
+    def entries(self) -> list[tuple[int, int, tuple[int, ...], tuple[int, ...]]]:
+        m = self.merge
+        out = [(self.writer, pi, *m.distinct[b][0]) for pi, b in self.own]
+        out += [(*m.distinct[b][1][0], *m.distinct[b][0]) for b in m.base if b not in self.mine]
+        return out
 
 
 def _make_merge(table: PieceTable, end: np.ndarray, creg: Region) -> _Merge:
@@ -784,7 +816,7 @@ class _LazyMerge:
 
     def has_source(self, rank: int) -> bool:
         pos = _pos_of(self.ranks, rank)
-        return pos is not None and pos in self.sources.position_set
+        return pos is not None and self.sources.has(pos)
 
     def op(self, only: int | None = None) -> WriteOp:
         """The write; with ``only``, keeping just the fragments of that rank."""
