@@ -372,6 +372,7 @@ class _Merge:
     is_grid: bool  # the distinct boxes are the cells of a grid over the chunk
     first_holders: frozenset[int] = field(init=False)
     first_boxes: dict[int, list[int]] = field(init=False)  # position -> the boxes it is first in line for
+    base_index: dict[int, int] = field(init=False)  # box -> its place in ``base``
     sources: dict[int, _Sources] = field(default_factory=dict)  # writer position -> its sources
 
     def __post_init__(self) -> None:
@@ -380,6 +381,7 @@ class _Merge:
         for b, (_, hs) in enumerate(self.distinct):
             first_boxes.setdefault(hs[0][0], []).append(b)
         object.__setattr__(self, "first_boxes", first_boxes)
+        object.__setattr__(self, "base_index", {b: i for i, b in enumerate(self.base)})
 
     def parts(self) -> list[tuple[int, int, Region]]:
         return [
@@ -623,6 +625,19 @@ class _GridSources(_Sources):
         m = self.merge
         firsts = m.first_boxes.get(pos, ())
         return any(b not in self.mine for b in firsts)
+
+    def fragments(self, ranks: np.ndarray, only: int | None = None) -> tuple[Fragment, ...]:
+        if only is None or _pos_of(ranks, only) == self.writer:
+            return super().fragments(ranks, only)
+        pos = _pos_of(ranks, only)
+        m = self.merge
+        boxes = [] if pos is None else [b for b in m.first_boxes.get(pos, ()) if b not in self.mine]
+        boxes.sort(key=m.base_index.__getitem__)
+        return tuple(
+            Fragment(only, m.distinct[b][1][0][1], Region(lo, tuple(h - a for a, h in zip(lo, hi, strict=True))))
+            for b in boxes
+            for lo, hi in (m.distinct[b][0],)
+        )
 
     def entries(self) -> list[tuple[int, int, tuple[int, ...], tuple[int, ...]]]:
         m = self.merge
