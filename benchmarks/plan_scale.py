@@ -283,6 +283,18 @@ def _plot(rows: list[dict[str, Any]], out: Path) -> list[str]:
     return files
 
 
+def _save(rows: list[dict[str, Any]], out: Path, plots: bool) -> None:
+    """Results so far: JSON and a Markdown table after every configuration, the plots at the end."""
+    out.mkdir(parents=True, exist_ok=True)
+    env = {"python": platform.python_version(), "machine": platform.machine(), "processor": platform.processor()}
+    ordered = sorted(rows, key=lambda r: (r["layout"], ["8b", "70b", "405b"].index(r["model"]), r["ranks"]))
+    (out / "plan_scale.json").write_text(json.dumps({"env": env, "rows": ordered}, indent=1))
+    (out / "plan_scale.md").write_text(_table(ordered))
+    if plots:
+        files = _plot(ordered, out)
+        print(f"wrote {out} ({len(files)} plots)", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", choices=["8b", "70b", "405b", "all"], default="all")
@@ -292,14 +304,21 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object per configuration")
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "plan_scale"))
     p.add_argument("--no-save", action="store_true", help="do not write the results directory")
+    p.add_argument("--plot-only", action="store_true", help="redraw the plots and table from the saved JSON")
     args = p.parse_args(argv)
-    models = ["8b", "70b", "405b"] if args.model == "all" else [args.model]
-    rows = []
+    if args.plot_only:
+        out = Path(args.out)
+        _save(json.loads((out / "plan_scale.json").read_text())["rows"], out, plots=True)
+        return
+    models = ["405b", "70b", "8b"] if args.model == "all" else [args.model]
+    rows: list[dict[str, Any]] = []
     for layout in args.layout:
         for model in models:
             for world in args.ranks:
                 row = run_one(model, world, layout, check=not args.no_check)
                 rows.append(row)
+                if not args.no_save:
+                    _save(rows, Path(args.out), plots=False)
                 if args.json:
                     print(json.dumps(row), flush=True)
                 else:
@@ -311,13 +330,7 @@ def main(argv: list[str] | None = None) -> None:
                         flush=True,
                     )
     if not args.no_save:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        env = {"python": platform.python_version(), "machine": platform.machine(), "processor": platform.processor()}
-        (out / "plan_scale.json").write_text(json.dumps({"env": env, "rows": rows}, indent=1))
-        (out / "plan_scale.md").write_text(_table(rows))
-        plots = _plot(rows, out)
-        print(f"wrote {out} ({len(plots)} plots)", file=sys.stderr)
+        _save(rows, Path(args.out), plots=True)
     if args.json:
         print(json.dumps(rows[-1]))
     else:
