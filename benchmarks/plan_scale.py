@@ -44,17 +44,10 @@ from pytreeckpt._dtypes import dtype_from_name
 from pytreeckpt._format import ARRAYS_DIR, ArrayMeta, array_names, build_document
 from pytreeckpt._llama import llama_state
 from pytreeckpt._plan import ChunkingOptions
+from pytreeckpt._plan_cache import PlanCache, spec_plan_key
 from pytreeckpt._plan_check import check_load, check_save
 from pytreeckpt._plan_load_table import plan_load_rank, plan_load_tables
-from pytreeckpt._plan_table import (
-    ArraySpec,
-    PlanCache,
-    clear_caches,
-    piece_table,
-    plan_save_rank,
-    plan_save_tables,
-    spec_plan_key,
-)
+from pytreeckpt._plan_table import ArraySpec, clear_caches, piece_table, plan_save_rank, plan_save_tables
 from pytreeckpt._tree import Node
 
 PP = {"8b": 1, "70b": 4, "405b": 16}  # 405B: TP8 x PP16, as Llama 3 405B was trained

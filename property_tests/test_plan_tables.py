@@ -7,17 +7,10 @@ from hypothesis import strategies as st
 
 from pytreeckpt import ChunkingOptions
 from pytreeckpt._plan import ArrayLayout, LoadPlan, plan_load, plan_save
+from pytreeckpt._plan_cache import plan_save_fast
 from pytreeckpt._plan_check import check_load, check_save
 from pytreeckpt._plan_load_table import ArrayLoadTable, load_rank_part, plan_load_rank, plan_load_tables
-from pytreeckpt._plan_table import (
-    ArraySpec,
-    clear_caches,
-    piece_table,
-    plan_save_fast,
-    plan_save_rank,
-    plan_save_tables,
-    rank_part,
-)
+from pytreeckpt._plan_table import ArraySpec, clear_caches, piece_table, plan_save_rank, plan_save_tables, rank_part
 from pytreeckpt.testing import chunking_options, shapes, specs
 
 Inputs = tuple[list[ArraySpec], int, ChunkingOptions | None]

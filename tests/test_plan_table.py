@@ -9,18 +9,10 @@ import pytest
 
 from pytreeckpt._llama import MODELS, LlamaConfig, llama_state
 from pytreeckpt._plan import ChunkingOptions, LoadPlan, plan_load, plan_save
+from pytreeckpt._plan_cache import PlanCache, cached_plan_save, plan_save_fast, spec_plan_key
 from pytreeckpt._plan_check import check_load, check_save
 from pytreeckpt._plan_load_table import ArrayLoadTable, load_rank_part, plan_load_rank, plan_load_tables
-from pytreeckpt._plan_table import (
-    PlanCache,
-    cached_plan_save,
-    clear_caches,
-    plan_save_fast,
-    plan_save_rank,
-    plan_save_tables,
-    rank_part,
-    spec_plan_key,
-)
+from pytreeckpt._plan_table import clear_caches, plan_save_rank, plan_save_tables, rank_part
 
 TINY = LlamaConfig(dim=512, layers=4, heads=8, kv_heads=2, ffn=1536, vocab=1000)
 LAYOUTS = [("tp_pp_dp", {"tp": 4, "pp": 2}), ("fsdp_tp", {"tp": 4}), ("fsdp1", {})]

@@ -25,7 +25,7 @@ from ._executor import ExecutorOptions, PieceData, Storage, write_items
 from ._format import ARRAYS_DIR, ArrayMeta, ValueMeta, array_names, build_document, parse_document
 from ._leaf import Abstract, ShardedLeaf, piece_view
 from ._plan import ArrayLayout, ChunkingOptions, SavePlan, plan_load
-from ._plan_table import cached_plan_save
+from ._plan_cache import cached_plan_save
 from ._region import Region
 from ._sharding import Layout, Mesh, Piece, Replicate, ShardingSpec
 from ._tree import PYTHON_LEAF_TYPES, KeyEntry, Node, broadcast_prefix, encode_value, flatten, keystr

@@ -1,6 +1,6 @@
 """Simulated training states at scale: Llama-style models under real parallel layouts, as plain specs.
 
-Nothing here allocates a tensor: a state is a list of :class:`~pytreeckpt._plan_table.ArraySpec`
+Nothing here allocates a tensor: a state is a list of :class:`~pytreeckpt._piece_table.ArraySpec`
 (key path, global shape, element size, layout, and the world ranks the layout's mesh
 sits on), which is all the planning layer needs. Used by ``benchmarks/plan_scale.py``
 and by the tests that check plan invariants on simulated layouts.
@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ._errors import LayoutError
-from ._plan_table import ArraySpec
+from ._piece_table import ArraySpec
 from ._sharding import FlatRanges, Layout, Mesh, Placement, Replicate, Shard, ShardingSpec, StridedShard
 
 __all__ = ["MODELS", "LlamaConfig", "llama_params", "llama_state"]

@@ -15,9 +15,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ._piece_table import _I64, ArraySpec, piece_table
 from ._plan import ArrayLoadPlan, WriteOp
 from ._plan_load_table import ArrayLoadTable
-from ._plan_table import _I64, ArraySaveTable, ArraySpec, _coverage, _LazyMerge, piece_table
+from ._plan_table import ArraySaveTable, _coverage, _LazyMerge
 
 __all__ = ["check_load", "check_save"]
 

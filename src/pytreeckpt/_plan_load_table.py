@@ -18,8 +18,9 @@ from typing import Any
 import numpy as np
 
 from ._errors import LayoutError
+from ._piece_table import _I64, ArraySpec, _Memo, _pos_of, piece_table
 from ._plan import ArrayLoadPlan, Fragment, LoadPlan, ReadOp, _plan_array_load
-from ._plan_table import _I64, ArraySpec, _coverage, _Memo, _pos_of, _UnionFind, piece_table
+from ._plan_table import _coverage, _UnionFind
 from ._region import Region
 
 __all__ = ["ArrayLoadTable", "load_rank_part", "plan_load_rank", "plan_load_tables"]
