@@ -55,9 +55,10 @@ def typecheck(session: nox.Session) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """pytreeckpt beside torch.save, torch.distributed.checkpoint, memcpy and raw I/O; writes benchmarks/results/.
+    """pytreeckpt beside torch.save, DCP, memcpy and raw I/O, then planning at scale; writes benchmarks/results/.
 
     ``nox -s bench -- --sizes-gib 1 --only single`` passes options on (``python -m benchmarks -h``).
     """
-    _install(session, "test,bench")
+    _install(session, "bench")
     session.run("python", "-m", "benchmarks", *session.posargs)
+    session.run("python", "benchmarks/plan_scale.py")

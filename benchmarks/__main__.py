@@ -47,7 +47,7 @@ def _table(title: str, r: dict[str, Any]) -> list[str]:
 def _check_rows(rows: list[tuple[str, float, str, float]]) -> list[str]:
     out = ["| target | measured | bound | |", "| --- | ---: | ---: | --- |"]
     for name, value, op, bound in rows:
-        ok = {"<=": value <= bound, ">=": value >= bound, ">": value > bound}[op]
+        ok = {"<=": value <= bound, ">=": value >= bound, ">": value > bound, "<": value < bound}[op]
         out.append(f"| {name} | {value:.2f} | {op} {bound} | {'met' if ok else 'MISSED'} |")
     return [*out, ""]
 
@@ -117,12 +117,14 @@ def main() -> None:
                 print(f"-- {key}", flush=True)
                 r = single.run(int(gib * GiB), args.leaves, args.repeat, workdir, cold)
                 report["runs"][key] = r
+                print(json.dumps(r), flush=True)
                 checks += [f"#### {key}", "", *_check_rows(single.targets(r, cold))]
         if "dist" in only:
             key = f"{args.ranks} gloo ranks {args.dist_gib:g} GiB"
             print(f"-- {key}", flush=True)
             r = dist.run(args.ranks, int(args.dist_gib * GiB), args.leaves, max(1, args.repeat - 1), workdir, cold)
             report["runs"][key] = r
+            print(json.dumps(r), flush=True)
             checks += [f"#### {key}", "", *_check_rows(dist.targets(r, cold))]
         if "small" in only:
             key = f"{args.small} small leaves"

@@ -5,7 +5,18 @@ from __future__ import annotations
 import subprocess
 import sys
 
-PURE = ["pytreeckpt._region", "pytreeckpt._sharding", "pytreeckpt._plan", "pytreeckpt._tree"]
+PURE = [
+    "pytreeckpt._region",
+    "pytreeckpt._sharding",
+    "pytreeckpt._plan",
+    "pytreeckpt._piece_table",
+    "pytreeckpt._plan_table",
+    "pytreeckpt._plan_cache",
+    "pytreeckpt._plan_load_table",
+    "pytreeckpt._plan_check",
+    "pytreeckpt._llama",
+    "pytreeckpt._tree",
+]
 
 
 def test_pure_modules_import_neither_torch_nor_tensorstore() -> None:

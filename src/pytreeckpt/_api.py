@@ -42,7 +42,8 @@ from ._leaf import Abstract, ShardedLeaf, piece_view
 from ._location import Where, describe
 from ._monitor import Monitor, Progress, Span
 from ._pipeline import Snapshot, staged_writes
-from ._plan import ArrayLayout, ChunkingOptions, SavePlan, plan_load, plan_save
+from ._plan import ArrayLayout, ChunkingOptions, SavePlan, plan_load
+from ._plan_cache import cached_plan_save
 from ._region import Region
 from ._sharding import Layout, Mesh, Piece, Replicate, ShardingSpec
 from ._staging import PoolAborted, staging_pool
@@ -512,7 +513,7 @@ def _plan_job(
         world = comm.world
     else:
         world = max((a.layout.world_size for a in arrays), default=1)
-    plan = plan_save(
+    plan = cached_plan_save(
         [ArrayLayout(a.key, a.shape, a.dtype.itemsize, a.pieces) for a in arrays], world, chunking or storage.chunking
     )
     for a, ap in zip(arrays, plan.arrays, strict=True):

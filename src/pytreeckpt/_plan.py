@@ -16,6 +16,7 @@ read once, by one reader, and delivered to every rank piece that wants exactly i
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections import defaultdict
 from collections.abc import Sequence
@@ -276,11 +277,9 @@ def choose_chunk_shape(
     ``min_chunk_bytes``, a regular grid that ignores piece boundaries is used instead.
     """
     shape = tuple(int(s) for s in shape)
-    if any(s == 0 for s in shape):
-        return tuple(max(1, s) for s in shape)
-    if math.prod(shape) * itemsize <= options.single_chunk_bytes:
-        return shape
-    aligned = list(shape)
+    if any(s == 0 for s in shape) or math.prod(shape) * itemsize <= options.single_chunk_bytes:
+        return chunk_shape_from_cuts(shape, itemsize, [0] * len(shape), options)
+    cuts = []
     for d in range(len(shape)):
         g = 0
         for rank_pieces in pieces:
@@ -288,8 +287,19 @@ def choose_chunk_shape(
                 for cut in (p.region.offset[d], p.region.offset[d] + p.region.shape[d]):
                     if 0 < cut < shape[d]:
                         g = math.gcd(g, cut)
-        if g:
-            aligned[d] = g
+        cuts.append(g)
+    return chunk_shape_from_cuts(shape, itemsize, cuts, options)
+
+
+def chunk_shape_from_cuts(
+    shape: tuple[int, ...], itemsize: int, cuts: Sequence[int], options: ChunkingOptions
+) -> tuple[int, ...]:
+    """:func:`choose_chunk_shape` given, per dim, the gcd of the piece boundaries inside the array (0: none)."""
+    if any(s == 0 for s in shape):
+        return tuple(max(1, s) for s in shape)
+    if math.prod(shape) * itemsize <= options.single_chunk_bytes:
+        return shape
+    aligned = [g if g else s for g, s in zip(cuts, shape, strict=True)]
     if math.prod(aligned) * itemsize >= options.min_chunk_bytes:
         return _cap(aligned, itemsize, options.max_chunk_bytes, aligned=True)
     return _cap(list(shape), itemsize, options.max_chunk_bytes, aligned=False)
@@ -367,10 +377,13 @@ def _water_fill(
             load[:] = after
             return runs
     out = {}
+    heap = [(load[r], r) for r in holders]  # the least loaded holder, lowest rank first, is heap[0]
+    heapq.heapify(heap)
     for c in chunks:
-        best = min(holders, key=lambda r: (load[r], r))
+        best = heap[0][1]
         out[c] = best
         load[best] += sizes[c]
+        heapq.heapreplace(heap, (load[best], best))
     return out
 
 
@@ -459,32 +472,73 @@ def _merge_write(layout: ArrayLayout, chunk: Region, load: list[int]) -> WriteOp
             if inter is not None:
                 overlap[rank] += inter.size
                 parts.append((rank, pi, inter))
-    if not parts:
-        raise LayoutError(f"leaf {layout.key!r}: elements {chunk} are held by no rank, so they cannot be saved")
-    writer = min(overlap, key=lambda r: (-overlap[r], load[r], r))
-    # The writer's own pieces first, then the others by how much they hold.
-    parts.sort(key=lambda p: (p[0] != writer, -overlap[p[0]], p[0], p[1]))
-    uncovered = [chunk]
+    writer = merge_writer(layout.key, chunk, overlap, load)
+    op = merge_sources(layout.key, chunk, writer, parts, overlap)
+    load[writer] += chunk.size * layout.itemsize
+    return op
+
+
+def merge_writer(key: str, chunk: Region, overlap: dict[int, int], load: Any) -> int:
+    """The writer of a merged chunk: the rank holding most of it, then the least loaded, then the lowest."""
+    if not overlap:
+        raise LayoutError(f"leaf {key!r}: elements {chunk} are held by no rank, so they cannot be saved")
+    return min(overlap, key=lambda r: (-overlap[r], load[r], r))
+
+
+def merge_sources(
+    key: str, chunk: Region, writer: int, parts: list[tuple[int, int, Region]], overlap: dict[int, int]
+) -> WriteOp:
+    """The write of a merged chunk by ``writer`` from ``parts`` (rank, piece, part of the chunk), in rank order."""
+    # The writer's own pieces first, then the others by how much they hold. Boxes are
+    # kept as (lo, hi) tuples; a part equal to one already used adds nothing (replicas).
+    parts = sorted(parts, key=lambda p: (p[0] != writer, -overlap[p[0]], p[0], p[1]))
+    uncovered: list[tuple[tuple[int, ...], tuple[int, ...]]] = [(chunk.offset, chunk.stop)]
     sources: list[Fragment] = []
+    seen: set[tuple[tuple[int, ...], tuple[int, ...]]] = set()
     for rank, pi, inter in parts:
-        rest: list[Region] = []
-        for u in uncovered:
-            got = u.intersect(inter)
-            if got is None:
-                rest.append(u)
+        plo, phi = inter.offset, inter.stop
+        if (plo, phi) in seen:
+            continue
+        seen.add((plo, phi))
+        rest: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+        for ulo, uhi in uncovered:
+            glo = tuple(map(max, ulo, plo))
+            ghi = tuple(map(min, uhi, phi))
+            if any(h <= lo for lo, h in zip(glo, ghi, strict=True)):
+                rest.append((ulo, uhi))
                 continue
-            sources.append(Fragment(rank, pi, got))
-            rest.extend(u.subtract(got))
+            sources.append(Fragment(rank, pi, Region(glo, tuple(h - lo for lo, h in zip(glo, ghi, strict=True)))))
+            rest.extend(_subtract_box(ulo, uhi, glo, ghi))
         uncovered = rest
         if not uncovered:
             break
     if uncovered:
+        lo, hi = uncovered[0]
+        first = Region(lo, tuple(h - a for a, h in zip(lo, hi, strict=True)))
         raise LayoutError(
-            f"leaf {layout.key!r}: elements {uncovered[0]} (and {len(uncovered) - 1} more boxes) are held by no rank, "
+            f"leaf {key!r}: elements {first} (and {len(uncovered) - 1} more boxes) are held by no rank, "
             f"so they cannot be saved"
         )
-    load[writer] += chunk.size * layout.itemsize
     return WriteOp(chunk, writer, tuple(sources))
+
+
+def _subtract_box(
+    lo: tuple[int, ...], hi: tuple[int, ...], glo: tuple[int, ...], ghi: tuple[int, ...]
+) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """``[lo, hi)`` minus its sub-box ``[glo, ghi)``, cut as :meth:`Region.subtract` cuts it."""
+    out = []
+    cur_lo, cur_hi = list(lo), list(hi)
+    for d in range(len(lo)):
+        if glo[d] > cur_lo[d]:
+            h = list(cur_hi)
+            h[d] = glo[d]
+            out.append((tuple(cur_lo), tuple(h)))
+        if ghi[d] < cur_hi[d]:
+            a = list(cur_lo)
+            a[d] = ghi[d]
+            out.append((tuple(a), tuple(cur_hi)))
+        cur_lo[d], cur_hi[d] = glo[d], ghi[d]
+    return out
 
 
 def plan_save(layouts: Sequence[ArrayLayout], world_size: int, options: ChunkingOptions | None = None) -> SavePlan:

@@ -1,0 +1,282 @@
+"""Load planning at scale: :func:`~pytreeckpt._plan.plan_load` computed with numpy, globally or for one rank.
+
+The reference walks every target piece and every stored chunk it touches in Python.
+Here a target layout's distinct boxes are cut along the stored chunk grid all at once;
+only regions wanted by several ranks (replicated targets) need a decision, the reader:
+the least loaded of the ranks that want it, as in the reference, in the reference's
+order. One rank's part is planned over the closure of ranks whose read bytes decide its
+reads. Layouts that are not regular (target boxes overlapping partially) are planned by
+the reference. Nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ._errors import LayoutError
+from ._piece_table import _I64, ArraySpec, _Memo, _pos_of, piece_table
+from ._plan import ArrayLoadPlan, Fragment, LoadPlan, ReadOp, _plan_array_load
+from ._plan_table import _coverage, _UnionFind
+from ._region import Region
+
+__all__ = ["ArrayLoadTable", "load_rank_part", "plan_load_rank", "plan_load_tables"]
+
+
+@dataclass(frozen=True, eq=False)
+class _LoadInfo:
+    """A target layout cut along a stored chunk grid, in layout positions; reads in the reference's order."""
+
+    regular: bool
+    lo: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), _I64))  # (R, d) per read
+    ext: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), _I64))
+    box: np.ndarray = field(default_factory=lambda: np.zeros(0, _I64))  # (R,) the distinct box read into
+    elems: np.ndarray = field(default_factory=lambda: np.zeros(0, _I64))
+    members: list[tuple[tuple[int, int], ...]] = field(default_factory=list)  # per box: (position, piece)
+    single_pos: np.ndarray = field(default_factory=lambda: np.zeros(0, _I64))  # per read: its one wanter, or -1
+    multi_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, _I64))  # reads wanted by several
+    member_arr: list[np.ndarray] = field(default_factory=list)
+    component: np.ndarray = field(default_factory=lambda: np.zeros(0, _I64))
+    comp_members: list[np.ndarray] = field(default_factory=list)
+
+
+_INFOS = _Memo(256)
+
+
+def _load_info(spec: ArraySpec, chunk: tuple[int, ...]) -> _LoadInfo:
+    return _INFOS.get_or((spec.layout, spec.shape, chunk), lambda: _make_info(spec, chunk))
+
+
+def _make_info(spec: ArraySpec, chunk: tuple[int, ...]) -> _LoadInfo:
+    shape = spec.shape
+    nd = len(shape)
+    table = piece_table(spec.layout, shape)
+    if nd == 0 or any(s == 0 for s in shape) or len(table.pos) == 0:
+        return _LoadInfo(False)
+    n = np.asarray(shape, dtype=_I64)
+    hi = table.lo + table.ext
+    if (table.lo < 0).any() or (hi > n).any():
+        return _LoadInfo(False)  # the reference names the leaf and the rank
+    boxes = np.concatenate([table.lo, hi], axis=1)
+    ubox, first, inverse = np.unique(boxes, axis=0, return_index=True, return_inverse=True)
+    inverse = inverse.reshape(-1)
+    # Regular: distinct boxes disjoint (coverage on the grid of their own edges).
+    edges = [np.unique(np.concatenate([ubox[:, d], ubox[:, nd + d]])) for d in range(nd)]
+    clo = np.stack([np.searchsorted(edges[d], ubox[:, d]) for d in range(nd)], axis=1)
+    chi = np.stack([np.searchsorted(edges[d], ubox[:, nd + d]) for d in range(nd)], axis=1)
+    if (_coverage(clo, chi, tuple(len(e) - 1 for e in edges)) > 1).any():
+        return _LoadInfo(False)
+    pos_piece = table.pos * (len(ubox) + 1) + inverse
+    if len(np.unique(pos_piece)) != len(pos_piece):
+        return _LoadInfo(False)
+    # Boxes in the order their first wanter meets them; the reads of each in row-major chunk order.
+    order = np.argsort(first, kind="stable")
+    ub = ubox[order]
+    relabel = np.empty(len(order), dtype=_I64)
+    relabel[order] = np.arange(len(order))
+    box_of_row = relabel[inverse]
+    c = np.asarray(chunk, dtype=_I64)
+    c0 = ub[:, :nd] // c
+    c1 = (ub[:, nd:] - 1) // c + 1
+    counts = np.prod(c1 - c0, axis=1)
+    box = np.repeat(np.arange(len(ub)), counts)
+    local = np.arange(len(box)) - np.repeat(np.cumsum(counts) - counts, counts)
+    idx = np.empty((len(box), nd), dtype=_I64)
+    rem = local
+    spans = (c1 - c0)[box]
+    for d in reversed(range(nd)):
+        idx[:, d] = rem % spans[:, d]
+        rem = rem // spans[:, d]
+    idx += c0[box]
+    lo = np.maximum(idx * c, ub[box, :nd])
+    ext = np.minimum(np.minimum((idx + 1) * c, n), ub[box, nd:]) - lo
+    members: list[list[tuple[int, int]]] = [[] for _ in range(len(ub))]
+    for r, b in enumerate(box_of_row.tolist()):
+        members[b].append((int(table.pos[r]), int(table.piece[r])))
+    nmem = np.asarray([len(m) for m in members], dtype=_I64)
+    single_pos = np.where(nmem[box] == 1, np.asarray([m[0][0] for m in members], dtype=_I64)[box], -1)
+    uf = _UnionFind(table.positions)
+    for m in members:
+        if len(m) > 1:
+            uf.union([p for p, _ in m])
+    return _LoadInfo(
+        True,
+        lo,
+        ext,
+        box,
+        np.prod(ext, axis=1),
+        [tuple(m) for m in members],
+        single_pos,
+        np.flatnonzero(single_pos < 0),
+        [np.asarray([p for p, _ in m], dtype=_I64) for m in members],
+        uf.labels(),
+        uf.members(),
+    )
+
+
+@dataclass(frozen=True, eq=False)
+class ArrayLoadTable:
+    """One array's reads as columns, in the reference's order: region, reader, the box read into."""
+
+    key: str
+    shape: tuple[int, ...]
+    itemsize: int
+    rows: np.ndarray
+    reader: np.ndarray
+    info: _LoadInfo
+    ranks: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def to_plan(self, select: Sequence[int] | None = None) -> ArrayLoadPlan:
+        sel = range(len(self.rows)) if select is None else select
+        lo, ext = self.info.lo, self.info.ext
+        rows, reader, ranks = self.rows.tolist(), self.reader.tolist(), self.ranks.tolist()
+        reads = []
+        for i in sel:
+            r = rows[i]
+            region = Region(tuple(lo[r].tolist()), tuple(ext[r].tolist()))
+            targets = tuple(Fragment(ranks[p], pi, region) for p, pi in self.info.members[int(self.info.box[r])])
+            reads.append(ReadOp(region, reader[i], targets))
+        return ArrayLoadPlan(self.key, self.shape, self.itemsize, tuple(reads))
+
+    def rows_of(self, rank: int) -> list[int]:
+        """Reads that involve ``rank``: it reads them or wants them."""
+        pos = _pos_of(self.ranks, rank)
+        out = set(np.flatnonzero(self.reader == rank).tolist())
+        if pos is not None:
+            wanted = [b for b, m in enumerate(self.info.members) if any(p == pos for p, _ in m)]
+            if wanted:
+                out.update(np.flatnonzero(np.isin(self.info.box[self.rows], wanted)).tolist())
+        return sorted(out)
+
+
+class _NotRegular(Exception):
+    pass
+
+
+def _plan_array(
+    spec: ArraySpec, chunk: tuple[int, ...], world: int, load: np.ndarray, only: np.ndarray | None
+) -> ArrayLoadTable | ArrayLoadPlan:
+    info = _load_info(spec, chunk)
+    ranks = spec.rank_array()
+    monotonic = len(ranks) < 2 or bool((np.diff(ranks) > 0).all())
+    if not info.regular or not monotonic:
+        if only is not None:
+            raise _NotRegular
+        lst = load.tolist()
+        pieces = spec.array_layout(world).pieces
+        ap = _plan_array_load(spec.key, spec.shape, spec.itemsize, chunk, pieces, lst)
+        load[:] = lst
+        return ap
+    nbytes = info.elems * spec.itemsize
+    single = info.single_pos
+    if only is None:
+        multi = info.multi_rows
+        keep_single = np.flatnonzero(single >= 0)
+    else:
+        in_only = only[ranks]
+        keep_single = np.flatnonzero((single >= 0) & in_only[np.maximum(single, 0)])
+        multi = np.asarray(
+            [r for r in info.multi_rows.tolist() if in_only[info.member_arr[int(info.box[r])]].any()], dtype=_I64
+        )
+    readers = np.full(len(info.box), -1, dtype=_I64)
+    readers[keep_single] = ranks[single[keep_single]]
+    # Single-wanter reads before each decision count towards the load it sees.
+    done = 0
+    for r in multi.tolist():
+        upto = int(np.searchsorted(keep_single, r))
+        if upto > done:
+            rows = keep_single[done:upto]
+            np.add.at(load, readers[rows], nbytes[rows])
+            done = upto
+        cand = ranks[info.member_arr[int(info.box[r])]]
+        reader = int(cand[int(np.argmin(load[cand]))])
+        readers[r] = reader
+        load[reader] += int(nbytes[r])
+    rows = keep_single[done:]
+    np.add.at(load, readers[rows], nbytes[rows])
+    sel = np.sort(np.concatenate([keep_single, multi])) if only is not None else np.arange(len(info.box))
+    return ArrayLoadTable(spec.key, spec.shape, spec.itemsize, sel, readers[sel], info, ranks)
+
+
+def plan_load_tables(
+    stored_chunks: Sequence[tuple[int, ...]], targets: Sequence[ArraySpec], world: int
+) -> list[ArrayLoadTable | ArrayLoadPlan]:
+    """The global load plan: per target array (its stored chunk shape given), its reads.
+
+    Equal to ``plan_load`` on the same layouts; arrays the fast path does not cover come
+    back as the reference's :class:`ArrayLoadPlan`.
+    """
+    _check(targets, world)
+    load = np.zeros(world, dtype=_I64)
+    return [_plan_array(s, c, world, load, None) for s, c in zip(targets, stored_chunks, strict=True)]
+
+
+def load_rank_part(tables: Sequence[ArrayLoadTable | ArrayLoadPlan], world: int, rank: int) -> LoadPlan:
+    """The reads of a global load plan that involve ``rank`` (it reads them or wants them)."""
+    out = []
+    for t in tables:
+        if isinstance(t, ArrayLoadTable):
+            out.append(t.to_plan(t.rows_of(rank)))
+        else:
+            reads = tuple(r for r in t.reads if r.reader == rank or any(f.rank == rank for f in r.targets))
+            out.append(ArrayLoadPlan(t.key, t.shape, t.itemsize, reads))
+    return LoadPlan(world, tuple(out))
+
+
+def plan_load_rank(
+    stored_chunks: Sequence[tuple[int, ...]], targets: Sequence[ArraySpec], world: int, rank: int
+) -> LoadPlan:
+    """``rank``'s part of the load plan, planning only the ranks whose read bytes decide its reads."""
+    _check(targets, world)
+    infos = [_load_info(s, c) for s, c in zip(targets, stored_chunks, strict=True)]
+    if not all(i.regular for i in infos):
+        return load_rank_part(plan_load_tables(stored_chunks, targets, world), world, rank)
+    mask = np.zeros(world, dtype=bool)
+    mask[rank] = True
+    distinct: dict[tuple[int, Any], tuple[_LoadInfo, np.ndarray]] = {}
+    for s, info in zip(targets, infos, strict=True):
+        if info.comp_members:
+            distinct.setdefault((id(info), s.ranks), (info, s.rank_array()))
+    done: set[tuple[Any, int]] = set()
+    changed = True
+    while changed:
+        changed = False
+        for key, (info, ranks) in distinct.items():
+            labels = np.unique(info.component[np.flatnonzero(mask[ranks])])
+            for label in labels[labels >= 0].tolist():
+                if (key, label) in done:
+                    continue
+                done.add((key, label))
+                add = ranks[info.comp_members[label]]
+                if not mask[add].all():
+                    mask[add] = True
+                    changed = True
+    load = np.zeros(world, dtype=_I64)
+    involved: dict[Any, bool] = {}
+    out = []
+    try:
+        for s, c in zip(targets, stored_chunks, strict=True):
+            hit = involved.get(s.ranks)
+            if hit is None:
+                hit = involved[s.ranks] = bool(mask[s.rank_array()].any())
+            if not hit:
+                out.append(ArrayLoadPlan(s.key, s.shape, s.itemsize, ()))
+                continue
+            t = _plan_array(s, c, world, load, mask)
+            assert isinstance(t, ArrayLoadTable)
+            out.append(t.to_plan(t.rows_of(rank)))
+    except _NotRegular:
+        return load_rank_part(plan_load_tables(stored_chunks, targets, world), world, rank)
+    return LoadPlan(world, tuple(out))
+
+
+def _check(targets: Sequence[ArraySpec], world: int) -> None:
+    for s in targets:
+        if s.layout.world_size > world:
+            raise LayoutError(f"leaf {s.key!r}: its target spans {s.layout.world_size} ranks but the world has {world}")

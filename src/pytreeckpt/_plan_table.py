@@ -1,0 +1,839 @@
+"""Save planning at scale: layouts as numpy tables, plans as columns, a rank's own part, a plan cache.
+
+:func:`~pytreeckpt._plan.plan_save` walks every chunk and every piece in Python; at
+thousands of ranks that is minutes. This module computes the *same* plan with numpy:
+
+- A layout becomes a :class:`PieceTable` (one row per piece: rank position, piece index,
+  offset, extent), built from the spec without visiting ranks one by one, and shared by
+  every array of the same layout and shape (every layer of a model has the same few).
+- A :class:`GridInfo` holds what does not depend on the bytes already given to each
+  rank: the chunk grid, which pieces wholly hold which boxes of chunks, the chunks that
+  must be merged. Also shared.
+- Per array, only what depends on those bytes is computed: one ``numpy.add.at`` for
+  chunks with a single holder, the balancing of replicated chunks over their holders,
+  and the writer of each merged chunk. The result is an :class:`ArraySaveTable`
+  (columns), turned into the familiar :class:`~pytreeckpt._plan.ArraySavePlan` only
+  where wanted: the whole plan for a small world, one rank's part at scale.
+
+:func:`plan_save_rank` computes one rank's part without planning the world: the bytes
+given to a rank matter only for the ranks that share a replicated chunk or tie for a
+merged one, so it plans just the closure of those ranks. Its result equals the global
+plan restricted to the rank (:func:`rank_part`); property tests hold it to that.
+
+Layouts that are not regular (pieces whose chunk boxes overlap partially, a rank holding
+a chunk twice, a rank order the mesh does not keep) are planned by the reference code
+in ``_plan``, so every input gets the reference plan. Nothing here does I/O or reads a
+clock.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ._errors import LayoutError
+from ._piece_table import _I64, _TABLES, ArraySpec, PieceTable, _Memo, _pos_of, piece_table
+from ._plan import (
+    ArraySavePlan,
+    ChunkingOptions,
+    Fragment,
+    SavePlan,
+    WriteOp,
+    _coalesce,
+    _plan_array_save,
+    _subtract_box,
+    _water_fill,
+    chunk_shape_from_cuts,
+    merge_sources,
+    merge_writer,
+)
+from ._region import Region
+from ._sharding import Layout
+
+__all__ = [
+    "ArraySaveTable",
+    "ArraySpec",
+    "GridInfo",
+    "PieceTable",
+    "clear_caches",
+    "grid_info",
+    "piece_table",
+    "plan_save_rank",
+    "plan_save_tables",
+    "rank_part",
+]
+
+_GRIDS = _Memo(256)
+
+
+def clear_caches() -> None:
+    """Forget the shared tables and grids (benchmarks time cold planning with this)."""
+    _TABLES.clear()
+    _GRIDS.clear()
+
+
+# --------------------------------------------------------------------------- grids
+
+
+@dataclass(frozen=True, eq=False)
+class _Group:
+    """Chunks held by the same two or more positions, in row-major order."""
+
+    members: tuple[int, ...]
+    member_arr: np.ndarray
+    chunks: list[tuple[int, ...]]
+    sizes: dict[tuple[int, ...], int]
+    piece_of: dict[tuple[int, tuple[int, ...]], int]  # (member, chunk) -> its piece
+    memo: dict[bytes, tuple[dict[tuple[int, ...], int], np.ndarray]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, eq=False)
+class _Merge:
+    chunk: Region
+    part_pos: np.ndarray  # the pieces meeting the chunk, in position order, and their parts of it
+    part_piece: np.ndarray
+    part_lo: np.ndarray
+    part_hi: np.ndarray
+    overlap: dict[int, int]  # position -> elements of the chunk it holds
+    tied: tuple[int, ...]  # positions holding the most: the writer is one of them
+    tied_arr: np.ndarray
+    overlap_arr: np.ndarray
+    # distinct part boxes (lo, hi), each with its holders (position, piece) best first
+    distinct: list[tuple[tuple[tuple[int, ...], tuple[int, ...]], list[tuple[int, int]]]]
+    by_pos: dict[int, list[tuple[int, int]]]  # position -> (its lowest piece, box) for the boxes it holds
+    base: list[int]  # boxes in the order of their first holders
+    is_grid: bool  # the distinct boxes are the cells of a grid over the chunk
+    first_holders: frozenset[int] = field(init=False)
+    first_boxes: dict[int, list[int]] = field(init=False)  # position -> the boxes it is first in line for
+    base_index: dict[int, int] = field(init=False)  # box -> its place in ``base``
+    sources: dict[int, _Sources] = field(default_factory=dict)  # writer position -> its sources
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "first_holders", frozenset(hs[0][0] for _, hs in self.distinct))
+        first_boxes: dict[int, list[int]] = {}
+        for b, (_, hs) in enumerate(self.distinct):
+            first_boxes.setdefault(hs[0][0], []).append(b)
+        object.__setattr__(self, "first_boxes", first_boxes)
+        object.__setattr__(self, "base_index", {b: i for i, b in enumerate(self.base)})
+
+    def parts(self) -> list[tuple[int, int, Region]]:
+        return [
+            (p, pi, Region(tuple(lo), tuple(h - a for a, h in zip(lo, hi, strict=True))))
+            for p, pi, lo, hi in zip(
+                self.part_pos.tolist(),
+                self.part_piece.tolist(),
+                self.part_lo.tolist(),
+                self.part_hi.tolist(),
+                strict=True,
+            )
+        ]
+
+    def sources_for(self, key: str, writer: int) -> _Sources:
+        """The sources when ``writer`` (a position) writes: as ``merge_sources`` gives them, memoised.
+
+        ``merge_sources`` skips a part equal to one already used, so only the first holder
+        of each distinct box in its order (the writer's own boxes first) matters.
+        """
+        got = self.sources.get(writer)
+        if got is None:
+            own = sorted(self.by_pos.get(writer, ()))
+            mine = {b for _, b in own}
+            if self.is_grid:
+                # Boxes on a grid: every box left uncovered is a union of grid cells, so each
+                # distinct box is one fragment, whole: the writer's own, then the others in order.
+                got = self.sources[writer] = _GridSources(self, writer, own, mine)
+                return got
+            firsts = [(writer, pi, *self.distinct[b][0]) for pi, b in own]
+            firsts += [(*self.distinct[b][1][0], *self.distinct[b][0]) for b in self.base if b not in mine]
+            uncovered = [(self.chunk.offset, self.chunk.stop)]
+            frags: list[tuple[int, int, tuple[int, ...], tuple[int, ...]]] = []
+            for p, pi, plo, phi in firsts:
+                rest = []
+                for ulo, uhi in uncovered:
+                    if ulo[0] >= phi[0] or uhi[0] <= plo[0]:
+                        rest.append((ulo, uhi))
+                        continue
+                    glo = tuple(map(max, ulo, plo))
+                    ghi = tuple(map(min, uhi, phi))
+                    if any(h <= a for a, h in zip(glo, ghi, strict=True)):
+                        rest.append((ulo, uhi))
+                        continue
+                    frags.append((p, pi, glo, ghi))
+                    rest.extend(_subtract_box(ulo, uhi, glo, ghi))
+                uncovered = rest
+                if not uncovered:
+                    break
+            if uncovered:  # the reference raises the error naming the leaf
+                merge_sources(key, self.chunk, writer, self.parts(), self.overlap)
+            got = self.sources[writer] = _Sources(frags)
+        return got
+
+
+class _Sources:
+    """The sources of a merged write, as (position, piece, lo, hi); fragments made when asked for."""
+
+    __slots__ = ("_items", "position_set")
+
+    def __init__(self, items: list[tuple[int, int, tuple[int, ...], tuple[int, ...]]]) -> None:
+        self._items = items
+        self.position_set = frozenset(i[0] for i in items)
+
+    def has(self, pos: int) -> bool:
+        return pos in self.position_set
+
+    def entries(self) -> list[tuple[int, int, tuple[int, ...], tuple[int, ...]]]:
+        return self._items
+
+    def fragments(self, ranks: np.ndarray, only: int | None = None) -> tuple[Fragment, ...]:
+        """The sources as fragments of world ranks; with ``only``, just that rank's."""
+        items = self.entries()
+        if only is not None:
+            pos = _pos_of(ranks, only)
+            items = [i for i in items if i[0] == pos]
+        return tuple(
+            Fragment(int(ranks[p]), pi, Region(lo, tuple(h - a for a, h in zip(lo, hi, strict=True))))
+            for p, pi, lo, hi in items
+        )
+
+
+@dataclass(frozen=True, eq=False)
+class GridInfo:
+    """What planning an array needs that does not depend on the bytes given to ranks so far.
+
+    ``regular`` is False when the fast planner does not apply (then ``_plan`` plans it).
+    In position space: ``single_*`` are boxes of chunks held by one piece only (a direct
+    write each), ``groups`` chunks held by several, ``merges`` chunks no piece holds whole.
+    ``component`` labels positions (-1: alone) so that positions whose written bytes decide
+    where each other's replicated or tied merged chunks go share a label; ``members`` lists
+    each label's positions.
+    """
+
+    chunk_shape: tuple[int, ...]
+    regular: bool
+    positions: int = 0
+    single_pos: np.ndarray = field(default_factory=lambda: np.zeros(0, _I64))
+    single_piece: np.ndarray = field(default_factory=lambda: np.zeros(0, _I64))
+    single_lo: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), _I64))
+    single_ext: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), _I64))
+    single_elems: np.ndarray = field(default_factory=lambda: np.zeros(0, _I64))
+    groups: list[_Group] = field(default_factory=list)
+    merges: list[_Merge] = field(default_factory=list)
+    component: np.ndarray = field(default_factory=lambda: np.zeros(0, _I64))
+    members: list[np.ndarray] = field(default_factory=list)
+
+
+def _contained(table: PieceTable, chunk: tuple[int, ...], shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """Per row, the box ``[clo, chi)`` of chunk indices lying wholly inside its piece."""
+    c = np.asarray(chunk, dtype=_I64)
+    n = np.asarray(shape, dtype=_I64)
+    end = table.lo + table.ext
+    clo = -(-table.lo // c)
+    chi = np.where(end < n, end // c, -(-n // c))
+    return clo, np.maximum(clo, chi)
+
+
+def _coverage(lo: np.ndarray, hi: np.ndarray, grid: tuple[int, ...]) -> np.ndarray:
+    """How many of the boxes ``[lo, hi)`` cover each cell of ``grid`` (a difference array, summed)."""
+    nd = len(grid)
+    diff = np.zeros(tuple(g + 1 for g in grid), dtype=_I64)
+    for corner in range(1 << nd):
+        idx = tuple(np.where((corner >> d) & 1, hi[:, d], lo[:, d]) for d in range(nd))
+        sign = -1 if bin(corner).count("1") % 2 else 1
+        np.add.at(diff, idx, sign)
+    for d in range(nd):
+        diff = np.cumsum(diff, axis=d)
+    return diff[tuple(slice(0, g) for g in grid)]
+
+
+def grid_info(layout: Layout, shape: tuple[int, ...], itemsize: int, options: ChunkingOptions) -> GridInfo:
+    """The chunk grid of an array and its rank-independent plan structure, memoised."""
+    return _GRIDS.get_or((layout, shape, itemsize, options), lambda: _grid_info(layout, shape, itemsize, options))
+
+
+def _grid_info(layout: Layout, shape: tuple[int, ...], itemsize: int, options: ChunkingOptions) -> GridInfo:
+    table = piece_table(layout, shape)
+    return grid_info_of_table(table, shape, itemsize, options)
+
+
+def grid_info_of_table(table: PieceTable, shape: tuple[int, ...], itemsize: int, options: ChunkingOptions) -> GridInfo:
+    nd = len(shape)
+    cuts = []
+    for d in range(nd):
+        edges = np.concatenate([table.lo[:, d], table.lo[:, d] + table.ext[:, d]])
+        edges = edges[(edges > 0) & (edges < shape[d])]
+        cuts.append(int(np.gcd.reduce(edges)) if len(edges) else 0)
+    chunk = chunk_shape_from_cuts(shape, itemsize, cuts, options)
+    if nd == 0 or any(s == 0 for s in shape):
+        return GridInfo(chunk, regular=False)
+    grid = tuple(-(-s // c) for s, c in zip(shape, chunk, strict=True))
+    clo, chi = _contained(table, chunk, shape)
+    has = (chi > clo).all(axis=1)
+    rows = np.flatnonzero(has)
+    boxes = np.concatenate([clo[rows], chi[rows]], axis=1)
+    if len(rows):
+        ubox, inverse = np.unique(boxes, axis=0, return_inverse=True)
+        inverse = inverse.reshape(-1)
+    else:
+        ubox, inverse = np.zeros((0, 2 * nd), _I64), np.zeros(0, _I64)
+    # Regular: distinct boxes are disjoint, and no position holds a box twice.
+    cover = _coverage(ubox[:, :nd], ubox[:, nd:], grid)
+    if (cover > 1).any():
+        return GridInfo(chunk, regular=False)
+    pos_box = table.pos[rows] * (len(ubox) + 1) + inverse
+    if len(np.unique(pos_box)) != len(pos_box):
+        return GridInfo(chunk, regular=False)
+    members = np.bincount(inverse, minlength=len(ubox))
+    one = members[inverse] == 1
+    srows = rows[one]
+    s_lo, s_hi = clo[srows], chi[srows]
+    c = np.asarray(chunk, dtype=_I64)
+    n = np.asarray(shape, dtype=_I64)
+    lo_el = s_lo * c
+    ext_el = np.minimum(s_hi * c, n) - lo_el
+    single_pos = table.pos[srows]
+    # Replicated boxes: grouped by their holder positions.
+    by_members: dict[tuple[int, ...], list[int]] = defaultdict(list)
+    rep_rows = rows[~one]
+    rep_box = inverse[~one]
+    holders_of_box: dict[int, list[tuple[int, int]]] = defaultdict(list)
+    for r, b in zip(rep_rows.tolist(), rep_box.tolist(), strict=True):
+        holders_of_box[b].append((int(table.pos[r]), int(table.piece[r])))
+    for b, hs in holders_of_box.items():
+        by_members[tuple(sorted({p for p, _ in hs}))].append(b)
+    groups = []
+    uf = _UnionFind(table.positions)
+    for mem, bs in by_members.items():
+        chunks: list[tuple[int, ...]] = []
+        piece_of: dict[tuple[int, tuple[int, ...]], int] = {}
+        for b in bs:
+            blo, bhi = ubox[b, :nd].tolist(), ubox[b, nd:].tolist()
+            cs = _box_indices(blo, bhi)
+            chunks.extend(cs)
+            for p, pi in holders_of_box[b]:
+                for ci in cs:
+                    piece_of[(p, ci)] = pi
+        chunks.sort()
+        sizes = {ci: _chunk_size(ci, chunk, shape) * itemsize for ci in chunks}
+        groups.append(_Group(mem, np.asarray(mem, dtype=_I64), chunks, sizes, piece_of))
+        uf.union(mem)
+    groups.sort(key=lambda g: (len(g.members), g.members))
+    # Merged chunks: those no piece holds whole, in row-major order.
+    merges = []
+    end = table.lo + table.ext
+    for cidx in np.argwhere(cover == 0).tolist():
+        creg = Region(
+            tuple(i * k for i, k in zip(cidx, chunk, strict=True)),
+            tuple(min(k, s - i * k) for i, k, s in zip(cidx, chunk, shape, strict=True)),
+        )
+        merges.append(_make_merge(table, end, creg))
+        if len(merges[-1].tied) > 1:
+            uf.union(merges[-1].tied)
+    return GridInfo(
+        chunk,
+        regular=True,
+        positions=table.positions,
+        single_pos=single_pos,
+        single_piece=table.piece[srows],
+        single_lo=lo_el,
+        single_ext=ext_el,
+        single_elems=np.prod(ext_el, axis=1),
+        groups=groups,
+        merges=merges,
+        component=uf.labels(),
+        members=uf.members(),
+    )
+
+
+class _GridSources(_Sources):
+    """The sources of a merged write on a grid of boxes, listed only when asked for."""
+
+    __slots__ = ("merge", "mine", "own", "writer")
+
+    def __init__(self, merge: _Merge, writer: int, own: list[tuple[int, int]], mine: set[int]) -> None:
+        self.merge, self.writer, self.own, self.mine = merge, writer, own, mine
+
+    def has(self, pos: int) -> bool:
+        if pos == self.writer:
+            return bool(self.own)
+        m = self.merge
+        firsts = m.first_boxes.get(pos, ())
+        return any(b not in self.mine for b in firsts)
+
+    def fragments(self, ranks: np.ndarray, only: int | None = None) -> tuple[Fragment, ...]:
+        if only is None or _pos_of(ranks, only) == self.writer:
+            return super().fragments(ranks, only)
+        pos = _pos_of(ranks, only)
+        m = self.merge
+        boxes = [] if pos is None else [b for b in m.first_boxes.get(pos, ()) if b not in self.mine]
+        boxes.sort(key=m.base_index.__getitem__)
+        return tuple(
+            Fragment(only, m.distinct[b][1][0][1], Region(lo, tuple(h - a for a, h in zip(lo, hi, strict=True))))
+            for b in boxes
+            for lo, hi in (m.distinct[b][0],)
+        )
+
+    def entries(self) -> list[tuple[int, int, tuple[int, ...], tuple[int, ...]]]:
+        m = self.merge
+        out = [(self.writer, pi, *m.distinct[b][0]) for pi, b in self.own]
+        out += [(*m.distinct[b][1][0], *m.distinct[b][0]) for b in m.base if b not in self.mine]
+        return out
+
+
+def _make_merge(table: PieceTable, end: np.ndarray, creg: Region) -> _Merge:
+    clo = np.asarray(creg.offset, dtype=_I64)
+    chi = clo + np.asarray(creg.shape, dtype=_I64)
+    ilo = np.maximum(table.lo, clo)
+    ihi = np.minimum(end, chi)
+    hit = np.flatnonzero((ihi > ilo).all(axis=1))
+    hpos, hpiece, hlo, hhi = table.pos[hit], table.piece[hit], ilo[hit], ihi[hit]
+    if not len(hit):
+        return _Merge(creg, hpos, hpiece, hlo, hhi, {}, (), np.zeros(0, _I64), np.zeros(0, _I64), [], {}, [], False)
+    upos, inv = np.unique(hpos, return_inverse=True)
+    ov = np.zeros(len(upos), dtype=_I64)
+    np.add.at(ov, inv.reshape(-1), np.prod(hhi - hlo, axis=1))
+    overlap = dict(zip(upos.tolist(), ov.tolist(), strict=True))
+    tied_arr = upos[ov == ov.max()]
+    ubox, binv = np.unique(np.concatenate([hlo, hhi], axis=1), axis=0, return_inverse=True)
+    binv = binv.reshape(-1)
+    row_ov = ov[inv.reshape(-1)]
+    order = np.lexsort((hpiece, hpos, -row_ov, binv))
+    nd = hlo.shape[1]
+    boxes = [(tuple(b[:nd]), tuple(b[nd:])) for b in ubox.tolist()]
+    holders: list[list[tuple[int, int]]] = [[] for _ in boxes]
+    for b, p, pi in zip(binv[order].tolist(), hpos[order].tolist(), hpiece[order].tolist(), strict=True):
+        holders[b].append((p, pi))
+    # Boxes in the order their first holders come when the writer holds none of them.
+    base = sorted(range(len(boxes)), key=lambda b: (-overlap[holders[b][0][0]], holders[b][0][0], holders[b][0][1]))
+    by_pos: dict[int, list[tuple[int, int]]] = {}
+    for b, hs in enumerate(holders):
+        best: dict[int, int] = {}
+        for p, pi in hs:
+            best[p] = min(pi, best.get(p, pi))
+        for p, pi in best.items():
+            by_pos.setdefault(p, []).append((pi, b))
+    return _Merge(
+        creg,
+        hpos,
+        hpiece,
+        hlo,
+        hhi,
+        overlap,
+        tuple(tied_arr.tolist()),
+        tied_arr,
+        upos,
+        [(boxes[b], holders[b]) for b in range(len(boxes))],
+        by_pos,
+        base,
+        _is_grid(ubox, clo, chi),
+    )
+
+
+def _is_grid(ubox: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> bool:
+    """True when the boxes ``ubox`` (lo | hi rows, distinct) are every cell of a grid over ``[lo, hi)``."""
+    nd = len(lo)
+    cells = 1
+    for d in range(nd):
+        iv = np.unique(ubox[:, [d, nd + d]], axis=0)
+        if iv[0, 0] != lo[d] or iv[-1, 1] != hi[d] or (iv[1:, 0] != iv[:-1, 1]).any():
+            return False
+        cells *= len(iv)
+    return cells == len(ubox)
+
+
+class _UnionFind:
+    """Connected components of positions joined by groups, labelled 0.. in order of first position (-1: alone)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.groups: list[np.ndarray] = []
+        self._labels: np.ndarray | None = None
+
+    def union(self, items: Sequence[int]) -> None:
+        self.groups.append(np.asarray(items, dtype=_I64))
+        self._labels = None
+
+    def labels(self) -> np.ndarray:
+        if self._labels is None:
+            lab = np.arange(self.n, dtype=_I64)
+            touched = np.zeros(self.n, dtype=bool)
+            for g in self.groups:
+                touched[g] = True
+            changed = True
+            while changed:
+                changed = False
+                for g in self.groups:
+                    m = lab[g].min()
+                    if (lab[g] != m).any():
+                        lab[g] = m
+                        changed = True
+                lab = lab[lab]
+            out = np.full(self.n, -1, dtype=_I64)
+            _, inv = np.unique(lab[touched], return_inverse=True)
+            out[touched] = inv.reshape(-1)
+            self._labels = out
+        return self._labels
+
+    def members(self) -> list[np.ndarray]:
+        labels = self.labels()
+        order = np.argsort(labels, kind="stable")
+        order = order[labels[order] >= 0]
+        if not len(order):
+            return []
+        counts = np.bincount(labels[order])
+        return np.split(order, np.cumsum(counts)[:-1])
+
+
+def _box_indices(lo: list[int], hi: list[int]) -> list[tuple[int, ...]]:
+    out: list[tuple[int, ...]] = [()]
+    for a, b in zip(lo, hi, strict=True):
+        out = [(*t, i) for t in out for i in range(a, b)]
+    return out
+
+
+def _chunk_size(index: tuple[int, ...], chunk: tuple[int, ...], shape: tuple[int, ...]) -> int:
+    return math.prod(min(k, s - i * k) for i, k, s in zip(index, chunk, shape, strict=True))
+
+
+# --------------------------------------------------------------------------- planning
+
+
+@dataclass(frozen=True, eq=False)
+class ArraySaveTable:
+    """One array's writes as columns, sorted by offset; ``piece`` is -1 for merged writes.
+
+    Direct writes (one source: the writer's own piece ``piece`` covering the region) are
+    columns only; merged writes keep their sources in ``merged`` (row -> WriteOp).
+    """
+
+    key: str
+    shape: tuple[int, ...]
+    itemsize: int
+    chunk_shape: tuple[int, ...]
+    offset: np.ndarray
+    extent: np.ndarray
+    writer: np.ndarray
+    piece: np.ndarray
+    merged: dict[int, WriteOp | _LazyMerge]
+
+    def __len__(self) -> int:
+        return len(self.writer)
+
+    def to_plan(self, rows: Sequence[int] | None = None, rank: int | None = None) -> ArraySavePlan:
+        """The :class:`ArraySavePlan` of these writes (or of ``rows`` of them).
+
+        With ``rank``, a merged write that ``rank`` feeds but does not write keeps only
+        ``rank``'s own fragments: what that rank sends, and to whom.
+        """
+        sel = list(range(len(self.writer))) if rows is None else list(rows)
+        off, ext = self.offset[sel].tolist(), self.extent[sel].tolist()
+        writer, piece = self.writer[sel].tolist(), self.piece[sel].tolist()
+        writes = []
+        for j, i in enumerate(sel):
+            op = self.merged.get(i)
+            if op is None:
+                region = Region(tuple(off[j]), tuple(ext[j]))
+                op = WriteOp(region, writer[j], (Fragment(writer[j], piece[j], region),))
+            else:
+                if isinstance(op, _LazyMerge):
+                    op = op.op(None if rank == op.writer else rank)
+                elif rank is not None and rank != op.writer:
+                    op = WriteOp(op.region, op.writer, tuple(f for f in op.sources if f.rank == rank))
+            writes.append(op)
+        return ArraySavePlan(self.key, self.shape, self.itemsize, self.chunk_shape, tuple(writes))
+
+    def rows_of(self, rank: int) -> list[int]:
+        """Rows whose write involves ``rank``, as writer or as a source."""
+        rows = set(np.flatnonzero(self.writer == rank).tolist())
+        for i, op in self.merged.items():
+            if isinstance(op, _LazyMerge):
+                if op.has_source(rank):
+                    rows.add(i)
+            elif any(s.rank == rank for s in op.sources):
+                rows.add(i)
+        return sorted(rows)
+
+
+@dataclass(frozen=True, slots=True)
+class _LazyMerge:
+    """A merged write whose sources are kept in layout positions until asked for."""
+
+    chunk: Region
+    writer: int
+    sources: _Sources
+    ranks: np.ndarray
+
+    def has_source(self, rank: int) -> bool:
+        pos = _pos_of(self.ranks, rank)
+        return pos is not None and self.sources.has(pos)
+
+    def op(self, only: int | None = None) -> WriteOp:
+        """The write; with ``only``, keeping just the fragments of that rank."""
+        return WriteOp(self.chunk, self.writer, self.sources.fragments(self.ranks, only))
+
+
+def _table_of_plan(ap: ArraySavePlan) -> ArraySaveTable:
+    nd = len(ap.shape)
+    merged: dict[int, WriteOp | _LazyMerge] = {i: w for i, w in enumerate(ap.writes) if not w.is_direct}
+    return ArraySaveTable(
+        ap.key,
+        ap.shape,
+        ap.itemsize,
+        ap.chunk_shape,
+        np.asarray([w.region.offset for w in ap.writes], dtype=_I64).reshape(len(ap.writes), nd),
+        np.asarray([w.region.shape for w in ap.writes], dtype=_I64).reshape(len(ap.writes), nd),
+        np.asarray([w.writer for w in ap.writes], dtype=_I64),
+        np.asarray([-1 if i in merged else w.sources[0].piece for i, w in enumerate(ap.writes)], dtype=_I64),
+        merged,
+    )
+
+
+def _plan_array(
+    spec: ArraySpec,
+    world: int,
+    options: ChunkingOptions,
+    load: np.ndarray,
+    only: np.ndarray | None,
+    emit: int | None = None,
+    info: GridInfo | None = None,
+) -> ArraySaveTable:
+    """One array's writes, adding the bytes it gives each rank to ``load``.
+
+    With ``only`` (a mask of a closed set of ranks), only the bytes of those ranks are tracked, and
+    with ``emit`` only the writes involving that rank are made.
+    """
+    if info is None:
+        info = grid_info(spec.layout, spec.shape, spec.itemsize, options)
+    ranks = spec.rank_array()
+    monotonic = len(ranks) < 2 or bool((np.diff(ranks) > 0).all())
+    if not info.regular or not monotonic or (len(ranks) and (ranks[0] < 0 or ranks[-1] >= world)):
+        if only is not None:
+            raise _NotClosed
+        return _plan_reference(spec, world, options, load)
+    nd = len(spec.shape)
+    itemsize = spec.itemsize
+    chunk = np.asarray(info.chunk_shape, dtype=_I64)
+    shape = np.asarray(spec.shape, dtype=_I64)
+    # Chunks with one holder: a direct write each.
+    if only is None:
+        srow = np.arange(len(info.single_pos))
+    else:
+        srow = np.flatnonzero(only[ranks[info.single_pos]])
+    writers = ranks[info.single_pos[srow]] if len(srow) else np.zeros(0, _I64)
+    np.add.at(load, writers, info.single_elems[srow] * itemsize)
+    if emit is not None:
+        keep = writers == emit
+        srow, writers = srow[keep], writers[keep]
+    extra: list[tuple[list[int], list[int], int, int, _LazyMerge | None]] = []
+    # Replicated chunks: balanced over their holders.
+    for g in info.groups:
+        holder_arr = ranks[g.member_arr]
+        if only is not None and not only[holder_arr].any():
+            continue
+        before = load[holder_arr]
+        memo_key = before.tobytes()
+        hit = g.memo.get(memo_key)
+        if hit is None:
+            local = before.tolist()
+            assign = _water_fill(g.chunks, range(len(local)), g.sizes, local)
+            hit = g.memo[memo_key] = (assign, np.asarray(local, dtype=_I64))
+        assign = hit[0]
+        load[holder_arr] = hit[1]
+        holders = holder_arr.tolist()
+        if emit is not None and emit not in holders:
+            continue
+        by_source: dict[tuple[int, int], list[tuple[int, ...]]] = defaultdict(list)
+        for ci, k in assign.items():
+            if emit is None or holders[k] == emit:
+                by_source[(k, g.piece_of[(g.members[k], ci)])].append(ci)
+        for (k, pi), idxs in sorted(by_source.items()):
+            boxes = [(idxs[0], tuple(i + 1 for i in idxs[0]))] if len(idxs) == 1 else _coalesce(idxs)
+            for lo, hi in boxes:
+                a = [i * c for i, c in zip(lo, info.chunk_shape, strict=True)]
+                b = [min(i * c, n) for i, c, n in zip(hi, info.chunk_shape, spec.shape, strict=True)]
+                extra.append((a, [y - x for x, y in zip(a, b, strict=True)], holders[k], pi, None))
+    # Merged chunks: the rank holding most of each, ties to the least loaded, then the lowest.
+    for m in info.merges:
+        if only is not None and not only[ranks[m.overlap_arr]].any():
+            continue
+        if len(m.tied) == 1:
+            writer_pos = m.tied[0]
+        elif len(m.tied) == 0:
+            merge_writer(spec.key, m.chunk, {}, load)  # raises: nobody holds it
+            raise AssertionError
+        else:
+            writer_pos = m.tied[int(np.argmin(load[ranks[m.tied_arr]]))]
+        writer = int(ranks[writer_pos])
+        load[writer] += m.chunk.size * itemsize
+        # ``emit`` feeds the chunk only if it is the first holder of some distinct box
+        if emit is not None and writer != emit and _pos_of(ranks, emit) not in m.first_holders:
+            continue
+        lazy = _LazyMerge(m.chunk, writer, m.sources_for(spec.key, writer_pos), ranks)
+        extra.append((list(m.chunk.offset), list(m.chunk.shape), writer, -1, lazy))
+    offset = info.single_lo[srow]
+    extent = info.single_ext[srow]
+    writer_a = writers
+    piece_a = info.single_piece[srow]
+    if extra:
+        offset = np.concatenate([offset, np.asarray([e[0] for e in extra], dtype=_I64).reshape(len(extra), nd)])
+        extent = np.concatenate([extent, np.asarray([e[1] for e in extra], dtype=_I64).reshape(len(extra), nd)])
+        writer_a = np.concatenate([writer_a, np.asarray([e[2] for e in extra], dtype=_I64)])
+        piece_a = np.concatenate([piece_a, np.asarray([e[3] for e in extra], dtype=_I64)])
+    del chunk, shape
+    order = np.lexsort(offset.T[::-1]) if nd else np.arange(len(writer_a))
+    row_of = np.empty(len(order), dtype=_I64)
+    row_of[order] = np.arange(len(order))
+    base = len(srow)
+    merged: dict[int, WriteOp | _LazyMerge] = {
+        int(row_of[base + j]): e[4] for j, e in enumerate(extra) if e[4] is not None
+    }
+    return ArraySaveTable(
+        spec.key,
+        spec.shape,
+        itemsize,
+        info.chunk_shape,
+        offset[order],
+        extent[order],
+        writer_a[order],
+        piece_a[order],
+        merged,
+    )
+
+
+def _plan_reference(spec: ArraySpec, world: int, options: ChunkingOptions, load: np.ndarray) -> ArraySaveTable:
+    lst = load.tolist()
+    ap = _plan_array_save(spec.array_layout(world), options, lst)
+    load[:] = lst
+    return _table_of_plan(ap)
+
+
+class _NotClosed(Exception):
+    """The closure of a rank reaches an array the fast planner cannot restrict."""
+
+
+def _check_world(specs: Sequence[ArraySpec], world: int) -> None:
+    sizes: dict[int, int] = {}
+    for s in specs:
+        size = sizes.get(id(s.layout))
+        if size is None:
+            size = sizes[id(s.layout)] = s.layout.world_size
+        top = size - 1
+        if isinstance(s.ranks, range) and len(s.ranks):
+            top = max(s.ranks[0], s.ranks[-1])
+        elif s.ranks is not None and len(s.ranks):
+            top = max(s.ranks)
+        if size > world or top >= world:
+            raise LayoutError(f"leaf {s.key!r}: its layout spans ranks beyond the world of {world}")
+
+
+def plan_save_tables(
+    specs: Sequence[ArraySpec], world: int, options: ChunkingOptions | None = None
+) -> list[ArraySaveTable]:
+    """The global save plan, as columns: equal to ``plan_save`` on the same layouts.
+
+    >>> from pytreeckpt import Mesh, Shard, ShardingSpec
+    >>> spec = ArraySpec("w", (1024, 1024), 4, ShardingSpec(Mesh(4), [Shard(0)]))
+    >>> t = plan_save_tables([spec], 4)[0]
+    >>> t.writer.tolist(), t.chunk_shape
+    ([0, 1, 2, 3], (256, 1024))
+    """
+    options = options or ChunkingOptions()
+    _check_world(specs, world)
+    load = np.zeros(world, dtype=_I64)
+    return [_plan_array(s, world, options, load, None) for s in specs]
+
+
+def rank_part(tables: Sequence[ArraySaveTable], world: int, rank: int) -> SavePlan:
+    """The part of a global plan that involves ``rank``: every array, with only the writes it writes or feeds.
+
+    A merged write the rank feeds but does not write keeps only the rank's own fragments.
+    """
+    return SavePlan(world, tuple(t.to_plan(t.rows_of(rank), rank) for t in tables))
+
+
+def _closure(specs: Sequence[ArraySpec], infos: Sequence[GridInfo], world: int, rank: int) -> np.ndarray | None:
+    """The ranks whose written bytes decide ``rank``'s writes, as a mask over the world.
+
+    Closed under sharing a replicated chunk or tying for a merged one; None when some
+    array is not regular (then the rank's part comes from the global plan).
+    """
+    distinct: dict[tuple[int, Any], tuple[GridInfo, np.ndarray]] = {}
+    for s, info in zip(specs, infos, strict=True):
+        if not info.regular:
+            return None
+        if info.members:
+            key = (id(info), s.ranks)
+            if key not in distinct:
+                ranks = s.rank_array()
+                if len(ranks) > 1 and not bool((np.diff(ranks) > 0).all()):
+                    return None
+                distinct[key] = (info, ranks)
+    mask = np.zeros(world, dtype=bool)
+    mask[rank] = True
+    # Merges ``rank`` only feeds still depend on the bytes of the ranks tied to write them.
+    for info, ranks in distinct.values():
+        pos = _pos_of(ranks, rank)
+        if pos is None:
+            continue
+        for m in info.merges:
+            if len(m.tied) > 1 and pos in m.overlap:
+                mask[ranks[m.tied_arr]] = True
+    done: set[tuple[Any, int]] = set()
+    changed = True
+    while changed:
+        changed = False
+        for key, (info, ranks) in distinct.items():
+            labels = np.unique(info.component[np.flatnonzero(mask[ranks])])
+            for label in labels[labels >= 0].tolist():
+                if (key, label) in done:
+                    continue
+                done.add((key, label))
+                add = ranks[info.members[label]]
+                if not mask[add].all():
+                    mask[add] = True
+                    changed = True
+    return mask
+
+
+def plan_save_rank(
+    specs: Sequence[ArraySpec], world: int, rank: int, options: ChunkingOptions | None = None
+) -> SavePlan:
+    """``rank``'s part of the global save plan, computed without planning the whole world.
+
+    Equal to ``rank_part(plan_save_tables(specs, world), world, rank)``: only the arrays
+    and ranks whose bytes decide this rank's writes are planned.
+    """
+    options = options or ChunkingOptions()
+    _check_world(specs, world)
+    by_id: dict[tuple[int, tuple[int, ...], int], GridInfo] = {}
+    infos = []
+    for s in specs:
+        k = (id(s.layout), s.shape, s.itemsize)
+        info = by_id.get(k)
+        if info is None:
+            info = by_id[k] = grid_info(s.layout, s.shape, s.itemsize, options)
+        infos.append(info)
+    only = _closure(specs, infos, world, rank)
+    if only is None or 2 * int(only.sum()) > world:  # restricting would not save much
+        return rank_part(plan_save_tables(specs, world, options), world, rank)
+    load = np.zeros(world, dtype=_I64)
+    involved: dict[Any, bool] = {}
+    out = []
+    try:
+        for s, info in zip(specs, infos, strict=True):
+            key = s.ranks
+            hit = involved.get(key)
+            if hit is None:
+                hit = involved[key] = bool(only[s.rank_array()].any())
+            if not hit:
+                out.append(ArraySavePlan(s.key, s.shape, s.itemsize, info.chunk_shape, ()))
+                continue
+            table = _plan_array(s, world, options, load, only, rank, info)
+            out.append(table.to_plan(table.rows_of(rank), rank))
+    except _NotClosed:
+        return rank_part(plan_save_tables(specs, world, options), world, rank)
+    return SavePlan(world, tuple(out))
