@@ -53,12 +53,19 @@ def _state(rank: int, world: int, total: int, leaves: int, mesh: Any, placements
         if placements is None:  # this rank's Shard(0) rows, made locally
             per = rows // world
             local = torch.randn(per, cols, generator=g).to(dtype)
-            state[key] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=(rows, cols))
+            state[key] = DTensor.from_local(
+                local, mesh, [Shard(0)], run_check=False, shape=(rows, cols), stride=(cols, 1)
+            )
         else:  # a load target: Shard(placements), fresh memory
             spec = pytreeckpt.ShardingSpec(pytreeckpt.Mesh(world), [pytreeckpt.Shard(placements)])
             shape = spec.local_shape(rank, (rows, cols))
             state[key] = DTensor.from_local(
-                torch.empty(shape, dtype=dtype), mesh, [Shard(placements)], run_check=False, shape=(rows, cols)
+                torch.empty(shape, dtype=dtype),
+                mesh,
+                [Shard(placements)],
+                run_check=False,
+                shape=(rows, cols),
+                stride=(cols, 1),
             )
     g = torch.Generator().manual_seed(1234)  # the same on every rank: replicated
     for i in range(32):
