@@ -465,22 +465,28 @@ class Storage:
         stores = self.open_arrays(metas, create=create)
         window = _Window(self.options.max_inflight_bytes)
         written = 0
-        for i, region, buf, done in items:
-            parts = [(region, buf)] if reuse is None else reuse.keep(i, region, buf, self)
-            if not parts:  # every chunk linked from the base
-                if done is not None:
-                    done()
-                if progress is not None:
-                    progress(buf.nbytes)
-                continue
-            done_all = done if len(parts) == 1 else _after_all(len(parts), done)
-            for part, data in parts:
-                nbytes = data.nbytes
-                written += nbytes
-                future = stores[i][part.slices()].write(data)
-                if done_all is not None or progress is not None:
-                    future.add_done_callback(_finished(done_all, progress, nbytes))
-                window.add(future, nbytes, f"leaf {metas[i].key!r}: writing {part}")
+        try:
+            for i, region, buf, done in items:
+                parts = [(region, buf)] if reuse is None else reuse.keep(i, region, buf, self)
+                if not parts:  # every chunk linked from the base
+                    if done is not None:
+                        done()
+                    if progress is not None:
+                        progress(buf.nbytes)
+                    continue
+                done_all = done if len(parts) == 1 else _after_all(len(parts), done)
+                for part, data in parts:
+                    nbytes = data.nbytes
+                    written += nbytes
+                    future = stores[i][part.slices()].write(data)
+                    if done_all is not None or progress is not None:
+                        future.add_done_callback(_finished(done_all, progress, nbytes))
+                    window.add(future, nbytes, f"leaf {metas[i].key!r}: writing {part}")
+        except BaseException:
+            # The items failed (a copy, a transfer): let the writes already issued finish
+            # before the failure is reported, so nothing writes into the directory after it.
+            window.drain_quietly()
+            raise
         window.drain()
         return written
 
