@@ -1,0 +1,533 @@
+"""``load``, ``load_slice``, ``metadata`` and ``verify``: read a checkpoint into a new tree."""
+
+from __future__ import annotations
+
+import fnmatch
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from ._dtypes import dtype_of_numpy, dtype_of_torch, numpy_view
+from ._errors import TargetMismatchError
+from ._executor import ExecutorOptions, Storage
+from ._format import (
+    ArrayMeta,
+    ValueMeta,
+    parse_document,
+)
+from ._leaf import Abstract, ShardedLeaf, piece_view
+from ._location import describe
+from ._monitor import Monitor, Progress, Span
+from ._plan import plan_load
+from ._region import Region
+from ._sharding import Layout, Mesh, Piece, Replicate, ShardingSpec
+from ._shared import (
+    _SINGLE,
+    PathLike,
+    _comm,
+    _exchange_layouts,
+    _gather_spans,
+    _is_dtensor,
+    _is_leaf,
+    _is_value,
+    _pad,
+    _wait_in_flight,
+    _where,
+)
+from ._tree import KeyEntry, Node, flatten, keystr
+
+__all__ = ["CheckpointMetadata", "VerifyReport", "load", "load_slice", "metadata", "read_array", "verify"]
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointMetadata:
+    """What a checkpoint holds, read from its metadata alone.
+
+    Attributes:
+      tree: the stored tree, with an :class:`Abstract` for every tensor leaf (numpy
+        leaves too) and plain Python leaves' values; usable as a load target.
+      arrays: the stored arrays by key path: dtype, shape, chunk grid, saved layout.
+      user_metadata: the JSON object given at save time.
+      version: the format version.
+    """
+
+    tree: Any
+    arrays: Mapping[str, ArrayMeta]
+    user_metadata: dict[str, Any] = field(default_factory=dict)
+    version: int = 1
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays.values())
+
+
+def _open(path: PathLike, namespace: str, executor: ExecutorOptions | None) -> tuple[Storage, Any]:
+    storage = Storage(path, executor)
+    doc = parse_document(storage.read_metadata(), namespace=namespace)
+    return storage, doc
+
+
+def metadata(path: PathLike, *, namespace: str = "") -> CheckpointMetadata:
+    """Read a committed checkpoint's metadata (no array data is read)."""
+    _, doc = _open(path, namespace, None)
+    leaves = [leaf.value if isinstance(leaf, ValueMeta) else _abstract_of(leaf) for leaf in doc.leaves]
+    arrays = {leaf.key: leaf for leaf in doc.leaves if isinstance(leaf, ArrayMeta)}
+    return CheckpointMetadata(doc.tree.unflatten(leaves), arrays, doc.user_metadata, doc.version)
+
+
+@dataclass(frozen=True, slots=True)
+class VerifyReport:
+    """What :func:`verify` found.
+
+    Attributes:
+      path: the checkpoint.
+      problems: ``(key path, chunk index or None for the whole array, message)`` for
+        every damaged array or chunk.
+      arrays: arrays checked.
+      chunks: chunks read.
+      nbytes: bytes read.
+    """
+
+    path: str
+    problems: tuple[tuple[str, tuple[int, ...] | None, str], ...]
+    arrays: int
+    chunks: int
+    nbytes: int
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    @property
+    def damaged_leaves(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(key for key, _, _ in self.problems))
+
+
+def verify(path: PathLike, *, executor: ExecutorOptions | None = None) -> VerifyReport:
+    """Read every chunk of every array of a checkpoint and check it (checksums, sizes, presence).
+
+    Raises:
+      NotCommittedError: ``path`` holds no committed checkpoint.
+      MetadataError: the metadata document itself is damaged.
+
+    >>> import tempfile, torch, pytreeckpt
+    >>> d = tempfile.mkdtemp() + "/ckpt"
+    >>> pytreeckpt.save(d, {"w": torch.ones(4)})
+    >>> pytreeckpt.verify(d).ok
+    True
+    """
+    storage, doc = _open(path, "", executor)
+    metas = [leaf for leaf in doc.leaves if isinstance(leaf, ArrayMeta)]
+    problems, chunks, nbytes = storage.verify(metas)
+    return VerifyReport(describe(path), tuple(problems), len(metas), chunks, nbytes)
+
+
+def _abstract_of(meta: ArrayMeta) -> Any:
+    try:
+        return Abstract(meta.shape, meta.dtype.torch)
+    except KeyError:  # numpy-only dtypes
+        return meta
+
+
+@dataclass(slots=True)
+class _Dest:
+    """Destination memory of one target leaf."""
+
+    meta: ArrayMeta
+    pieces: tuple[tuple[Piece, ...], ...]
+    locals: dict[int, Any]  # rank -> torch tensor or numpy array (CPU)
+    finish: Any  # callable: () -> result leaf
+    device_bytes: int = 0  # bytes copied to a device by finish()
+
+    def get(self, rank: int, pi: int) -> tuple[np.ndarray, Region]:
+        piece = self.pieces[rank][pi]
+        local = self.locals[rank]
+        if isinstance(local, np.ndarray):
+            # numpy destinations are full arrays: the single piece is the whole array
+            return local, piece.region
+        return numpy_view(piece_view(local, piece)), piece.region
+
+
+def _full_dest(
+    meta: ArrayMeta, as_numpy: bool, device: torch.device | None, param: torch.Tensor | None, comm: Any = None
+) -> _Dest:
+    """A whole tensor: held by the one rank of a single process, or by every rank of a group."""
+    me = 0 if comm is None else comm.rank
+    layout = _SINGLE if comm is None else ShardingSpec(Mesh(comm.world), [Replicate()])
+    pieces = layout.rank_pieces(meta.shape)
+    if as_numpy:
+        arr = np.empty(meta.shape, dtype=meta.dtype.numpy)
+        return _Dest(meta, pieces, {me: arr}, lambda: arr)
+    on_device = device is not None and device.type != "cpu"
+    t = _host_buffer(meta.shape, meta.dtype.torch, pinned=device is not None and device.type == "cuda")
+
+    def finish() -> Any:
+        out = t.to(device, non_blocking=True) if on_device else t
+        if isinstance(param, torch.nn.Parameter):
+            return torch.nn.Parameter(out, requires_grad=param.requires_grad)
+        return out
+
+    return _Dest(meta, pieces, {me: t}, finish, t.numel() * t.element_size() if on_device else 0)
+
+
+def _host_buffer(shape: tuple[int, ...], dtype: torch.dtype, pinned: bool) -> torch.Tensor:
+    """Host memory for a read; pinned when it goes on to a CUDA device (the copy is then asynchronous)."""
+    return torch.empty(shape, dtype=dtype, pin_memory=pinned and torch.cuda.is_available())
+
+
+def _sharded_dest(
+    meta: ArrayMeta, spec: Layout, ranks: list[int], devices: dict[int, torch.device], comm: Any = None
+) -> _Dest:
+    """The shards of ``ranks`` in ``spec``; in a distributed load every rank's pieces count, this rank's are filled."""
+    all_pieces = spec.rank_pieces(meta.shape)
+    if comm is None:
+        pieces = tuple(p if r in ranks else () for r, p in enumerate(all_pieces))
+    else:
+        pieces = _pad(all_pieces, comm.world, meta.key)
+        ranks = [comm.rank] if comm.rank < spec.world_size else []
+    moved = {r for r in ranks if r in devices and devices[r].type != "cpu"}
+    locals_ = {
+        r: _host_buffer(spec.local_shape(r, meta.shape), meta.dtype.torch, r in moved and devices[r].type == "cuda")
+        for r in ranks
+    }
+
+    def finish() -> ShardedLeaf:
+        shards = {r: t.to(devices[r], non_blocking=True) if r in moved else t for r, t in locals_.items()}
+        return ShardedLeaf(meta.shape, meta.dtype.torch, spec, shards)
+
+    device_bytes = sum(locals_[r].numel() * locals_[r].element_size() for r in moved)
+    return _Dest(meta, pieces, dict(locals_), finish, device_bytes)
+
+
+def _target_problem(key: str, stored: ArrayMeta, shape: tuple[int, ...], dtype_name: str) -> str | None:
+    if stored.shape != shape:
+        return f"leaf {_where(key)}: the checkpoint has shape {stored.shape}, the target has {shape}"
+    if stored.dtype.name != dtype_name:
+        return f"leaf {_where(key)}: the checkpoint has dtype {stored.dtype.name}, the target has {dtype_name}"
+    return None
+
+
+def load(
+    path: PathLike,
+    target: Any = None,
+    *,
+    namespace: str = "",
+    executor: ExecutorOptions | None = None,
+    process_group: Any = None,
+    include: str | Sequence[str] | None = None,
+    monitor: Monitor | None = None,
+) -> Any:
+    """Load a checkpoint, functionally: return a new tree.
+
+    Args:
+      path: a committed checkpoint: a path, URL, kvstore spec or :class:`Location`.
+      target: None to rebuild the stored tree with full tensors (numpy leaves come back
+        as numpy arrays); or a tree whose structure the result takes, whose leaves say
+        what to load: a tensor or numpy array (full, same shape and dtype, on the
+        tensor's device), a :class:`ShardedLeaf` (its spec and ranks: resharding), an
+        :class:`Abstract` (a full tensor, or the shards of its spec), a DTensor (its
+        mesh and placements), or a plain Python value (replaced by the stored value).
+        Stored leaves the target lacks are not read.
+      namespace: the optree namespace of custom pytree nodes.
+      executor: concurrency of the I/O.
+      include: key-path globs (``fnmatch``, e.g. ``"model.layers.*.weight"``): load only
+        the matching leaves, and return them as a flat dict from key path to leaf.
+        Other leaves are not read. Only with ``target=None``.
+      process_group: when torch.distributed is initialised with several ranks, every
+        rank calls ``load`` and gets its own part: its DTensor shards, its shard of
+        each ShardedLeaf or Abstract spec, and full copies of plain tensors. Each rank
+        reads only its regions; a region several ranks want is read once and sent on.
+      monitor: a :class:`Monitor` that records the time and bytes of every phase
+        (on rank 0, every rank's).
+
+    Raises:
+      NotCommittedError: ``path`` holds no committed checkpoint.
+      TargetMismatchError: listing every target leaf that the checkpoint lacks or that
+        differs in shape, dtype or kind.
+      MetadataError: the metadata is malformed or unsafe.
+    """
+    # A save in flight may be running collectives on the checkpoint groups, and may be
+    # writing the very checkpoint asked for: let it finish first.
+    _wait_in_flight()
+    comm = _comm(process_group)
+    spans = Monitor()
+    try:
+        return _load(path, target, namespace, executor, include, comm, spans)
+    finally:
+        if monitor is not None:
+            monitor.extend(spans.spans)
+
+
+def _load(
+    path: PathLike,
+    target: Any,
+    namespace: str,
+    executor: ExecutorOptions | None,
+    include: str | Sequence[str] | None,
+    comm: Any,
+    monitor: Monitor,
+) -> Any:
+    me = 0 if comm is None else comm.rank
+    t0 = time.time()
+    storage = Storage(path, executor)
+    if comm is None:
+        raw = storage.read_metadata()
+    else:
+        raw, error = None, None
+        if comm.rank == 0:
+            try:
+                raw = storage.read_metadata()
+            except Exception as e:
+                error = e
+        comm.agree(error, "reading the checkpoint metadata")
+        raw = comm.broadcast(raw)
+    assert raw is not None
+    doc = parse_document(raw, namespace=namespace)
+    stored_paths = doc.tree.paths()
+    by_path: dict[tuple[KeyEntry, ...], ArrayMeta | ValueMeta] = dict(zip(stored_paths, doc.leaves, strict=True))
+    if include is not None:
+        if target is not None:
+            raise TargetMismatchError("include= selects leaves of the stored tree; give it with target=None")
+        patterns = [include] if isinstance(include, str) else list(include)
+        chosen = [
+            (p, leaf)
+            for p, leaf in zip(stored_paths, doc.leaves, strict=True)
+            if any(fnmatch.fnmatchcase(leaf.key, pat) for pat in patterns)
+        ]
+        t_leaves: list[Any] = [None] * len(chosen)
+        t_paths = [p for p, _ in chosen]
+        structure: Node = Node(
+            "dict", [("s", leaf.key) for _, leaf in chosen], [Node("leaf", leaf=i) for i in range(len(chosen))]
+        )
+        target_given = False
+    elif target is None:
+        t_leaves = [None] * len(doc.leaves)
+        t_paths = stored_paths
+        structure = doc.tree
+        target_given = False
+    else:
+        target_given = True
+        t_leaves, t_paths, structure = flatten(target, _is_leaf, namespace=namespace)
+    # Before any destination is allocated: the stored bytes must back every claimed shape.
+    wanted = [by_path[p] for p in t_paths if isinstance(by_path.get(p), ArrayMeta)]
+    storage.check_stored_sizes([m for m in wanted if isinstance(m, ArrayMeta)])
+    problems: list[str] = []
+    results: list[Any] = [None] * len(t_leaves)
+    dests: list[tuple[int, _Dest]] = []
+    for i, (leaf, p) in enumerate(zip(t_leaves, t_paths, strict=True)):
+        key = keystr(p)
+        stored = by_path.get(p)
+        if stored is None:
+            problems.append(f"leaf {_where(key)} of the target is not in the checkpoint")
+            continue
+        if not target_given:
+            if isinstance(stored, ValueMeta):
+                results[i] = stored.value
+            else:
+                dests.append((i, _full_dest(stored, stored.container == "numpy", None, None, comm)))
+            continue
+        if _is_value(leaf):
+            if isinstance(stored, ValueMeta):
+                results[i] = stored.value
+            else:
+                problems.append(
+                    f"leaf {_where(key)}: the checkpoint has an array of shape {stored.shape} and dtype "
+                    f"{stored.dtype.name}, the target has a {type(leaf).__name__}"
+                )
+            continue
+        if isinstance(stored, ValueMeta):
+            problems.append(
+                f"leaf {_where(key)}: the checkpoint has the value {stored.value!r}, the target has an array"
+            )
+            continue
+        problem, dest = _dest_for(key, stored, leaf, comm)
+        if problem is not None:
+            problems.append(problem)
+        elif dest is not None:
+            dests.append((i, dest))
+    if problems:
+        raise TargetMismatchError(
+            f"the target does not match the checkpoint at {describe(path)}:\n  " + "\n  ".join(problems)
+        )
+    if comm is not None:
+        layouts = _exchange_layouts(
+            comm, [(d.meta.key, d.meta.dtype.name, d.meta.shape, d.pieces[comm.rank]) for _, d in dests], "load"
+        )
+        for (_, d), pieces in zip(dests, layouts, strict=True):
+            d.pieces = pieces
+        world = comm.world
+    else:
+        world = max((len(d.pieces) for _, d in dests), default=1)
+    plan = plan_load(
+        [(d.meta.key, d.meta.shape, d.meta.dtype.itemsize, d.meta.chunk_shape) for _, d in dests],
+        [d.pieces for _, d in dests],
+        world,
+    )
+    metas = [d.meta for _, d in dests]
+    getters = [d.get for _, d in dests]
+    thread = threading.current_thread().name
+    monitor.add(Span("load", "plan", me, t0, time.time(), 0, thread))
+    h2d_bytes, h2d_seconds = [0], [0.0]
+
+    def finish(k: int) -> None:
+        """Make array ``k``'s result leaf: for a device target, start its host-to-device copy."""
+        i, d = dests[k]
+        start = time.perf_counter()
+        results[i] = d.finish()
+        if d.device_bytes:
+            h2d_bytes[0] += d.device_bytes
+            h2d_seconds[0] += time.perf_counter() - start
+
+    mine = sum(op.region.size * ap.itemsize for ap in plan.arrays for op in ap.reads if comm is None or op.reader == me)
+    progress = Progress.maybe(storage.options.progress and me == 0, "load", mine)
+    try:
+        if comm is None:
+            # each array's host-to-device copy starts as soon as it is read, overlapping later reads
+            with monitor.phase("load", "read", me) as box:
+                box[0] = storage.read(metas, plan.arrays, getters, None, array_done=finish, progress=progress.advance)
+        else:
+            error = None
+            after, forward = comm.read_forwarding(plan.arrays, getters, [m.dtype.numpy for m in metas])
+            try:
+                with monitor.phase("load", "read", me) as box:
+                    box[0] = storage.read(
+                        metas, plan.arrays, getters, comm.rank, after=after, progress=progress.advance
+                    )
+            except Exception as e:
+                error = e
+            finally:
+                with monitor.phase("load", "transfer", me):
+                    forward()  # every posted transfer completes, even after a failed read
+            comm.agree(error, "loading the checkpoint")
+            for k in range(len(dests)):
+                finish(k)
+    finally:
+        progress.close()
+    if h2d_bytes[0]:
+        end = time.time()
+        monitor.add(Span("load", "h2d", me, end - h2d_seconds[0], end, h2d_bytes[0], thread))
+    if comm is not None:
+        _gather_spans(comm, monitor)
+    return structure.unflatten(results)
+
+
+def _dtensor_dest(meta: ArrayMeta, leaf: Any, comm: Any) -> _Dest:
+    """This rank's local shard of a DTensor target, in the target's own mesh and placements."""
+    from torch.distributed.tensor import DTensor
+
+    from ._distributed import dtensor_layout
+
+    _, pieces = dtensor_layout(leaf, comm.world, comm.group)
+    local_target = leaf.to_local()
+    on_device = local_target.device.type != "cpu"
+    local = _host_buffer(tuple(local_target.shape), meta.dtype.torch, local_target.is_cuda)
+
+    def finish() -> Any:
+        return DTensor.from_local(
+            local.to(local_target.device, non_blocking=True) if on_device else local,
+            leaf.device_mesh,
+            leaf.placements,
+            run_check=False,
+            shape=leaf.shape,
+            stride=leaf.stride(),
+        )
+
+    return _Dest(meta, pieces, {comm.rank: local}, finish, local.numel() * local.element_size() if on_device else 0)
+
+
+def read_array(
+    path: PathLike, meta: ArrayMeta, region: Region | None = None, executor: ExecutorOptions | None = None
+) -> torch.Tensor:
+    """A stored array, or the box ``region`` of it, as a CPU tensor (``meta`` from :func:`metadata`).
+
+    Only the chunks the region touches are read.
+    """
+    storage = Storage(path, executor)
+    storage.check_stored_sizes([meta])
+    region = Region.full(meta.shape) if region is None else region
+    out = torch.empty(region.shape, dtype=meta.dtype.torch)
+    pieces = ((Piece(region, 0),),) if region.size else ((),)
+
+    def get(rank: int, pi: int) -> tuple[np.ndarray, Region]:
+        return numpy_view(out), region
+
+    plan = plan_load([(meta.key, meta.shape, meta.dtype.itemsize, meta.chunk_shape)], [pieces], 1)
+    storage.read([meta], plan.arrays, [get], rank=None)
+    return out
+
+
+def _region_of(index: Any, shape: tuple[int, ...], key: str) -> Region:
+    """A box from an index of ints and step-1 slices (missing trailing dims are whole)."""
+    items = index if isinstance(index, tuple) else (index,)
+    if len(items) > len(shape):
+        raise TargetMismatchError(f"leaf {_where(key)}: index {index!r} has more dims than shape {shape}")
+    offset, extent = [], []
+    for d, n in enumerate(shape):
+        it = items[d] if d < len(items) else slice(None)
+        if isinstance(it, int) and not isinstance(it, bool):
+            i = it + n if it < 0 else it
+            if not 0 <= i < n:
+                raise TargetMismatchError(f"leaf {_where(key)}: index {it} is out of range for dim {d} of size {n}")
+            offset.append(i)
+            extent.append(1)
+        elif isinstance(it, slice) and it.step in (None, 1):
+            lo, hi, _ = it.indices(n)
+            offset.append(lo)
+            extent.append(max(0, hi - lo))
+        else:
+            raise TargetMismatchError(f"leaf {_where(key)}: only ints and step-1 slices select a box, found {it!r}")
+    return Region(tuple(offset), tuple(extent))
+
+
+def load_slice(path: PathLike, key: str, index: Any = (), *, executor: ExecutorOptions | None = None) -> torch.Tensor:
+    """Read part of one stored tensor, by key path and index, reading only the chunks it touches.
+
+    ``index`` is an int, a step-1 slice or a tuple of them, as in ``t[index]`` (ints keep
+    their dim, of size 1).
+
+    >>> import tempfile, torch, pytreeckpt
+    >>> d = tempfile.mkdtemp() + "/ckpt"
+    >>> pytreeckpt.save(d, {"emb": torch.arange(12.0).reshape(4, 3)})
+    >>> pytreeckpt.load_slice(d, "emb", (slice(1, 3), 2))
+    tensor([[5.],
+            [8.]])
+    """
+    meta = metadata(path).arrays.get(key)
+    if meta is None:
+        raise TargetMismatchError(f"leaf {_where(key)} is not an array of the checkpoint at {describe(path)}")
+    return read_array(path, meta, _region_of(index, meta.shape, key), executor)
+
+
+def _dest_for(key: str, stored: ArrayMeta, leaf: Any, comm: Any = None) -> tuple[str | None, _Dest | None]:
+    if isinstance(leaf, ShardedLeaf):
+        problem = _target_problem(key, stored, leaf.shape, dtype_of_torch(leaf.dtype).name)
+        devices = {r: t.device for r, t in leaf.shards.items()}
+        return problem, None if problem else _sharded_dest(stored, leaf.spec, sorted(leaf.shards), devices, comm)
+    if isinstance(leaf, Abstract):
+        problem = _target_problem(key, stored, leaf.shape, dtype_of_torch(leaf.dtype).name)
+        if problem:
+            return problem, None
+        if leaf.spec is None:
+            return None, _full_dest(stored, False, None, None, comm)
+        return None, _sharded_dest(stored, leaf.spec, list(range(leaf.spec.world_size)), {}, comm)
+    if isinstance(leaf, torch.Tensor):
+        problem = _target_problem(key, stored, tuple(leaf.shape), dtype_of_torch(leaf.dtype).name)
+        if problem:
+            return problem, None
+        if _is_dtensor(leaf):
+            if comm is None:
+                return f"leaf {_where(key)}: a DTensor target needs torch.distributed initialised with its ranks", None
+            return None, _dtensor_dest(stored, leaf, comm)
+        return None, _full_dest(stored, False, leaf.device, leaf, comm)
+    arr = np.asarray(leaf)
+    try:
+        name = dtype_of_numpy(arr.dtype).name
+    except ValueError as e:
+        return f"leaf {_where(key)}: {e}", None
+    problem = _target_problem(key, stored, tuple(arr.shape), name)
+    return problem, None if problem else _full_dest(stored, True, None, None, comm)

@@ -1,0 +1,703 @@
+"""``save`` and ``async_save``: plan, snapshot through the staging pool, write and commit.
+
+One process may hold the shards of every rank (ShardedLeaf.from_global makes such
+leaves), which is how layouts are resharded and tested without a process group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import math
+import os
+import threading
+import time
+import traceback
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+import torch
+
+from ._errors import CheckpointError
+from ._executor import ChunkReuse, ExecutorOptions, PieceData, Storage, write_items
+from ._format import (
+    ARRAYS_DIR,
+    MAX_PACKED_BYTES,
+    PACKED_DIR,
+    ArrayMeta,
+    Compression,
+    ValueMeta,
+    array_names,
+    build_document,
+    with_chunk_hashes,
+)
+from ._load import metadata
+from ._location import describe
+from ._monitor import Monitor, Progress, Span
+from ._pipeline import Snapshot, staged_writes
+from ._plan import ArrayLayout, ChunkingOptions, SavePlan
+from ._plan_cache import cached_plan_save
+from ._sharding import Layout
+from ._shared import (
+    _IN_FLIGHT_LOCK,
+    PathLike,
+    _comm,
+    _exchange_layouts,
+    _gather_spans,
+    _in_flight,
+    _is_leaf,
+    _is_value,
+    _wait_in_flight,
+    _where,
+)
+from ._sources import _array_in, _ArrayIn, _snapshot_merges
+from ._staging import PoolAborted, staging_pool
+from ._tree import broadcast_prefix, encode_value, flatten, keystr
+
+__all__ = ["SaveHandle", "async_save", "save"]
+
+
+@dataclass(slots=True)
+class _SaveJob:
+    storage: Storage
+    metas: list[ArrayMeta]
+    plan: SavePlan
+    data: list[PieceData]
+    document: bytes
+    overwrite: bool
+    timings: dict[str, float]
+    monitor: Monitor
+    comm: Any = None
+    device: list[Any] = field(default_factory=list)
+    watch: list[tuple[torch.Tensor, ...]] = field(default_factory=list)
+    reuse: ChunkReuse | None = None
+    snap: Snapshot | None = None
+    _lock: Any = None
+
+    @property
+    def rank(self) -> int:
+        return 0 if self.comm is None else int(self.comm.rank)
+
+    def _progress(self, what: str, nbytes: int) -> Progress:
+        return Progress.maybe(self.storage.options.progress and self.rank == 0, what, nbytes)
+
+    def stage(self) -> tuple[Snapshot, float, int]:
+        """Prepare the pipelined snapshot: the pieces to copy and a staging pool to hold them.
+
+        In a distributed save this rank's fragments of merged writes are copied here,
+        before the writer starts sending them. Returns the snapshot, the start time of
+        the caller's stall and the bytes copied so far.
+        """
+        start = time.time()
+        merged = 0
+        if self.comm is not None:
+            self.data, merged = _snapshot_merges(self.plan.arrays, self.data, self.comm.rank)
+        opts = self.storage.options
+        rank = None if self.comm is None else self.comm.rank
+        writes = staged_writes(self.plan.arrays, rank, opts.staging_piece_bytes)
+        sizes = [-(-max(w.nbytes, 1) // 64) * 64 for w in writes]
+        need = sum(sizes)
+        capacity = need if opts.staging_bytes is None else min(need, opts.staging_bytes)
+        capacity = max(capacity, max(sizes, default=0))
+        device = self.device or [None] * len(self.metas)
+        pool = staging_pool()
+        pool.reserve(capacity, pin=any(d is not None for d in device))
+        torch_dtypes = [_torch_dtype_or_none(m) for m in self.metas]
+        dtypes = [m.dtype.numpy for m in self.metas]
+        watch = [_versions(ts) for ts in self.watch] if self.watch else []
+        self.snap = Snapshot(
+            writes,
+            self.data,
+            device,
+            dtypes,
+            torch_dtypes,
+            pool,
+            hold=capacity >= need,
+            watch=watch,
+            keys=[m.key for m in self.metas],
+        )
+        return self.snap, start, merged
+
+    def snapshot(self, snap: Snapshot, start: float, merged: int) -> None:
+        """The caller's part of an asynchronous save: copy the pieces, feeding the writer as they are ready."""
+        progress = self._progress("snapshot", snap.nbytes)
+        try:
+            snap.run(progress.advance if progress.stream else None)
+        finally:
+            progress.close()
+            end = time.time()
+            thread = threading.current_thread().name
+            self.monitor.add(Span("save", "snapshot", self.rank, start, end, merged + snap.copied_bytes, thread))
+            self.timings["snapshot"] = end - start
+
+    def _items(self) -> Any:
+        """This process's writes: staged pieces in an asynchronous save, else views of the caller's memory."""
+        if self.snap is not None:
+            return self.snap.items()
+        dtypes = [m.dtype.numpy for m in self.metas]
+        return ((i, op.region, buf, None) for i, op, buf in write_items(self.plan.arrays, self.data, dtypes, None))
+
+    def persist(self) -> None:
+        """Write and commit: the single-process path, or this rank's part of a distributed save."""
+        t0 = time.perf_counter()
+        if self.comm is None:
+            lock = self.storage.lock()
+            try:
+                self.storage.prepare(self.overwrite)
+                total = sum(op.region.size * ap.itemsize for ap in self.plan.arrays for op in ap.writes)
+                progress = self._progress("save", total)
+                try:
+                    with self.monitor.phase("save", "write", 0) as box:
+                        box[0] = self.storage.write(
+                            self.metas, self._items(), progress=progress.advance, reuse=self.reuse
+                        )
+                finally:
+                    progress.close()
+                t1 = time.perf_counter()
+                with self.monitor.phase("save", "commit", 0):
+                    self.storage.commit(self._final_document(None))
+            finally:
+                lock.release()
+        else:
+            try:
+                t1 = self._persist_distributed()
+            finally:
+                if self._lock is not None:
+                    self._lock.release()
+                    self._lock = None
+        self.timings["write"] = t1 - t0
+        self.timings["commit"] = time.perf_counter() - t1
+
+    def _final_document(self, gathered: list[Any] | None) -> bytes:
+        """The metadata document, with every array's chunk hashes when they were computed."""
+        reuse = self.reuse
+        if reuse is None:
+            return self.document
+        if gathered is not None:  # every rank's hashes, on rank 0
+            for other in gathered:
+                for i, got in (other or {}).items():
+                    reuse.hashes.setdefault(i, {}).update(got)
+        hashes = {m.key: reuse.chunk_hashes(i) for i, m in enumerate(self.metas)}
+        return with_chunk_hashes(self.document, {k: v for k, v in hashes.items() if v})
+
+    def _persist_distributed(self) -> float:
+        """Rank 0 prepares the directory (holding its lock), every rank writes, rank 0 commits."""
+        comm = self.comm
+        me = comm.rank
+        error: BaseException | None = None
+        if me == 0:
+            try:
+                self._lock = self.storage.lock()
+                self.storage.prepare(self.overwrite)
+                self.storage.open_arrays([m for m in self.metas if m.database is None], create=True)
+            except Exception as e:
+                error = e
+        comm.agree(error, "preparing the checkpoint directory")
+        try:  # each rank alone writes its own OCDBT database of packed arrays
+            self.storage.open_arrays([m for m in self.metas if m.database == f"{PACKED_DIR}/{comm.rank}"], create=True)
+        except Exception as e:
+            error = e
+        comm.agree(error, "creating the packed arrays")
+        dtypes = [m.dtype.numpy for m in self.metas]
+        transfers = comm.post_write_transfers(self.plan.arrays, self.data, dtypes, direct=self.snap is None)
+        mine = sum(op.region.size * ap.itemsize for ap in self.plan.arrays for op in ap.writes if op.writer == me)
+        progress = self._progress("save", mine)
+        try:
+            with self.monitor.phase("save", "write", me) as box:
+                staged = self.snap.items() if self.snap is not None else iter(())
+                items = itertools.chain(staged, transfers.items())
+                box[0] = self.storage.write(
+                    self.metas, items, create=False, progress=progress.advance, reuse=self.reuse
+                )
+        except Exception as e:
+            error = e
+        finally:
+            progress.close()
+            with self.monitor.phase("save", "merge", me, transfers.received_bytes()):
+                transfers.wait_all()
+        comm.agree(error, "writing the checkpoint")
+        t1 = time.perf_counter()
+        gathered = comm.gather(self.reuse.hashes) if self.reuse is not None else None
+        if me == 0:
+            try:
+                with self.monitor.phase("save", "commit", 0):
+                    self.storage.commit(self._final_document(gathered))
+            except Exception as e:
+                error = e
+        comm.agree(error, "committing the checkpoint")
+        _gather_spans(comm, self.monitor)
+        return t1
+
+
+def _versions(tensors: tuple[torch.Tensor, ...]) -> tuple[tuple[torch.Tensor, int], ...]:
+    out = []
+    for t in tensors:
+        try:
+            out.append((t, t._version))
+        except RuntimeError:  # inference tensors keep no version counter
+            continue
+    return tuple(out)
+
+
+def _torch_dtype_or_none(meta: ArrayMeta) -> torch.dtype | None:
+    try:
+        return meta.dtype.torch
+    except KeyError:  # numpy-only dtypes
+        return None
+
+
+def _plan_job(
+    path: PathLike,
+    tree: Any,
+    spec: Any,
+    overwrite: bool,
+    user_metadata: Mapping[str, Any] | None,
+    chunking: ChunkingOptions | None,
+    executor: ExecutorOptions | None,
+    namespace: str,
+    comm: Any = None,
+    compression: Any = None,
+    base: PathLike | None = None,
+    chunk_hashes: bool = False,
+) -> _SaveJob:
+    t0 = time.perf_counter()
+    storage = Storage(path, executor)
+    leaves, paths, root = flatten(tree, _is_leaf, namespace=namespace)
+    specs = broadcast_prefix(spec, root, lambda x: isinstance(x, Layout), len(leaves), namespace=namespace)
+    keys = [keystr(p) for p in paths]
+    codecs = _compressions(compression, root, keys, len(leaves), namespace)
+    arrays: list[_ArrayIn] = []
+    entries: list[dict[str, Any] | None] = []
+    for key, leaf, sp in zip(keys, leaves, specs, strict=True):
+        if _is_value(leaf):
+            entries.append(ValueMeta(key, leaf).to_json(encode_value(leaf)))
+        else:
+            arrays.append(_array_in(key, leaf, sp, comm))
+            entries.append(None)
+    if comm is not None:
+        layouts = _exchange_layouts(comm, [(a.key, a.dtype.name, a.shape, a.pieces[comm.rank]) for a in arrays], "save")
+        for a, pieces in zip(arrays, layouts, strict=True):
+            a.pieces = pieces
+        world = comm.world
+    else:
+        world = max((a.layout.world_size for a in arrays), default=1)
+    plan = cached_plan_save(
+        [ArrayLayout(a.key, a.shape, a.dtype.itemsize, a.pieces) for a in arrays], world, chunking or storage.chunking
+    )
+    for a, ap in zip(arrays, plan.arrays, strict=True):
+        if a.present is not None:
+            for op in ap.writes:
+                for frag in op.sources:
+                    if frag.rank not in a.present and comm is None:
+                        raise CheckpointError(
+                            f"leaf {_where(a.key)}: elements {frag.region} live only on rank {frag.rank}, whose shard "
+                            f"is not in this ShardedLeaf (it holds ranks {sorted(a.present)})"
+                        )
+    names = array_names([a.key for a in arrays])
+    metas = [
+        ArrayMeta(
+            a.key,
+            a.container,
+            a.dtype,
+            a.shape,
+            ap.chunk_shape,
+            f"{ARRAYS_DIR}/{name}",
+            a.saved_layout,
+            codecs[a.key],
+            database=db,
+        )
+        for a, ap, name, db in zip(arrays, plan.arrays, names, _databases(storage, plan), strict=True)
+    ]
+    it = iter(metas)
+    leaf_json = [e if e is not None else next(it).to_json() for e in entries]
+    document = build_document(root, leaf_json, dict(user_metadata or {}))
+    if comm is None or comm.rank == 0:
+        storage.check_writable(overwrite)
+    t1 = time.perf_counter()
+    monitor = Monitor()
+    rank = 0 if comm is None else comm.rank
+    monitor.add(Span("save", "plan", rank, time.time() - (t1 - t0), time.time(), 0, threading.current_thread().name))
+    reuse = _chunk_reuse(metas, base) if base is not None or chunk_hashes else None
+    return _SaveJob(
+        storage,
+        metas,
+        plan,
+        [a.get for a in arrays],
+        document,
+        overwrite,
+        {"plan": t1 - t0},
+        monitor,
+        comm,
+        [a.device for a in arrays],
+        [a.watch for a in arrays],
+        reuse,
+    )
+
+
+def _chunk_reuse(metas: list[ArrayMeta], base: PathLike | None) -> ChunkReuse:
+    """Hash this save's chunks; with a base checkpoint, link its chunks that are unchanged."""
+    reuse = ChunkReuse([m.chunk_shape for m in metas], [m.shape for m in metas], [m.path for m in metas])
+    if base is None:
+        return reuse
+    if not isinstance(base, (str, os.PathLike)) or "://" in os.fspath(base):
+        raise CheckpointError(f"an incremental base must be a local directory, found {describe(base)}")
+    stored = metadata(base).arrays
+    if stored and all(b.chunk_hashes is None for b in stored.values()):
+        raise CheckpointError(
+            f"the base checkpoint {describe(base)} records no chunk hashes: save it with chunk_hashes=True "
+            f"(CheckpointManager(incremental=True) does) to use it as a base"
+        )
+    reuse.base = Path(base).absolute()
+    for m in metas:
+        b = stored.get(m.key)
+        same = (
+            b is not None
+            and b.chunk_hashes is not None
+            and (b.shape, b.dtype.name, b.chunk_shape, b.compression)
+            == (m.shape, m.dtype.name, m.chunk_shape, m.compression)
+        )
+        reuse.base_chunks.append((b.path, b.chunk_hashes) if same and b is not None and b.chunk_hashes else None)
+    return reuse
+
+
+def _is_compression(x: Any) -> bool:
+    return x is None or isinstance(x, (str, Compression))
+
+
+def _compressions(compression: Any, root: Any, keys: list[str], n: int, namespace: str) -> dict[str, Any]:
+    """Each leaf's Compression (or None) from a prefix tree of compressions."""
+    if compression is None:
+        return dict.fromkeys(keys)
+    chosen = broadcast_prefix(compression, root, _is_compression, n, namespace=namespace)
+    out = {}
+    for key, c in zip(keys, chosen, strict=True):
+        try:
+            out[key] = Compression.parse(c)
+        except ValueError as e:
+            raise CheckpointError(f"leaf {_where(key)}: {e}") from None
+    return out
+
+
+def _databases(storage: Storage, plan: SavePlan) -> list[str | None]:
+    """Where each array goes: the OCDBT database of its writer if it is small, has one writer and packing is on."""
+    opts = storage.location.options
+    out: list[str | None] = []
+    for ap in plan.arrays:
+        nbytes = math.prod(ap.shape) * ap.itemsize
+        one_writer = len({op.writer for op in ap.writes}) == 1
+        packed = opts.pack_small_leaves and one_writer and 0 < nbytes <= min(opts.pack_max_bytes, MAX_PACKED_BYTES)
+        out.append(f"{PACKED_DIR}/{ap.writes[0].writer}" if packed else None)
+    return out
+
+
+def save(
+    path: PathLike,
+    tree: Any,
+    spec: Any = None,
+    *,
+    overwrite: bool = False,
+    user_metadata: Mapping[str, Any] | None = None,
+    chunking: ChunkingOptions | None = None,
+    executor: ExecutorOptions | None = None,
+    namespace: str = "",
+    process_group: Any = None,
+    monitor: Monitor | None = None,
+    compression: Any = None,
+    base: PathLike | None = None,
+    chunk_hashes: bool = False,
+) -> None:
+    """Save a pytree as a checkpoint at ``path``, returning once it is committed.
+
+    Args:
+      path: a directory (created if missing), a URL (``file://``, ``memory://``,
+        ``s3://bucket/prefix``, ``gs://bucket/prefix``), a TensorStore kvstore spec, or a
+        :class:`Location` with its :class:`StorageOptions`. An interrupted, uncommitted save there is
+        cleared; a committed checkpoint is replaced only with ``overwrite=True``.
+      tree: a pytree whose leaves are tensors, numpy arrays, :class:`ShardedLeaf` or
+        plain Python values (int, float, bool, str, None).
+      spec: a pytree prefix of ``tree`` whose leaves are sharding specs or None. A
+        tensor under a spec is the global tensor, laid out as the spec says: this
+        decides the chunk grid and which rank writes what.
+      overwrite: replace a committed checkpoint at ``path``.
+      user_metadata: a JSON object stored with the checkpoint.
+      chunking: how stored arrays are chunked.
+      executor: concurrency of the I/O, staging memory, progress bar.
+      namespace: the optree namespace of custom pytree nodes in ``tree``.
+      process_group: when torch.distributed is initialised with several ranks, every
+        rank calls ``save`` with its own part of the state: DTensors, ShardedLeafs
+        holding its shard, and plain tensors and values that every rank holds whole
+        (written once in total). Checkpoint traffic runs on a gloo group of its own,
+        or on ``process_group`` if given.
+      monitor: a :class:`Monitor` that records the time and bytes of every phase
+        (on rank 0, every rank's).
+      compression: lossless compression of stored chunks, off by default: a
+        :class:`Compression`, ``"zstd"``, ``"blosc"`` or None, or a pytree prefix of
+        ``tree`` with one of those per subtree (like ``spec``).
+      base: an earlier committed checkpoint (on a local file system): chunks whose
+        content equals the base's are hard-linked from it instead of written, so a save
+        after a small change writes little, and every checkpoint stays whole on its own
+        (deleting the base frees nothing the new one uses). The base must have been
+        saved with ``chunk_hashes`` (or a base of its own).
+      chunk_hashes: record a content hash of every chunk, so that this checkpoint can be
+        a ``base``; implied by ``base``.
+
+    Raises:
+      CheckpointError: naming the leaf, for anything that cannot be saved. In a
+        distributed save every rank raises if any rank failed, and nothing is committed.
+
+    >>> import tempfile, torch, pytreeckpt
+    >>> d = tempfile.mkdtemp()
+    >>> pytreeckpt.save(d + "/ckpt", {"w": torch.ones(2, 3), "step": 7})
+    >>> pytreeckpt.load(d + "/ckpt")["step"]
+    7
+    """
+    _wait_in_flight()
+    job = _plan_job(
+        path,
+        tree,
+        spec,
+        overwrite,
+        user_metadata,
+        chunking,
+        executor,
+        namespace,
+        _comm(process_group),
+        compression,
+        base,
+        chunk_hashes,
+    )
+    # The caller is blocked until the commit, so the state cannot change under the
+    # writes: they read straight from the caller's memory, without a snapshot.
+    try:
+        job.persist()
+    finally:
+        if monitor is not None:
+            monitor.extend(job.monitor.spans)
+
+
+class SaveHandle:
+    """A save running in the background: ``wait()``, ``done()``, per-phase ``timings`` and its ``monitor``."""
+
+    def __init__(self, path: PathLike, timings: dict[str, float], monitor: Monitor, user: Monitor | None) -> None:
+        self.path = describe(path)
+        self._timings = timings
+        self._monitor = monitor
+        self._user = user
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        self._reported = False
+        self._parties = 2  # the caller's snapshot and the writer: the last to finish settles the pool
+        self._parties_lock = threading.Lock()
+        self._copied = threading.Event()
+        self._copy_error: BaseException | None = None
+
+    def _run(self, job: _SaveJob) -> None:
+        try:
+            job.persist()
+        except BaseException as e:
+            staging_pool().abort()  # a caller still copying stops
+            # The traceback's frames would keep the staging buffers alive as long as the
+            # error is kept: drop their locals, keep the lines for the report.
+            cause: BaseException | None = e
+            seen: set[int] = set()
+            while cause is not None and id(cause) not in seen:
+                seen.add(id(cause))
+                traceback.clear_frames(cause.__traceback__)
+                cause = cause.__cause__ or cause.__context__
+            self._error = e
+        finally:
+            job.data = []
+            job.snap = None
+            if self._user is not None:
+                self._user.extend(self._monitor.spans)
+            self._leave(job.storage.options.keep_staging)
+            self._done.set()
+
+    def _leave(self, keep: bool) -> None:
+        """One side is done with the staging pool; the last frees it after a failure or when not kept."""
+        with self._parties_lock:
+            self._parties -= 1
+            last = self._parties == 0
+        if last and (self._error is not None or not keep):
+            staging_pool().free()
+
+    def _snapshot(self, job: _SaveJob, snap: Snapshot, start: float, merged: int) -> None:
+        """The copy into staging memory (the caller's thread, or a thread of its own when lazy)."""
+        try:
+            job.snapshot(snap, start, merged)
+        except PoolAborted:
+            pass  # the writer failed: wait() reports it
+        except BaseException as e:
+            self._copy_error = e  # the writer was told and commits nothing
+            raise
+        finally:
+            self._leave(job.storage.options.keep_staging)
+            self._copied.set()
+
+    def wait_snapshot(self, timeout: float | None = None) -> None:
+        """Block until the state is copied: from then on the caller may change it.
+
+        Immediate for an eager snapshot. For ``snapshot="lazy"`` call it before the
+        first in-place change of a saved tensor (:meth:`guard` does so for an optimizer).
+
+        Raises:
+          TimeoutError: not copied within ``timeout`` seconds.
+          CheckpointError: the copy failed (for instance because a tensor was changed
+            before it was copied); the save commits nothing.
+        """
+        if not self._copied.wait(timeout):
+            raise TimeoutError(f"the snapshot for {self.path} is still being copied after {timeout} s")
+        if self._copy_error is not None:
+            raise self._copy_error
+
+    def guard(self, *optimizers: torch.optim.Optimizer) -> None:
+        """Make each optimizer's next ``step()`` first wait for this save's snapshot (a step pre-hook, used once).
+
+        >>> import tempfile, torch, pytreeckpt
+        >>> model = torch.nn.Linear(4, 2)
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> h = pytreeckpt.async_save(tempfile.mkdtemp() + "/c", model.state_dict(), snapshot="lazy")
+        >>> h.guard(opt)
+        >>> model(torch.ones(4)).sum().backward()  # forward and backward leave the parameters alone
+        >>> opt.step()  # waits for the copy, then changes them
+        >>> h.wait()
+        """
+        for opt in optimizers:
+            hooks: list[Any] = []
+
+            def wait_then_unhook(_opt: Any, _args: Any, _kwargs: Any, hooks: list[Any] = hooks) -> None:
+                hooks[0].remove()
+                self.wait_snapshot()
+
+            hooks.append(opt.register_step_pre_hook(wait_then_unhook))
+
+    def done(self) -> bool:
+        """True once the save has committed or failed."""
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until committed; re-raise the background failure, if any.
+
+        Raises:
+          TimeoutError: not finished within ``timeout`` seconds.
+        """
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"save to {self.path} still running after {timeout} s")
+        if self._error is not None:
+            self._reported = True
+            raise self._error
+
+    def _settle(self) -> None:
+        """Wait; raise a failure nobody has seen yet (the next save is the last chance to report it)."""
+        self._done.wait()
+        if self._error is not None and not self._reported:
+            self._reported = True
+            raise CheckpointError(f"the previous async save to {self.path} failed: {self._error}") from self._error
+
+    @property
+    def timings(self) -> Mapping[str, float]:
+        """Seconds per phase: plan, snapshot (the caller's stall), write, commit."""
+        return MappingProxyType(self._timings)
+
+    @property
+    def monitor(self) -> Monitor:
+        """The spans of this save (complete once it is done; on rank 0, every rank's)."""
+        return self._monitor
+
+    def __repr__(self) -> str:
+        state = "failed" if self._error else "committed" if self.done() else "running"
+        return f"SaveHandle({self.path!r}, {state})"
+
+
+def async_save(
+    path: PathLike,
+    tree: Any,
+    spec: Any = None,
+    *,
+    overwrite: bool = False,
+    user_metadata: Mapping[str, Any] | None = None,
+    chunking: ChunkingOptions | None = None,
+    executor: ExecutorOptions | None = None,
+    namespace: str = "",
+    process_group: Any = None,
+    monitor: Monitor | None = None,
+    snapshot: str = "eager",
+    compression: Any = None,
+    base: PathLike | None = None,
+    chunk_hashes: bool = False,
+) -> SaveHandle:
+    """Like :func:`save`, but returns once the state is copied; writing and commit run behind.
+
+    The caller may change the tree's tensors as soon as this returns. The copy goes into
+    a staging pool (``ExecutorOptions.staging_bytes``), reused from save to save, piece
+    by piece while the writer thread writes the pieces already copied; with a pool
+    smaller than the state, the call also waits for the writes that free its memory.
+    CUDA tensors are copied to pinned memory on a side stream; the caller's stream waits
+    for those copies, the host does not. A new save first waits for the one in flight.
+    Other arguments are those of :func:`save`.
+
+    Args:
+      snapshot: ``"eager"`` returns once the state is copied. ``"lazy"`` returns at
+        once and copies on a thread of its own while training goes on, which is right
+        while forward and backward passes leave parameters and optimizer state alone:
+        the first in-place change must wait for :meth:`SaveHandle.wait_snapshot`
+        (:meth:`SaveHandle.guard` makes an optimizer's step do so). A change that
+        overtakes the copy is detected by the tensors' version counters and fails the
+        save, which then commits nothing.
+
+    >>> import tempfile, torch, pytreeckpt
+    >>> d = tempfile.mkdtemp()
+    >>> w = torch.ones(3)
+    >>> h = pytreeckpt.async_save(d + "/ckpt", {"w": w})
+    >>> w.add_(1.0)  # training goes on; the checkpoint holds the state at the call
+    tensor([2., 2., 2.])
+    >>> h.wait()
+    >>> pytreeckpt.load(d + "/ckpt")["w"]
+    tensor([1., 1., 1.])
+    """
+    if snapshot not in ("eager", "lazy"):
+        raise ValueError(f"snapshot must be 'eager' or 'lazy', found {snapshot!r}")
+    _wait_in_flight()
+    job = _plan_job(
+        path,
+        tree,
+        spec,
+        overwrite,
+        user_metadata,
+        chunking,
+        executor,
+        namespace,
+        _comm(process_group),
+        compression,
+        base,
+        chunk_hashes,
+    )
+    snap, start, merged = job.stage()
+    handle = SaveHandle(path, job.timings, job.monitor, monitor)
+    thread = threading.Thread(target=handle._run, args=(job,), name="pytreeckpt-save", daemon=False)
+    with _IN_FLIGHT_LOCK:
+        _in_flight.append(handle)
+    thread.start()
+    if snapshot == "lazy":
+        copier = threading.Thread(
+            target=_quietly, args=(handle._snapshot, job, snap, start, merged), name="pytreeckpt-snapshot"
+        )
+        copier.start()
+        return handle
+    try:
+        handle._snapshot(job, snap, start, merged)
+    except BaseException:
+        # A copy failed: the writer was told and commits nothing; the error is reported here.
+        handle._done.wait()
+        handle._reported = True
+        raise
+    return handle
+
+
+def _quietly(fn: Any, *args: Any) -> None:
+    """Run ``fn`` on a thread whose errors are reported elsewhere (wait_snapshot and wait)."""
+    with contextlib.suppress(BaseException):
+        fn(*args)

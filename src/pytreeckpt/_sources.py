@@ -1,0 +1,207 @@
+"""The leaves a save reads from: each tensor leaf's layout, and getters of its pieces in local memory."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from ._dtypes import DType, dtype_of_numpy, dtype_of_torch, numpy_view
+from ._errors import CheckpointError, LayoutError
+from ._executor import PieceData
+from ._leaf import Abstract, ShardedLeaf, piece_view
+from ._region import Region
+from ._sharding import Layout, Mesh, Piece, Replicate, ShardingSpec
+from ._shared import (
+    _SINGLE,
+    _is_dtensor,
+    _pad,
+    _where,
+)
+
+
+@dataclass(slots=True)
+class _ArrayIn:
+    """A tensor leaf on its way to storage."""
+
+    key: str
+    container: str
+    dtype: DType
+    shape: tuple[int, ...]
+    layout: Layout
+    saved_layout: Layout | None
+    pieces: tuple[tuple[Piece, ...], ...]
+    get: PieceData
+    present: frozenset[int] | None = None  # ranks whose data is here; None: all
+    device: Any = None  # DeviceData for leaves on a CUDA device, else None
+    watch: tuple[torch.Tensor, ...] = ()  # tensors whose version counters tell of a change during a snapshot
+
+
+def _global_source(arr: np.ndarray, pieces: tuple[tuple[Piece, ...], ...]) -> PieceData:
+    def get(rank: int, pi: int) -> tuple[np.ndarray, Region]:
+        region = pieces[rank][pi].region
+        return arr[region.slices()], region
+
+    return get
+
+
+def _shard_sources(shards: Mapping[int, torch.Tensor], pieces: tuple[tuple[Piece, ...], ...]) -> tuple[PieceData, Any]:
+    """Getters of the pieces of ranks' local tensors: numpy views of CPU memory, and for
+    CUDA shards also views on the device (the CPU copy is then made only if asked for)."""
+    cpu: dict[int, torch.Tensor] = {}
+
+    def get(rank: int, pi: int) -> tuple[np.ndarray, Region]:
+        if rank not in shards:
+            raise CheckpointError(f"internal error: data of rank {rank} asked for, this process holds {sorted(shards)}")
+        if rank not in cpu:
+            cpu[rank] = shards[rank].detach().cpu()
+        piece = pieces[rank][pi]
+        return numpy_view(piece_view(cpu[rank], piece)), piece.region
+
+    if not any(t.is_cuda for t in shards.values()):
+        return get, None
+
+    def device(rank: int, pi: int) -> tuple[torch.Tensor, Region]:
+        piece = pieces[rank][pi]
+        return piece_view(shards[rank].detach(), piece), piece.region
+
+    return get, device
+
+
+def _tensor_source(t: torch.Tensor, pieces: tuple[tuple[Piece, ...], ...]) -> tuple[PieceData, Any]:
+    """Getters of the pieces of a global tensor held whole (every rank's piece is a box of it)."""
+    if not t.is_cuda:
+        return _global_source(numpy_view(t.detach().cpu()), pieces), None
+    held: list[np.ndarray] = []
+
+    def get(rank: int, pi: int) -> tuple[np.ndarray, Region]:
+        if not held:
+            held.append(numpy_view(t.detach().cpu()))
+        return _global_source(held[0], pieces)(rank, pi)
+
+    def device(rank: int, pi: int) -> tuple[torch.Tensor, Region]:
+        region = pieces[rank][pi].region
+        return t.detach()[region.slices()], region
+
+    return get, device
+
+
+def _array_in(key: str, leaf: Any, spec: Any, comm: Any = None) -> _ArrayIn:
+    """Describe one tensor leaf for planning; ``comm`` is the DistComm in a distributed save."""
+    if isinstance(leaf, Abstract):
+        raise CheckpointError(f"leaf {_where(key)} is an Abstract placeholder, which has no data to save")
+    if spec is not None and not isinstance(spec, Layout):
+        raise CheckpointError(
+            f"spec for leaf {_where(key)} must be a ShardingSpec, FlatRanges, ExplicitRegions or None, found {spec!r}"
+        )
+    try:
+        if _is_dtensor(leaf):
+            if comm is None:
+                raise CheckpointError(
+                    f"leaf {_where(key)} is a DTensor but torch.distributed is not initialised with more than one "
+                    f"rank; convert it with .full_tensor() or to a ShardedLeaf"
+                )
+            from ._distributed import dtensor_layout
+
+            layout, pieces = dtensor_layout(leaf, comm.world, comm.group)
+            local = leaf.to_local()
+            get, device = _shard_sources({comm.rank: local}, pieces)
+            dtype = dtype_of_torch(leaf.dtype)
+            shape = tuple(leaf.shape)
+            return _ArrayIn(key, "torch", dtype, shape, layout, layout, pieces, get, device=device, watch=(local,))
+        if isinstance(leaf, ShardedLeaf):
+            if spec is not None and spec != leaf.spec:
+                raise CheckpointError(
+                    f"leaf {_where(key)} is a ShardedLeaf in layout {leaf.spec}, but the spec tree gives {spec}"
+                )
+            pieces = leaf.spec.rank_pieces(leaf.shape)
+            if comm is not None:
+                pieces = _pad(pieces, comm.world, key)
+                if comm.rank not in leaf.shards:
+                    raise CheckpointError(
+                        f"leaf {_where(key)}: rank {comm.rank} saves a ShardedLeaf without its own shard "
+                        f"(it holds ranks {sorted(leaf.shards)})"
+                    )
+                get, device = _shard_sources({comm.rank: leaf.shards[comm.rank]}, pieces)
+                present = frozenset({comm.rank})
+            else:
+                get, device = _shard_sources(leaf.shards, pieces)
+                present = frozenset(leaf.shards)
+            watch = tuple(leaf.shards[r] for r in sorted(present))
+            dtype = dtype_of_torch(leaf.dtype)
+            return _ArrayIn(key, "torch", dtype, leaf.shape, leaf.spec, leaf.spec, pieces, get, present, device, watch)
+        tensor: torch.Tensor | None = None
+        if isinstance(leaf, torch.Tensor):
+            tensor = leaf
+            dtype = dtype_of_torch(leaf.dtype)
+            local_shape = tuple(int(s) for s in leaf.shape)
+            container = "torch"
+        else:
+            arr = np.asarray(leaf)
+            dtype = dtype_of_numpy(arr.dtype)
+            local_shape = tuple(int(s) for s in arr.shape)
+            container = "numpy"
+        whole: Layout | None = None
+        if comm is None:
+            whole = spec if spec is not None else _SINGLE
+        elif spec is None:
+            # Every rank holds the whole tensor: replicated, written once in total.
+            whole = ShardingSpec(Mesh(comm.world), [Replicate()])
+        if whole is not None:
+            pieces = whole.rank_pieces(local_shape)
+            if tensor is not None:
+                get, device = _tensor_source(tensor, pieces)
+            else:
+                get, device = _global_source(arr, pieces), None
+            watch = () if tensor is None else (tensor,)
+            return _ArrayIn(key, container, dtype, local_shape, whole, spec, pieces, get, device=device, watch=watch)
+        raise CheckpointError(
+            f"leaf {_where(key)}: in a distributed save a plain tensor is this rank's full copy; to save it sharded "
+            f"wrap this rank's shard as ShardedLeaf(global_shape, dtype, spec, {{rank: shard}}) or use a DTensor"
+        )
+    except (LayoutError, ValueError) as e:
+        if isinstance(e, CheckpointError) and not isinstance(e, LayoutError):
+            raise
+        raise LayoutError(f"leaf {_where(key)}: {e}") from None
+
+
+def _snapshot_merges(plans: Sequence[Any], data: Sequence[PieceData], me: int) -> tuple[list[PieceData], int]:
+    """Copy this rank's fragments of merged writes: per local piece, the box spanning them.
+
+    (Direct writes go through the staging pool; merge fragments travel to their writer.)
+    Returns the getters of the copies and the bytes copied.
+    """
+    out: list[PieceData] = []
+    copied = 0
+    for plan, get in zip(plans, data, strict=True):
+        boxes: dict[tuple[int, int], Region] = {}
+        for op in plan.writes:
+            if op.is_direct:
+                continue
+            for frag in op.sources:
+                if frag.rank == me:
+                    k = (frag.rank, frag.piece)
+                    boxes[k] = frag.region if k not in boxes else _span(boxes[k], frag.region)
+        copies: dict[tuple[int, int], tuple[np.ndarray, Region]] = {}
+        for (rank, pi), box in boxes.items():
+            view, where = get(rank, pi)
+            copies[(rank, pi)] = (np.array(view[box.relative_to(where).slices()], copy=True), box)
+            copied += copies[(rank, pi)][0].nbytes
+        out.append(_copies_source(copies) if copies else get)
+    return out, copied
+
+
+def _copies_source(copies: dict[tuple[int, int], tuple[np.ndarray, Region]]) -> PieceData:
+    def get(rank: int, pi: int) -> tuple[np.ndarray, Region]:
+        return copies[(rank, pi)]
+
+    return get
+
+
+def _span(a: Region, b: Region) -> Region:
+    lo = tuple(min(x, y) for x, y in zip(a.offset, b.offset, strict=True))
+    hi = tuple(max(x, y) for x, y in zip(a.stop, b.stop, strict=True))
+    return Region(lo, tuple(h - lo_ for lo_, h in zip(lo, hi, strict=True)))
