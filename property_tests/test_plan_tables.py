@@ -59,6 +59,28 @@ def test_a_ranks_own_part_equals_its_part_of_the_global_plan(inputs: Inputs, dat
         assert plan_save_rank(arrays, world, rank, options) == rank_part(tables, world, rank)
 
 
+@given(placed_specs(), placed_specs(), st.data())
+def test_a_ranks_writes_do_not_depend_on_arrays_it_holds_nothing_of(
+    inputs: Inputs, others: Inputs, data: st.DataObject
+) -> None:
+    # Balancing is per scope (the ranks able to take a chunk); every scope deciding a rank's
+    # writes contains the rank, so arrays the rank holds no piece of cannot move its writes.
+    arrays, world, options = inputs
+    rank = data.draw(st.integers(0, world - 1))
+    foreign = []
+    for a in others[0]:
+        ranks = a.rank_array().tolist()
+        if rank not in ranks and max(ranks, default=0) < world:
+            foreign.append(ArraySpec(f"x{a.key}", a.shape, a.itemsize, a.layout, a.ranks))
+    mixed = list(arrays)
+    for f in foreign:
+        mixed.insert(data.draw(st.integers(0, len(mixed))), f)
+    alone = plan_save_rank(arrays, world, rank, options).arrays
+    together = {a.key: a for a in rank_part(plan_save_tables(mixed, world, options), world, rank).arrays}
+    assert [together[a.key] for a in alone] == list(alone)
+    assert all(not together[f.key].writes for f in foreign)
+
+
 @given(placed_specs(), st.data())
 def test_load_tables_equal_plan_load_and_a_ranks_part_its_part(inputs: Inputs, data: st.DataObject) -> None:
     arrays, world, options = inputs

@@ -12,6 +12,13 @@ coming from one local piece are coalesced into as few boxes as possible.
 
 Load: each target piece is cut along the stored chunk grid; each resulting region is
 read once, by one reader, and delivered to every rank piece that wants exactly it.
+
+Balance is kept per *scope*: the set of ranks that could take a piece of work (the
+holders of a replicated chunk, the ranks feeding a merged chunk, the ranks wanting a
+region). "Least loaded" means least loaded by the work of that same scope, in plan
+order. Every chunk or region a rank could take has a scope containing the rank, so a
+rank's own part of the plan depends only on the arrays it holds (or wants), never on
+the rest of the world: at 16,384 ranks a rank plans its own arrays and nothing else.
 """
 
 from __future__ import annotations
@@ -358,43 +365,40 @@ def _box_region(lo: Sequence[int], hi: Sequence[int], chunk_shape: Sequence[int]
 
 
 def _water_fill(
-    chunks: list[tuple[int, ...]], holders: Sequence[int], sizes: dict[tuple[int, ...], int], load: list[int]
+    chunks: list[tuple[int, ...]], sizes: dict[tuple[int, ...], int], load: list[int]
 ) -> dict[tuple[int, ...], int]:
-    """Hand ``chunks`` (in order) to ``holders`` so loads even out, in contiguous runs where that balances.
+    """Hand ``chunks`` (in order) to the holders whose bytes so far are ``load``, evening loads out.
 
+    Returns each chunk's holder (an index into ``load``) and adds the chunks to ``load``.
     Handing each chunk to the least loaded holder keeps the spread of the holders' loads
     within the larger of its spread before and the largest chunk. Contiguous runs (fewer,
     larger writes) are used when they keep that bound too.
     """
-    runs = _contiguous_runs(chunks, holders, sizes, load)
-    if runs is not None:
+    n = len(load)
+    csz = [sizes[c] for c in chunks]
+    if n > 1 and len(chunks) > 1:
+        runs = _contiguous_runs(csz, load)
         after = list(load)
-        for c, r in runs.items():
-            after[r] += sizes[c]
-        spread_before = max(load[r] for r in holders) - min(load[r] for r in holders)
-        spread_after = max(after[r] for r in holders) - min(after[r] for r in holders)
-        if spread_after <= max(spread_before, max(sizes[c] for c in chunks)):
+        for size, r in zip(csz, runs or (), strict=False):
+            after[r] += size
+        if runs is not None and max(after) - min(after) <= max(max(load) - min(load), max(csz)):
             load[:] = after
-            return runs
+            return dict(zip(chunks, runs, strict=True))
     out = {}
-    heap = [(load[r], r) for r in holders]  # the least loaded holder, lowest rank first, is heap[0]
+    heap = list(zip(load, range(n), strict=True))  # the least loaded holder, lowest first, is heap[0]
     heapq.heapify(heap)
-    for c in chunks:
+    for c, size in zip(chunks, csz, strict=True):
         best = heap[0][1]
         out[c] = best
-        load[best] += sizes[c]
+        load[best] += size
         heapq.heapreplace(heap, (load[best], best))
     return out
 
 
-def _contiguous_runs(
-    chunks: list[tuple[int, ...]], holders: Sequence[int], sizes: dict[tuple[int, ...], int], load: Sequence[int]
-) -> dict[tuple[int, ...], int] | None:
-    """Contiguous runs of ``chunks`` filling the holders below the water level, or None if pointless."""
-    if len(holders) == 1 or len(chunks) == 1:
-        return None
-    total = sum(sizes[c] for c in chunks)
-    current = sorted(load[r] for r in holders)
+def _contiguous_runs(sizes: list[int], load: list[int]) -> list[int] | None:
+    """Each chunk's holder when contiguous runs of the chunks fill the holders below the water level."""
+    total = sum(sizes)
+    current = sorted(load)
     # find the level L such that sum(max(0, L - load)) == total
     level: float = current[0]
     acc = 0
@@ -406,22 +410,34 @@ def _contiguous_runs(
             level = v + need / width
             break
         acc += (nxt - v) * width
-    quota = {r: max(0.0, level - load[r]) for r in holders}
-    order = [r for r in sorted(holders) if quota[r] > 0]
+    order = [r for r, x in enumerate(load) if level - x > 0]
+    if not order:  # nothing to hand out
+        return None
+    quota = [level - load[r] for r in order]
     # Lay the quotas end to end; a chunk goes to the holder whose stretch holds the chunk's
     # midpoint. Each holder gets a contiguous run, and no holder's rounding carries over.
-    out, i, bound, pos = {}, 0, quota[order[0]], 0.0
-    for c in chunks:
-        mid = pos + sizes[c] / 2
+    out, i, bound, pos = [], 0, quota[0], 0.0
+    for size in sizes:
+        mid = pos + size / 2
         while i < len(order) - 1 and mid > bound:
             i += 1
-            bound += quota[order[i]]
-        out[c] = order[i]
-        pos += sizes[c]
+            bound += quota[i]
+        out.append(order[i])
+        pos += size
     return out
 
 
-def _plan_array_save(layout: ArrayLayout, options: ChunkingOptions, load: list[int]) -> ArraySavePlan:
+Scopes = dict[tuple[int, ...], Any]
+"""Per scope (its ranks, ascending), the bytes given so far to each of its ranks, in that order."""
+
+
+def scope_loads(scopes: Scopes, ranks: tuple[int, ...]) -> list[int]:
+    """The loads of scope ``ranks`` as a list (a new one if the scope has none yet)."""
+    got = scopes.get(ranks)
+    return [0] * len(ranks) if got is None else list(got)
+
+
+def _plan_array_save(layout: ArrayLayout, options: ChunkingOptions, scopes: Scopes) -> ArraySavePlan:
     shape, itemsize = layout.shape, layout.itemsize
     chunk_shape = choose_chunk_shape(shape, itemsize, layout.pieces, options)
     full = Region.full(shape)
@@ -445,7 +461,10 @@ def _plan_array_save(layout: ArrayLayout, options: ChunkingOptions, load: list[i
             merged.append(idx)
     writer_of: dict[tuple[int, ...], int] = {}
     for ranks in sorted(groups, key=lambda k: (len(k), k)):
-        writer_of.update(_water_fill(groups[ranks], ranks, sizes, load))
+        local = scope_loads(scopes, ranks)
+        assign = _water_fill(groups[ranks], sizes, local)
+        scopes[ranks] = local
+        writer_of.update({c: ranks[k] for c, k in assign.items()})
     # Direct writes: coalesce each writer's chunks per source piece.
     by_source: dict[tuple[int, int], list[tuple[int, ...]]] = defaultdict(list)
     for idx, writer in writer_of.items():
@@ -458,12 +477,12 @@ def _plan_array_save(layout: ArrayLayout, options: ChunkingOptions, load: list[i
             writes.append(WriteOp(region, writer, (Fragment(writer, piece_index, region),)))
     # Merged chunks: the writer is the rank holding most of the chunk.
     for idx in merged:
-        writes.append(_merge_write(layout, chunk_region(idx, chunk_shape, shape), load))
+        writes.append(_merge_write(layout, chunk_region(idx, chunk_shape, shape), scopes))
     writes.sort(key=lambda w: w.region.offset)
     return ArraySavePlan(layout.key, shape, itemsize, chunk_shape, tuple(writes))
 
 
-def _merge_write(layout: ArrayLayout, chunk: Region, load: list[int]) -> WriteOp:
+def _merge_write(layout: ArrayLayout, chunk: Region, scopes: Scopes) -> WriteOp:
     overlap: dict[int, int] = defaultdict(int)
     parts: list[tuple[int, int, Region]] = []
     for rank, rank_pieces in enumerate(layout.pieces):
@@ -472,17 +491,16 @@ def _merge_write(layout: ArrayLayout, chunk: Region, load: list[int]) -> WriteOp
             if inter is not None:
                 overlap[rank] += inter.size
                 parts.append((rank, pi, inter))
-    writer = merge_writer(layout.key, chunk, overlap, load)
-    op = merge_sources(layout.key, chunk, writer, parts, overlap)
-    load[writer] += chunk.size * layout.itemsize
-    return op
-
-
-def merge_writer(key: str, chunk: Region, overlap: dict[int, int], load: Any) -> int:
-    """The writer of a merged chunk: the rank holding most of it, then the least loaded, then the lowest."""
     if not overlap:
-        raise LayoutError(f"leaf {key!r}: elements {chunk} are held by no rank, so they cannot be saved")
-    return min(overlap, key=lambda r: (-overlap[r], load[r], r))
+        raise LayoutError(f"leaf {layout.key!r}: elements {chunk} are held by no rank, so they cannot be saved")
+    feeders = tuple(sorted(overlap))
+    local = scope_loads(scopes, feeders)
+    at = {r: i for i, r in enumerate(feeders)}
+    writer = min(overlap, key=lambda r: (-overlap[r], local[at[r]], r))
+    op = merge_sources(layout.key, chunk, writer, parts, overlap)
+    local[at[writer]] += chunk.size * layout.itemsize
+    scopes[feeders] = local
+    return op
 
 
 def merge_sources(
@@ -544,21 +562,22 @@ def _subtract_box(
 def plan_save(layouts: Sequence[ArrayLayout], world_size: int, options: ChunkingOptions | None = None) -> SavePlan:
     """Compute the save plan of every array.
 
-    Arrays are planned in order; the bytes already given to each rank carry over from
-    one array to the next, so replicated data balances across the whole state.
+    Arrays are planned in order; within each scope (the ranks sharing a replicated chunk
+    or feeding a merged one) the bytes already given carry over from one array to the
+    next, so replicated data balances across the whole state.
 
     Raises:
       LayoutError: some element of an array is held by no rank.
     """
     options = options or ChunkingOptions()
-    load = [0] * world_size
+    scopes: Scopes = {}
     arrays = []
     for layout in layouts:
         if len(layout.pieces) > world_size:
             raise LayoutError(
                 f"leaf {layout.key!r}: its layout spans {len(layout.pieces)} ranks but the world has {world_size}"
             )
-        arrays.append(_plan_array_save(layout, options, load))
+        arrays.append(_plan_array_save(layout, options, scopes))
     return SavePlan(world_size, tuple(arrays))
 
 
@@ -571,7 +590,7 @@ def _plan_array_load(
     itemsize: int,
     chunk_shape: tuple[int, ...],
     pieces: Sequence[Sequence[Piece]],
-    load: list[int],
+    scopes: Scopes,
 ) -> ArrayLoadPlan:
     full = Region.full(shape)
     wanted: dict[Region, list[Fragment]] = {}
@@ -585,8 +604,15 @@ def _plan_array_load(
                     wanted.setdefault(inter, []).append(Fragment(rank, pi, inter))
     reads = []
     for region, targets in wanted.items():
-        reader = min({t.rank for t in targets}, key=lambda r: (load[r], r))
-        load[reader] += region.size * itemsize
+        wanters = tuple(sorted({t.rank for t in targets}))
+        if len(wanters) == 1:
+            reader = wanters[0]
+        else:
+            local = scope_loads(scopes, wanters)
+            at = min(range(len(wanters)), key=lambda i: (local[i], i))
+            reader = wanters[at]
+            local[at] += region.size * itemsize
+            scopes[wanters] = local
         reads.append(ReadOp(region, reader, tuple(targets)))
     return ArrayLoadPlan(key, shape, itemsize, tuple(reads))
 
@@ -603,10 +629,10 @@ def plan_load(
       targets: per array, every rank's target pieces (global coordinates).
       world_size: ranks of the loading world.
     """
-    load = [0] * world_size
+    scopes: Scopes = {}
     arrays = []
     for (key, shape, itemsize, chunk_shape), pieces in zip(stored, targets, strict=True):
         if len(pieces) > world_size:
             raise LayoutError(f"leaf {key!r}: its target spans {len(pieces)} ranks but the world has {world_size}")
-        arrays.append(_plan_array_load(key, shape, itemsize, chunk_shape, pieces, load))
+        arrays.append(_plan_array_load(key, shape, itemsize, chunk_shape, pieces, scopes))
     return LoadPlan(world_size, tuple(arrays))

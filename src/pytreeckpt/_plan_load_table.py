@@ -3,9 +3,10 @@
 The reference walks every target piece and every stored chunk it touches in Python.
 Here a target layout's distinct boxes are cut along the stored chunk grid all at once;
 only regions wanted by several ranks (replicated targets) need a decision, the reader:
-the least loaded of the ranks that want it, as in the reference, in the reference's
-order. One rank's part is planned over the closure of ranks whose read bytes decide its
-reads. Layouts that are not regular (target boxes overlapping partially) are planned by
+the least loaded of the ranks that want it (by the reads of that same set of ranks), as
+in the reference, in the reference's order. One rank's part is planned from the arrays
+it wants only: every decision about its reads is made within a set of ranks containing
+it. Layouts that are not regular (target boxes overlapping partially) are planned by
 the reference. Nothing here does I/O.
 """
 
@@ -13,14 +14,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
 from ._errors import LayoutError
-from ._piece_table import _I64, ArraySpec, _Memo, _pos_of, piece_table
-from ._plan import ArrayLoadPlan, Fragment, LoadPlan, ReadOp, _plan_array_load
-from ._plan_table import _coverage, _UnionFind
+from ._piece_table import _I64, ArraySpec, _Memo, _pos_of, piece_table, unique_rows
+from ._plan import ArrayLoadPlan, Fragment, LoadPlan, ReadOp, Scopes, _plan_array_load
+from ._plan_table import _coverage
 from ._region import Region
 
 __all__ = ["ArrayLoadTable", "load_rank_part", "plan_load_rank", "plan_load_tables"]
@@ -39,8 +39,7 @@ class _LoadInfo:
     single_pos: np.ndarray = field(default_factory=lambda: np.zeros(0, _I64))  # per read: its one wanter, or -1
     multi_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, _I64))  # reads wanted by several
     member_arr: list[np.ndarray] = field(default_factory=list)
-    component: np.ndarray = field(default_factory=lambda: np.zeros(0, _I64))
-    comp_members: list[np.ndarray] = field(default_factory=list)
+    member_set: list[frozenset[int]] = field(default_factory=list)  # per box: its positions
 
 
 _INFOS = _Memo(256)
@@ -61,8 +60,7 @@ def _make_info(spec: ArraySpec, chunk: tuple[int, ...]) -> _LoadInfo:
     if (table.lo < 0).any() or (hi > n).any():
         return _LoadInfo(False)  # the reference names the leaf and the rank
     boxes = np.concatenate([table.lo, hi], axis=1)
-    ubox, first, inverse = np.unique(boxes, axis=0, return_index=True, return_inverse=True)
-    inverse = inverse.reshape(-1)
+    ubox, inverse, first = unique_rows(boxes)
     # Regular: distinct boxes disjoint (coverage on the grid of their own edges).
     edges = [np.unique(np.concatenate([ubox[:, d], ubox[:, nd + d]])) for d in range(nd)]
     clo = np.stack([np.searchsorted(edges[d], ubox[:, d]) for d in range(nd)], axis=1)
@@ -98,10 +96,6 @@ def _make_info(spec: ArraySpec, chunk: tuple[int, ...]) -> _LoadInfo:
         members[b].append((int(table.pos[r]), int(table.piece[r])))
     nmem = np.asarray([len(m) for m in members], dtype=_I64)
     single_pos = np.where(nmem[box] == 1, np.asarray([m[0][0] for m in members], dtype=_I64)[box], -1)
-    uf = _UnionFind(table.positions)
-    for m in members:
-        if len(m) > 1:
-            uf.union([p for p, _ in m])
     return _LoadInfo(
         True,
         lo,
@@ -111,9 +105,8 @@ def _make_info(spec: ArraySpec, chunk: tuple[int, ...]) -> _LoadInfo:
         [tuple(m) for m in members],
         single_pos,
         np.flatnonzero(single_pos < 0),
-        [np.asarray([p for p, _ in m], dtype=_I64) for m in members],
-        uf.labels(),
-        uf.members(),
+        [np.asarray(sorted({p for p, _ in m}), dtype=_I64) for m in members],
+        [frozenset(p for p, _ in m) for m in members],
     )
 
 
@@ -155,52 +148,45 @@ class ArrayLoadTable:
         return sorted(out)
 
 
-class _NotRegular(Exception):
-    pass
-
-
 def _plan_array(
-    spec: ArraySpec, chunk: tuple[int, ...], world: int, load: np.ndarray, only: np.ndarray | None
+    spec: ArraySpec, chunk: tuple[int, ...], world: int, scopes: Scopes, only: int | None
 ) -> ArrayLoadTable | ArrayLoadPlan:
+    """One array's reads; with ``only``, just the reads that rank makes or wants."""
     info = _load_info(spec, chunk)
     ranks = spec.rank_array()
     monotonic = len(ranks) < 2 or bool((np.diff(ranks) > 0).all())
     if not info.regular or not monotonic:
-        if only is not None:
-            raise _NotRegular
-        lst = load.tolist()
         pieces = spec.array_layout(world).pieces
-        ap = _plan_array_load(spec.key, spec.shape, spec.itemsize, chunk, pieces, lst)
-        load[:] = lst
-        return ap
+        return _plan_array_load(spec.key, spec.shape, spec.itemsize, chunk, pieces, scopes)
     nbytes = info.elems * spec.itemsize
     single = info.single_pos
     if only is None:
-        multi = info.multi_rows
+        multi = info.multi_rows.tolist()
         keep_single = np.flatnonzero(single >= 0)
     else:
-        in_only = only[ranks]
-        keep_single = np.flatnonzero((single >= 0) & in_only[np.maximum(single, 0)])
-        multi = np.asarray(
-            [r for r in info.multi_rows.tolist() if in_only[info.member_arr[int(info.box[r])]].any()], dtype=_I64
-        )
+        pos = _pos_of(ranks, only)
+        keep_single = np.flatnonzero(single == (-1 if pos is None else pos))
+        box = info.box
+        multi = [r for r in info.multi_rows.tolist() if pos in info.member_set[int(box[r])]]
     readers = np.full(len(info.box), -1, dtype=_I64)
     readers[keep_single] = ranks[single[keep_single]]
-    # Single-wanter reads before each decision count towards the load it sees.
-    done = 0
-    for r in multi.tolist():
-        upto = int(np.searchsorted(keep_single, r))
-        if upto > done:
-            rows = keep_single[done:upto]
-            np.add.at(load, readers[rows], nbytes[rows])
-            done = upto
-        cand = ranks[info.member_arr[int(info.box[r])]]
-        reader = int(cand[int(np.argmin(load[cand]))])
-        readers[r] = reader
-        load[reader] += int(nbytes[r])
-    rows = keep_single[done:]
-    np.add.at(load, readers[rows], nbytes[rows])
-    sel = np.sort(np.concatenate([keep_single, multi])) if only is not None else np.arange(len(info.box))
+    # Reads wanted by several ranks: the least loaded of them, by the reads of that same set of ranks.
+    keys: dict[int, tuple[int, ...]] = {}
+    for r in multi:
+        b = int(info.box[r])
+        key = keys.get(b)
+        if key is None:
+            key = keys[b] = tuple(ranks[info.member_arr[b]].tolist())
+        got = scopes.get(key)
+        local = [0] * len(key) if got is None else got
+        at = local.index(min(local))
+        readers[r] = key[at]
+        local = list(local)
+        local[at] += int(nbytes[r])
+        scopes[key] = local
+    sel = np.sort(np.concatenate([keep_single, np.asarray(multi, dtype=_I64)])) if only is not None else None
+    if sel is None:
+        sel = np.arange(len(info.box))
     return ArrayLoadTable(spec.key, spec.shape, spec.itemsize, sel, readers[sel], info, ranks)
 
 
@@ -213,8 +199,8 @@ def plan_load_tables(
     back as the reference's :class:`ArrayLoadPlan`.
     """
     _check(targets, world)
-    load = np.zeros(world, dtype=_I64)
-    return [_plan_array(s, c, world, load, None) for s, c in zip(targets, stored_chunks, strict=True)]
+    scopes: Scopes = {}
+    return [_plan_array(s, c, world, scopes, None) for s, c in zip(targets, stored_chunks, strict=True)]
 
 
 def load_rank_part(tables: Sequence[ArrayLoadTable | ArrayLoadPlan], world: int, rank: int) -> LoadPlan:
@@ -232,47 +218,28 @@ def load_rank_part(tables: Sequence[ArrayLoadTable | ArrayLoadPlan], world: int,
 def plan_load_rank(
     stored_chunks: Sequence[tuple[int, ...]], targets: Sequence[ArraySpec], world: int, rank: int
 ) -> LoadPlan:
-    """``rank``'s part of the load plan, planning only the ranks whose read bytes decide its reads."""
+    """``rank``'s part of the load plan, planned from the arrays ``rank`` wants only.
+
+    Equal to ``load_rank_part(plan_load_tables(...), world, rank)``.
+    """
     _check(targets, world)
-    infos = [_load_info(s, c) for s, c in zip(targets, stored_chunks, strict=True)]
-    if not all(i.regular for i in infos):
-        return load_rank_part(plan_load_tables(stored_chunks, targets, world), world, rank)
-    mask = np.zeros(world, dtype=bool)
-    mask[rank] = True
-    distinct: dict[tuple[int, Any], tuple[_LoadInfo, np.ndarray]] = {}
-    for s, info in zip(targets, infos, strict=True):
-        if info.comp_members:
-            distinct.setdefault((id(info), s.ranks), (info, s.rank_array()))
-    done: set[tuple[Any, int]] = set()
-    changed = True
-    while changed:
-        changed = False
-        for key, (info, ranks) in distinct.items():
-            labels = np.unique(info.component[np.flatnonzero(mask[ranks])])
-            for label in labels[labels >= 0].tolist():
-                if (key, label) in done:
-                    continue
-                done.add((key, label))
-                add = ranks[info.comp_members[label]]
-                if not mask[add].all():
-                    mask[add] = True
-                    changed = True
-    load = np.zeros(world, dtype=_I64)
-    involved: dict[Any, bool] = {}
-    out = []
-    try:
-        for s, c in zip(targets, stored_chunks, strict=True):
-            hit = involved.get(s.ranks)
-            if hit is None:
-                hit = involved[s.ranks] = bool(mask[s.rank_array()].any())
-            if not hit:
-                out.append(ArrayLoadPlan(s.key, s.shape, s.itemsize, ()))
-                continue
-            t = _plan_array(s, c, world, load, mask)
-            assert isinstance(t, ArrayLoadTable)
+    scopes: Scopes = {}
+    involved: dict[object, bool] = {}
+    out: list[ArrayLoadPlan] = []
+    for s, c in zip(targets, stored_chunks, strict=True):
+        where = s.ranks if s.ranks is not None else s.layout.world_size
+        hit = involved.get(where)
+        if hit is None:
+            hit = involved[where] = bool((s.rank_array() == rank).any())
+        if not hit:
+            out.append(ArrayLoadPlan(s.key, s.shape, s.itemsize, ()))
+            continue
+        t = _plan_array(s, c, world, scopes, rank)
+        if isinstance(t, ArrayLoadTable):
             out.append(t.to_plan(t.rows_of(rank)))
-    except _NotRegular:
-        return load_rank_part(plan_load_tables(stored_chunks, targets, world), world, rank)
+        else:
+            reads = tuple(r for r in t.reads if r.reader == rank or any(f.rank == rank for f in r.targets))
+            out.append(ArrayLoadPlan(t.key, t.shape, t.itemsize, reads))
     return LoadPlan(world, tuple(out))
 
 

@@ -15,10 +15,10 @@ thousands of ranks that is minutes. This module computes the *same* plan with nu
   (columns), turned into the familiar :class:`~pytreeckpt._plan.ArraySavePlan` only
   where wanted: the whole plan for a small world, one rank's part at scale.
 
-:func:`plan_save_rank` computes one rank's part without planning the world: the bytes
-given to a rank matter only for the ranks that share a replicated chunk or tie for a
-merged one, so it plans just the closure of those ranks. Its result equals the global
-plan restricted to the rank (:func:`rank_part`); property tests hold it to that.
+:func:`plan_save_rank` computes one rank's part without planning the world: writers are
+balanced within scopes (see ``_plan``) and every scope that decides a rank's writes
+contains the rank, so it plans only the arrays the rank holds. Its result equals the
+global plan restricted to the rank (:func:`rank_part`); property tests hold it to that.
 
 Layouts that are not regular (pieces whose chunk boxes overlap partially, a rank holding
 a chunk twice, a rank order the mesh does not keep) are planned by the reference code
@@ -37,12 +37,13 @@ from typing import Any
 import numpy as np
 
 from ._errors import LayoutError
-from ._piece_table import _I64, _TABLES, ArraySpec, PieceTable, _Memo, _pos_of, piece_table
+from ._piece_table import _I64, _TABLES, ArraySpec, PieceTable, _Memo, _pos_of, piece_table, unique_rows
 from ._plan import (
     ArraySavePlan,
     ChunkingOptions,
     Fragment,
     SavePlan,
+    Scopes,
     WriteOp,
     _coalesce,
     _plan_array_save,
@@ -50,7 +51,7 @@ from ._plan import (
     _water_fill,
     chunk_shape_from_cuts,
     merge_sources,
-    merge_writer,
+    scope_loads,
 )
 from ._region import Region
 from ._sharding import Layout
@@ -75,6 +76,7 @@ def clear_caches() -> None:
     """Forget the shared tables and grids (benchmarks time cold planning with this)."""
     _TABLES.clear()
     _GRIDS.clear()
+    _PLACEMENTS.clear()
 
 
 # --------------------------------------------------------------------------- grids
@@ -88,8 +90,12 @@ class _Group:
     member_arr: np.ndarray
     chunks: list[tuple[int, ...]]
     sizes: dict[tuple[int, ...], int]
-    piece_of: dict[tuple[int, tuple[int, ...]], int]  # (member, chunk) -> its piece
-    memo: dict[bytes, tuple[dict[tuple[int, ...], int], np.ndarray]] = field(default_factory=dict)
+    pieces: dict[tuple[int, ...], dict[int, int]]  # chunk -> member -> the member's piece holding it
+    memo: dict[bytes, tuple[dict[tuple[int, ...], int], list[int]]] = field(default_factory=dict)
+    member_set: frozenset[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "member_set", frozenset(self.members))
 
 
 @dataclass(frozen=True, eq=False)
@@ -101,23 +107,26 @@ class _Merge:
     part_hi: np.ndarray
     overlap: dict[int, int]  # position -> elements of the chunk it holds
     tied: tuple[int, ...]  # positions holding the most: the writer is one of them
-    tied_arr: np.ndarray
-    overlap_arr: np.ndarray
-    # distinct part boxes (lo, hi), each with its holders (position, piece) best first
-    distinct: list[tuple[tuple[tuple[int, ...], tuple[int, ...]], list[tuple[int, int]]]]
-    by_pos: dict[int, list[tuple[int, int]]]  # position -> (its lowest piece, box) for the boxes it holds
+    tied_at: tuple[int, ...]  # where they are in ``overlap_arr``
+    overlap_arr: np.ndarray  # the positions feeding the chunk, ascending
+    ubox: np.ndarray  # the distinct part boxes, lo | hi rows
+    # each distinct box's best holder (position, piece): most of the chunk, then the lowest position, then piece
+    first_pos: list[int]
+    first_piece: list[int]
+    part_box: np.ndarray  # per part, its distinct box
     base: list[int]  # boxes in the order of their first holders
     is_grid: bool  # the distinct boxes are the cells of a grid over the chunk
     first_holders: frozenset[int] = field(init=False)
     first_boxes: dict[int, list[int]] = field(init=False)  # position -> the boxes it is first in line for
     base_index: dict[int, int] = field(init=False)  # box -> its place in ``base``
     sources: dict[int, _Sources] = field(default_factory=dict)  # writer position -> its sources
+    _boxes: list[tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "first_holders", frozenset(hs[0][0] for _, hs in self.distinct))
+        object.__setattr__(self, "first_holders", frozenset(self.first_pos))
         first_boxes: dict[int, list[int]] = {}
-        for b, (_, hs) in enumerate(self.distinct):
-            first_boxes.setdefault(hs[0][0], []).append(b)
+        for b, p in enumerate(self.first_pos):
+            first_boxes.setdefault(p, []).append(b)
         object.__setattr__(self, "first_boxes", first_boxes)
         object.__setattr__(self, "base_index", {b: i for i, b in enumerate(self.base)})
 
@@ -133,6 +142,24 @@ class _Merge:
             )
         ]
 
+    def box(self, b: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Distinct box ``b`` as (lo, hi) tuples (all of them made on first use)."""
+        if not self._boxes:
+            nd = self.ubox.shape[1] // 2
+            self._boxes.extend((tuple(r[:nd]), tuple(r[nd:])) for r in self.ubox.tolist())
+        return self._boxes[b]
+
+    def first(self, b: int) -> tuple[int, int]:
+        return self.first_pos[b], self.first_piece[b]
+
+    def own_boxes(self, pos: int) -> list[tuple[int, int]]:
+        """(its lowest piece holding it, box) for each box position ``pos`` holds, ascending."""
+        sel = self.part_pos == pos
+        best: dict[int, int] = {}
+        for b, pi in zip(self.part_box[sel].tolist(), self.part_piece[sel].tolist(), strict=True):
+            best[b] = min(pi, best.get(b, pi))
+        return sorted((pi, b) for b, pi in best.items())
+
     def sources_for(self, key: str, writer: int) -> _Sources:
         """The sources when ``writer`` (a position) writes: as ``merge_sources`` gives them, memoised.
 
@@ -141,15 +168,15 @@ class _Merge:
         """
         got = self.sources.get(writer)
         if got is None:
-            own = sorted(self.by_pos.get(writer, ()))
+            own = self.own_boxes(writer)
             mine = {b for _, b in own}
             if self.is_grid:
                 # Boxes on a grid: every box left uncovered is a union of grid cells, so each
                 # distinct box is one fragment, whole: the writer's own, then the others in order.
                 got = self.sources[writer] = _GridSources(self, writer, own, mine)
                 return got
-            firsts = [(writer, pi, *self.distinct[b][0]) for pi, b in own]
-            firsts += [(*self.distinct[b][1][0], *self.distinct[b][0]) for b in self.base if b not in mine]
+            firsts = [(writer, pi, *self.box(b)) for pi, b in own]
+            firsts += [(*self.first(b), *self.box(b)) for b in self.base if b not in mine]
             uncovered = [(self.chunk.offset, self.chunk.stop)]
             frags: list[tuple[int, int, tuple[int, ...], tuple[int, ...]]] = []
             for p, pi, plo, phi in firsts:
@@ -208,9 +235,6 @@ class GridInfo:
     ``regular`` is False when the fast planner does not apply (then ``_plan`` plans it).
     In position space: ``single_*`` are boxes of chunks held by one piece only (a direct
     write each), ``groups`` chunks held by several, ``merges`` chunks no piece holds whole.
-    ``component`` labels positions (-1: alone) so that positions whose written bytes decide
-    where each other's replicated or tied merged chunks go share a label; ``members`` lists
-    each label's positions.
     """
 
     chunk_shape: tuple[int, ...]
@@ -223,8 +247,41 @@ class GridInfo:
     single_elems: np.ndarray = field(default_factory=lambda: np.zeros(0, _I64))
     groups: list[_Group] = field(default_factory=list)
     merges: list[_Merge] = field(default_factory=list)
-    component: np.ndarray = field(default_factory=lambda: np.zeros(0, _I64))
-    members: list[np.ndarray] = field(default_factory=list)
+    _involving: dict[int, tuple[np.ndarray, list[_Group], list[_Merge]]] = field(default_factory=dict)
+    _single_writes: dict[tuple[int, int], tuple[WriteOp, ...]] = field(default_factory=dict)
+
+    def single_writes(self, pos: int | None, rank: int) -> tuple[WriteOp, ...]:
+        """The direct writes of the chunks only position ``pos`` holds, made by ``rank``; memoised."""
+        key = (-1 if pos is None else pos, rank)
+        got = self._single_writes.get(key)
+        if got is None:
+            rows = self.involving(pos)[0]
+            out = []
+            for lo, ext, pi in zip(
+                self.single_lo[rows].tolist(),
+                self.single_ext[rows].tolist(),
+                self.single_piece[rows].tolist(),
+                strict=True,
+            ):
+                region = Region(tuple(lo), tuple(ext))
+                out.append(WriteOp(region, rank, (Fragment(rank, pi, region),)))
+            got = self._single_writes[key] = tuple(out)
+        return got
+
+    def involving(self, pos: int | None) -> tuple[np.ndarray, list[_Group], list[_Merge]]:
+        """The direct writes (rows), groups and merges position ``pos`` holds a part of, memoised."""
+        got = self._involving.get(-1 if pos is None else pos)
+        if got is None:
+            if pos is None:
+                got = (np.zeros(0, _I64), [], [])
+            else:
+                got = (
+                    np.flatnonzero(self.single_pos == pos),
+                    [g for g in self.groups if pos in g.member_set],
+                    [m for m in self.merges if pos in m.overlap],
+                )
+            self._involving[-1 if pos is None else pos] = got
+        return got
 
 
 def _contained(table: PieceTable, chunk: tuple[int, ...], shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
@@ -276,8 +333,7 @@ def grid_info_of_table(table: PieceTable, shape: tuple[int, ...], itemsize: int,
     rows = np.flatnonzero(has)
     boxes = np.concatenate([clo[rows], chi[rows]], axis=1)
     if len(rows):
-        ubox, inverse = np.unique(boxes, axis=0, return_inverse=True)
-        inverse = inverse.reshape(-1)
+        ubox, inverse, _ = unique_rows(boxes)
     else:
         ubox, inverse = np.zeros((0, 2 * nd), _I64), np.zeros(0, _I64)
     # Regular: distinct boxes are disjoint, and no position holds a box twice.
@@ -300,27 +356,30 @@ def grid_info_of_table(table: PieceTable, shape: tuple[int, ...], itemsize: int,
     by_members: dict[tuple[int, ...], list[int]] = defaultdict(list)
     rep_rows = rows[~one]
     rep_box = inverse[~one]
-    holders_of_box: dict[int, list[tuple[int, int]]] = defaultdict(list)
-    for r, b in zip(rep_rows.tolist(), rep_box.tolist(), strict=True):
-        holders_of_box[b].append((int(table.pos[r]), int(table.piece[r])))
-    for b, hs in holders_of_box.items():
-        by_members[tuple(sorted({p for p, _ in hs}))].append(b)
+    # Each replicated box's holders, by position (a position holds a box once: regular).
+    pieces_of_box: dict[int, dict[int, int]] = {}
+    if len(rep_rows):
+        rpos, rpiece = table.pos[rep_rows], table.piece[rep_rows]
+        order = np.lexsort((rpos, rep_box))
+        rb, rpos, rpiece = rep_box[order], rpos[order], rpiece[order]
+        bounds = np.flatnonzero(np.diff(rb)) + 1
+        for b, ps, pis in zip(
+            rb[np.r_[0, bounds]].tolist(), np.split(rpos, bounds), np.split(rpiece, bounds), strict=True
+        ):
+            pos_list = ps.tolist()
+            by_members[tuple(pos_list)].append(b)
+            pieces_of_box[b] = dict(zip(pos_list, pis.tolist(), strict=True))
     groups = []
-    uf = _UnionFind(table.positions)
     for mem, bs in by_members.items():
         chunks: list[tuple[int, ...]] = []
-        piece_of: dict[tuple[int, tuple[int, ...]], int] = {}
+        box_of: dict[tuple[int, ...], dict[int, int]] = {}
         for b in bs:
-            blo, bhi = ubox[b, :nd].tolist(), ubox[b, nd:].tolist()
-            cs = _box_indices(blo, bhi)
+            cs = _box_indices(ubox[b, :nd].tolist(), ubox[b, nd:].tolist())
             chunks.extend(cs)
-            for p, pi in holders_of_box[b]:
-                for ci in cs:
-                    piece_of[(p, ci)] = pi
+            box_of.update(dict.fromkeys(cs, pieces_of_box[b]))
         chunks.sort()
         sizes = {ci: _chunk_size(ci, chunk, shape) * itemsize for ci in chunks}
-        groups.append(_Group(mem, np.asarray(mem, dtype=_I64), chunks, sizes, piece_of))
-        uf.union(mem)
+        groups.append(_Group(mem, np.asarray(mem, dtype=_I64), chunks, sizes, box_of))
     groups.sort(key=lambda g: (len(g.members), g.members))
     # Merged chunks: those no piece holds whole, in row-major order.
     merges = []
@@ -331,8 +390,6 @@ def grid_info_of_table(table: PieceTable, shape: tuple[int, ...], itemsize: int,
             tuple(min(k, s - i * k) for i, k, s in zip(cidx, chunk, shape, strict=True)),
         )
         merges.append(_make_merge(table, end, creg))
-        if len(merges[-1].tied) > 1:
-            uf.union(merges[-1].tied)
     return GridInfo(
         chunk,
         regular=True,
@@ -344,8 +401,6 @@ def grid_info_of_table(table: PieceTable, shape: tuple[int, ...], itemsize: int,
         single_elems=np.prod(ext_el, axis=1),
         groups=groups,
         merges=merges,
-        component=uf.labels(),
-        members=uf.members(),
     )
 
 
@@ -372,15 +427,15 @@ class _GridSources(_Sources):
         boxes = [] if pos is None else [b for b in m.first_boxes.get(pos, ()) if b not in self.mine]
         boxes.sort(key=m.base_index.__getitem__)
         return tuple(
-            Fragment(only, m.distinct[b][1][0][1], Region(lo, tuple(h - a for a, h in zip(lo, hi, strict=True))))
+            Fragment(only, m.first_piece[b], Region(lo, tuple(h - a for a, h in zip(lo, hi, strict=True))))
             for b in boxes
-            for lo, hi in (m.distinct[b][0],)
+            for lo, hi in (m.box(b),)
         )
 
     def entries(self) -> list[tuple[int, int, tuple[int, ...], tuple[int, ...]]]:
         m = self.merge
-        out = [(self.writer, pi, *m.distinct[b][0]) for pi, b in self.own]
-        out += [(*m.distinct[b][1][0], *m.distinct[b][0]) for b in m.base if b not in self.mine]
+        out = [(self.writer, pi, *m.box(b)) for pi, b in self.own]
+        out += [(*m.first(b), *m.box(b)) for b in m.base if b not in self.mine]
         return out
 
 
@@ -392,30 +447,22 @@ def _make_merge(table: PieceTable, end: np.ndarray, creg: Region) -> _Merge:
     hit = np.flatnonzero((ihi > ilo).all(axis=1))
     hpos, hpiece, hlo, hhi = table.pos[hit], table.piece[hit], ilo[hit], ihi[hit]
     if not len(hit):
-        return _Merge(creg, hpos, hpiece, hlo, hhi, {}, (), np.zeros(0, _I64), np.zeros(0, _I64), [], {}, [], False)
+        nothing = np.zeros(0, _I64)
+        return _Merge(creg, hpos, hpiece, hlo, hhi, {}, (), (), nothing, nothing, [], [], nothing, [], False)
     upos, inv = np.unique(hpos, return_inverse=True)
     ov = np.zeros(len(upos), dtype=_I64)
     np.add.at(ov, inv.reshape(-1), np.prod(hhi - hlo, axis=1))
     overlap = dict(zip(upos.tolist(), ov.tolist(), strict=True))
-    tied_arr = upos[ov == ov.max()]
-    ubox, binv = np.unique(np.concatenate([hlo, hhi], axis=1), axis=0, return_inverse=True)
-    binv = binv.reshape(-1)
+    tied_at = np.flatnonzero(ov == ov.max())
+    ubox, binv, _ = unique_rows(np.concatenate([hlo, hhi], axis=1))
     row_ov = ov[inv.reshape(-1)]
     order = np.lexsort((hpiece, hpos, -row_ov, binv))
-    nd = hlo.shape[1]
-    boxes = [(tuple(b[:nd]), tuple(b[nd:])) for b in ubox.tolist()]
-    holders: list[list[tuple[int, int]]] = [[] for _ in boxes]
-    for b, p, pi in zip(binv[order].tolist(), hpos[order].tolist(), hpiece[order].tolist(), strict=True):
-        holders[b].append((p, pi))
+    # Each box's best holder: the first of its run in ``order`` (boxes come in index order).
+    sb = binv[order]
+    first = order[np.flatnonzero(np.r_[True, sb[1:] != sb[:-1]])]
+    fpos, fpiece = hpos[first], hpiece[first]
     # Boxes in the order their first holders come when the writer holds none of them.
-    base = sorted(range(len(boxes)), key=lambda b: (-overlap[holders[b][0][0]], holders[b][0][0], holders[b][0][1]))
-    by_pos: dict[int, list[tuple[int, int]]] = {}
-    for b, hs in enumerate(holders):
-        best: dict[int, int] = {}
-        for p, pi in hs:
-            best[p] = min(pi, best.get(p, pi))
-        for p, pi in best.items():
-            by_pos.setdefault(p, []).append((pi, b))
+    base = np.lexsort((fpiece, fpos, -ov[np.searchsorted(upos, fpos)])).tolist()
     return _Merge(
         creg,
         hpos,
@@ -423,11 +470,13 @@ def _make_merge(table: PieceTable, end: np.ndarray, creg: Region) -> _Merge:
         hlo,
         hhi,
         overlap,
-        tuple(tied_arr.tolist()),
-        tied_arr,
+        tuple(upos[tied_at].tolist()),
+        tuple(tied_at.tolist()),
         upos,
-        [(boxes[b], holders[b]) for b in range(len(boxes))],
-        by_pos,
+        ubox,
+        fpos.tolist(),
+        fpiece.tolist(),
+        binv,
         base,
         _is_grid(ubox, clo, chi),
     )
@@ -438,54 +487,11 @@ def _is_grid(ubox: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> bool:
     nd = len(lo)
     cells = 1
     for d in range(nd):
-        iv = np.unique(ubox[:, [d, nd + d]], axis=0)
+        iv = unique_rows(ubox[:, [d, nd + d]])[0]
         if iv[0, 0] != lo[d] or iv[-1, 1] != hi[d] or (iv[1:, 0] != iv[:-1, 1]).any():
             return False
         cells *= len(iv)
     return cells == len(ubox)
-
-
-class _UnionFind:
-    """Connected components of positions joined by groups, labelled 0.. in order of first position (-1: alone)."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-        self.groups: list[np.ndarray] = []
-        self._labels: np.ndarray | None = None
-
-    def union(self, items: Sequence[int]) -> None:
-        self.groups.append(np.asarray(items, dtype=_I64))
-        self._labels = None
-
-    def labels(self) -> np.ndarray:
-        if self._labels is None:
-            lab = np.arange(self.n, dtype=_I64)
-            touched = np.zeros(self.n, dtype=bool)
-            for g in self.groups:
-                touched[g] = True
-            changed = True
-            while changed:
-                changed = False
-                for g in self.groups:
-                    m = lab[g].min()
-                    if (lab[g] != m).any():
-                        lab[g] = m
-                        changed = True
-                lab = lab[lab]
-            out = np.full(self.n, -1, dtype=_I64)
-            _, inv = np.unique(lab[touched], return_inverse=True)
-            out[touched] = inv.reshape(-1)
-            self._labels = out
-        return self._labels
-
-    def members(self) -> list[np.ndarray]:
-        labels = self.labels()
-        order = np.argsort(labels, kind="stable")
-        order = order[labels[order] >= 0]
-        if not len(order):
-            return []
-        counts = np.bincount(labels[order])
-        return np.split(order, np.cumsum(counts)[:-1])
 
 
 def _box_indices(lo: list[int], hi: list[int]) -> list[tuple[int, ...]]:
@@ -592,109 +598,102 @@ def _table_of_plan(ap: ArraySavePlan) -> ArraySaveTable:
     )
 
 
-def _plan_array(
-    spec: ArraySpec,
-    world: int,
-    options: ChunkingOptions,
-    load: np.ndarray,
-    only: np.ndarray | None,
-    emit: int | None = None,
-    info: GridInfo | None = None,
-) -> ArraySaveTable:
-    """One array's writes, adding the bytes it gives each rank to ``load``.
+_Decision = tuple[list[int], list[int], int, int, "_LazyMerge | None"]  # offset, extent, writer, piece, merge
 
-    With ``only`` (a mask of a closed set of ranks), only the bytes of those ranks are tracked, and
-    with ``emit`` only the writes involving that rank are made.
+
+def _decide(
+    spec: ArraySpec,
+    info: GridInfo,
+    ranks: np.ndarray,
+    scopes: Scopes,
+    groups: list[_Group],
+    merges: list[_Merge],
+    emit: int | None = None,
+    emit_pos: int | None = None,
+) -> list[_Decision]:
+    """The writes of ``groups`` (replicated chunks) and ``merges``, adding their bytes to ``scopes``.
+
+    With ``emit``, only the writes involving that rank are returned.
     """
-    if info is None:
-        info = grid_info(spec.layout, spec.shape, spec.itemsize, options)
-    ranks = spec.rank_array()
-    monotonic = len(ranks) < 2 or bool((np.diff(ranks) > 0).all())
-    if not info.regular or not monotonic or (len(ranks) and (ranks[0] < 0 or ranks[-1] >= world)):
-        if only is not None:
-            raise _NotClosed
-        return _plan_reference(spec, world, options, load)
-    nd = len(spec.shape)
-    itemsize = spec.itemsize
-    chunk = np.asarray(info.chunk_shape, dtype=_I64)
-    shape = np.asarray(spec.shape, dtype=_I64)
-    # Chunks with one holder: a direct write each.
-    if only is None:
-        srow = np.arange(len(info.single_pos))
-    else:
-        srow = np.flatnonzero(only[ranks[info.single_pos]])
-    writers = ranks[info.single_pos[srow]] if len(srow) else np.zeros(0, _I64)
-    np.add.at(load, writers, info.single_elems[srow] * itemsize)
-    if emit is not None:
-        keep = writers == emit
-        srow, writers = srow[keep], writers[keep]
-    extra: list[tuple[list[int], list[int], int, int, _LazyMerge | None]] = []
+    out: list[_Decision] = []
     # Replicated chunks: balanced over their holders.
-    for g in info.groups:
-        holder_arr = ranks[g.member_arr]
-        if only is not None and not only[holder_arr].any():
-            continue
-        before = load[holder_arr]
-        memo_key = before.tobytes()
+    for g in groups:
+        holders = ranks[g.member_arr].tolist()
+        key = tuple(holders)
+        before = scopes.get(key)
+        memo_key = b"" if before is None else np.asarray(before, dtype=_I64).tobytes()
         hit = g.memo.get(memo_key)
         if hit is None:
-            local = before.tolist()
-            assign = _water_fill(g.chunks, range(len(local)), g.sizes, local)
-            hit = g.memo[memo_key] = (assign, np.asarray(local, dtype=_I64))
+            local = [0] * len(holders) if before is None else list(before)
+            assign = _water_fill(g.chunks, g.sizes, local)
+            hit = g.memo[memo_key] = (assign, local)
         assign = hit[0]
-        load[holder_arr] = hit[1]
-        holders = holder_arr.tolist()
-        if emit is not None and emit not in holders:
-            continue
+        scopes[key] = hit[1]
         by_source: dict[tuple[int, int], list[tuple[int, ...]]] = defaultdict(list)
         for ci, k in assign.items():
             if emit is None or holders[k] == emit:
-                by_source[(k, g.piece_of[(g.members[k], ci)])].append(ci)
+                by_source[(k, g.pieces[ci][g.members[k]])].append(ci)
         for (k, pi), idxs in sorted(by_source.items()):
             boxes = [(idxs[0], tuple(i + 1 for i in idxs[0]))] if len(idxs) == 1 else _coalesce(idxs)
             for lo, hi in boxes:
                 a = [i * c for i, c in zip(lo, info.chunk_shape, strict=True)]
                 b = [min(i * c, n) for i, c, n in zip(hi, info.chunk_shape, spec.shape, strict=True)]
-                extra.append((a, [y - x for x, y in zip(a, b, strict=True)], holders[k], pi, None))
-    # Merged chunks: the rank holding most of each, ties to the least loaded, then the lowest.
-    for m in info.merges:
-        if only is not None and not only[ranks[m.overlap_arr]].any():
-            continue
-        if len(m.tied) == 1:
-            writer_pos = m.tied[0]
-        elif len(m.tied) == 0:
-            merge_writer(spec.key, m.chunk, {}, load)  # raises: nobody holds it
-            raise AssertionError
+                out.append((a, [y - x for x, y in zip(a, b, strict=True)], holders[k], pi, None))
+    # Merged chunks: the rank holding most of each, ties to the least loaded of its feeders, then the lowest.
+    for m in merges:
+        if not m.overlap:
+            raise LayoutError(f"leaf {spec.key!r}: elements {m.chunk} are held by no rank, so they cannot be saved")
+        key = tuple(ranks[m.overlap_arr].tolist())
+        local = scope_loads(scopes, key)
+        at = m.tied_at[0] if len(m.tied) == 1 else min(m.tied_at, key=local.__getitem__)
+        local[at] += m.chunk.size * spec.itemsize
+        scopes[key] = local
+        writer_pos = int(m.overlap_arr[at])
+        writer = key[at]
+        if emit is not None and writer != emit:
+            # ``emit`` feeds the chunk only if it is the first holder of a distinct box the writer lacks
+            if emit_pos not in m.first_holders:
+                continue
+            sources = m.sources_for(spec.key, writer_pos)
+            if not sources.has(emit_pos):  # type: ignore[arg-type]
+                continue
         else:
-            writer_pos = m.tied[int(np.argmin(load[ranks[m.tied_arr]]))]
-        writer = int(ranks[writer_pos])
-        load[writer] += m.chunk.size * itemsize
-        # ``emit`` feeds the chunk only if it is the first holder of some distinct box
-        if emit is not None and writer != emit and _pos_of(ranks, emit) not in m.first_holders:
-            continue
-        lazy = _LazyMerge(m.chunk, writer, m.sources_for(spec.key, writer_pos), ranks)
-        extra.append((list(m.chunk.offset), list(m.chunk.shape), writer, -1, lazy))
-    offset = info.single_lo[srow]
-    extent = info.single_ext[srow]
-    writer_a = writers
-    piece_a = info.single_piece[srow]
+            sources = m.sources_for(spec.key, writer_pos)
+        lazy = _LazyMerge(m.chunk, writer, sources, ranks)
+        out.append((list(m.chunk.offset), list(m.chunk.shape), writer, -1, lazy))
+    return out
+
+
+def _plan_array(
+    spec: ArraySpec, world: int, options: ChunkingOptions, scopes: Scopes, info: GridInfo | None = None
+) -> ArraySaveTable:
+    """One array's writes, adding the bytes each scope gives its ranks to ``scopes``."""
+    if info is None:
+        info = grid_info(spec.layout, spec.shape, spec.itemsize, options)
+    ranks, monotonic = _placement(spec)
+    if not info.regular or not monotonic or (len(ranks) and (ranks[0] < 0 or ranks[-1] >= world)):
+        return _plan_reference(spec, world, options, scopes)
+    nd = len(spec.shape)
+    extra = _decide(spec, info, ranks, scopes, info.groups, info.merges)
+    # Chunks with one holder: a direct write each.
+    offset, extent = info.single_lo, info.single_ext
+    writer_a, piece_a = ranks[info.single_pos], info.single_piece
     if extra:
         offset = np.concatenate([offset, np.asarray([e[0] for e in extra], dtype=_I64).reshape(len(extra), nd)])
         extent = np.concatenate([extent, np.asarray([e[1] for e in extra], dtype=_I64).reshape(len(extra), nd)])
         writer_a = np.concatenate([writer_a, np.asarray([e[2] for e in extra], dtype=_I64)])
         piece_a = np.concatenate([piece_a, np.asarray([e[3] for e in extra], dtype=_I64)])
-    del chunk, shape
     order = np.lexsort(offset.T[::-1]) if nd else np.arange(len(writer_a))
     row_of = np.empty(len(order), dtype=_I64)
     row_of[order] = np.arange(len(order))
-    base = len(srow)
+    base = len(info.single_pos)
     merged: dict[int, WriteOp | _LazyMerge] = {
         int(row_of[base + j]): e[4] for j, e in enumerate(extra) if e[4] is not None
     }
     return ArraySaveTable(
         spec.key,
         spec.shape,
-        itemsize,
+        spec.itemsize,
         info.chunk_shape,
         offset[order],
         extent[order],
@@ -704,30 +703,62 @@ def _plan_array(
     )
 
 
-def _plan_reference(spec: ArraySpec, world: int, options: ChunkingOptions, load: np.ndarray) -> ArraySaveTable:
-    lst = load.tolist()
-    ap = _plan_array_save(spec.array_layout(world), options, lst)
-    load[:] = lst
-    return _table_of_plan(ap)
+def _plan_array_rank(
+    spec: ArraySpec, world: int, options: ChunkingOptions, scopes: Scopes, rank: int, info: GridInfo
+) -> ArraySavePlan:
+    """``rank``'s part of one array's writes; only the scopes containing ``rank`` are followed."""
+    ranks, monotonic = _placement(spec)
+    if not info.regular or not monotonic or (len(ranks) and (ranks[0] < 0 or ranks[-1] >= world)):
+        table = _plan_reference(spec, world, options, scopes)
+        return table.to_plan(table.rows_of(rank), rank)
+    pos = _pos_of(ranks, rank)
+    _, groups, merges = info.involving(pos)
+    writes = list(info.single_writes(pos, rank))
+    for lo, ext, writer, piece, lazy in _decide(spec, info, ranks, scopes, groups, merges, rank, pos):
+        if lazy is None:
+            region = Region(tuple(lo), tuple(ext))
+            writes.append(WriteOp(region, writer, (Fragment(writer, piece, region),)))
+        else:
+            writes.append(lazy.op(None if rank == lazy.writer else rank))
+    writes.sort(key=lambda w: w.region.offset)
+    return ArraySavePlan(spec.key, spec.shape, spec.itemsize, info.chunk_shape, tuple(writes))
 
 
-class _NotClosed(Exception):
-    """The closure of a rank reaches an array the fast planner cannot restrict."""
+_PLACEMENTS = _Memo(1024)
+
+
+def _placement(spec: ArraySpec) -> tuple[np.ndarray, bool]:
+    """The world rank of each layout position, and whether they ascend; memoised per placement."""
+
+    def make() -> tuple[np.ndarray, bool]:
+        ranks = spec.rank_array()
+        return ranks, len(ranks) < 2 or bool((np.diff(ranks) > 0).all())
+
+    return _PLACEMENTS.get_or((spec.ranks, spec.layout.world_size), make)  # type: ignore[no-any-return]
+
+
+def _plan_reference(spec: ArraySpec, world: int, options: ChunkingOptions, scopes: Scopes) -> ArraySaveTable:
+    return _table_of_plan(_plan_array_save(spec.array_layout(world), options, scopes))
+
+
+def _check_placement(s: ArraySpec, world: int) -> None:
+    size = s.layout.world_size
+    top = size - 1
+    if isinstance(s.ranks, range) and len(s.ranks):
+        top = max(s.ranks[0], s.ranks[-1])
+    elif s.ranks is not None and len(s.ranks):
+        top = max(s.ranks)
+    if size > world or top >= world:
+        raise LayoutError(f"leaf {s.key!r}: its layout spans ranks beyond the world of {world}")
 
 
 def _check_world(specs: Sequence[ArraySpec], world: int) -> None:
-    sizes: dict[int, int] = {}
+    seen: set[tuple[int, Any]] = set()
     for s in specs:
-        size = sizes.get(id(s.layout))
-        if size is None:
-            size = sizes[id(s.layout)] = s.layout.world_size
-        top = size - 1
-        if isinstance(s.ranks, range) and len(s.ranks):
-            top = max(s.ranks[0], s.ranks[-1])
-        elif s.ranks is not None and len(s.ranks):
-            top = max(s.ranks)
-        if size > world or top >= world:
-            raise LayoutError(f"leaf {s.key!r}: its layout spans ranks beyond the world of {world}")
+        where = (id(s.layout), s.ranks)
+        if where not in seen:
+            _check_placement(s, world)
+            seen.add(where)
 
 
 def plan_save_tables(
@@ -743,8 +774,8 @@ def plan_save_tables(
     """
     options = options or ChunkingOptions()
     _check_world(specs, world)
-    load = np.zeros(world, dtype=_I64)
-    return [_plan_array(s, world, options, load, None) for s in specs]
+    scopes: Scopes = {}
+    return [_plan_array(s, world, options, scopes) for s in specs]
 
 
 def rank_part(tables: Sequence[ArraySaveTable], world: int, rank: int) -> SavePlan:
@@ -755,85 +786,33 @@ def rank_part(tables: Sequence[ArraySaveTable], world: int, rank: int) -> SavePl
     return SavePlan(world, tuple(t.to_plan(t.rows_of(rank), rank) for t in tables))
 
 
-def _closure(specs: Sequence[ArraySpec], infos: Sequence[GridInfo], world: int, rank: int) -> np.ndarray | None:
-    """The ranks whose written bytes decide ``rank``'s writes, as a mask over the world.
-
-    Closed under sharing a replicated chunk or tying for a merged one; None when some
-    array is not regular (then the rank's part comes from the global plan).
-    """
-    distinct: dict[tuple[int, Any], tuple[GridInfo, np.ndarray]] = {}
-    for s, info in zip(specs, infos, strict=True):
-        if not info.regular:
-            return None
-        if info.members:
-            key = (id(info), s.ranks)
-            if key not in distinct:
-                ranks = s.rank_array()
-                if len(ranks) > 1 and not bool((np.diff(ranks) > 0).all()):
-                    return None
-                distinct[key] = (info, ranks)
-    mask = np.zeros(world, dtype=bool)
-    mask[rank] = True
-    # Merges ``rank`` only feeds still depend on the bytes of the ranks tied to write them.
-    for info, ranks in distinct.values():
-        pos = _pos_of(ranks, rank)
-        if pos is None:
-            continue
-        for m in info.merges:
-            if len(m.tied) > 1 and pos in m.overlap:
-                mask[ranks[m.tied_arr]] = True
-    done: set[tuple[Any, int]] = set()
-    changed = True
-    while changed:
-        changed = False
-        for key, (info, ranks) in distinct.items():
-            labels = np.unique(info.component[np.flatnonzero(mask[ranks])])
-            for label in labels[labels >= 0].tolist():
-                if (key, label) in done:
-                    continue
-                done.add((key, label))
-                add = ranks[info.members[label]]
-                if not mask[add].all():
-                    mask[add] = True
-                    changed = True
-    return mask
-
-
 def plan_save_rank(
     specs: Sequence[ArraySpec], world: int, rank: int, options: ChunkingOptions | None = None
 ) -> SavePlan:
-    """``rank``'s part of the global save plan, computed without planning the whole world.
+    """``rank``'s part of the global save plan, computed from the arrays ``rank`` holds.
 
-    Equal to ``rank_part(plan_save_tables(specs, world), world, rank)``: only the arrays
-    and ranks whose bytes decide this rank's writes are planned.
+    Equal to ``rank_part(plan_save_tables(specs, world), world, rank)``. Writers are
+    balanced within scopes (the ranks able to take a chunk), every scope deciding this
+    rank's writes contains it, so the arrays it holds no piece of are never planned:
+    they contribute their chunk grid only.
     """
     options = options or ChunkingOptions()
-    _check_world(specs, world)
-    by_id: dict[tuple[int, tuple[int, ...], int], GridInfo] = {}
-    infos = []
-    for s in specs:
-        k = (id(s.layout), s.shape, s.itemsize)
-        info = by_id.get(k)
-        if info is None:
-            info = by_id[k] = grid_info(s.layout, s.shape, s.itemsize, options)
-        infos.append(info)
-    only = _closure(specs, infos, world, rank)
-    if only is None or 2 * int(only.sum()) > world:  # restricting would not save much
-        return rank_part(plan_save_tables(specs, world, options), world, rank)
-    load = np.zeros(world, dtype=_I64)
-    involved: dict[Any, bool] = {}
+    grids: dict[tuple[int, tuple[int, ...], int], GridInfo] = {}
+    placed: dict[tuple[int, Any], bool] = {}  # (layout, ranks) -> whether ``rank`` holds a piece
+    scopes: Scopes = {}
     out = []
-    try:
-        for s, info in zip(specs, infos, strict=True):
-            key = s.ranks
-            hit = involved.get(key)
-            if hit is None:
-                hit = involved[key] = bool(only[s.rank_array()].any())
-            if not hit:
-                out.append(ArraySavePlan(s.key, s.shape, s.itemsize, info.chunk_shape, ()))
-                continue
-            table = _plan_array(s, world, options, load, only, rank, info)
-            out.append(table.to_plan(table.rows_of(rank), rank))
-    except _NotClosed:
-        return rank_part(plan_save_tables(specs, world, options), world, rank)
+    for s in specs:
+        where = (id(s.layout), s.ranks)
+        hit = placed.get(where)
+        if hit is None:
+            _check_placement(s, world)
+            hit = placed[where] = bool((s.rank_array() == rank).any())
+        k = (id(s.layout), s.shape, s.itemsize)
+        info = grids.get(k)
+        if info is None:
+            info = grids[k] = grid_info(s.layout, s.shape, s.itemsize, options)
+        if not hit:
+            out.append(ArraySavePlan(s.key, s.shape, s.itemsize, info.chunk_shape, ()))
+            continue
+        out.append(_plan_array_rank(s, world, options, scopes, rank, info))
     return SavePlan(world, tuple(out))
