@@ -30,6 +30,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from ._errors import LayoutError
 from ._region import Region, chunk_region
 from ._sharding import Piece
@@ -427,14 +429,19 @@ def _contiguous_runs(sizes: list[int], load: list[int]) -> list[int] | None:
     return out
 
 
-Scopes = dict[tuple[int, ...], Any]
-"""Per scope (its ranks, ascending), the bytes given so far to each of its ranks, in that order."""
+Scopes = dict[bytes, list[int]]
+"""Per scope (keyed by :func:`scope_key` of its ranks, ascending), the bytes given so far to each of its ranks."""
 
 
-def scope_loads(scopes: Scopes, ranks: tuple[int, ...]) -> list[int]:
-    """The loads of scope ``ranks`` as a list (a new one if the scope has none yet)."""
-    got = scopes.get(ranks)
-    return [0] * len(ranks) if got is None else list(got)
+def scope_key(ranks: Sequence[int]) -> bytes:
+    """The key of the scope of ``ranks`` (ascending): their int64 bytes, whose hash Python caches."""
+    return np.asarray(ranks, dtype=np.int64).tobytes()
+
+
+def scope_loads(scopes: Scopes, key: bytes, size: int) -> list[int]:
+    """The loads of the scope ``key`` of ``size`` ranks, as a new list."""
+    got = scopes.get(key)
+    return [0] * size if got is None else list(got)
 
 
 def _plan_array_save(layout: ArrayLayout, options: ChunkingOptions, scopes: Scopes) -> ArraySavePlan:
@@ -461,9 +468,10 @@ def _plan_array_save(layout: ArrayLayout, options: ChunkingOptions, scopes: Scop
             merged.append(idx)
     writer_of: dict[tuple[int, ...], int] = {}
     for ranks in sorted(groups, key=lambda k: (len(k), k)):
-        local = scope_loads(scopes, ranks)
+        key = scope_key(ranks)
+        local = scope_loads(scopes, key, len(ranks))
         assign = _water_fill(groups[ranks], sizes, local)
-        scopes[ranks] = local
+        scopes[key] = local
         writer_of.update({c: ranks[k] for c, k in assign.items()})
     # Direct writes: coalesce each writer's chunks per source piece.
     by_source: dict[tuple[int, int], list[tuple[int, ...]]] = defaultdict(list)
@@ -494,12 +502,13 @@ def _merge_write(layout: ArrayLayout, chunk: Region, scopes: Scopes) -> WriteOp:
     if not overlap:
         raise LayoutError(f"leaf {layout.key!r}: elements {chunk} are held by no rank, so they cannot be saved")
     feeders = tuple(sorted(overlap))
-    local = scope_loads(scopes, feeders)
+    key = scope_key(feeders)
+    local = scope_loads(scopes, key, len(feeders))
     at = {r: i for i, r in enumerate(feeders)}
     writer = min(overlap, key=lambda r: (-overlap[r], local[at[r]], r))
     op = merge_sources(layout.key, chunk, writer, parts, overlap)
     local[at[writer]] += chunk.size * layout.itemsize
-    scopes[feeders] = local
+    scopes[key] = local
     return op
 
 
@@ -608,11 +617,12 @@ def _plan_array_load(
         if len(wanters) == 1:
             reader = wanters[0]
         else:
-            local = scope_loads(scopes, wanters)
-            at = min(range(len(wanters)), key=lambda i: (local[i], i))
+            scope = scope_key(wanters)
+            local = scope_loads(scopes, scope, len(wanters))
+            at = local.index(min(local))
             reader = wanters[at]
             local[at] += region.size * itemsize
-            scopes[wanters] = local
+            scopes[scope] = local
         reads.append(ReadOp(region, reader, tuple(targets)))
     return ArrayLoadPlan(key, shape, itemsize, tuple(reads))
 

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ._piece_table import _I64, ArraySpec, piece_table
+from ._piece_table import _I64, ArraySpec, piece_table, unique_rows
 from ._plan import ArrayLoadPlan, WriteOp
 from ._plan_load_table import ArrayLoadTable
 from ._plan_table import ArraySaveTable, _coverage, _LazyMerge
@@ -120,13 +120,13 @@ def check_load(
         # Each distinct target box is tiled by its reads: distinct chunks, volumes adding up.
         box = info.box[t.rows]
         table = piece_table(spec.layout, spec.shape)
-        boxes = np.unique(np.concatenate([table.lo, table.lo + table.ext], axis=1), axis=0)
+        boxes = unique_rows(np.concatenate([table.lo, table.lo + table.ext], axis=1))[0]
         vol = np.prod(boxes[:, nd:] - boxes[:, :nd], axis=1)
         got = np.bincount(box, weights=info.elems[t.rows].astype(np.float64), minlength=len(boxes))
         if len(got) != len(vol) or not np.array_equal(np.sort(got.astype(_I64)), np.sort(vol)):
             problems.append(f"leaf {key!r}: the reads do not add up to the target pieces")
         pair = np.concatenate([box[:, None], lo // c], axis=1)
-        if len(np.unique(pair, axis=0)) != len(pair):
+        if len(unique_rows(pair)[0]) != len(pair):
             problems.append(f"leaf {key!r}: a region is read twice")
         # Every target piece gets every read of its box; the reader is one of the ranks wanting it.
         members = sum(len(m) for m in info.members)

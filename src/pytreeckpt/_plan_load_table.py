@@ -19,7 +19,7 @@ import numpy as np
 
 from ._errors import LayoutError
 from ._piece_table import _I64, ArraySpec, _Memo, _pos_of, piece_table, unique_rows
-from ._plan import ArrayLoadPlan, Fragment, LoadPlan, ReadOp, Scopes, _plan_array_load
+from ._plan import ArrayLoadPlan, Fragment, LoadPlan, ReadOp, Scopes, _plan_array_load, scope_loads
 from ._plan_table import _coverage
 from ._region import Region
 
@@ -171,17 +171,17 @@ def _plan_array(
     readers = np.full(len(info.box), -1, dtype=_I64)
     readers[keep_single] = ranks[single[keep_single]]
     # Reads wanted by several ranks: the least loaded of them, by the reads of that same set of ranks.
-    keys: dict[int, tuple[int, ...]] = {}
+    keys: dict[int, tuple[list[int], bytes]] = {}
     for r in multi:
         b = int(info.box[r])
-        key = keys.get(b)
-        if key is None:
-            key = keys[b] = tuple(ranks[info.member_arr[b]].tolist())
-        got = scopes.get(key)
-        local = [0] * len(key) if got is None else got
+        got_key = keys.get(b)
+        if got_key is None:
+            wanters = ranks[info.member_arr[b]]
+            got_key = keys[b] = (wanters.tolist(), wanters.tobytes())
+        wanting, key = got_key
+        local = scope_loads(scopes, key, len(wanting))
         at = local.index(min(local))
-        readers[r] = key[at]
-        local = list(local)
+        readers[r] = wanting[at]
         local[at] += int(nbytes[r])
         scopes[key] = local
     sel = np.sort(np.concatenate([keep_single, np.asarray(multi, dtype=_I64)])) if only is not None else None

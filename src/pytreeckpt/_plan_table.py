@@ -93,9 +93,18 @@ class _Group:
     pieces: dict[tuple[int, ...], dict[int, int]]  # chunk -> member -> the member's piece holding it
     memo: dict[bytes, tuple[dict[tuple[int, ...], int], list[int]]] = field(default_factory=dict)
     member_set: frozenset[int] = field(init=False)
+    # placement -> the members' world ranks and their scope key
+    scopes: dict[Any, tuple[list[int], bytes]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "member_set", frozenset(self.members))
+
+    def scope(self, ranks: np.ndarray, placement: Any) -> tuple[list[int], bytes]:
+        got = self.scopes.get(placement)
+        if got is None:
+            world = ranks[self.member_arr]
+            got = self.scopes[placement] = (world.tolist(), world.tobytes())
+        return got
 
 
 @dataclass(frozen=True, eq=False)
@@ -120,7 +129,9 @@ class _Merge:
     first_boxes: dict[int, list[int]] = field(init=False)  # position -> the boxes it is first in line for
     base_index: dict[int, int] = field(init=False)  # box -> its place in ``base``
     sources: dict[int, _Sources] = field(default_factory=dict)  # writer position -> its sources
-    _boxes: list[tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=list)
+    _boxes: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict)
+    # placement -> the feeders' world ranks and their scope key
+    scopes: dict[Any, tuple[list[int], bytes]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "first_holders", frozenset(self.first_pos))
@@ -143,11 +154,20 @@ class _Merge:
         ]
 
     def box(self, b: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """Distinct box ``b`` as (lo, hi) tuples (all of them made on first use)."""
-        if not self._boxes:
-            nd = self.ubox.shape[1] // 2
-            self._boxes.extend((tuple(r[:nd]), tuple(r[nd:])) for r in self.ubox.tolist())
-        return self._boxes[b]
+        """Distinct box ``b`` as (lo, hi) tuples, made when first asked for."""
+        got = self._boxes.get(b)
+        if got is None:
+            row = self.ubox[b].tolist()
+            nd = len(row) // 2
+            got = self._boxes[b] = (tuple(row[:nd]), tuple(row[nd:]))
+        return got
+
+    def scope(self, ranks: np.ndarray, placement: Any) -> tuple[list[int], bytes]:
+        got = self.scopes.get(placement)
+        if got is None:
+            world = ranks[self.overlap_arr]
+            got = self.scopes[placement] = (world.tolist(), world.tobytes())
+        return got
 
     def first(self, b: int) -> tuple[int, int]:
         return self.first_pos[b], self.first_piece[b]
@@ -617,9 +637,9 @@ def _decide(
     """
     out: list[_Decision] = []
     # Replicated chunks: balanced over their holders.
+    placement = (spec.ranks, len(ranks))
     for g in groups:
-        holders = ranks[g.member_arr].tolist()
-        key = tuple(holders)
+        holders, key = g.scope(ranks, placement)
         before = scopes.get(key)
         memo_key = b"" if before is None else np.asarray(before, dtype=_I64).tobytes()
         hit = g.memo.get(memo_key)
@@ -643,13 +663,18 @@ def _decide(
     for m in merges:
         if not m.overlap:
             raise LayoutError(f"leaf {spec.key!r}: elements {m.chunk} are held by no rank, so they cannot be saved")
-        key = tuple(ranks[m.overlap_arr].tolist())
-        local = scope_loads(scopes, key)
-        at = m.tied_at[0] if len(m.tied) == 1 else min(m.tied_at, key=local.__getitem__)
+        feeders, key = m.scope(ranks, placement)
+        local = scope_loads(scopes, key, len(feeders))
+        if len(m.tied) == 1:
+            at = m.tied_at[0]
+        elif len(m.tied) == len(feeders):  # every feeder holds as much: the least loaded of all
+            at = local.index(min(local))
+        else:
+            at = min(m.tied_at, key=local.__getitem__)
         local[at] += m.chunk.size * spec.itemsize
         scopes[key] = local
         writer_pos = int(m.overlap_arr[at])
-        writer = key[at]
+        writer = feeders[at]
         if emit is not None and writer != emit:
             # ``emit`` feeds the chunk only if it is the first holder of a distinct box the writer lacks
             if emit_pos not in m.first_holders:
