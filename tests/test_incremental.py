@@ -128,3 +128,17 @@ def test_an_async_save_with_a_base_links_too(tmp_path: Path) -> None:
     out = pytreeckpt.load(tmp_path / "s2")
     assert torch.equal(out["b"], state["b"])
     assert torch.equal(out["a"], pytreeckpt.load(tmp_path / "s1")["a"])
+
+
+@pytest.mark.parametrize("packed_base", [False, True])
+def test_arrays_packed_on_one_side_only_are_written_not_linked(tmp_path: Path, packed_base: bool) -> None:
+    # Packed arrays live in an OCDBT database, not in chunk files: nothing to link from or to.
+    state = {"w": torch.randn(64, 64), "b": torch.randn(8)}
+    unpacked = pytreeckpt.StorageOptions(pack_small_leaves=False)
+    base = tmp_path / "base"
+    pytreeckpt.save(base if packed_base else pytreeckpt.Location(base, unpacked), state, chunk_hashes=True)
+    nxt = tmp_path / "next"
+    pytreeckpt.save(pytreeckpt.Location(nxt, unpacked) if packed_base else nxt, state, base=base)
+    assert _equal(pytreeckpt.load(nxt), state)
+    stray = [p for p in (nxt / "arrays").rglob("*") if p.is_dir() and not any(p.iterdir())]
+    assert not stray  # no directories made for links that could not be

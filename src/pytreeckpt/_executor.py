@@ -15,6 +15,7 @@ import collections
 import contextlib
 import fcntl
 import hashlib
+import itertools
 import math
 import os
 import shutil
@@ -131,6 +132,10 @@ class Storage:
         self.options = options or ExecutorOptions()
         self.context = make_context(self.location, self.options.file_io_concurrency, self.options.data_copy_concurrency)
         self.kv = None if self.location.is_local else KvPrefix(self.location, self.context)
+        # Local files TensorStore wrote without fsync (``file_io_sync`` is off), and
+        # directories whose every file is (OCDBT databases): made durable by :meth:`sync`.
+        self._unsynced: set[Path] = set()
+        self._unsynced_trees: set[Path] = set()
 
     @property
     def root(self) -> Path:
@@ -442,7 +447,76 @@ class Storage:
                 stores.append(f.result())
             except Exception as e:
                 raise failed(meta, e) from e
+        if create and self.kv is None:
+            for meta in metas:
+                if meta.database is None:
+                    self._unsynced.add(self.root / meta.path / "zarr.json")
+                else:
+                    self._unsynced_trees.add(self.root / meta.database)
         return stores
+
+    def _note_chunks(self, meta: ArrayMeta, region: Region) -> None:
+        """Remember the chunk files a write of ``region`` (whole chunks) creates, to fsync them."""
+        if self.kv is not None:
+            return
+        if meta.database is not None:
+            self._unsynced_trees.add(self.root / meta.database)
+            return
+        ranges = [
+            range(o // c, -(-(o + n) // c))
+            for o, n, c in zip(region.offset, region.shape, meta.chunk_shape, strict=True)
+        ]
+        base = self.root / meta.path / "c"
+        for index in itertools.product(*ranges):
+            self._unsynced.add(base.joinpath(*map(str, index)) if index else base)
+
+    def sync(self) -> None:
+        """fsync every file written since the last call, and the directories holding them, in parallel.
+
+        Directories from each file up to the checkpoint root are synced (the commit syncs
+        the root itself), so new names are durable too.
+        """
+        files = set(self._unsynced)
+        for tree in self._unsynced_trees:
+            for dirpath, _, names in os.walk(tree):
+                files.update(Path(dirpath) / n for n in names)
+                files.add(Path(dirpath))
+        self._unsynced.clear()
+        self._unsynced_trees.clear()
+        if not files:
+            return
+        dirs: set[Path] = set()
+        for f in files:
+            for parent in f.parents:
+                if parent == self.root or self.root not in parent.parents:
+                    break
+                dirs.add(parent)
+        targets = sorted(files - dirs) + sorted(dirs, key=lambda d: -len(d.parts))
+        errors: list[OSError | None] = [None] * len(targets)
+        workers = min(16, len(targets))
+        parts = [range(k, len(targets), workers) for k in range(workers)]
+
+        def run(part: range) -> None:
+            for j in part:
+                errors[j] = _fsync_quietly(targets[j])
+
+        # Plain threads, not concurrent.futures: a save finishing while the interpreter
+        # exits may still start threads, but an executor refuses new work then.
+        threads = []
+        for part in parts[1:]:
+            t = threading.Thread(target=run, args=(part,), name="pytreeckpt-fsync", daemon=True)
+            try:
+                t.start()
+            except RuntimeError:  # no new threads at all: this one does the part
+                run(part)
+                continue
+            threads.append(t)
+        run(parts[0])
+        for t in threads:
+            t.join()
+        for path, error in zip(targets, errors, strict=True):
+            if error is not None:
+                raise CheckpointError(f"cannot make {path} durable (fsync): {error}")
 
     def write(
         self,
@@ -479,6 +553,7 @@ class Storage:
                     nbytes = data.nbytes
                     written += nbytes
                     future = stores[i][part.slices()].write(data)
+                    self._note_chunks(metas[i], part)
                     if done_all is not None or progress is not None:
                         future.add_done_callback(_finished(done_all, progress, nbytes))
                     window.add(future, nbytes, f"leaf {metas[i].key!r}: writing {part}")
@@ -488,6 +563,7 @@ class Storage:
             window.drain_quietly()
             raise
         window.drain()
+        self.sync()
         return written
 
     def link_chunk(self, base: Path, base_path: str, path: str, index: tuple[int, ...]) -> bool:
@@ -505,6 +581,7 @@ class Storage:
             os.link(src, dst)
         except OSError:
             return False
+        self._unsynced.add(dst)  # its directory entry is new
         return True
 
     def read(
@@ -687,6 +764,20 @@ def write_items(
         for op in plan.writes:
             if rank is None or op.writer == rank:
                 yield i, op, assemble(op, get, dtype)
+
+
+def _fsync_quietly(path: Path) -> OSError | None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as e:
+        return e
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        return e
+    finally:
+        os.close(fd)
+    return None
 
 
 def _fsync_dir(path: Path) -> None:

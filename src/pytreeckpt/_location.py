@@ -254,6 +254,12 @@ def context_spec(r: Resolved, file_io_concurrency: int, data_copy_concurrency: i
         "cache_pool": {"total_bytes_limit": 0},
         OCDBT_CACHE: {"total_bytes_limit": 64 * MiB},
     }
+    if r.is_local:
+        # The Storage fsyncs every file it wrote and every directory holding one, in
+        # parallel, once its writes are done and before the commit (tests check that it
+        # missed none). TensorStore's own per-file fsync would repeat that for the files
+        # and say nothing of the new directory entries.
+        spec["file_io_sync"] = False
     retries = {
         "max_retries": o.max_retries,
         "initial_delay": f"{o.initial_retry_delay}s",

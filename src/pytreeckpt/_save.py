@@ -353,9 +353,13 @@ def _chunk_reuse(metas: list[ArrayMeta], base: PathLike | None) -> ChunkReuse:
     reuse.base = Path(base).absolute()
     for m in metas:
         b = stored.get(m.key)
+        # Chunks are linked as files: an array packed in an OCDBT database (here or in the
+        # base) has none, so it is written (it is small: that is why it was packed).
         same = (
             b is not None
             and b.chunk_hashes is not None
+            and b.database is None
+            and m.database is None
             and (b.shape, b.dtype.name, b.chunk_shape, b.compression)
             == (m.shape, m.dtype.name, m.chunk_shape, m.compression)
         )
