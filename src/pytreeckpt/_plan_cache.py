@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from ._errors import LayoutError
-from ._piece_table import _I64, ArraySpec
+from ._piece_table import _I64, ArraySpec, unique_rows
 from ._plan import ArrayLayout, ChunkingOptions, SavePlan
 from ._plan_table import plan_save_tables
 from ._sharding import Layout, Piece
@@ -103,24 +103,42 @@ def spec_plan_key(specs: Sequence[ArraySpec], *extra: Hashable) -> tuple[Any, ..
     True
     """
     layouts = list(map(_LAYOUT, specs))
-    ids = list(map(id, layouts))
-    by_id = dict(zip(ids, layouts, strict=True))
-    # Arrays of one (layout object, shape, itemsize, ranks) share a number: per array, a
-    # dict lookup of a small tuple; the distinct combinations are few (the model's layer shapes).
-    combo: dict[tuple[Any, ...], int] = {}
-    numbers = [combo.setdefault(c, len(combo)) for c in zip(ids, map(_COLUMNS, specs), strict=True)]
+    shapes = list(map(_SHAPE, specs))
+    placements = list(map(_RANKS, specs))
+    # Arrays of one (layout, shape, itemsize, ranks) *objects* share a number, found with
+    # numpy over their ids (hashing every shape and range by value, or a Python loop per
+    # array, costs more at thousands of arrays); the distinct combinations are few (the
+    # model's layer shapes) and are compared by value next, in order of first use.
+    n = len(specs)
+    columns = [
+        np.fromiter(map(id, layouts), dtype=_I64, count=n),
+        np.fromiter(map(id, shapes), dtype=_I64, count=n),
+        np.fromiter(map(_ITEMSIZE, specs), dtype=_I64, count=n),
+        np.fromiter(map(id, placements), dtype=_I64, count=n),
+    ]
+    _, inverse, first = unique_rows(np.stack(columns, axis=1).reshape(n, 4))
+    by_use = np.argsort(first, kind="stable")
+    renumber = np.empty(len(first), dtype=_I64)
+    renumber[by_use] = np.arange(len(first), dtype=_I64)
+    nums = renumber[inverse]
+    first_of = first[by_use].tolist()
     # Equal layouts met as distinct objects are normalised by value.
     canon: dict[Layout, int] = {}
     by_value: dict[tuple[Any, ...], int] = {}
-    remap = [by_value.setdefault((canon.setdefault(by_id[i], len(canon)), cols), len(by_value)) for i, cols in combo]
-    numbered = np.asarray(remap, dtype=_I64)[np.asarray(numbers, dtype=_I64)]
+    remap = []
+    for i in first_of:
+        cols = (shapes[i], specs[i].itemsize, placements[i])
+        remap.append(by_value.setdefault((canon.setdefault(layouts[i], len(canon)), cols), len(by_value)))
+    numbered = np.asarray(remap, dtype=_I64)[nums]
     keys = "\0".join(map(_KEY, specs))
     return (keys, numbered.tobytes(), tuple(by_value), tuple(canon), *extra)
 
 
 _LAYOUT = operator.attrgetter("layout")
 _KEY = operator.attrgetter("key")
-_COLUMNS = operator.attrgetter("shape", "itemsize", "ranks")
+_SHAPE = operator.attrgetter("shape")
+_ITEMSIZE = operator.attrgetter("itemsize")
+_RANKS = operator.attrgetter("ranks")
 
 
 _SAVE_PLANS = PlanCache(4)  # the plans of the last few saves
