@@ -135,7 +135,7 @@ class Storage:
         # Local files TensorStore wrote without fsync (``file_io_sync`` is off), and
         # directories whose every file is (OCDBT databases): made durable by :meth:`sync`.
         self._unsynced: set[Path] = set()
-        self._unsynced_trees: set[Path] = set()
+        self._unsynced_trees: set[str] = set()  # relative to the root
 
     @property
     def root(self) -> Path:
@@ -452,7 +452,7 @@ class Storage:
                 if meta.database is None:
                     self._unsynced.add(self.root / meta.path / "zarr.json")
                 else:
-                    self._unsynced_trees.add(self.root / meta.database)
+                    self._unsynced_trees.add(meta.database)
         return stores
 
     def _note_chunks(self, meta: ArrayMeta, region: Region) -> None:
@@ -460,7 +460,7 @@ class Storage:
         if self.kv is not None:
             return
         if meta.database is not None:
-            self._unsynced_trees.add(self.root / meta.database)
+            self._unsynced_trees.add(meta.database)
             return
         ranges = [
             range(o // c, -(-(o + n) // c))
@@ -478,7 +478,7 @@ class Storage:
         """
         files = set(self._unsynced)
         for tree in self._unsynced_trees:
-            for dirpath, _, names in os.walk(tree):
+            for dirpath, _, names in os.walk(self.root / tree):
                 files.update(Path(dirpath) / n for n in names)
                 files.add(Path(dirpath))
         self._unsynced.clear()
