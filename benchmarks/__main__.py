@@ -29,9 +29,10 @@ from . import dist, single, small
 from ._common import GiB, can_drop_caches
 
 _FSYNC_NOTE = (
-    "Saves are timed until durable. Syncing by themselves: pytreeckpt (every file and directory it wrote, in "
-    "parallel once its writes are done, then the commit) and torch.distributed.checkpoint (`sync_files=True`, its default). torch.save and the raw write do "
-    "not: the benchmark fsyncs what they wrote inside the timing."
+    "Saves are timed until durable. Syncing by themselves: pytreeckpt (every file and directory it wrote, "
+    "in parallel once its writes are done, then the commit) and torch.distributed.checkpoint "
+    "(`sync_files=True`, its default). torch.save and the raw write do not: the benchmark fsyncs what "
+    "they wrote inside the timing."
 )
 
 

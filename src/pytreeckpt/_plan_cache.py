@@ -102,19 +102,16 @@ def spec_plan_key(specs: Sequence[ArraySpec], *extra: Hashable) -> tuple[Any, ..
     >>> spec_plan_key(a, 2) == spec_plan_key(b, 2)
     True
     """
-    layouts = list(map(_LAYOUT, specs))
-    shapes = list(map(_SHAPE, specs))
-    placements = list(map(_RANKS, specs))
     # Arrays of one (layout, shape, itemsize, ranks) *objects* share a number, found with
     # numpy over their ids (hashing every shape and range by value, or a Python loop per
     # array, costs more at thousands of arrays); the distinct combinations are few (the
     # model's layer shapes) and are compared by value next, in order of first use.
     n = len(specs)
     columns = [
-        np.fromiter(map(id, layouts), dtype=_I64, count=n),
-        np.fromiter(map(id, shapes), dtype=_I64, count=n),
+        np.fromiter(map(id, map(_LAYOUT, specs)), dtype=_I64, count=n),
+        np.fromiter(map(id, map(_SHAPE, specs)), dtype=_I64, count=n),
         np.fromiter(map(_ITEMSIZE, specs), dtype=_I64, count=n),
-        np.fromiter(map(id, placements), dtype=_I64, count=n),
+        np.fromiter(map(id, map(_RANKS, specs)), dtype=_I64, count=n),
     ]
     _, inverse, first = unique_rows(np.stack(columns, axis=1).reshape(n, 4))
     by_use = np.argsort(first, kind="stable")
@@ -127,8 +124,9 @@ def spec_plan_key(specs: Sequence[ArraySpec], *extra: Hashable) -> tuple[Any, ..
     by_value: dict[tuple[Any, ...], int] = {}
     remap = []
     for i in first_of:
-        cols = (shapes[i], specs[i].itemsize, placements[i])
-        remap.append(by_value.setdefault((canon.setdefault(layouts[i], len(canon)), cols), len(by_value)))
+        s = specs[i]
+        cols = (s.shape, s.itemsize, s.ranks)
+        remap.append(by_value.setdefault((canon.setdefault(s.layout, len(canon)), cols), len(by_value)))
     numbered = np.asarray(remap, dtype=_I64)[nums]
     keys = "\0".join(map(_KEY, specs))
     return (keys, numbered.tobytes(), tuple(by_value), tuple(canon), *extra)
