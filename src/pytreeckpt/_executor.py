@@ -15,7 +15,6 @@ import collections
 import contextlib
 import fcntl
 import hashlib
-import itertools
 import math
 import os
 import shutil
@@ -230,7 +229,7 @@ class Storage:
         try:
             if self.is_committed():
                 self.metadata_path.unlink()
-                _fsync_dir(self.root)
+                _fsync(self.root)
             if self.root.exists():
                 for p in self.root.iterdir():
                     if p.name == LOCK_FILE:
@@ -261,7 +260,7 @@ class Storage:
             except BaseException:
                 Path(tmp).unlink(missing_ok=True)
                 raise
-            _fsync_dir(self.root)
+            _fsync(self.root)
         except OSError as e:
             raise CheckpointError(f"cannot commit the checkpoint at {self.root}: {e}") from e
 
@@ -462,13 +461,8 @@ class Storage:
         if meta.database is not None:
             self._unsynced_trees.add(meta.database)
             return
-        ranges = [
-            range(o // c, -(-(o + n) // c))
-            for o, n, c in zip(region.offset, region.shape, meta.chunk_shape, strict=True)
-        ]
-        base = self.root / meta.path / "c"
-        for index in itertools.product(*ranges):
-            self._unsynced.add(base.joinpath(*map(str, index)) if index else base)
+        array = self.root / meta.path
+        self._unsynced.update(array / _chunk_key(index) for index in region.chunk_indices(meta.chunk_shape))
 
     def sync(self) -> None:
         """fsync every file written since the last call, and the directories holding them, in parallel.
@@ -573,7 +567,7 @@ class Storage:
         """
         if self.kv is not None:
             return False
-        key = "/".join(["c", *map(str, index)])
+        key = _chunk_key(index)
         src = base / base_path / key
         dst = self.root / path / key
         try:
@@ -766,21 +760,21 @@ def write_items(
                 yield i, op, assemble(op, get, dtype)
 
 
+def _chunk_key(index: tuple[int, ...]) -> str:
+    """The key of chunk ``index`` in a zarr v3 array (the default chunk key encoding: ``c/i/j``)."""
+    return "/".join(["c", *map(str, index)])
+
+
 def _fsync_quietly(path: Path) -> OSError | None:
     try:
-        fd = os.open(path, os.O_RDONLY)
+        _fsync(path)
     except OSError as e:
         return e
-    try:
-        os.fsync(fd)
-    except OSError as e:
-        return e
-    finally:
-        os.close(fd)
     return None
 
 
-def _fsync_dir(path: Path) -> None:
+def _fsync(path: Path) -> None:
+    """fsync a file or a directory."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

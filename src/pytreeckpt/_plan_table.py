@@ -82,6 +82,17 @@ def clear_caches() -> None:
 # --------------------------------------------------------------------------- grids
 
 
+def _world_scope(
+    cache: dict[Any, tuple[list[int], bytes]], positions: np.ndarray, ranks: np.ndarray, placement: Any
+) -> tuple[list[int], bytes]:
+    """The world ranks of layout ``positions`` under ``placement`` and their scope key, memoised in ``cache``."""
+    got = cache.get(placement)
+    if got is None:
+        world = ranks[positions]
+        got = cache[placement] = (world.tolist(), world.tobytes())
+    return got
+
+
 @dataclass(frozen=True, eq=False)
 class _Group:
     """Chunks held by the same two or more positions, in row-major order."""
@@ -100,11 +111,7 @@ class _Group:
         object.__setattr__(self, "member_set", frozenset(self.members))
 
     def scope(self, ranks: np.ndarray, placement: Any) -> tuple[list[int], bytes]:
-        got = self.scopes.get(placement)
-        if got is None:
-            world = ranks[self.member_arr]
-            got = self.scopes[placement] = (world.tolist(), world.tobytes())
-        return got
+        return _world_scope(self.scopes, self.member_arr, ranks, placement)
 
 
 @dataclass(frozen=True, eq=False)
@@ -115,8 +122,7 @@ class _Merge:
     part_lo: np.ndarray
     part_hi: np.ndarray
     overlap: dict[int, int]  # position -> elements of the chunk it holds
-    tied: tuple[int, ...]  # positions holding the most: the writer is one of them
-    tied_at: tuple[int, ...]  # where they are in ``overlap_arr``
+    tied_at: tuple[int, ...]  # where in ``overlap_arr`` the positions holding the most are: one writes
     overlap_arr: np.ndarray  # the positions feeding the chunk, ascending
     ubox: np.ndarray  # the distinct part boxes, lo | hi rows
     # each distinct box's best holder (position, piece): most of the chunk, then the lowest position, then piece
@@ -163,11 +169,7 @@ class _Merge:
         return got
 
     def scope(self, ranks: np.ndarray, placement: Any) -> tuple[list[int], bytes]:
-        got = self.scopes.get(placement)
-        if got is None:
-            world = ranks[self.overlap_arr]
-            got = self.scopes[placement] = (world.tolist(), world.tobytes())
-        return got
+        return _world_scope(self.scopes, self.overlap_arr, ranks, placement)
 
     def first(self, b: int) -> tuple[int, int]:
         return self.first_pos[b], self.first_piece[b]
@@ -468,7 +470,7 @@ def _make_merge(table: PieceTable, end: np.ndarray, creg: Region) -> _Merge:
     hpos, hpiece, hlo, hhi = table.pos[hit], table.piece[hit], ilo[hit], ihi[hit]
     if not len(hit):
         nothing = np.zeros(0, _I64)
-        return _Merge(creg, hpos, hpiece, hlo, hhi, {}, (), (), nothing, nothing, [], [], nothing, [], False)
+        return _Merge(creg, hpos, hpiece, hlo, hhi, {}, (), nothing, nothing, [], [], nothing, [], False)
     upos, inv = np.unique(hpos, return_inverse=True)
     ov = np.zeros(len(upos), dtype=_I64)
     np.add.at(ov, inv.reshape(-1), np.prod(hhi - hlo, axis=1))
@@ -490,7 +492,6 @@ def _make_merge(table: PieceTable, end: np.ndarray, creg: Region) -> _Merge:
         hlo,
         hhi,
         overlap,
-        tuple(upos[tied_at].tolist()),
         tuple(tied_at.tolist()),
         upos,
         ubox,
@@ -665,9 +666,9 @@ def _decide(
             raise LayoutError(f"leaf {spec.key!r}: elements {m.chunk} are held by no rank, so they cannot be saved")
         feeders, key = m.scope(ranks, placement)
         local = scope_loads(scopes, key, len(feeders))
-        if len(m.tied) == 1:
+        if len(m.tied_at) == 1:
             at = m.tied_at[0]
-        elif len(m.tied) == len(feeders):  # every feeder holds as much: the least loaded of all
+        elif len(m.tied_at) == len(feeders):  # every feeder holds as much: the least loaded of all
             at = local.index(min(local))
         else:
             at = min(m.tied_at, key=local.__getitem__)
