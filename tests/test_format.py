@@ -128,8 +128,33 @@ def test_a_corrupted_chunk_fails_its_checksum(tmp_path: Path) -> None:
     data = bytearray(chunk.read_bytes())
     data[0] ^= 0xFF
     chunk.write_bytes(bytes(data))
-    with pytest.raises(pytreeckpt.CheckpointError, match="leaf 'w'"):
+    with pytest.raises(pytreeckpt.CheckpointError, match=r"leaf 'w'.*fails its checksum"):
         pytreeckpt.load(path)
+
+
+def _small_chunks(tmp_path: Path) -> Path:
+    """5 float32 in chunks of one element: each chunk file is 4 bytes and a 4-byte checksum, so a
+    chunk can be damaged without the stored bytes falling below the array's size (the check
+    before any read)."""
+    chunking = pytreeckpt.ChunkingOptions(single_chunk_bytes=2, min_chunk_bytes=2, max_chunk_bytes=4)
+    pytreeckpt.save(unpacked(tmp_path / "c"), {"w": torch.arange(5.0)}, chunking=chunking)
+    assert json.loads((tmp_path / "c" / "pytreeckpt.json").read_text())["leaves"][0]["chunk_shape"] == [1]
+    return tmp_path / "c" / "arrays" / "w" / "c"
+
+
+def test_a_truncated_chunk_is_refused_with_its_size(tmp_path: Path) -> None:
+    chunks = _small_chunks(tmp_path)
+    (chunks / "0").write_bytes((chunks / "0").read_bytes()[:2])
+    damaged = r"leaf 'w'.*chunk \[0\] is damaged: .* holds 2 bytes, expected 8"
+    with pytest.raises(pytreeckpt.CheckpointError, match=damaged):
+        pytreeckpt.load(tmp_path / "c")
+
+
+def test_a_missing_chunk_file_is_named(tmp_path: Path) -> None:
+    chunks = _small_chunks(tmp_path)
+    (chunks / "1").unlink()
+    with pytest.raises(pytreeckpt.CheckpointError, match=r"leaf 'w'.*chunk \[1\] is missing"):
+        pytreeckpt.load(tmp_path / "c")
 
 
 def test_array_names() -> None:

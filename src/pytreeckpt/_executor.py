@@ -21,6 +21,7 @@ import shutil
 import tempfile
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
+from ._chunkio import IOPool, direct_layout, read_chunk, write_chunk
 from ._errors import CheckpointError, MetadataError, NotCommittedError
 from ._format import ARRAYS_DIR, LOCK_FILE, METADATA_FILE, PACKED_DIR, ArrayMeta, zarr_metadata
 from ._location import OBJECT_STORE_CHUNKING, OCDBT_CACHE, KvPrefix, Where, make_context, resolve
@@ -135,6 +137,7 @@ class Storage:
         # directories whose every file is (OCDBT databases): made durable by :meth:`sync`.
         self._unsynced: set[Path] = set()
         self._unsynced_trees: set[str] = set()  # relative to the root
+        self._made_dirs: set[Path] = set()
 
     @property
     def root(self) -> Path:
@@ -546,8 +549,12 @@ class Storage:
                 for part, data in parts:
                     nbytes = data.nbytes
                     written += nbytes
-                    future = stores[i][part.slices()].write(data)
-                    self._note_chunks(metas[i], part)
+                    future: Any
+                    if self._direct(metas[i], data):
+                        future = self._write_direct(metas[i], part, data)
+                    else:
+                        future = stores[i][part.slices()].write(data)
+                        self._note_chunks(metas[i], part)
                     if done_all is not None or progress is not None:
                         future.add_done_callback(_finished(done_all, progress, nbytes))
                     window.add(future, nbytes, f"leaf {metas[i].key!r}: writing {part}")
@@ -559,6 +566,61 @@ class Storage:
         window.drain()
         self.sync()
         return written
+
+    def _direct(self, meta: ArrayMeta, data: np.ndarray) -> bool:
+        """Whether the executor reads or writes ``region`` of this array's chunk files itself.
+
+        It does for uncompressed arrays of their own in a local directory, where the
+        memory has the stored element type; TensorStore does the rest. A write must
+        cover whole chunks (every planned write does).
+        """
+        if not direct_layout(meta.compression, meta.database, self.kv is None):
+            return False
+        return meta.nbytes > 0 and len(meta.shape) > 0 and data.dtype == meta.dtype.numpy
+
+    def _write_direct(self, meta: ArrayMeta, region: Region, data: np.ndarray) -> Future[Any]:
+        """Write ``region`` (whole chunks) chunk file by chunk file; each file is fsynced as it is written."""
+        chunk = meta.chunk_shape
+        bounds = zip(region.offset, region.stop, chunk, meta.shape, strict=True)
+        if not all(o % c == 0 and (e % c == 0 or e == n) for o, e, c, n in bounds):
+            raise CheckpointError(
+                f"leaf {meta.key!r}: {region} is not whole chunks of {list(chunk)} (a planning error)"
+            )
+        array = self.root / meta.path
+        futures = []
+        for index in region.chunk_indices(chunk):
+            path = array / _chunk_key(index)
+            if path.parent not in self._made_dirs:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                self._made_dirs.add(path.parent)
+                self._unsynced.add(path.parent)  # its new entries; the parents follow in :meth:`sync`
+            box = chunk_region(index, chunk, meta.shape).relative_to(region).slices()
+            futures.append(_IO.submit(self.options.file_io_concurrency, write_chunk, path, data[box], chunk, True))
+        return _all_of(futures)
+
+    def _read_direct(self, meta: ArrayMeta, region: Region, dest: np.ndarray) -> Future[Any]:
+        """Read ``region`` into ``dest`` chunk file by chunk file, checking each chunk's checksum."""
+        chunk = meta.chunk_shape
+        array = self.root / meta.path
+        futures = []
+        for index in region.chunk_indices(chunk):
+            whole = chunk_region(index, chunk, meta.shape)
+            part = whole.intersect(region)
+            assert part is not None
+            what = f"chunk {list(index)}"
+            futures.append(
+                _IO.submit(
+                    self.options.file_io_concurrency,
+                    read_chunk,
+                    array / _chunk_key(index),
+                    chunk,
+                    whole.shape,
+                    part.relative_to(whole).slices(),
+                    dest[part.relative_to(region).slices()],
+                    what,
+                )
+            )
+        return _all_of(futures)
 
     def link_chunk(self, base: Path, base_path: str, path: str, index: tuple[int, ...]) -> bool:
         """Hard-link chunk ``index`` of the base checkpoint's array into this one; False where links fail.
@@ -610,7 +672,11 @@ class Storage:
                         view, where = get(t.rank, t.piece)
                         outs.append(view[t.region.relative_to(where).slices()])
                 first = outs[0]
-                future = ts.array(first).write(store[op.region.slices()])
+                future: Any
+                if self._direct(meta, first):
+                    future = self._read_direct(meta, op.region, first)
+                else:
+                    future = ts.array(first).write(store[op.region.slices()])
 
                 nbytes = op.region.size * plan.itemsize
 
@@ -635,6 +701,38 @@ class Storage:
                 window.add(future, nbytes, f"leaf {meta.key!r}: reading {op.region} of {meta.path!r}", fan_out)
         window.drain()
         return read
+
+
+_IO = IOPool()
+
+
+def _all_of(futures: list[Future[Any]]) -> Future[Any]:
+    """A future done when every one of ``futures`` is, failing with the first failure among them."""
+    if len(futures) == 1:
+        return futures[0]
+    out: Future[Any] = Future()
+    left = [len(futures)]
+    lock = threading.Lock()
+    failure: list[BaseException] = []
+
+    def one(f: Future[Any]) -> None:
+        e = f.exception()
+        with lock:
+            if e is not None and not failure:
+                failure.append(e)
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            if failure:
+                out.set_exception(failure[0])
+            else:
+                out.set_result(None)
+
+    if not futures:
+        out.set_result(None)
+    for f in futures:
+        f.add_done_callback(one)
+    return out
 
 
 def _after_all(n: int, done: Callable[[], None] | None) -> Callable[[], None] | None:
