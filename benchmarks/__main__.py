@@ -32,7 +32,8 @@ _FSYNC_NOTE = (
     "Saves are timed until durable. Syncing by themselves: pytreeckpt (every file and directory it wrote, "
     "in parallel once its writes are done, then the commit) and torch.distributed.checkpoint "
     "(`sync_files=True`, its default). torch.save and the raw write do not: the benchmark fsyncs what "
-    "they wrote inside the timing."
+    "they wrote inside the timing. Before every timed save the previous output is removed and `sync` run, "
+    "so no tool starts with another's writeback in flight."
 )
 
 

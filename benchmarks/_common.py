@@ -66,12 +66,14 @@ def timed(fn: Callable[[], Any], repeat: int, setup: Callable[[], None] | None =
 
 
 def fresh(path: Path) -> Callable[[], None]:
-    """A setup that removes ``path`` (every tool writes to a new place each time)."""
+    """A setup that removes ``path`` (every tool writes to a new place each time), then ``sync``:
+    no save starts with the writeback of an earlier one still in flight."""
 
     def setup() -> None:
         shutil.rmtree(path, ignore_errors=True)
         if path.exists():
             path.unlink()
+        os.sync()
 
     return setup
 

@@ -97,11 +97,19 @@ def _drop(rank: int) -> Callable[[], None]:
     return setup
 
 
-def _rm(rank: int, path: Path) -> Callable[[], None]:
+def _rm(rank: int, path: Path, own: bool = False) -> Callable[[], None]:
+    """A setup removing ``path`` (by rank 0; by every rank when each has its ``own``), then ``sync``:
+    no save starts with the writeback of an earlier one still in flight."""
+
     def setup() -> None:
         dist.barrier()
-        if rank == 0:
+        if own or rank == 0:
             shutil.rmtree(path, ignore_errors=True)
+            if path.exists():
+                path.unlink()
+        dist.barrier()
+        if rank == 0:
+            os.sync()
         dist.barrier()
 
     return setup
@@ -134,7 +142,7 @@ def _worker(rank: int, world: int, port: int, args: dict[str, Any]) -> None:
             dst = {k: torch.empty_like(v).zero_() for k, v in local.items()}
             s["memcpy"] = _timed(lambda: [dst[k].copy_(v) for k, v in local.items()], repeat)
             raw = work / f"raw{rank}"
-            s["raw write+fsync"] = _timed(lambda: raw_write(local, raw), repeat)
+            s["raw write+fsync"] = _timed(lambda: raw_write(local, raw), repeat, _rm(rank, raw, own=True))
             _loads("raw read", lambda: raw_read(local, raw), repeat, rank, cold, s)
             shutil.rmtree(raw, ignore_errors=True)
             tpath = work / f"torch{rank}.pt"
@@ -143,7 +151,7 @@ def _worker(rank: int, world: int, port: int, args: dict[str, Any]) -> None:
                 torch.save(local, tpath)
                 fsync_tree(tpath)
 
-            s["torch.save"] = _timed(torch_save, repeat)
+            s["torch.save"] = _timed(torch_save, repeat, _rm(rank, tpath, own=True))
             _loads("torch.load", lambda: torch.load(tpath, weights_only=True), repeat, rank, cold, s)
             tpath.unlink()
 
