@@ -598,15 +598,21 @@ class Storage:
             futures.append(_IO.submit(self.options.file_io_concurrency, write_chunk, path, data[box], chunk, True))
         return _all_of(futures)
 
-    def _read_direct(self, meta: ArrayMeta, region: Region, dest: np.ndarray) -> Future[Any]:
-        """Read ``region`` into ``dest`` chunk file by chunk file, checking each chunk's checksum."""
+    def _read_direct(self, meta: ArrayMeta, region: Region, dest: np.ndarray) -> tuple[Future[Any], int]:
+        """Read ``region`` into ``dest`` chunk file by chunk file, checking each chunk's checksum.
+
+        Returns the future and the memory the reads hold: a chunk only partly wanted is
+        read whole into a scratch buffer, for its checksum.
+        """
         chunk = meta.chunk_shape
         array = self.root / meta.path
         futures = []
+        held = 0
         for index in region.chunk_indices(chunk):
             whole = chunk_region(index, chunk, meta.shape)
             part = whole.intersect(region)
             assert part is not None
+            held += (part.size if part == whole else math.prod(chunk)) * meta.dtype.itemsize
             what = f"chunk {list(index)}"
             futures.append(
                 _IO.submit(
@@ -620,7 +626,7 @@ class Storage:
                     what,
                 )
             )
-        return _all_of(futures)
+        return _all_of(futures), held
 
     def link_chunk(self, base: Path, base_path: str, path: str, index: tuple[int, ...]) -> bool:
         """Hard-link chunk ``index`` of the base checkpoint's array into this one; False where links fail.
@@ -672,13 +678,13 @@ class Storage:
                         view, where = get(t.rank, t.piece)
                         outs.append(view[t.region.relative_to(where).slices()])
                 first = outs[0]
+                nbytes = op.region.size * plan.itemsize
                 future: Any
+                cost = nbytes  # the memory the read holds while in flight
                 if self._direct(meta, first):
-                    future = self._read_direct(meta, op.region, first)
+                    future, cost = self._read_direct(meta, op.region, first)
                 else:
                     future = ts.array(first).write(store[op.region.slices()])
-
-                nbytes = op.region.size * plan.itemsize
 
                 def fan_out(
                     first: np.ndarray = first,
@@ -698,7 +704,7 @@ class Storage:
                         array_done(i)
 
                 read += nbytes
-                window.add(future, nbytes, f"leaf {meta.key!r}: reading {op.region} of {meta.path!r}", fan_out)
+                window.add(future, cost, f"leaf {meta.key!r}: reading {op.region} of {meta.path!r}", fan_out)
         window.drain()
         return read
 
