@@ -2,6 +2,8 @@
 
 Each rank holds its shard of every matrix (DTensor ``Shard(0)``) and a copy of small
 replicated tensors. Every timing is taken between barriers, so it is the slowest rank's.
+DCP and pytreeckpt take turns in every round of their saves and loads, so neither is
+favoured by what ran before it or by a drift of the machine's speed.
 The resharded load reads the checkpoints written at ``ranks`` ranks at ``ranks // 2``
 ranks with ``Shard(1)`` placements.
 """
@@ -115,6 +117,28 @@ def _rm(rank: int, path: Path, own: bool = False) -> Callable[[], None]:
     return setup
 
 
+def _alternating(runs: dict[str, tuple[Callable[[], Any], Callable[[], None] | None]], repeat: int) -> dict[str, float]:
+    """Median seconds of each ``(fn, setup)``, the tools taking turns in every round: a drift of this
+    machine's speed, or what one tool leaves behind, then weighs on every tool alike."""
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(repeat):
+        for name, (fn, setup) in runs.items():
+            times[name].append(_timed(fn, 1, setup))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def _alternating_loads(runs: dict[str, Callable[[], Any]], repeat: int, rank: int, cold: bool) -> dict[str, float]:
+    out = {}
+    if cold:
+        got = _alternating({name: (fn, _drop(rank)) for name, fn in runs.items()}, repeat)
+        out.update({f"{name} cold": t for name, t in got.items()})
+    for fn in runs.values():
+        fn()
+    got = _alternating({name: (fn, None) for name, fn in runs.items()}, repeat)
+    out.update({f"{name} warm": t for name, t in got.items()})
+    return out
+
+
 def _loads(name: str, fn: Callable[[], Any], repeat: int, rank: int, cold: bool, out: dict[str, float]) -> None:
     if cold:
         out[f"{name} cold"] = _timed(fn, repeat, _drop(rank))
@@ -161,43 +185,54 @@ def _worker(rank: int, world: int, port: int, args: dict[str, Any]) -> None:
             dcp.save(state, checkpoint_id=dpath)
             _rm(rank, ppath)()
             pytreeckpt.save(ppath, state)
-            s["dcp.save"] = _timed(lambda: dcp.save(state, checkpoint_id=dpath), repeat, _rm(rank, dpath))
-            stalls: list[float] = []
+            s.update(
+                _alternating(
+                    {
+                        "dcp.save": (lambda: dcp.save(state, checkpoint_id=dpath), _rm(rank, dpath)),
+                        "pytreeckpt.save": (lambda: pytreeckpt.save(ppath, state), _rm(rank, ppath)),
+                    },
+                    repeat,
+                )
+            )
+            dcp_stalls: list[float] = []
+            ptc_stalls: list[float] = []
 
             def dcp_async() -> None:
                 t0 = time.perf_counter()
                 fut = dcp.async_save(state, checkpoint_id=dpath)
-                stalls.append(_slowest(time.perf_counter() - t0))
+                dcp_stalls.append(_slowest(time.perf_counter() - t0))
                 fut.result()
 
-            s["dcp.async_save total"] = _timed(dcp_async, repeat, _rm(rank, dpath))
-            s["dcp.async_save stall"] = statistics.median(stalls)
+            def ptc_async() -> None:
+                t0 = time.perf_counter()
+                h = pytreeckpt.async_save(ppath, state)
+                ptc_stalls.append(_slowest(time.perf_counter() - t0))
+                h.wait()
+
+            _rm(rank, ppath)()
+            ptc_async()  # maps the staging pool's pages once
+            ptc_stalls.clear()
+            s.update(
+                _alternating(
+                    {
+                        "dcp.async_save total": (dcp_async, _rm(rank, dpath)),
+                        "pytreeckpt.async_save total": (ptc_async, _rm(rank, ppath)),
+                    },
+                    repeat,
+                )
+            )
+            s["dcp.async_save stall"] = statistics.median(dcp_stalls)
+            s["pytreeckpt.async_save stall"] = statistics.median(ptc_stalls)
 
             def dcp_load() -> None:
                 target = _state(rank, world, args["bytes"], args["leaves"], mesh, 0)
                 dcp.load(target, checkpoint_id=dpath)
 
-            _loads("dcp.load", dcp_load, repeat, rank, cold, s)
-
-            s["pytreeckpt.save"] = _timed(lambda: pytreeckpt.save(ppath, state), repeat, _rm(rank, ppath))
-            stalls = []
-
-            def ptc_async() -> None:
-                t0 = time.perf_counter()
-                h = pytreeckpt.async_save(ppath, state)
-                stalls.append(_slowest(time.perf_counter() - t0))
-                h.wait()
-
-            _rm(rank, ppath)()
-            ptc_async()  # maps the staging pool's pages once
-            s["pytreeckpt.async_save total"] = _timed(ptc_async, repeat, _rm(rank, ppath))
-            s["pytreeckpt.async_save stall"] = statistics.median(stalls[1:])
-
             def ptc_load() -> None:
                 target = _state(rank, world, args["bytes"], args["leaves"], mesh, 0)
                 pytreeckpt.load(ppath, target)
 
-            _loads("pytreeckpt.load", ptc_load, repeat, rank, cold, s)
+            s.update(_alternating_loads({"dcp.load": dcp_load, "pytreeckpt.load": ptc_load}, repeat, rank, cold))
         else:  # resharded: fewer ranks, Shard(1)
 
             def dcp_reshard() -> None:
@@ -208,8 +243,11 @@ def _worker(rank: int, world: int, port: int, args: dict[str, Any]) -> None:
                 target = _state(rank, world, args["bytes"], args["leaves"], mesh, 1)
                 pytreeckpt.load(ppath, target)
 
-            _loads("dcp.load resharded", dcp_reshard, repeat, rank, cold, s)
-            _loads("pytreeckpt.load resharded", ptc_reshard, repeat, rank, cold, s)
+            s.update(
+                _alternating_loads(
+                    {"dcp.load resharded": dcp_reshard, "pytreeckpt.load resharded": ptc_reshard}, repeat, rank, cold
+                )
+            )
         if rank == 0:
             (work / f"result-{args['phase']}.json").write_text(json.dumps(s))
     finally:
