@@ -29,8 +29,9 @@ from . import dist, single, small
 from ._common import GiB, can_drop_caches
 
 _FSYNC_NOTE = (
-    "Saves are timed until durable. Syncing by themselves: pytreeckpt (every file and directory it wrote, "
-    "in parallel once its writes are done, then the commit) and torch.distributed.checkpoint "
+    "Saves are timed until durable. Syncing by themselves: pytreeckpt (each chunk file of an uncompressed "
+    "array as it is written; every other file, and every directory, in parallel once the writes are done; "
+    "then the commit) and torch.distributed.checkpoint "
     "(`sync_files=True`, its default). torch.save and the raw write do not: the benchmark fsyncs what "
     "they wrote inside the timing. Before every timed save the previous output is removed and `sync` run, "
     "so no tool starts with another's writeback in flight."
