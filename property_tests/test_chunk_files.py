@@ -90,6 +90,12 @@ def test_any_box_of_a_tensorstore_chunk_reads_exactly(
             strided = draw.draw(st.booleans())
             out = np.zeros((*shape[:-1], shape[-1] * (2 if strided else 1)), dtype=data.dtype)
             dest = out[..., ::2] if strided else out
-            read_chunk(Path(d) / _key(index), chunk, whole.shape, box, dest, f"chunk {list(index)}")
+            other = np.zeros(whole.shape, dtype=data.dtype)  # a second target: the whole chunk
+            targets = (
+                [(box, dest)] if draw.draw(st.booleans()) else [(box, dest), (whole.relative_to(whole).slices(), other)]
+            )
+            read_chunk(Path(d) / _key(index), chunk, whole.shape, targets, f"chunk {list(index)}")
             expected = data[whole.slices()][box]
             assert dest.tobytes() == expected.tobytes(), (index, box)
+            if len(targets) == 2:
+                assert other.tobytes() == data[whole.slices()].tobytes(), index

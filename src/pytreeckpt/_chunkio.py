@@ -158,18 +158,19 @@ def read_chunk(
     path: Path,
     chunk_shape: Sequence[int],
     valid: Sequence[int],
-    box: tuple[slice, ...],
-    dest: np.ndarray,
+    targets: Sequence[tuple[tuple[slice, ...], np.ndarray]],
     what: str,
 ) -> None:
-    """Read one chunk file, check its checksum, and put its elements ``box`` into ``dest``.
+    """Read one chunk file once, check its checksum, and put its elements ``box`` into ``dest``
+    for every ``(box, dest)`` of ``targets``.
 
     ``valid`` is the part of the chunk inside the array (less than ``chunk_shape`` at an
-    edge). Where ``box`` is all of it, laid out as one prefix of the file, and ``dest`` is
-    contiguous, the file is read straight into ``dest``; otherwise through a scratch buffer.
-    ``what`` names the chunk in errors.
+    edge). Where one target wants all of it, laid out as one prefix of the file, into
+    contiguous memory, the file is read straight into that memory; otherwise through a
+    scratch buffer. ``what`` names the chunk in errors.
     """
     chunk = tuple(chunk_shape)
+    box, dest = targets[0]
     itemsize = dest.dtype.itemsize
     stored = int(np.prod(chunk)) * itemsize
     try:
@@ -181,7 +182,7 @@ def read_chunk(
         if size != stored + 4:
             raise CheckpointError(f"{what} is damaged: {path} holds {size} bytes, expected {stored + 4}")
         whole = tuple(b.start for b in box) == (0,) * len(chunk) and tuple(b.stop for b in box) == tuple(valid)
-        if whole and dest.flags.c_contiguous and _padded_tail(valid, chunk):
+        if len(targets) == 1 and whole and dest.flags.c_contiguous and _padded_tail(valid, chunk):
             head = _bytes_of(dest)
             tail = np.empty(stored + 4 - head.nbytes, dtype=np.uint8)
             _read_all(fd, [head, tail])
@@ -191,7 +192,9 @@ def read_chunk(
             _read_all(fd, [scratch])
             tail = scratch[stored:]
             crc = google_crc32c.value(scratch[:stored])
-            dest[...] = scratch[:stored].view(dest.dtype).reshape(chunk)[box]
+            elements = scratch[:stored].view(dest.dtype).reshape(chunk)
+            for box, dest in targets:
+                dest[...] = elements[box]
     finally:
         os.close(fd)
     expected = int.from_bytes(tail[-4:].tobytes(), "little")

@@ -598,35 +598,41 @@ class Storage:
             futures.append(_IO.submit(self.options.file_io_concurrency, write_chunk, path, data[box], chunk, True))
         return _all_of(futures)
 
-    def _read_direct(self, meta: ArrayMeta, region: Region, dest: np.ndarray) -> tuple[Future[Any], int]:
-        """Read ``region`` into ``dest`` chunk file by chunk file, checking each chunk's checksum.
+    def _read_direct(self, meta: ArrayMeta, wants: Sequence[tuple[Region, np.ndarray]]) -> list[Future[Any]]:
+        """Read each ``(region, dest)`` of one array chunk file by chunk file, checking checksums.
 
-        Returns the future and the memory the reads hold: a chunk only partly wanted is
-        read whole into a scratch buffer, for its checksum.
+        A chunk several regions want is read once for all of them. Every chunk is queued
+        at once; a chunk only partly wanted goes through a scratch buffer, so the memory
+        held is at most one chunk per I/O thread. Returns one future per region.
         """
         chunk = meta.chunk_shape
+        targets: dict[tuple[int, ...], list[tuple[tuple[slice, ...], np.ndarray]]] = {}
+        valid: dict[tuple[int, ...], tuple[int, ...]] = {}
+        needs: list[list[tuple[int, ...]]] = []
+        for region, dest in wants:
+            needs.append([])
+            for index in region.chunk_indices(chunk):
+                whole = chunk_region(index, chunk, meta.shape)
+                part = whole.intersect(region)
+                assert part is not None
+                valid[index] = whole.shape
+                box = part.relative_to(whole).slices()
+                targets.setdefault(index, []).append((box, dest[part.relative_to(region).slices()]))
+                needs[-1].append(index)
         array = self.root / meta.path
-        futures = []
-        held = 0
-        for index in region.chunk_indices(chunk):
-            whole = chunk_region(index, chunk, meta.shape)
-            part = whole.intersect(region)
-            assert part is not None
-            held += (part.size if part == whole else math.prod(chunk)) * meta.dtype.itemsize
-            what = f"chunk {list(index)}"
-            futures.append(
-                _IO.submit(
-                    self.options.file_io_concurrency,
-                    read_chunk,
-                    array / _chunk_key(index),
-                    chunk,
-                    whole.shape,
-                    part.relative_to(whole).slices(),
-                    dest[part.relative_to(region).slices()],
-                    what,
-                )
+        futures = {
+            index: _IO.submit(
+                self.options.file_io_concurrency,
+                read_chunk,
+                array / _chunk_key(index),
+                chunk,
+                valid[index],
+                wanted,
+                f"chunk {list(index)}",
             )
-        return _all_of(futures), held
+            for index, wanted in targets.items()
+        }
+        return [_all_of([futures[index] for index in indices]) for indices in needs]
 
     def link_chunk(self, base: Path, base_path: str, path: str, index: tuple[int, ...]) -> bool:
         """Hard-link chunk ``index`` of the base checkpoint's array into this one; False where links fail.
@@ -671,18 +677,23 @@ class Storage:
             mine = [op for op in plan.reads if rank is None or op.reader == rank]
             if not mine and array_done is not None:
                 array_done(i)
-            for n, op in enumerate(mine):
+            landing: list[list[np.ndarray]] = []  # per read: its reader's target first, then the others here
+            for op in mine:
                 outs = []
                 for t in sorted(op.targets, key=lambda t: t.rank != op.reader):
                     if rank is None or t.rank == rank:
                         view, where = get(t.rank, t.piece)
                         outs.append(view[t.region.relative_to(where).slices()])
+                landing.append(outs)
+            direct: list[Future[Any]] | None = None
+            if mine and all(self._direct(meta, outs[0]) for outs in landing):
+                direct = self._read_direct(meta, [(op.region, outs[0]) for op, outs in zip(mine, landing, strict=True)])
+            for n, (op, outs) in enumerate(zip(mine, landing, strict=True)):
                 first = outs[0]
                 nbytes = op.region.size * plan.itemsize
                 future: Any
-                cost = nbytes  # the memory the read holds while in flight
-                if self._direct(meta, first):
-                    future, cost = self._read_direct(meta, op.region, first)
+                if direct is not None:
+                    future = direct[n]
                 else:
                     future = ts.array(first).write(store[op.region.slices()])
 
@@ -704,7 +715,7 @@ class Storage:
                         array_done(i)
 
                 read += nbytes
-                window.add(future, cost, f"leaf {meta.key!r}: reading {op.region} of {meta.path!r}", fan_out)
+                window.add(future, nbytes, f"leaf {meta.key!r}: reading {op.region} of {meta.path!r}", fan_out)
         window.drain()
         return read
 
