@@ -142,6 +142,11 @@ class _SaveJob:
 
     def persist(self) -> None:
         """Write and commit: the single-process path, or this rank's part of a distributed save."""
+        if self.snap is not None and self.snap.hold:
+            # With room for the whole state nothing overlaps the copy: the writer starts
+            # once it is over, not competing with the caller's stall for cores (4 gloo
+            # ranks on 2 cores: a stall of 1.8-2.1x a bare memcpy became 1.2-1.3x).
+            self.snap.copied.wait()
         t0 = time.perf_counter()
         if self.comm is None:
             lock = self.storage.lock()
