@@ -18,6 +18,7 @@ still be writing.
 
 from __future__ import annotations
 
+import math
 import os
 import queue
 import sys
@@ -32,7 +33,7 @@ import numpy as np
 
 from ._errors import CheckpointError
 
-__all__ = ["IOPool", "direct_layout", "read_chunk", "write_chunk"]
+__all__ = ["LITTLE_ENDIAN", "IOPool", "read_chunk", "write_chunk"]
 
 LITTLE_ENDIAN = sys.byteorder == "little"
 _MAX_IO = 1 << 30  # bytes per system call (Linux moves at most about 2 GiB in one)
@@ -42,9 +43,7 @@ class IOPool:
     """Daemon threads running blocking file I/O, each call returning a :class:`Future`."""
 
     def __init__(self) -> None:
-        self._tasks: queue.SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]] | None] = (
-            queue.SimpleQueue()
-        )
+        self._tasks: queue.SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]]] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
 
@@ -69,8 +68,6 @@ class IOPool:
     def _work(self) -> None:
         while True:
             task = self._tasks.get()
-            if task is None:
-                return
             _run(*task)
             del task  # an idle thread must not keep the last buffer (staging memory) alive
 
@@ -101,11 +98,6 @@ def _without_frames(error: BaseException) -> BaseException:
     return error
 
 
-def direct_layout(compression: Any, database: str | None, local: bool) -> bool:
-    """Whether an array's chunk files are the plain layout this module reads and writes."""
-    return local and LITTLE_ENDIAN and compression is None and database is None
-
-
 def _padded_tail(valid: Sequence[int], chunk: Sequence[int]) -> bool:
     """Whether a box of ``valid`` elements at the origin of a ``chunk`` is one C-order prefix of it."""
     return all(v == c for v, c in zip(valid[1:], chunk[1:], strict=True))
@@ -127,7 +119,7 @@ def write_chunk(path: Path, data: np.ndarray, chunk_shape: Sequence[int], fsync:
         full[tuple(slice(0, n) for n in data.shape)] = data
         data = full
     raw = _bytes_of(np.ascontiguousarray(data))
-    pad = (int(np.prod(chunk)) * data.dtype.itemsize) - raw.nbytes
+    pad = math.prod(chunk) * data.dtype.itemsize - raw.nbytes
     crc = google_crc32c.value(raw)
     parts = [raw]
     if pad:
@@ -172,7 +164,7 @@ def read_chunk(
     chunk = tuple(chunk_shape)
     box, dest = targets[0]
     itemsize = dest.dtype.itemsize
-    stored = int(np.prod(chunk)) * itemsize
+    stored = math.prod(chunk) * itemsize
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:
@@ -186,17 +178,20 @@ def read_chunk(
             head = _bytes_of(dest)
             tail = np.empty(stored + 4 - head.nbytes, dtype=np.uint8)
             _read_all(fd, [head, tail])
-            crc = google_crc32c.extend(google_crc32c.value(head), tail[:-4])
+            _check(google_crc32c.extend(google_crc32c.value(head), tail[:-4]), tail, path, what)
         else:
             scratch = np.empty(stored + 4, dtype=np.uint8)
             _read_all(fd, [scratch])
-            tail = scratch[stored:]
-            crc = google_crc32c.value(scratch[:stored])
+            _check(google_crc32c.value(scratch[:stored]), scratch[stored:], path, what)
             elements = scratch[:stored].view(dest.dtype).reshape(chunk)
             for box, dest in targets:
                 dest[...] = elements[box]
     finally:
         os.close(fd)
+
+
+def _check(crc: int, tail: np.ndarray, path: Path, what: str) -> None:
+    """Compare a computed crc32c with the one stored in the last 4 bytes of ``tail``."""
     expected = int.from_bytes(tail[-4:].tobytes(), "little")
     if crc != expected:
         raise CheckpointError(

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from ._chunkio import IOPool, direct_layout, read_chunk, write_chunk
+from ._chunkio import LITTLE_ENDIAN, IOPool, read_chunk, write_chunk
 from ._errors import CheckpointError, MetadataError, NotCommittedError
 from ._format import ARRAYS_DIR, LOCK_FILE, METADATA_FILE, PACKED_DIR, ArrayMeta, zarr_metadata
 from ._location import OBJECT_STORE_CHUNKING, OCDBT_CACHE, KvPrefix, Where, make_context, resolve
@@ -568,15 +568,14 @@ class Storage:
         return written
 
     def _direct(self, meta: ArrayMeta, data: np.ndarray) -> bool:
-        """Whether the executor reads or writes ``region`` of this array's chunk files itself.
+        """Whether the executor reads or writes this array's chunk files itself, with ``data`` as the memory.
 
-        It does for uncompressed arrays of their own in a local directory, where the
-        memory has the stored element type; TensorStore does the rest. A write must
-        cover whole chunks (every planned write does).
+        It does for non-empty, uncompressed arrays of their own (not packed) in a local
+        directory on a little-endian host, where the memory has the stored element type;
+        TensorStore does the rest. A write must cover whole chunks (every planned write does).
         """
-        if not direct_layout(meta.compression, meta.database, self.kv is None):
-            return False
-        return meta.nbytes > 0 and len(meta.shape) > 0 and data.dtype == meta.dtype.numpy
+        local_plain = self.kv is None and LITTLE_ENDIAN and meta.compression is None and meta.database is None
+        return local_plain and meta.nbytes > 0 and len(meta.shape) > 0 and data.dtype == meta.dtype.numpy
 
     def _write_direct(self, meta: ArrayMeta, region: Region, data: np.ndarray) -> Future[Any]:
         """Write ``region`` (whole chunks) chunk file by chunk file; each file is fsynced as it is written."""

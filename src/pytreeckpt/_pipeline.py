@@ -94,8 +94,9 @@ class Snapshot:
         self.queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.copied_bytes = 0
         self.uses_cuda = any(d is not None for d in device_data)
-        # With room for every piece there is nothing to overlap: the writer waits until
-        # the copy is over rather than compete with it for memory bandwidth and cores.
+        # With room for every piece there is nothing to overlap: the writer
+        # (``_SaveJob.persist``) waits on ``copied`` before any of its work rather than
+        # compete with the copy for memory bandwidth and cores.
         self.hold = hold
         self.copied = threading.Event()
         # the version counters of each array's tensors at the call: a copy made after
@@ -177,8 +178,6 @@ class Snapshot:
 
     def items(self) -> Iterator[tuple[int, Region, np.ndarray, Callable[[], None]]]:
         """The writer's side: each piece once its copy is complete, with the callback that frees its memory."""
-        if self.hold:
-            self.copied.wait()
         while True:
             item = self.queue.get()
             if item is _DONE:
