@@ -140,13 +140,20 @@ def staging_pool() -> StagingPool:
     return _POOL
 
 
-_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+# Elements are copied as integers of their size. Signed: torch's unsigned 16-, 32- and
+# 64-bit types have no vectorised copy (4 GiB in 0.43 s against 0.30 s for int32 here).
+_BITS = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
 
 
 def copy_into(dst: np.ndarray, src: np.ndarray) -> None:
-    """``dst[...] = src`` for same-shaped arrays of one dtype, by torch's copy where it can (it is faster)."""
-    uint = _UINT.get(dst.dtype.itemsize)
-    if uint is None or dst.size == 0 or not src.flags.writeable or any(s < 0 for s in src.strides):
+    """``dst[...] = src`` for same-shaped arrays of one dtype, by torch's copy where it can.
+
+    torch copies large arrays on all its threads; numpy's copy, on one, took 0.55 s
+    for 4 GiB here against torch's 0.30 s.
+    """
+    bits = _BITS.get(dst.dtype.itemsize)
+    reversed_ = any(s < 0 for s in (*src.strides, *dst.strides))
+    if bits is None or dst.size == 0 or not src.flags.writeable or reversed_:
         np.copyto(dst, src, casting="no")  # torch takes no read-only or reversed numpy arrays
         return
-    torch.from_numpy(dst.view(uint)).copy_(torch.from_numpy(src.view(uint)))
+    torch.from_numpy(dst.view(bits)).copy_(torch.from_numpy(src.view(bits)))
