@@ -53,7 +53,7 @@ def can_drop_caches() -> bool:
     return drop_caches()
 
 
-def timed(fn: Callable[[], Any], repeat: int, setup: Callable[[], None] | None = None) -> float:
+def timed(fn: Callable[[], Any], repeat: int, setup: Callable[[], Any] | None = None) -> float:
     """Median seconds of ``fn`` over ``repeat`` runs, ``setup`` run untimed before each."""
     times = []
     for _ in range(repeat):
@@ -63,6 +63,41 @@ def timed(fn: Callable[[], Any], repeat: int, setup: Callable[[], None] | None =
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+Timer = Callable[[Callable[[], Any], int, Callable[[], Any] | None], float]
+
+
+def alternating(
+    runs: dict[str, tuple[Callable[[], Any], Callable[[], Any] | None]], repeat: int, timer: Timer = timed
+) -> dict[str, float]:
+    """Median seconds of each ``(fn, setup)``, every one taking its turn in every round.
+
+    This machine's speed drifts (up to 2x between minutes) and its virtual disk caches
+    what was written lately; measured in turns, each of those weighs on every
+    contender alike instead of favouring whichever ran at the better moment.
+    """
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(repeat):
+        for name, (fn, setup) in runs.items():
+            times[name].append(timer(fn, 1, setup))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def alternating_loads(
+    runs: dict[str, Callable[[], Any]], repeat: int, cold: bool, drop: Callable[[], Any], timer: Timer = timed
+) -> dict[str, float]:
+    """Each load's median seconds, in turns: from a cold page cache (``drop`` before each,
+    when ``cold``) as ``"<name> cold"``, then warm as ``"<name> warm"``."""
+    out = {}
+    if cold:
+        got = alternating({name: (fn, drop) for name, fn in runs.items()}, repeat, timer)
+        out.update({f"{name} cold": t for name, t in got.items()})
+    for fn in runs.values():
+        fn()
+    got = alternating({name: (fn, None) for name, fn in runs.items()}, repeat, timer)
+    out.update({f"{name} warm": t for name, t in got.items()})
+    return out
 
 
 def fresh(path: Path) -> Callable[[], None]:

@@ -2,8 +2,9 @@
 
 Each rank holds its shard of every matrix (DTensor ``Shard(0)``) and a copy of small
 replicated tensors. Every timing is taken between barriers, so it is the slowest rank's.
-DCP and pytreeckpt take turns in every round of their saves and loads, so neither is
-favoured by what ran before it or by a drift of the machine's speed.
+Every tool, and each physical limit, takes its turn in every round of the saves and of
+the loads (the memcpy in the rounds of asynchronous saves), so none is favoured by what
+ran before it, by what the virtual disk has cached, or by a drift of the machine's speed.
 The resharded load reads the checkpoints written at ``ranks`` ranks at ``ranks // 2``
 ranks with ``Shard(1)`` placements.
 """
@@ -27,7 +28,7 @@ import torch.multiprocessing as mp
 
 import pytreeckpt
 
-from ._common import drop_caches, fsync_tree, raw_read, raw_write, save_load_targets
+from ._common import alternating, alternating_loads, drop_caches, fsync_tree, raw_read, raw_write, save_load_targets
 
 
 def _free_port() -> int:
@@ -76,7 +77,7 @@ def _state(rank: int, world: int, total: int, leaves: int, mesh: Any, placements
     return state
 
 
-def _timed(fn: Callable[[], Any], repeat: int, setup: Callable[[], None] | None = None) -> float:
+def _timed(fn: Callable[[], Any], repeat: int, setup: Callable[[], Any] | None = None) -> float:
     times = []
     for _ in range(repeat):
         if setup is not None:
@@ -117,35 +118,6 @@ def _rm(rank: int, path: Path, own: bool = False) -> Callable[[], None]:
     return setup
 
 
-def _alternating(runs: dict[str, tuple[Callable[[], Any], Callable[[], None] | None]], repeat: int) -> dict[str, float]:
-    """Median seconds of each ``(fn, setup)``, the tools taking turns in every round: a drift of this
-    machine's speed, or what one tool leaves behind, then weighs on every tool alike."""
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    for _ in range(repeat):
-        for name, (fn, setup) in runs.items():
-            times[name].append(_timed(fn, 1, setup))
-    return {name: statistics.median(t) for name, t in times.items()}
-
-
-def _alternating_loads(runs: dict[str, Callable[[], Any]], repeat: int, rank: int, cold: bool) -> dict[str, float]:
-    out = {}
-    if cold:
-        got = _alternating({name: (fn, _drop(rank)) for name, fn in runs.items()}, repeat)
-        out.update({f"{name} cold": t for name, t in got.items()})
-    for fn in runs.values():
-        fn()
-    got = _alternating({name: (fn, None) for name, fn in runs.items()}, repeat)
-    out.update({f"{name} warm": t for name, t in got.items()})
-    return out
-
-
-def _loads(name: str, fn: Callable[[], Any], repeat: int, rank: int, cold: bool, out: dict[str, float]) -> None:
-    if cold:
-        out[f"{name} cold"] = _timed(fn, repeat, _drop(rank))
-    fn()
-    out[f"{name} warm"] = _timed(fn, repeat)
-
-
 def _worker(rank: int, world: int, port: int, args: dict[str, Any]) -> None:
     warnings.filterwarnings("ignore")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -164,20 +136,17 @@ def _worker(rank: int, world: int, port: int, args: dict[str, Any]) -> None:
             state = _state(rank, world, args["bytes"], args["leaves"], mesh, None)
             local = {k: v.to_local() if hasattr(v, "to_local") else v for k, v in state.items()}
             dst = {k: torch.empty_like(v).zero_() for k, v in local.items()}
-            s["memcpy"] = _timed(lambda: [dst[k].copy_(v) for k, v in local.items()], repeat)
+
+            def memcpy() -> None:
+                for k, v in local.items():
+                    dst[k].copy_(v)
+
             raw = work / f"raw{rank}"
-            s["raw write+fsync"] = _timed(lambda: raw_write(local, raw), repeat, _rm(rank, raw, own=True))
-            _loads("raw read", lambda: raw_read(local, raw), repeat, rank, cold, s)
-            shutil.rmtree(raw, ignore_errors=True)
             tpath = work / f"torch{rank}.pt"
 
             def torch_save() -> None:
                 torch.save(local, tpath)
                 fsync_tree(tpath)
-
-            s["torch.save"] = _timed(torch_save, repeat, _rm(rank, tpath, own=True))
-            _loads("torch.load", lambda: torch.load(tpath, weights_only=True), repeat, rank, cold, s)
-            tpath.unlink()
 
             # One untimed save per tool first: the first call pays one-time costs (pytreeckpt makes its
             # checkpoint process groups, DCP its planner caches), which the timed runs should not count.
@@ -186,12 +155,15 @@ def _worker(rank: int, world: int, port: int, args: dict[str, Any]) -> None:
             _rm(rank, ppath)()
             pytreeckpt.save(ppath, state)
             s.update(
-                _alternating(
+                alternating(
                     {
+                        "raw write+fsync": (lambda: raw_write(local, raw), _rm(rank, raw, own=True)),
+                        "torch.save": (torch_save, _rm(rank, tpath, own=True)),
                         "dcp.save": (lambda: dcp.save(state, checkpoint_id=dpath), _rm(rank, dpath)),
                         "pytreeckpt.save": (lambda: pytreeckpt.save(ppath, state), _rm(rank, ppath)),
                     },
                     repeat,
+                    _timed,
                 )
             )
             dcp_stalls: list[float] = []
@@ -213,12 +185,14 @@ def _worker(rank: int, world: int, port: int, args: dict[str, Any]) -> None:
             ptc_async()  # maps the staging pool's pages once
             ptc_stalls.clear()
             s.update(
-                _alternating(
+                alternating(
                     {
+                        "memcpy": (memcpy, None),
                         "dcp.async_save total": (dcp_async, _rm(rank, dpath)),
                         "pytreeckpt.async_save total": (ptc_async, _rm(rank, ppath)),
                     },
                     repeat,
+                    _timed,
                 )
             )
             s["dcp.async_save stall"] = statistics.median(dcp_stalls)
@@ -232,7 +206,15 @@ def _worker(rank: int, world: int, port: int, args: dict[str, Any]) -> None:
                 target = _state(rank, world, args["bytes"], args["leaves"], mesh, 0)
                 pytreeckpt.load(ppath, target)
 
-            s.update(_alternating_loads({"dcp.load": dcp_load, "pytreeckpt.load": ptc_load}, repeat, rank, cold))
+            loads = {
+                "raw read": lambda: raw_read(local, raw),
+                "torch.load": lambda: torch.load(tpath, weights_only=True),
+                "dcp.load": dcp_load,
+                "pytreeckpt.load": ptc_load,
+            }
+            s.update(alternating_loads(loads, repeat, cold, _drop(rank), _timed))
+            shutil.rmtree(raw, ignore_errors=True)
+            tpath.unlink()
         else:  # resharded: fewer ranks, Shard(1)
 
             def dcp_reshard() -> None:
@@ -244,8 +226,12 @@ def _worker(rank: int, world: int, port: int, args: dict[str, Any]) -> None:
                 pytreeckpt.load(ppath, target)
 
             s.update(
-                _alternating_loads(
-                    {"dcp.load resharded": dcp_reshard, "pytreeckpt.load resharded": ptc_reshard}, repeat, rank, cold
+                alternating_loads(
+                    {"dcp.load resharded": dcp_reshard, "pytreeckpt.load resharded": ptc_reshard},
+                    repeat,
+                    cold,
+                    _drop(rank),
+                    _timed,
                 )
             )
         if rank == 0:

@@ -4,7 +4,8 @@ Every save counts as done when its data is durable: pytreeckpt (TensorStore sync
 file it writes, then the commit) and DCP (``sync_files=True``, its default) fsync by
 themselves; torch.save and the raw write are followed by an fsync of what they wrote,
 inside the timing. Loads are timed from a cold page cache (dropped before each run) and
-warm (right after another read of the same files).
+warm (right after another read of the same files). The tools and the physical limits
+take turns in every round, as in the distributed benchmark.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import pytreeckpt
 from pytreeckpt import Abstract, Mesh, Shard, ShardingSpec
 
 from ._common import (
+    alternating,
+    alternating_loads,
     drop_caches,
     fresh,
     fsync_tree,
@@ -30,91 +33,93 @@ from ._common import (
     raw_read,
     raw_write,
     save_load_targets,
-    timed,
 )
 
 
-def _loads(name: str, fn: Any, repeat: int, cold: bool, out: dict[str, float]) -> None:
-    if cold:
-        out[f"{name} cold"] = timed(fn, repeat, lambda: drop_caches())
-    fn()  # warm the cache
-    out[f"{name} warm"] = timed(fn, repeat)
-
-
 def run(size: int, leaves: int, repeat: int, workdir: Path, cold: bool) -> dict[str, Any]:
-    """Seconds of every operation on a state of ``size`` bytes in ``leaves`` leaves."""
+    """Seconds of every operation on a state of ``size`` bytes in ``leaves`` leaves.
+
+    The tools take turns in every round (saves, then asynchronous saves with the bare
+    memcpy, then loads with the raw read), each writing to its own place, so every
+    checkpoint exists side by side when the loads begin.
+    """
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    import torch.distributed.checkpoint as dcp
+
     state = make_state(size, leaves)
     s: dict[str, float] = {}
-    s["memcpy"] = timed(memcpy_into_preallocated(state), repeat)
-
-    raw = workdir / "raw"
-    s["raw write+fsync"] = timed(lambda: raw_write(state, raw), repeat, fresh(raw))
-    _loads("raw read", lambda: raw_read(state, raw), repeat, cold, s)
-    fresh(raw)()
-
-    tpath = workdir / "torch.pt"
+    raw, tpath, dpath, ppath = workdir / "raw", workdir / "torch.pt", workdir / "dcp", workdir / "ptc"
 
     def torch_save() -> None:
         torch.save(state, tpath)
         fsync_tree(tpath)
 
-    s["torch.save"] = timed(torch_save, repeat, fresh(tpath))
-    _loads("torch.load", lambda: torch.load(tpath, weights_only=True), repeat, cold, s)
-    fresh(tpath)()
-
-    import torch.distributed.checkpoint as dcp
-
-    dpath = workdir / "dcp"
-    s["dcp.save"] = timed(lambda: dcp.save(state, checkpoint_id=dpath), repeat, fresh(dpath))
-    stalls: list[float] = []
+    s.update(
+        alternating(
+            {
+                "raw write+fsync": (lambda: raw_write(state, raw), fresh(raw)),
+                "torch.save": (torch_save, fresh(tpath)),
+                "dcp.save": (lambda: dcp.save(state, checkpoint_id=dpath), fresh(dpath)),
+                "pytreeckpt.save": (lambda: pytreeckpt.save(ppath, state), fresh(ppath)),
+            },
+            repeat,
+        )
+    )
+    stalls: dict[str, list[float]] = {"dcp": [], "ptc": [], "lazy": []}
 
     def dcp_async() -> None:
         t0 = time.perf_counter()
         fut = dcp.async_save(state, checkpoint_id=dpath)
-        stalls.append(time.perf_counter() - t0)
+        stalls["dcp"].append(time.perf_counter() - t0)
         fut.result()
 
-    s["dcp.async_save total"] = timed(dcp_async, repeat, fresh(dpath))
-    s["dcp.async_save stall"] = statistics.median(stalls)
+    def ptc_async(snapshot: str = "eager", into: list[float] = stalls["ptc"]) -> None:
+        t0 = time.perf_counter()
+        h = pytreeckpt.async_save(ppath, state, snapshot=snapshot)
+        into.append(time.perf_counter() - t0)
+        h.wait()
+
+    fresh(ppath)()
+    ptc_async(into=[])  # the first save maps the staging pool's pages; later ones reuse them
+    memcpy = memcpy_into_preallocated(state)
+    s.update(
+        alternating(
+            {
+                "memcpy": (memcpy, None),
+                "dcp.async_save total": (dcp_async, fresh(dpath)),
+                "pytreeckpt.async_save total": (ptc_async, fresh(ppath)),
+                "pytreeckpt.async_save lazy total": (lambda: ptc_async("lazy", stalls["lazy"]), fresh(ppath)),
+            },
+            repeat,
+        )
+    )
+    del memcpy  # its destination: as large as the state
+    s["dcp.async_save stall"] = statistics.median(stalls["dcp"])
+    s["pytreeckpt.async_save stall"] = statistics.median(stalls["ptc"])
+    s["pytreeckpt.async_save lazy stall"] = statistics.median(stalls["lazy"])
 
     def dcp_load() -> None:
         target = {k: torch.empty_like(v) for k, v in state.items()}
         dcp.load(target, checkpoint_id=dpath)
 
-    _loads("dcp.load", dcp_load, repeat, cold, s)
-    fresh(dpath)()
-
-    ppath = workdir / "ptc"
-    s["pytreeckpt.save"] = timed(lambda: pytreeckpt.save(ppath, state), repeat, fresh(ppath))
-    stalls = []
-
-    def ptc_async() -> None:
-        t0 = time.perf_counter()
-        h = pytreeckpt.async_save(ppath, state)
-        stalls.append(time.perf_counter() - t0)
-        h.wait()
-
-    fresh(ppath)()
-    ptc_async()  # the first save maps the staging pool's pages; later ones reuse them
-    fresh(ppath)()
-    s["pytreeckpt.async_save total"] = timed(ptc_async, repeat, fresh(ppath))
-    s["pytreeckpt.async_save stall"] = statistics.median(stalls[1:])
-    stalls = []
-
-    def ptc_lazy() -> None:
-        t0 = time.perf_counter()
-        h = pytreeckpt.async_save(ppath, state, snapshot="lazy")
-        stalls.append(time.perf_counter() - t0)
-        h.wait()
-
-    s["pytreeckpt.async_save lazy total"] = timed(ptc_lazy, repeat, fresh(ppath))
-    s["pytreeckpt.async_save lazy stall"] = statistics.median(stalls)
-    _loads("pytreeckpt.load", lambda: pytreeckpt.load(ppath), repeat, cold, s)
     spec = ShardingSpec(Mesh(4), [Shard(1)])
-    target = {k: Abstract(v.shape, v.dtype, spec) for k, v in state.items()}
-    _loads("pytreeckpt.load resharded", lambda: pytreeckpt.load(ppath, target), repeat, cold, s)
-    fresh(ppath)()
+    resharded = {k: Abstract(v.shape, v.dtype, spec) for k, v in state.items()}
+    s.update(
+        alternating_loads(
+            {
+                "raw read": lambda: raw_read(state, raw),
+                "torch.load": lambda: torch.load(tpath, weights_only=True),
+                "dcp.load": dcp_load,
+                "pytreeckpt.load": lambda: pytreeckpt.load(ppath),
+                "pytreeckpt.load resharded": lambda: pytreeckpt.load(ppath, resharded),
+            },
+            repeat,
+            cold,
+            drop_caches,
+        )
+    )
+    for path in (raw, tpath, dpath, ppath):
+        fresh(path)()
     pytreeckpt._staging.staging_pool().free()
     return {"bytes": nbytes_of(state), "leaves": leaves, "seconds": s}
 
