@@ -71,15 +71,19 @@ Timer = Callable[[Callable[[], Any], int, Callable[[], Any] | None], float]
 def alternating(
     runs: dict[str, tuple[Callable[[], Any], Callable[[], Any] | None]], repeat: int, timer: Timer = timed
 ) -> dict[str, float]:
-    """Median seconds of each ``(fn, setup)``, every one taking its turn in every round.
+    """Median seconds of each ``(fn, setup)``, every one taking its turn in every round, in rotation.
 
     This machine's speed drifts (up to 2x between minutes) and its virtual disk caches
     what was written lately; measured in turns, each of those weighs on every
     contender alike instead of favouring whichever ran at the better moment.
     """
     times: dict[str, list[float]] = {name: [] for name in runs}
-    for _ in range(repeat):
-        for name, (fn, setup) in runs.items():
+    names = list(runs)
+    for r in range(repeat):
+        # Rotated each round: what one tool leaves behind (the host still flushing its
+        # writes) does not always fall on the same next one.
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            fn, setup = runs[name]
             times[name].append(timer(fn, 1, setup))
     return {name: statistics.median(t) for name, t in times.items()}
 

@@ -168,10 +168,13 @@ def _worker(rank: int, world: int, port: int, args: dict[str, Any]) -> None:
             )
             dcp_stalls: list[float] = []
             ptc_stalls: list[float] = []
+            # DCP's background save runs collectives: on a group of its own, as DCP's recipe does, or
+            # they interleave with the benchmark's barriers on the default group and hang it (seen).
+            dcp_group = dist.new_group(backend="gloo")
 
             def dcp_async() -> None:
                 t0 = time.perf_counter()
-                fut = dcp.async_save(state, checkpoint_id=dpath)
+                fut = dcp.async_save(state, checkpoint_id=dpath, process_group=dcp_group)
                 dcp_stalls.append(_slowest(time.perf_counter() - t0))
                 fut.result()
 
