@@ -35,8 +35,9 @@ _FSYNC_NOTE = (
     "(`sync_files=True`, its default). torch.save and the raw write do not: the benchmark fsyncs what "
     "they wrote inside the timing. Before every timed save the previous output is removed and `sync` run, "
     "so no tool starts with another's writeback in flight. Every tool and every physical limit takes its "
-    "turn in each round (saves with the raw write; asynchronous saves with the memcpy; loads with the raw "
-    "read), so a drift of the machine's speed, or what its virtual disk still caches, weighs on all alike."
+    "turn in each round, in an order shuffled (seeded) each round (saves with the memcpy and the raw write; "
+    "asynchronous saves; loads with the raw read), so a drift of the machine's speed, or what its virtual "
+    "disk is still doing after the last tool, weighs on all alike."
 )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import statistics
 import subprocess
@@ -71,18 +72,20 @@ Timer = Callable[[Callable[[], Any], int, Callable[[], Any] | None], float]
 def alternating(
     runs: dict[str, tuple[Callable[[], Any], Callable[[], Any] | None]], repeat: int, timer: Timer = timed
 ) -> dict[str, float]:
-    """Median seconds of each ``(fn, setup)``, every one taking its turn in every round, in rotation.
+    """Median seconds of each ``(fn, setup)``, every one taking its turn in every round.
 
     This machine's speed drifts (up to 2x between minutes) and its virtual disk caches
     what was written lately; measured in turns, each of those weighs on every
     contender alike instead of favouring whichever ran at the better moment.
     """
     times: dict[str, list[float]] = {name: [] for name in runs}
-    names = list(runs)
     for r in range(repeat):
-        # Rotated each round: what one tool leaves behind (the host still flushing its
-        # writes) does not always fall on the same next one.
-        for name in names[r % len(names) :] + names[: r % len(names)]:
+        # In a new order each round (seeded): what one tool leaves behind, such as the
+        # virtual disk still flushing its writes, does not always fall on the same next one.
+        # (A rotation would not do: every tool would still follow the same one.)
+        names = list(runs)
+        random.Random(r).shuffle(names)
+        for name in names:
             fn, setup = runs[name]
             times[name].append(timer(fn, 1, setup))
     return {name: statistics.median(t) for name, t in times.items()}

@@ -3,8 +3,9 @@
 Each rank holds its shard of every matrix (DTensor ``Shard(0)``) and a copy of small
 replicated tensors. Every timing is taken between barriers, so it is the slowest rank's.
 Every tool, and each physical limit, takes its turn in every round of the saves and of
-the loads (the memcpy in the rounds of asynchronous saves), so none is favoured by what
-ran before it, by what the virtual disk has cached, or by a drift of the machine's speed.
+the loads (the memcpy in the rounds of asynchronous saves), in a new order each round,
+so none is favoured by what ran before it, by what the virtual disk has cached, or by a
+drift of the machine's speed.
 The resharded load reads the checkpoints written at ``ranks`` ranks at ``ranks // 2``
 ranks with ``Shard(1)`` placements.
 """
