@@ -107,14 +107,19 @@ def alternating_loads(
     return out
 
 
+def remove(path: Path) -> None:
+    """Remove ``path``, a directory or a file, if it exists."""
+    shutil.rmtree(path, ignore_errors=True)
+    if path.exists():
+        path.unlink()
+
+
 def fresh(path: Path) -> Callable[[], None]:
     """A setup that removes ``path`` (every tool writes to a new place each time), then ``sync``:
     no save starts with the writeback of an earlier one still in flight."""
 
     def setup() -> None:
-        shutil.rmtree(path, ignore_errors=True)
-        if path.exists():
-            path.unlink()
+        remove(path)
         os.sync()
 
     return setup

@@ -29,7 +29,16 @@ import torch.multiprocessing as mp
 
 import pytreeckpt
 
-from ._common import alternating, alternating_loads, drop_caches, fsync_tree, raw_read, raw_write, save_load_targets
+from ._common import (
+    alternating,
+    alternating_loads,
+    drop_caches,
+    fsync_tree,
+    raw_read,
+    raw_write,
+    remove,
+    save_load_targets,
+)
 
 
 def _free_port() -> int:
@@ -108,9 +117,7 @@ def _rm(rank: int, path: Path, own: bool = False) -> Callable[[], None]:
     def setup() -> None:
         dist.barrier()
         if own or rank == 0:
-            shutil.rmtree(path, ignore_errors=True)
-            if path.exists():
-                path.unlink()
+            remove(path)
         dist.barrier()
         if rank == 0:
             os.sync()

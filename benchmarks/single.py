@@ -1,9 +1,9 @@
 """One process: torch.save, torch.distributed.checkpoint and pytreeckpt on the same state, with the limits.
 
-Every save counts as done when its data is durable: pytreeckpt (TensorStore syncs each
-file it writes, then the commit) and DCP (``sync_files=True``, its default) fsync by
-themselves; torch.save and the raw write are followed by an fsync of what they wrote,
-inside the timing. Loads are timed from a cold page cache (dropped before each run) and
+Every save counts as done when its data is durable: pytreeckpt (it fsyncs each chunk
+file as it writes it, the rest before the commit) and DCP (``sync_files=True``, its
+default) fsync by themselves; torch.save and the raw write are followed by an fsync of
+what they wrote, inside the timing. Loads are timed from a cold page cache (dropped before each run) and
 warm (right after another read of the same files). The tools and the physical limits
 take turns in every round, as in the distributed benchmark.
 """
@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
 
 import pytreeckpt
 from pytreeckpt import Abstract, Mesh, Shard, ShardingSpec
@@ -39,8 +40,6 @@ from ._common import (
 
 def _saves(state: dict[str, torch.Tensor], paths: tuple[Path, ...], repeat: int) -> dict[str, float]:
     """Seconds of the saves, asynchronous saves and the limits they are held against, taking turns."""
-    import torch.distributed.checkpoint as dcp
-
     raw, tpath, dpath, ppath = paths
     s: dict[str, float] = {}
 
@@ -102,8 +101,6 @@ def run(size: int, leaves: int, repeat: int, workdir: Path, cold: bool) -> dict[
     place, so every checkpoint exists side by side when the loads begin.
     """
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-    import torch.distributed.checkpoint as dcp
-
     state = make_state(size, leaves)
     paths = workdir / "raw", workdir / "torch.pt", workdir / "dcp", workdir / "ptc"
     s = _saves(state, paths, repeat)
