@@ -1,0 +1,328 @@
+"""Layouts as tables: every piece of every position, computed from a spec for all positions at once.
+
+A :class:`PieceTable` has one row per piece (layout position, piece index, offset,
+extent): the boxes :meth:`Layout.rank_pieces` gives, computed with numpy from the spec
+(``ShardingSpec`` vectorised over the mesh, ``FlatRanges`` visiting only the ranks that
+hold something, ``ExplicitRegions`` as given). Tables are memoised per (layout, shape):
+the layers of a model share a few. Nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import numpy as np
+
+from .._region import Region
+from .._sharding import FlatRanges, Layout, Piece, Replicate, ShardingSpec, StridedShard, flat_range_regions
+
+__all__ = ["PieceTable", "piece_table", "unique_rows"]
+
+_I64 = np.int64
+
+
+@dataclass(frozen=True, eq=False)
+class PieceTable:
+    """Every piece of a layout, one row each, sorted by (position, piece): ``lo``/``ext`` are (n, ndim)."""
+
+    positions: int
+    pos: np.ndarray
+    piece: np.ndarray
+    lo: np.ndarray
+    ext: np.ndarray
+
+    def pieces(self) -> tuple[tuple[Piece, ...], ...]:
+        """The regions as :meth:`Layout.rank_pieces` gives them (local placement left out)."""
+        out: list[list[Piece]] = [[] for _ in range(self.positions)]
+        for p, lo, ext in zip(self.pos.tolist(), self.lo.tolist(), self.ext.tolist(), strict=True):
+            out[p].append(Piece(Region(tuple(lo), tuple(ext))))
+        return tuple(tuple(ps) for ps in out)
+
+
+def _table_from_pieces(pieces: Sequence[Sequence[Piece]], ndim: int) -> PieceTable:
+    pos, idx, lo, ext = [], [], [], []
+    for p, ps in enumerate(pieces):
+        for i, piece in enumerate(ps):
+            pos.append(p)
+            idx.append(i)
+            lo.append(piece.region.offset)
+            ext.append(piece.region.shape)
+    return PieceTable(
+        len(pieces),
+        np.asarray(pos, dtype=_I64),
+        np.asarray(idx, dtype=_I64),
+        np.asarray(lo, dtype=_I64).reshape(len(pos), ndim),
+        np.asarray(ext, dtype=_I64).reshape(len(pos), ndim),
+    )
+
+
+def _chunk_split(size: np.ndarray, parts: int, index: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``chunk_size_and_offset`` elementwise."""
+    full = -(-size // parts)
+    start = full * index
+    empty = start >= size
+    return np.where(empty, 0, np.minimum(full, size - start)), np.where(empty, size, start)
+
+
+def _take(starts: np.ndarray, lens: np.ndarray, off: np.ndarray, size: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Positions ``[off, off + size)`` of the concatenation of each row's runs, as runs (empty ones kept)."""
+    before = np.cumsum(lens, axis=1) - lens
+    lo = np.maximum(off[:, None], before)
+    hi = np.minimum((off + size)[:, None], before + lens)
+    n = np.maximum(hi - lo, 0)
+    return np.where(n > 0, starts + lo - before, 0), n
+
+
+def _mesh_table(spec: ShardingSpec, shape: tuple[int, ...]) -> PieceTable:
+    """:meth:`ShardingSpec.rank_pieces` computed for all positions at once."""
+    spec._check(shape)
+    mesh = spec.mesh
+    positions = mesh.size
+    coords = np.stack(np.unravel_index(np.arange(positions), mesh.shape), axis=1).astype(_I64)
+    runs: list[tuple[np.ndarray, np.ndarray]] = []
+    for d, n in enumerate(shape):
+        starts = np.zeros((positions, 1), dtype=_I64)
+        lens = np.full((positions, 1), n, dtype=_I64)
+        for axis, p in enumerate(spec.placements):
+            if isinstance(p, Replicate) or p.dim != d:
+                continue
+            parts, c = mesh.shape[axis], coords[:, axis]
+            local = lens.sum(axis=1)
+            if isinstance(p, StridedShard):
+                taken = []
+                for j in range(p.split_factor):
+                    part_size, part_off = _chunk_split(local, p.split_factor, np.full_like(local, j))
+                    size, off = _chunk_split(part_size, parts, c)
+                    taken.append(_take(starts, lens, part_off + off, size))
+                starts = np.concatenate([t[0] for t in taken], axis=1)
+                lens = np.concatenate([t[1] for t in taken], axis=1)
+            else:
+                size, off = _chunk_split(local, parts, c)
+                starts, lens = _take(starts, lens, off, size)
+        runs.append((starts, lens))
+    # Runs per position and dim: merge adjacent ones, as ShardingSpec.intervals does.
+    counts = np.stack([_run_count(s, ln) for s, ln in runs], axis=1) if shape else np.ones((positions, 0), _I64)
+    holds = (counts > 0).all(axis=1)
+    simple = holds & (counts == 1).all(axis=1)
+    pos_l: list[np.ndarray] = []
+    lo_l: list[np.ndarray] = []
+    ext_l: list[np.ndarray] = []
+    idx_l: list[np.ndarray] = []
+    sel = np.flatnonzero(simple)
+    if shape:
+        lo = np.stack([_first_run(s, ln)[0][sel] for s, ln in runs], axis=1)
+        ext = np.stack([_first_run(s, ln)[1][sel] for s, ln in runs], axis=1)
+    else:
+        lo = ext = np.zeros((len(sel), 0), dtype=_I64)
+    pos_l.append(sel)
+    lo_l.append(lo)
+    ext_l.append(ext)
+    idx_l.append(np.zeros(len(sel), dtype=_I64))
+    for q in np.flatnonzero(holds & ~simple).tolist():
+        per_dim = [_merged_runs(s[q], ln[q]) for s, ln in runs]
+        combos: list[tuple[int, ...]] = [()]
+        for rs in per_dim:
+            combos = [(*t, k) for t in combos for k in range(len(rs))]
+        for i, combo in enumerate(combos):
+            pos_l.append(np.array([q], dtype=_I64))
+            idx_l.append(np.array([i], dtype=_I64))
+            lo_l.append(np.array([[per_dim[d][k][0] for d, k in enumerate(combo)]], dtype=_I64).reshape(1, -1))
+            ext_l.append(np.array([[per_dim[d][k][1] for d, k in enumerate(combo)]], dtype=_I64).reshape(1, -1))
+    pos_a = np.concatenate(pos_l)
+    idx_a = np.concatenate(idx_l)
+    order = np.lexsort((idx_a, pos_a))
+    return PieceTable(
+        positions,
+        pos_a[order],
+        idx_a[order],
+        np.concatenate(lo_l).reshape(len(pos_a), len(shape))[order],
+        np.concatenate(ext_l).reshape(len(pos_a), len(shape))[order],
+    )
+
+
+def _run_count(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    """Non-empty runs per row after merging adjacent ones."""
+    nonempty = lens > 0
+    count = nonempty.sum(axis=1)
+    if starts.shape[1] == 1:
+        return np.asarray(count, dtype=_I64)
+    # a non-empty run continuing the previous non-empty run is not counted
+    out = count.copy()
+    for p in np.flatnonzero(count > 1).tolist():
+        out[p] = len(_merged_runs(starts[p], lens[p]))
+    return np.asarray(out, dtype=_I64)
+
+
+def _first_run(starts: np.ndarray, lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Start and total length of each row's runs (for rows holding one merged run)."""
+    first = np.argmax(lens > 0, axis=1)
+    rows = np.arange(starts.shape[0])
+    return starts[rows, first], lens.sum(axis=1)
+
+
+def _merged_runs(starts: np.ndarray, lens: np.ndarray) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for s, n in zip(starts.tolist(), lens.tolist(), strict=True):
+        if n <= 0:
+            continue
+        if out and out[-1][0] + out[-1][1] == s:
+            out[-1] = (out[-1][0], out[-1][1] + n)
+        else:
+            out.append((s, n))
+    return out
+
+
+def _flat_table(spec: FlatRanges, shape: tuple[int, ...]) -> PieceTable:
+    """:meth:`FlatRanges.rank_pieces`, visiting only the ranks that hold something."""
+    spec._check(shape)
+    pos, idx, lo, ext = [], [], [], []
+    for p, (a, b) in enumerate(spec.ranges):
+        if a >= b:
+            continue
+        i = 0
+        for reg in flat_range_regions(shape, a, b):
+            if reg.is_empty:
+                continue
+            pos.append(p)
+            idx.append(i)
+            lo.append(reg.offset)
+            ext.append(reg.shape)
+            i += 1
+    nd = len(shape)
+    return PieceTable(
+        spec.world_size,
+        np.asarray(pos, dtype=_I64),
+        np.asarray(idx, dtype=_I64),
+        np.asarray(lo, dtype=_I64).reshape(len(pos), nd),
+        np.asarray(ext, dtype=_I64).reshape(len(pos), nd),
+    )
+
+
+K = TypeVar("K", bound=Hashable)
+V = TypeVar("V")
+
+
+class _Memo(dict[Any, Any]):
+    """A bounded memo: cleared when full (tables are cheap to rebuild; this keeps memory bounded)."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self.limit = limit
+
+    def get_or(self, key: Hashable, make: Callable[[], V]) -> V:
+        try:
+            return self[key]  # type: ignore[no-any-return]
+        except KeyError:
+            if len(self) >= self.limit:
+                self.clear()
+            value = make()
+            self[key] = value
+            return value
+
+
+_TABLES = _Memo(4096)
+
+
+def piece_table(layout: Layout, shape: tuple[int, ...]) -> PieceTable:
+    """Every piece of ``layout`` over an array of ``shape``, memoised per (layout, shape)."""
+
+    def make() -> PieceTable:
+        if any(s == 0 for s in shape):  # empty arrays: rank_pieces' own conventions, at no cost
+            return _table_from_pieces(layout.rank_pieces(shape), len(shape))
+        if isinstance(layout, ShardingSpec):
+            return _mesh_table(layout, shape)
+        if isinstance(layout, FlatRanges):
+            return _flat_table(layout, shape)
+        return _table_from_pieces(layout.rank_pieces(shape), len(shape))
+
+    return _TABLES.get_or((layout, shape), make)
+
+
+def unique_rows(a: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The distinct rows of a 2-D integer array in lexicographic order, each row's index among them, and
+    where each distinct row first occurs.
+
+    What ``numpy.unique(a, axis=0, return_inverse=True, return_index=True)`` gives,
+    without its slow sort of structured rows (a stable lexsort of the columns instead).
+    """
+    n = len(a)
+    if n == 0:
+        return a, np.zeros(0, _I64), np.zeros(0, _I64)
+    order = np.lexsort(a.T[::-1]) if a.shape[1] else np.arange(n, dtype=_I64)
+    s = a[order]
+    new = np.ones(n, dtype=bool)
+    new[1:] = (s[1:] != s[:-1]).any(axis=1)
+    inverse = np.empty(n, dtype=_I64)
+    inverse[order] = np.cumsum(new) - 1
+    return s[new], inverse, order[new]
+
+
+def placed_table(layout: Layout, shape: tuple[int, ...], ranks: np.ndarray) -> tuple[PieceTable, np.ndarray, Any]:
+    """The layout's table with positions renumbered in world-rank order, the world rank of each, and a memo key.
+
+    Planning compares and orders ranks; with positions in rank order it can work in
+    positions (memoised per layout) and map to world ranks at the end. A mesh whose
+    ranks ascend (every mesh ``init_device_mesh`` makes, and its slices) keeps its table.
+    """
+    table = piece_table(layout, shape)
+    if len(ranks) < 2 or bool((np.diff(ranks) > 0).all()):
+        return table, ranks, (layout, shape)
+    order = np.argsort(ranks, kind="stable")
+    renumber = np.empty(len(order), dtype=_I64)
+    renumber[order] = np.arange(len(order), dtype=_I64)
+    pos = renumber[table.pos]
+    rows = np.lexsort((table.piece, pos))
+    moved = PieceTable(table.positions, pos[rows], table.piece[rows], table.lo[rows], table.ext[rows])
+    return moved, ranks[order], (layout, shape, ranks.tobytes())
+
+
+@dataclass(eq=False)
+class Placed:
+    """A layout's table for an array shape, in world-rank order, placed on world ranks.
+
+    ``table_key`` names the table (shared by every placement of a layout whose ranks
+    ascend), ``place`` the placement; ``derived`` holds what planning memoises on it.
+    """
+
+    table: PieceTable
+    shape: tuple[int, ...]
+    ranks: np.ndarray  # the world rank of each position of ``table``, ascending
+    table_key: Any
+    place: Any
+    derived: dict[Any, Any]
+
+
+_PLACED = _Memo(4096)
+_PLACED_BY_ID = _Memo(4096)  # (id of a layout, shape, ranks) -> (that layout, its entry); the layout kept alive
+
+
+def placed(spec: Any) -> Placed:
+    """The placed table of an :class:`~pytreeckpt.plan.ArraySpec` (memoised, looked up by the layout object first:
+    hashing a spec by value costs more than the rest of the lookup)."""
+    where = spec.ranks if spec.ranks is None or isinstance(spec.ranks, range) else tuple(spec.ranks)
+    fast = (id(spec.layout), spec.shape, where)
+    hit = _PLACED_BY_ID.get(fast)
+    if hit is not None and hit[0] is spec.layout:
+        return hit[1]  # type: ignore[no-any-return]
+
+    def make() -> Placed:
+        table, ranks, key = placed_table(spec.layout, spec.shape, spec.rank_array())
+        return Placed(table, spec.shape, ranks, key, (where, spec.layout.world_size), {})
+
+    got: Placed = _PLACED.get_or((spec.layout, spec.shape, where), make)
+    _PLACED_BY_ID.get_or(fast, lambda: (spec.layout, got))
+    return got
+
+
+def clear_placed() -> None:
+    _PLACED.clear()
+    _PLACED_BY_ID.clear()
+
+
+def first_of_runs(keys: np.ndarray) -> np.ndarray:
+    """Indices where a sorted 1-D array starts a run of equal values."""
+    if len(keys) == 0:
+        return np.zeros(0, dtype=_I64)
+    return np.flatnonzero(np.r_[True, keys[1:] != keys[:-1]])
