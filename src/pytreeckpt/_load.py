@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from ._dtypes import dtype_of_numpy, dtype_of_torch, numpy_view
-from ._errors import TargetMismatchError
+from ._errors import LayoutError, TargetMismatchError
 from ._executor import ExecutorOptions, Storage
 from ._format import (
     ArrayMeta,
@@ -238,10 +238,14 @@ def load(
       include: key-path globs (``fnmatch``, e.g. ``"model.layers.*.weight"``): load only
         the matching leaves, and return them as a flat dict from key path to leaf.
         Other leaves are not read. Only with ``target=None``.
-      process_group: when torch.distributed is initialised with several ranks, every
-        rank calls ``load`` and gets its own part: its DTensor shards, its shard of
+      process_group: the ranks that load together: those of ``process_group``, else
+        the whole world. When torch.distributed is initialised (at any world size) or
+        a group is given, each of them calls ``load`` and gets its own part: its
+        DTensor shards (nothing of a DTensor whose mesh it is not on), its shard of
         each ShardedLeaf or Abstract spec, and full copies of plain tensors. Each rank
         reads only its regions; a region several ranks want is read once and sent on.
+        With one rank it runs as a single process does (DTensors on a mesh of that
+        rank alone). If any rank fails, every rank raises the same error.
       monitor: a :class:`Monitor` that records the time and bytes of every phase
         (on rank 0, every rank's).
 
@@ -422,7 +426,9 @@ def _dtensor_dest(meta: ArrayMeta, leaf: Any, comm: Any) -> _Dest:
 
     from ._distributed import dtensor_layout
 
-    _, pieces = dtensor_layout(leaf, comm.world, comm.group)
+    # (in a single process, a process group of one rank, its mesh must be this rank alone)
+    _, pieces = dtensor_layout(leaf, 1, None) if comm is None else dtensor_layout(leaf, comm.world, comm.group)
+    me = 0 if comm is None else comm.rank
     local_target = leaf.to_local()
     on_device = local_target.device.type != "cpu"
     local = _host_buffer(tuple(local_target.shape), meta.dtype.torch, local_target.is_cuda)
@@ -437,7 +443,7 @@ def _dtensor_dest(meta: ArrayMeta, leaf: Any, comm: Any) -> _Dest:
             stride=leaf.stride(),
         )
 
-    return _Dest(meta, pieces, {comm.rank: local}, finish, local.numel() * local.element_size() if on_device else 0)
+    return _Dest(meta, pieces, {me: local}, finish, local.numel() * local.element_size() if on_device else 0)
 
 
 def read_array(
@@ -520,9 +526,10 @@ def _dest_for(key: str, stored: ArrayMeta, leaf: Any, comm: Any = None) -> tuple
         if problem:
             return problem, None
         if _is_dtensor(leaf):
-            if comm is None:
-                return f"leaf {_where(key)}: a DTensor target needs torch.distributed initialised with its ranks", None
-            return None, _dtensor_dest(stored, leaf, comm)
+            try:
+                return None, _dtensor_dest(stored, leaf, comm)
+            except LayoutError as e:
+                return f"leaf {_where(key)}: {e}", None
         return None, _full_dest(stored, False, leaf.device, leaf, comm)
     arr = np.asarray(leaf)
     try:

@@ -435,11 +435,15 @@ def save(
       chunking: how stored arrays are chunked.
       executor: concurrency of the I/O, staging memory, progress bar.
       namespace: the optree namespace of custom pytree nodes in ``tree``.
-      process_group: when torch.distributed is initialised with several ranks, every
-        rank calls ``save`` with its own part of the state: DTensors, ShardedLeafs
-        holding its shard, and plain tensors and values that every rank holds whole
-        (written once in total). Checkpoint traffic runs on a gloo group of its own,
-        or on ``process_group`` if given.
+      process_group: the ranks that save together: those of ``process_group``, else
+        the whole world. When torch.distributed is initialised (at any world size) or
+        a group is given, each of them calls ``save`` with its own part of the state:
+        DTensors (on a mesh of all or some of the ranks: the others hold nothing of
+        them), ShardedLeafs holding its shard, and plain tensors and values that every
+        rank holds whole (written once in total). Checkpoint traffic runs on gloo
+        groups of its own with those ranks, made once, by those ranks alone. With one
+        rank (a world of one, a group of one) it runs as a single process does, with
+        no group and no collective; DTensors must then be on a mesh of that rank alone.
       monitor: a :class:`Monitor` that records the time and bytes of every phase
         (on rank 0, every rank's).
       compression: lossless compression of stored chunks, off by default: a

@@ -42,12 +42,10 @@ def _is_dtensor(x: Any) -> bool:
 
 
 def _comm(process_group: Any) -> Any:
-    """The DistComm of a distributed save or load, or None in a single process."""
-    from ._distributed import DistComm, checkpoint_group, distributed_active
+    """The DistComm of a distributed save or load, or None in a single process (or a group of one rank)."""
+    from ._distributed import distributed_comm
 
-    if not distributed_active(process_group):
-        return None
-    return DistComm(checkpoint_group(process_group))
+    return distributed_comm(process_group)
 
 
 def _pad(pieces: tuple[tuple[Piece, ...], ...], world: int, key: str) -> tuple[tuple[Piece, ...], ...]:
