@@ -588,3 +588,101 @@ def subset_groups(rank: int, world: int, path: str) -> dict[str, Any]:
         "solo": _locals_equal(solo["x"], x),
         "world": torch.equal(whole["g"], g),
     }
+
+
+# --------------------------------------------------------------------------- one rank's error
+
+
+def one_rank_fails(rank: int, world: int, path: str) -> list[dict[str, Any]]:
+    """One rank at a time fails before any collective (a bad leaf, a meta tensor, another tree, another target).
+
+    Every case records what each rank raised and how long it took; after each, a save
+    and a load, and a collective on the default group, must still work.
+    """
+    import time
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    w = torch.arange(8.0).reshape(4, 2)
+
+    def good() -> dict[str, Any]:
+        return {"w": distribute_tensor(w, mesh, [Shard(0)]), "b": torch.ones(3), "step": 1}
+
+    def meta_dtensor() -> Any:
+        return DTensor.from_local(torch.empty(2, 2, device="meta"), mesh, [Shard(0)], run_check=False)
+
+    pytreeckpt.save(f"{path}/base", good())
+    spec = pytreeckpt.ShardingSpec(pytreeckpt.Mesh(world), [pytreeckpt.Shard(0)])
+    out: list[dict[str, Any]] = []
+    for bad in range(world):
+        me = rank == bad
+
+        def save_meta_tensor(me: bool = me) -> None:
+            pytreeckpt.save(f"{path}/x", {**good(), "b": torch.empty(3, device="meta") if me else torch.ones(3)})
+
+        def save_meta_dtensor(me: bool = me) -> None:
+            tree = good()  # (every rank makes it: distribute_tensor is a collective)
+            pytreeckpt.save(f"{path}/x", {**tree, "w": meta_dtensor()} if me else tree)
+
+        def async_save_bad_spec(me: bool = me) -> None:
+            specs = {"w": None, "b": spec if me else None, "step": None}
+            pytreeckpt.async_save(f"{path}/x", good(), specs).wait()
+
+        def async_save_meta_dtensor(me: bool = me) -> None:
+            tree = good()
+            pytreeckpt.async_save(f"{path}/x", {**tree, "w": meta_dtensor()} if me else tree).wait()
+
+        def save_another_tree(me: bool = me) -> None:
+            pytreeckpt.save(f"{path}/x", {**good(), "extra": torch.ones(2)} if me else good())
+
+        def load_another_shape(me: bool = me) -> None:
+            pytreeckpt.load(f"{path}/base", {**good(), "b": torch.zeros(4 if me else 3)})
+
+        def load_another_tree(me: bool = me) -> None:
+            pytreeckpt.load(f"{path}/base", {**good(), "extra": torch.ones(2)} if me else good())
+
+        cases = [
+            ("save_meta_tensor", "b", save_meta_tensor),
+            ("save_meta_dtensor", "w", save_meta_dtensor),
+            ("async_save_bad_spec", "b", async_save_bad_spec),
+            ("async_save_meta_dtensor", "w", async_save_meta_dtensor),
+            ("save_another_tree", "extra", save_another_tree),
+            ("load_another_shape", "b", load_another_shape),
+            ("load_another_tree", "extra", load_another_tree),
+        ]
+        if bad == 0:  # a step after the exchange that only rank 0 takes: the committed checkpoint is not replaced
+
+            def save_over_committed() -> None:
+                pytreeckpt.save(f"{path}/base", good())
+
+            cases.append(("save_over_committed", None, save_over_committed))
+        for name, leaf, fn in cases:
+            start = time.perf_counter()
+            try:
+                fn()
+                kind, message, checkpoint_error = "none", "no error", False
+            except Exception as e:
+                kind, message = type(e).__name__, str(e)
+                checkpoint_error = isinstance(e, pytreeckpt.CheckpointError)
+            seconds = time.perf_counter() - start
+            # The checkpoint's groups and the default group are still usable.
+            n = len(out)
+            pytreeckpt.save(f"{path}/after{n}", good())
+            back = pytreeckpt.load(f"{path}/after{n}", {"w": torch.zeros(4, 2), "b": torch.zeros(3), "step": 0})
+            total = torch.ones(1)
+            dist.all_reduce(total)
+            out.append(
+                {
+                    "case": name,
+                    "bad": bad,
+                    "leaf": leaf,
+                    "kind": kind,
+                    "message": message,
+                    "checkpoint_error": checkpoint_error,
+                    "seconds": seconds,
+                    "after": torch.equal(back["w"], w) and float(total) == world,
+                }
+            )
+    return out

@@ -221,3 +221,31 @@ def test_an_explicit_process_group_of_some_ranks_saves_and_loads_alone(tmp_path:
         assert r["world"]  # and the whole world's save afterwards
     for stage in (0, 1):
         assert pytreeckpt.load(tmp_path / f"stage{stage}" / "save")["stage"] == stage
+
+
+# --------------------------------------------------------------------------- one rank's error
+
+
+def test_one_ranks_error_is_raised_by_every_rank_and_the_groups_stay_usable(tmp_path: Path) -> None:
+    # A rank that failed alone used to leave the others in the next collective until gloo's
+    # timeout; a hang shows here as the run_world timeout.
+    world = 2
+    results = run_world(world, w.one_rank_fails, str(tmp_path), timeout=60)
+    cases = {(c["case"], c["bad"]) for c in results[0]}
+    assert len(cases) == 2 * 7 + 1
+    for i, case in enumerate(results[0]):
+        seen = [r[i] for r in results]
+        what = (case["case"], case["bad"])
+        assert all(c["checkpoint_error"] for c in seen), (what, seen)
+        assert len({c["message"] for c in seen}) == 1, (what, seen)  # the same error on every rank
+        assert len({c["kind"] for c in seen}) == 1, (what, seen)
+        message = case["message"]
+        assert f"rank {case['bad']}" in message, (what, message)
+        if case["leaf"] is not None:
+            assert f"'{case['leaf']}'" in message, (what, message)
+        assert all(c["after"] for c in seen), what  # a second save, a load and a collective work
+    kinds = {c["case"]: c["kind"] for c in results[0]}
+    assert kinds["load_another_shape"] == "TargetMismatchError"
+    assert "committed" in next(c["message"] for c in results[0] if c["case"] == "save_over_committed")
+    slowest = max(c["seconds"] for r in results for c in r)
+    print(f"slowest failing call: {slowest:.2f} s")

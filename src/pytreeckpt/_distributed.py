@@ -11,7 +11,9 @@ collectives with the training loop's.
 
 from __future__ import annotations
 
+import contextlib
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -19,7 +21,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ._errors import CheckpointError, LayoutError
+from ._errors import CheckpointError, LayoutError, MetadataError, NotCommittedError, TargetMismatchError
 from ._executor import PieceData, WriteItem
 from ._plan import ArrayLoadPlan, ArraySavePlan, ReadOp
 from ._region import Region
@@ -177,10 +179,28 @@ def spec_from_dtensor(dt: Any) -> tuple[ShardingSpec, tuple[int, ...]]:
     Raises:
       LayoutError: for a ``Partial`` placement (unreduced values cannot be saved).
     """
-    mesh = dt.device_mesh
-    names = mesh.mesh_dim_names or tuple(f"axis{i}" for i in range(mesh.ndim))
-    spec = ShardingSpec(Mesh(tuple(mesh.shape), names), [_placement_of(p) for p in dt.placements])
-    return spec, tuple(int(r) for r in mesh.mesh.flatten().tolist())
+    mesh, ranks = _mesh_of(dt.device_mesh)
+    return ShardingSpec(mesh, [_placement_of(p) for p in dt.placements]), ranks
+
+
+_MESHES: weakref.WeakKeyDictionary[Any, tuple[Mesh, tuple[int, ...]]] = weakref.WeakKeyDictionary()
+
+
+def _mesh_of(device_mesh: Any) -> tuple[Mesh, tuple[int, ...]]:
+    """A DeviceMesh as a Mesh, and its global ranks in row-major order.
+
+    Remembered per mesh: torch rebuilds ``DeviceMesh.mesh`` at every access (0.1-1 ms),
+    which a state of thousands of DTensors on one mesh would pay for each.
+    """
+    try:
+        return _MESHES[device_mesh]
+    except (KeyError, TypeError):
+        pass
+    names = device_mesh.mesh_dim_names or tuple(f"axis{i}" for i in range(device_mesh.ndim))
+    found = (Mesh(tuple(device_mesh.shape), names), tuple(int(r) for r in device_mesh.mesh.flatten().tolist()))
+    with contextlib.suppress(TypeError):  # (a mesh that cannot be weakly referenced is not remembered)
+        _MESHES[device_mesh] = found
+    return found
 
 
 def placements_from_spec(spec: ShardingSpec) -> list[Any]:
@@ -265,14 +285,15 @@ class DistComm:
         return box[0]
 
     def agree(self, error: BaseException | None, what: str) -> None:
-        """Every rank raises if any rank failed; the message names the failed ranks."""
-        errors = self.all_gather(None if error is None else f"{type(error).__name__}: {error}")
-        failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+        """Every rank raises the same error if any rank failed; the message names the failed ranks.
+
+        The error is of the failed ranks' CheckpointError subclass when they share one;
+        on a rank that failed it is chained to that rank's own error.
+        """
+        gathered = self.all_gather(describe_failure(error))
+        failed = [(r, e) for r, e in enumerate(gathered) if e is not None]
         if failed:
-            detail = "; ".join(f"rank {r}: {e}" for r, e in failed)
-            if error is not None and isinstance(error, CheckpointError) and len(failed) == 1:
-                raise error
-            raise CheckpointError(f"{what} failed on {len(failed)} of {self.world} ranks: {detail}") from error
+            raise failure(what, failed, self.world) from error
 
     # ------------------------------------------------------------------ save
     def post_write_transfers(
@@ -430,3 +451,36 @@ class WriteTransfers:
 def layout_fingerprint(key: str, dtype: str, shape: tuple[int, ...], layout: Layout) -> tuple[Any, ...]:
     """What every rank must agree on for one array."""
     return (key, dtype, shape, repr(layout.to_json()))
+
+
+_ERRORS: dict[str, type[CheckpointError]] = {
+    c.__name__: c for c in (CheckpointError, NotCommittedError, MetadataError, TargetMismatchError, LayoutError)
+}
+
+
+def describe_failure(error: BaseException | None) -> tuple[str, str] | None:
+    """What a rank tells the others of its error: the type's name and the message."""
+    return None if error is None else (type(error).__name__, str(error))
+
+
+def failure(what: str, failed: Sequence[tuple[int, tuple[str, str]]], world: int) -> CheckpointError:
+    """The one error every rank raises when ``failed`` ranks (rank, (type name, message)) failed at ``what``.
+
+    >>> str(failure("writing", [(1, ("OSError", "disk full")), (3, ("OSError", "disk full"))], 4))
+    'writing failed on 2 of 4 ranks: ranks 1, 3: OSError: disk full'
+    """
+    by_error: dict[tuple[str, str], list[int]] = {}
+    for rank, (kind, message) in failed:
+        by_error.setdefault((kind, message), []).append(rank)
+    detail = "; ".join(f"{_ranks_text(ranks)}: {kind}: {message}" for (kind, message), ranks in by_error.items())
+    kinds = {kind for kind, _ in by_error}
+    cls = _ERRORS.get(kinds.pop(), CheckpointError) if len(kinds) == 1 else CheckpointError
+    return cls(f"{what} failed on {len(failed)} of {world} ranks: {detail}")
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"ranks {ranks[0]}-{ranks[-1]}"
+    return "ranks " + ", ".join(map(str, ranks))

@@ -29,6 +29,7 @@ from ._sharding import Layout, Mesh, Piece, Replicate, ShardingSpec
 from ._shared import (
     _SINGLE,
     PathLike,
+    _Carried,
     _comm,
     _exchange_layouts,
     _gather_spans,
@@ -278,90 +279,91 @@ def _load(
 ) -> Any:
     me = 0 if comm is None else comm.rank
     t0 = time.time()
-    storage = Storage(path, executor)
-    if comm is None:
-        raw = storage.read_metadata()
-    else:
-        raw, error = None, None
-        if comm.rank == 0:
-            try:
-                raw = storage.read_metadata()
-            except Exception as e:
-                error = e
-        comm.agree(error, "reading the checkpoint metadata")
+    # In a distributed load, what a rank does before a collective is carried into it: a
+    # rank that raised alone would leave the others waiting for the collective's timeout.
+    carried = _Carried(comm)
+    raw = None
+    with carried.catch():
+        storage = Storage(path, executor)
+        if comm is None or comm.rank == 0:
+            raw = storage.read_metadata()
+    if comm is not None:
+        carried.agree("reading the checkpoint metadata")
         raw = comm.broadcast(raw)
     assert raw is not None
-    doc = parse_document(raw, namespace=namespace)
-    stored_paths = doc.tree.paths()
-    by_path: dict[tuple[KeyEntry, ...], ArrayMeta | ValueMeta] = dict(zip(stored_paths, doc.leaves, strict=True))
-    if include is not None:
-        if target is not None:
-            raise TargetMismatchError("include= selects leaves of the stored tree; give it with target=None")
-        patterns = [include] if isinstance(include, str) else list(include)
-        chosen = [
-            (p, leaf)
-            for p, leaf in zip(stored_paths, doc.leaves, strict=True)
-            if any(fnmatch.fnmatchcase(leaf.key, pat) for pat in patterns)
-        ]
-        t_leaves: list[Any] = [None] * len(chosen)
-        t_paths = [p for p, _ in chosen]
-        structure: Node = Node(
-            "dict", [("s", leaf.key) for _, leaf in chosen], [Node("leaf", leaf=i) for i in range(len(chosen))]
-        )
-        target_given = False
-    elif target is None:
-        t_leaves = [None] * len(doc.leaves)
-        t_paths = stored_paths
-        structure = doc.tree
-        target_given = False
-    else:
-        target_given = True
-        t_leaves, t_paths, structure = flatten(target, _is_leaf, namespace=namespace)
-    # Before any destination is allocated: the stored bytes must back every claimed shape.
-    wanted = [by_path[p] for p in t_paths if isinstance(by_path.get(p), ArrayMeta)]
-    storage.check_stored_sizes([m for m in wanted if isinstance(m, ArrayMeta)])
-    problems: list[str] = []
-    results: list[Any] = [None] * len(t_leaves)
+    results: list[Any] = []
     dests: list[tuple[int, _Dest]] = []
-    for i, (leaf, p) in enumerate(zip(t_leaves, t_paths, strict=True)):
-        key = keystr(p)
-        stored = by_path.get(p)
-        if stored is None:
-            problems.append(f"leaf {_where(key)} of the target is not in the checkpoint")
-            continue
-        if not target_given:
-            if isinstance(stored, ValueMeta):
-                results[i] = stored.value
-            else:
-                dests.append((i, _full_dest(stored, stored.container == "numpy", None, None, comm)))
-            continue
-        if _is_value(leaf):
-            if isinstance(stored, ValueMeta):
-                results[i] = stored.value
-            else:
-                problems.append(
-                    f"leaf {_where(key)}: the checkpoint has an array of shape {stored.shape} and dtype "
-                    f"{stored.dtype.name}, the target has a {type(leaf).__name__}"
-                )
-            continue
-        if isinstance(stored, ValueMeta):
-            problems.append(
-                f"leaf {_where(key)}: the checkpoint has the value {stored.value!r}, the target has an array"
+    with carried.catch():
+        doc = parse_document(raw, namespace=namespace)
+        stored_paths = doc.tree.paths()
+        by_path: dict[tuple[KeyEntry, ...], ArrayMeta | ValueMeta] = dict(zip(stored_paths, doc.leaves, strict=True))
+        if include is not None:
+            if target is not None:
+                raise TargetMismatchError("include= selects leaves of the stored tree; give it with target=None")
+            patterns = [include] if isinstance(include, str) else list(include)
+            chosen = [
+                (p, leaf)
+                for p, leaf in zip(stored_paths, doc.leaves, strict=True)
+                if any(fnmatch.fnmatchcase(leaf.key, pat) for pat in patterns)
+            ]
+            t_leaves: list[Any] = [None] * len(chosen)
+            t_paths = [p for p, _ in chosen]
+            structure: Node = Node(
+                "dict", [("s", leaf.key) for _, leaf in chosen], [Node("leaf", leaf=i) for i in range(len(chosen))]
             )
-            continue
-        problem, dest = _dest_for(key, stored, leaf, comm)
-        if problem is not None:
-            problems.append(problem)
-        elif dest is not None:
-            dests.append((i, dest))
-    if problems:
-        raise TargetMismatchError(
-            f"the target does not match the checkpoint at {describe(path)}:\n  " + "\n  ".join(problems)
-        )
+            target_given = False
+        elif target is None:
+            t_leaves = [None] * len(doc.leaves)
+            t_paths = stored_paths
+            structure = doc.tree
+            target_given = False
+        else:
+            target_given = True
+            t_leaves, t_paths, structure = flatten(target, _is_leaf, namespace=namespace)
+        # Before any destination is allocated: the stored bytes must back every claimed shape.
+        wanted = [by_path[p] for p in t_paths if isinstance(by_path.get(p), ArrayMeta)]
+        storage.check_stored_sizes([m for m in wanted if isinstance(m, ArrayMeta)])
+        problems: list[str] = []
+        results = [None] * len(t_leaves)
+        for i, (leaf, p) in enumerate(zip(t_leaves, t_paths, strict=True)):
+            key = keystr(p)
+            stored = by_path.get(p)
+            if stored is None:
+                problems.append(f"leaf {_where(key)} of the target is not in the checkpoint")
+                continue
+            if not target_given:
+                if isinstance(stored, ValueMeta):
+                    results[i] = stored.value
+                else:
+                    dests.append((i, _full_dest(stored, stored.container == "numpy", None, None, comm)))
+                continue
+            if _is_value(leaf):
+                if isinstance(stored, ValueMeta):
+                    results[i] = stored.value
+                else:
+                    problems.append(
+                        f"leaf {_where(key)}: the checkpoint has an array of shape {stored.shape} and dtype "
+                        f"{stored.dtype.name}, the target has a {type(leaf).__name__}"
+                    )
+                continue
+            if isinstance(stored, ValueMeta):
+                problems.append(
+                    f"leaf {_where(key)}: the checkpoint has the value {stored.value!r}, the target has an array"
+                )
+                continue
+            with carried.catch(key):
+                problem, dest = _dest_for(key, stored, leaf, comm)
+                if problem is not None:
+                    problems.append(problem)
+                elif dest is not None:
+                    dests.append((i, dest))
+        if problems:
+            raise TargetMismatchError(
+                f"the target does not match the checkpoint at {describe(path)}:\n  " + "\n  ".join(problems)
+            )
     if comm is not None:
-        layouts = _exchange_layouts(
-            comm, [(d.meta.key, d.meta.dtype.name, d.meta.shape, d.pieces[comm.rank]) for _, d in dests], "load"
-        )
+        rank_arrays = [(d.meta.key, d.meta.dtype.name, d.meta.shape, d.pieces[comm.rank]) for _, d in dests]
+        layouts = _exchange_layouts(comm, rank_arrays, "load", carried.error)
         for (_, d), pieces in zip(dests, layouts, strict=True):
             d.pieces = pieces
         world = comm.world
@@ -407,9 +409,13 @@ def _load(
             finally:
                 with monitor.phase("load", "transfer", me):
                     forward()  # every posted transfer completes, even after a failed read
+            if error is None:
+                try:  # (a failure here too must reach the agreement, or the others would wait for this rank)
+                    for k in range(len(dests)):
+                        finish(k)
+                except Exception as e:
+                    error = e
             comm.agree(error, "loading the checkpoint")
-            for k in range(len(dests)):
-                finish(k)
     finally:
         progress.close()
     if h2d_bytes[0]:
