@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from ._dtypes import dtype_of_numpy, dtype_of_torch, numpy_view
-from ._errors import TargetMismatchError
+from ._errors import LayoutError, TargetMismatchError
 from ._executor import ExecutorOptions, Storage
 from ._format import (
     ArrayMeta,
@@ -29,6 +29,7 @@ from ._sharding import Layout, Mesh, Piece, Replicate, ShardingSpec
 from ._shared import (
     _SINGLE,
     PathLike,
+    _Carried,
     _comm,
     _exchange_layouts,
     _gather_spans,
@@ -238,10 +239,14 @@ def load(
       include: key-path globs (``fnmatch``, e.g. ``"model.layers.*.weight"``): load only
         the matching leaves, and return them as a flat dict from key path to leaf.
         Other leaves are not read. Only with ``target=None``.
-      process_group: when torch.distributed is initialised with several ranks, every
-        rank calls ``load`` and gets its own part: its DTensor shards, its shard of
+      process_group: the ranks that load together: those of ``process_group``, else
+        the whole world. When torch.distributed is initialised (at any world size) or
+        a group is given, each of them calls ``load`` and gets its own part: its
+        DTensor shards (nothing of a DTensor whose mesh it is not on), its shard of
         each ShardedLeaf or Abstract spec, and full copies of plain tensors. Each rank
         reads only its regions; a region several ranks want is read once and sent on.
+        With one rank it runs as a single process does (DTensors on a mesh of that
+        rank alone). If any rank fails, every rank raises the same error.
       monitor: a :class:`Monitor` that records the time and bytes of every phase
         (on rank 0, every rank's).
 
@@ -274,90 +279,91 @@ def _load(
 ) -> Any:
     me = 0 if comm is None else comm.rank
     t0 = time.time()
-    storage = Storage(path, executor)
-    if comm is None:
-        raw = storage.read_metadata()
-    else:
-        raw, error = None, None
-        if comm.rank == 0:
-            try:
-                raw = storage.read_metadata()
-            except Exception as e:
-                error = e
-        comm.agree(error, "reading the checkpoint metadata")
+    # In a distributed load, what a rank does before a collective is carried into it: a
+    # rank that raised alone would leave the others waiting for the collective's timeout.
+    carried = _Carried(comm)
+    raw = None
+    with carried.catch():
+        storage = Storage(path, executor)
+        if comm is None or comm.rank == 0:
+            raw = storage.read_metadata()
+    if comm is not None:
+        carried.agree("reading the checkpoint metadata")
         raw = comm.broadcast(raw)
     assert raw is not None
-    doc = parse_document(raw, namespace=namespace)
-    stored_paths = doc.tree.paths()
-    by_path: dict[tuple[KeyEntry, ...], ArrayMeta | ValueMeta] = dict(zip(stored_paths, doc.leaves, strict=True))
-    if include is not None:
-        if target is not None:
-            raise TargetMismatchError("include= selects leaves of the stored tree; give it with target=None")
-        patterns = [include] if isinstance(include, str) else list(include)
-        chosen = [
-            (p, leaf)
-            for p, leaf in zip(stored_paths, doc.leaves, strict=True)
-            if any(fnmatch.fnmatchcase(leaf.key, pat) for pat in patterns)
-        ]
-        t_leaves: list[Any] = [None] * len(chosen)
-        t_paths = [p for p, _ in chosen]
-        structure: Node = Node(
-            "dict", [("s", leaf.key) for _, leaf in chosen], [Node("leaf", leaf=i) for i in range(len(chosen))]
-        )
-        target_given = False
-    elif target is None:
-        t_leaves = [None] * len(doc.leaves)
-        t_paths = stored_paths
-        structure = doc.tree
-        target_given = False
-    else:
-        target_given = True
-        t_leaves, t_paths, structure = flatten(target, _is_leaf, namespace=namespace)
-    # Before any destination is allocated: the stored bytes must back every claimed shape.
-    wanted = [by_path[p] for p in t_paths if isinstance(by_path.get(p), ArrayMeta)]
-    storage.check_stored_sizes([m for m in wanted if isinstance(m, ArrayMeta)])
-    problems: list[str] = []
-    results: list[Any] = [None] * len(t_leaves)
+    results: list[Any] = []
     dests: list[tuple[int, _Dest]] = []
-    for i, (leaf, p) in enumerate(zip(t_leaves, t_paths, strict=True)):
-        key = keystr(p)
-        stored = by_path.get(p)
-        if stored is None:
-            problems.append(f"leaf {_where(key)} of the target is not in the checkpoint")
-            continue
-        if not target_given:
-            if isinstance(stored, ValueMeta):
-                results[i] = stored.value
-            else:
-                dests.append((i, _full_dest(stored, stored.container == "numpy", None, None, comm)))
-            continue
-        if _is_value(leaf):
-            if isinstance(stored, ValueMeta):
-                results[i] = stored.value
-            else:
-                problems.append(
-                    f"leaf {_where(key)}: the checkpoint has an array of shape {stored.shape} and dtype "
-                    f"{stored.dtype.name}, the target has a {type(leaf).__name__}"
-                )
-            continue
-        if isinstance(stored, ValueMeta):
-            problems.append(
-                f"leaf {_where(key)}: the checkpoint has the value {stored.value!r}, the target has an array"
+    with carried.catch():
+        doc = parse_document(raw, namespace=namespace)
+        stored_paths = doc.tree.paths()
+        by_path: dict[tuple[KeyEntry, ...], ArrayMeta | ValueMeta] = dict(zip(stored_paths, doc.leaves, strict=True))
+        if include is not None:
+            if target is not None:
+                raise TargetMismatchError("include= selects leaves of the stored tree; give it with target=None")
+            patterns = [include] if isinstance(include, str) else list(include)
+            chosen = [
+                (p, leaf)
+                for p, leaf in zip(stored_paths, doc.leaves, strict=True)
+                if any(fnmatch.fnmatchcase(leaf.key, pat) for pat in patterns)
+            ]
+            t_leaves: list[Any] = [None] * len(chosen)
+            t_paths = [p for p, _ in chosen]
+            structure: Node = Node(
+                "dict", [("s", leaf.key) for _, leaf in chosen], [Node("leaf", leaf=i) for i in range(len(chosen))]
             )
-            continue
-        problem, dest = _dest_for(key, stored, leaf, comm)
-        if problem is not None:
-            problems.append(problem)
-        elif dest is not None:
-            dests.append((i, dest))
-    if problems:
-        raise TargetMismatchError(
-            f"the target does not match the checkpoint at {describe(path)}:\n  " + "\n  ".join(problems)
-        )
+            target_given = False
+        elif target is None:
+            t_leaves = [None] * len(doc.leaves)
+            t_paths = stored_paths
+            structure = doc.tree
+            target_given = False
+        else:
+            target_given = True
+            t_leaves, t_paths, structure = flatten(target, _is_leaf, namespace=namespace)
+        # Before any destination is allocated: the stored bytes must back every claimed shape.
+        wanted = [by_path[p] for p in t_paths if isinstance(by_path.get(p), ArrayMeta)]
+        storage.check_stored_sizes([m for m in wanted if isinstance(m, ArrayMeta)])
+        problems: list[str] = []
+        results = [None] * len(t_leaves)
+        for i, (leaf, p) in enumerate(zip(t_leaves, t_paths, strict=True)):
+            key = keystr(p)
+            stored = by_path.get(p)
+            if stored is None:
+                problems.append(f"leaf {_where(key)} of the target is not in the checkpoint")
+                continue
+            if not target_given:
+                if isinstance(stored, ValueMeta):
+                    results[i] = stored.value
+                else:
+                    dests.append((i, _full_dest(stored, stored.container == "numpy", None, None, comm)))
+                continue
+            if _is_value(leaf):
+                if isinstance(stored, ValueMeta):
+                    results[i] = stored.value
+                else:
+                    problems.append(
+                        f"leaf {_where(key)}: the checkpoint has an array of shape {stored.shape} and dtype "
+                        f"{stored.dtype.name}, the target has a {type(leaf).__name__}"
+                    )
+                continue
+            if isinstance(stored, ValueMeta):
+                problems.append(
+                    f"leaf {_where(key)}: the checkpoint has the value {stored.value!r}, the target has an array"
+                )
+                continue
+            with carried.catch(key):
+                problem, dest = _dest_for(key, stored, leaf, comm)
+                if problem is not None:
+                    problems.append(problem)
+                elif dest is not None:
+                    dests.append((i, dest))
+        if problems:
+            raise TargetMismatchError(
+                f"the target does not match the checkpoint at {describe(path)}:\n  " + "\n  ".join(problems)
+            )
     if comm is not None:
-        layouts = _exchange_layouts(
-            comm, [(d.meta.key, d.meta.dtype.name, d.meta.shape, d.pieces[comm.rank]) for _, d in dests], "load"
-        )
+        rank_arrays = [(d.meta.key, d.meta.dtype.name, d.meta.shape, d.pieces[comm.rank]) for _, d in dests]
+        layouts = _exchange_layouts(comm, rank_arrays, "load", carried.error)
         for (_, d), pieces in zip(dests, layouts, strict=True):
             d.pieces = pieces
         world = comm.world
@@ -403,9 +409,13 @@ def _load(
             finally:
                 with monitor.phase("load", "transfer", me):
                     forward()  # every posted transfer completes, even after a failed read
+            if error is None:
+                try:  # (a failure here too must reach the agreement, or the others would wait for this rank)
+                    for k in range(len(dests)):
+                        finish(k)
+                except Exception as e:
+                    error = e
             comm.agree(error, "loading the checkpoint")
-            for k in range(len(dests)):
-                finish(k)
     finally:
         progress.close()
     if h2d_bytes[0]:
@@ -422,7 +432,9 @@ def _dtensor_dest(meta: ArrayMeta, leaf: Any, comm: Any) -> _Dest:
 
     from ._distributed import dtensor_layout
 
-    _, pieces = dtensor_layout(leaf, comm.world, comm.group)
+    # (in a single process, a process group of one rank, its mesh must be this rank alone)
+    _, pieces = dtensor_layout(leaf, 1, None) if comm is None else dtensor_layout(leaf, comm.world, comm.group)
+    me = 0 if comm is None else comm.rank
     local_target = leaf.to_local()
     on_device = local_target.device.type != "cpu"
     local = _host_buffer(tuple(local_target.shape), meta.dtype.torch, local_target.is_cuda)
@@ -437,7 +449,7 @@ def _dtensor_dest(meta: ArrayMeta, leaf: Any, comm: Any) -> _Dest:
             stride=leaf.stride(),
         )
 
-    return _Dest(meta, pieces, {comm.rank: local}, finish, local.numel() * local.element_size() if on_device else 0)
+    return _Dest(meta, pieces, {me: local}, finish, local.numel() * local.element_size() if on_device else 0)
 
 
 def read_array(
@@ -520,9 +532,10 @@ def _dest_for(key: str, stored: ArrayMeta, leaf: Any, comm: Any = None) -> tuple
         if problem:
             return problem, None
         if _is_dtensor(leaf):
-            if comm is None:
-                return f"leaf {_where(key)}: a DTensor target needs torch.distributed initialised with its ranks", None
-            return None, _dtensor_dest(stored, leaf, comm)
+            try:
+                return None, _dtensor_dest(stored, leaf, comm)
+            except LayoutError as e:
+                return f"leaf {_where(key)}: {e}", None
         return None, _full_dest(stored, False, leaf.device, leaf, comm)
     arr = np.asarray(leaf)
     try:

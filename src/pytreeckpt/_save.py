@@ -44,6 +44,7 @@ from ._sharding import Layout
 from ._shared import (
     _IN_FLIGHT_LOCK,
     PathLike,
+    _Carried,
     _comm,
     _exchange_layouts,
     _gather_spans,
@@ -76,6 +77,13 @@ class _SaveJob:
     reuse: ChunkReuse | None = None
     snap: Snapshot | None = None
     _lock: Any = None
+    pending: BaseException | None = None  # this rank's error in a distributed save, not yet agreed on
+
+    def ready(self) -> None:
+        """In a distributed save, agree that every rank planned (and staged) its part: else all raise."""
+        if self.comm is not None:
+            pending, self.pending = self.pending, None
+            self.comm.agree(pending, "preparing the save")
 
     @property
     def rank(self) -> int:
@@ -269,77 +277,97 @@ def _plan_job(
     chunk_hashes: bool = False,
 ) -> _SaveJob:
     t0 = time.perf_counter()
-    storage = Storage(path, executor)
-    leaves, paths, root = flatten(tree, _is_leaf, namespace=namespace)
-    specs = broadcast_prefix(spec, root, lambda x: isinstance(x, Layout), len(leaves), namespace=namespace)
-    keys = [keystr(p) for p in paths]
-    codecs = _compressions(compression, root, keys, len(leaves), namespace)
+    # In a distributed save, what a rank does before the layout exchange, and then before
+    # the first agreement, is carried into that collective: a rank that raised alone
+    # would never join it and would leave the others waiting for its timeout.
+    carried = _Carried(comm)
     arrays: list[_ArrayIn] = []
     entries: list[dict[str, Any] | None] = []
-    for key, leaf, sp in zip(keys, leaves, specs, strict=True):
-        if _is_value(leaf):
-            entries.append(ValueMeta(key, leaf).to_json(encode_value(leaf)))
-        else:
-            arrays.append(_array_in(key, leaf, sp, comm))
-            entries.append(None)
+    values: list[str] = []
+    with carried.catch():
+        storage = Storage(path, executor)
+        leaves, paths, root = flatten(tree, _is_leaf, namespace=namespace)
+        specs = broadcast_prefix(spec, root, lambda x: isinstance(x, Layout), len(leaves), namespace=namespace)
+        keys = [keystr(p) for p in paths]
+        codecs = _compressions(compression, root, keys, len(leaves), namespace)
+        for key, leaf, sp in zip(keys, leaves, specs, strict=True):
+            with carried.catch(key):
+                if _is_value(leaf):
+                    entries.append(ValueMeta(key, leaf).to_json(encode_value(leaf)))
+                    values.append(key)
+                else:
+                    arrays.append(_array_in(key, leaf, sp, comm))
+                    entries.append(None)
+            if carried.error is not None:
+                break
     if comm is not None:
-        layouts = _exchange_layouts(comm, [(a.key, a.dtype.name, a.shape, a.pieces[comm.rank]) for a in arrays], "save")
+        rank_arrays = [(a.key, a.dtype.name, a.shape, a.pieces[comm.rank]) for a in arrays]
+        layouts = _exchange_layouts(comm, rank_arrays, "save", carried.error, values)
         for a, pieces in zip(arrays, layouts, strict=True):
             a.pieces = pieces
         world = comm.world
     else:
         world = max((a.layout.world_size for a in arrays), default=1)
-    plan = cached_plan_save(
-        [ArrayLayout(a.key, a.shape, a.dtype.itemsize, a.pieces) for a in arrays], world, chunking or storage.chunking
-    )
-    for a, ap in zip(arrays, plan.arrays, strict=True):
-        if a.present is not None:
-            for op in ap.writes:
-                for frag in op.sources:
-                    if frag.rank not in a.present and comm is None:
-                        raise CheckpointError(
-                            f"leaf {_where(a.key)}: elements {frag.region} live only on rank {frag.rank}, whose shard "
-                            f"is not in this ShardedLeaf (it holds ranks {sorted(a.present)})"
-                        )
-    names = array_names([a.key for a in arrays])
-    metas = [
-        ArrayMeta(
-            a.key,
-            a.container,
-            a.dtype,
-            a.shape,
-            ap.chunk_shape,
-            f"{ARRAYS_DIR}/{name}",
-            a.saved_layout,
-            codecs[a.key],
-            database=db,
+    job: _SaveJob | None = None
+    with carried.catch():
+        plan = cached_plan_save(
+            [ArrayLayout(a.key, a.shape, a.dtype.itemsize, a.pieces) for a in arrays],
+            world,
+            chunking or storage.chunking,
         )
-        for a, ap, name, db in zip(arrays, plan.arrays, names, _databases(storage, plan), strict=True)
-    ]
-    it = iter(metas)
-    leaf_json = [e if e is not None else next(it).to_json() for e in entries]
-    document = build_document(root, leaf_json, dict(user_metadata or {}))
-    if comm is None or comm.rank == 0:
-        storage.check_writable(overwrite)
-    t1 = time.perf_counter()
-    monitor = Monitor()
-    rank = 0 if comm is None else comm.rank
-    monitor.add(Span("save", "plan", rank, time.time() - (t1 - t0), time.time(), 0, threading.current_thread().name))
-    reuse = _chunk_reuse(metas, base) if base is not None or chunk_hashes else None
-    return _SaveJob(
-        storage,
-        metas,
-        plan,
-        [a.get for a in arrays],
-        document,
-        overwrite,
-        {"plan": t1 - t0},
-        monitor,
-        comm,
-        [a.device for a in arrays],
-        [a.watch for a in arrays],
-        reuse,
-    )
+        for a, ap in zip(arrays, plan.arrays, strict=True):
+            if a.present is not None:
+                for op in ap.writes:
+                    for frag in op.sources:
+                        if frag.rank not in a.present and comm is None:
+                            raise CheckpointError(
+                                f"leaf {_where(a.key)}: elements {frag.region} live only on rank {frag.rank}, "
+                                f"whose shard is not in this ShardedLeaf (it holds ranks {sorted(a.present)})"
+                            )
+        names = array_names([a.key for a in arrays])
+        metas = [
+            ArrayMeta(
+                a.key,
+                a.container,
+                a.dtype,
+                a.shape,
+                ap.chunk_shape,
+                f"{ARRAYS_DIR}/{name}",
+                a.saved_layout,
+                codecs[a.key],
+                database=db,
+            )
+            for a, ap, name, db in zip(arrays, plan.arrays, names, _databases(storage, plan), strict=True)
+        ]
+        it = iter(metas)
+        leaf_json = [e if e is not None else next(it).to_json() for e in entries]
+        document = build_document(root, leaf_json, dict(user_metadata or {}))
+        if comm is None or comm.rank == 0:
+            storage.check_writable(overwrite)
+        t1 = time.perf_counter()
+        monitor = Monitor()
+        rank = 0 if comm is None else comm.rank
+        monitor.add(
+            Span("save", "plan", rank, time.time() - (t1 - t0), time.time(), 0, threading.current_thread().name)
+        )
+        reuse = _chunk_reuse(metas, base) if base is not None or chunk_hashes else None
+        job = _SaveJob(
+            storage,
+            metas,
+            plan,
+            [a.get for a in arrays],
+            document,
+            overwrite,
+            {"plan": t1 - t0},
+            monitor,
+            comm,
+            [a.device for a in arrays],
+            [a.watch for a in arrays],
+            reuse,
+        )
+    if job is None:  # planning failed on this rank: it raises with the others, at their agreement after planning
+        carried.fail("preparing the save")
+    return job
 
 
 def _chunk_reuse(metas: list[ArrayMeta], base: PathLike | None) -> ChunkReuse:
@@ -435,11 +463,15 @@ def save(
       chunking: how stored arrays are chunked.
       executor: concurrency of the I/O, staging memory, progress bar.
       namespace: the optree namespace of custom pytree nodes in ``tree``.
-      process_group: when torch.distributed is initialised with several ranks, every
-        rank calls ``save`` with its own part of the state: DTensors, ShardedLeafs
-        holding its shard, and plain tensors and values that every rank holds whole
-        (written once in total). Checkpoint traffic runs on a gloo group of its own,
-        or on ``process_group`` if given.
+      process_group: the ranks that save together: those of ``process_group``, else
+        the whole world. When torch.distributed is initialised (at any world size) or
+        a group is given, each of them calls ``save`` with its own part of the state:
+        DTensors (on a mesh of all or some of the ranks: the others hold nothing of
+        them), ShardedLeafs holding its shard, and plain tensors and values that every
+        rank holds whole (written once in total). Checkpoint traffic runs on gloo
+        groups of its own with those ranks, made once, by those ranks alone. With one
+        rank (a world of one, a group of one) it runs as a single process does, with
+        no group and no collective; DTensors must then be on a mesh of that rank alone.
       monitor: a :class:`Monitor` that records the time and bytes of every phase
         (on rank 0, every rank's).
       compression: lossless compression of stored chunks, off by default: a
@@ -455,7 +487,8 @@ def save(
 
     Raises:
       CheckpointError: naming the leaf, for anything that cannot be saved. In a
-        distributed save every rank raises if any rank failed, and nothing is committed.
+        distributed save every rank raises if any rank failed (the same error, naming
+        the failed ranks and what failed there), and nothing is committed.
 
     >>> import tempfile, torch, pytreeckpt
     >>> d = tempfile.mkdtemp()
@@ -481,6 +514,7 @@ def save(
     # The caller is blocked until the commit, so the state cannot change under the
     # writes: they read straight from the caller's memory, without a snapshot.
     try:
+        job.ready()
         job.persist()
     finally:
         if monitor is not None:
@@ -684,7 +718,18 @@ def async_save(
         base,
         chunk_hashes,
     )
-    snap, start, merged = job.stage()
+    try:
+        if job.pending is None:
+            snap, start, merged = job.stage()
+    except Exception as e:
+        if job.comm is None:
+            raise
+        job.pending = e
+    try:
+        job.ready()  # in a distributed save: every rank planned and staged its part, or all raise
+    except BaseException:
+        staging_pool().free()
+        raise
     handle = SaveHandle(path, job.timings, job.monitor, monitor)
     thread = threading.Thread(target=handle._run, args=(job,), name="pytreeckpt-save", daemon=False)
     with _IN_FLIGHT_LOCK:

@@ -99,16 +99,20 @@ def _array_in(key: str, leaf: Any, spec: Any, comm: Any = None) -> _ArrayIn:
         )
     try:
         if _is_dtensor(leaf):
-            if comm is None:
-                raise CheckpointError(
-                    f"leaf {_where(key)} is a DTensor but torch.distributed is not initialised with more than one "
-                    f"rank; convert it with .full_tensor() or to a ShardedLeaf"
-                )
+            # In a single process (a process group of one rank) its mesh must be this rank alone.
             from ._distributed import dtensor_layout
 
-            layout, pieces = dtensor_layout(leaf, comm.world, comm.group)
+            if comm is None:
+                layout, pieces = dtensor_layout(leaf, 1, None)
+            else:
+                layout, pieces = dtensor_layout(leaf, comm.world, comm.group)
             local = leaf.to_local()
-            get, device = _shard_sources({comm.rank: local}, pieces)
+            if local.is_meta:
+                raise CheckpointError(
+                    f"leaf {_where(key)} is a DTensor whose local shard is on the meta device and holds no data; "
+                    f"materialise it (e.g. module.to_empty(device=...)) and initialise or load it before saving"
+                )
+            get, device = _shard_sources({0 if comm is None else comm.rank: local}, pieces)
             dtype = dtype_of_torch(leaf.dtype)
             shape = tuple(leaf.shape)
             return _ArrayIn(key, "torch", dtype, shape, layout, layout, pieces, get, device=device, watch=(local,))
