@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import pickle
 import time
@@ -333,3 +334,35 @@ def test_load_slice_reads_only_the_chunks_it_touches(tmp_path: Path, monkeypatch
         pytreeckpt.load_slice(tmp_path / "c", "emb", slice(0, 10, 2))
     with pytest.raises(pytreeckpt.TargetMismatchError, match="'nope'"):
         pytreeckpt.load_slice(tmp_path / "c", "nope")
+
+
+# --------------------------------------------------------------------------- many dims
+
+
+MANY_DIMS = [
+    (2,) + (1,) * 19,  # the shape that hung: 20 dims, 2 elements
+    (1,) * 32,
+    (2,) + (1,) * 31,
+    (3, 1, 2, 1, 1, 4) + (1,) * 20 + (2, 1, 1, 3, 1, 1),
+    (1,) * 10 + (5,) + (1,) * 10 + (3,) + (1,) * 9 + (2,),
+    (2,) * 8 + (1,) * 24,
+]
+
+
+@pytest.mark.parametrize("shape", MANY_DIMS, ids=lambda s: f"{len(s)}d-{math.prod(s)}")
+def test_arrays_of_up_to_32_dims_save_and_load(tmp_path: Path, shape: tuple[int, ...]) -> None:
+    t = torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape)
+    chunking = pytreeckpt.ChunkingOptions(single_chunk_bytes=16, min_chunk_bytes=8, max_chunk_bytes=32)
+    big = max(range(len(shape)), key=lambda d: shape[d])
+    sharded = ShardedLeaf.from_global(t, ShardingSpec(Mesh((2, 2)), [Shard(big), Replicate()]))
+    pytreeckpt.save(tmp_path / "s", {"w": t, "sh": sharded}, chunking=chunking)
+    pytreeckpt.async_save(tmp_path / "a", {"w": t, "sh": sharded}, chunking=chunking).wait()
+    assert math.prod(pytreeckpt.metadata(tmp_path / "s").arrays["w"].chunk_shape) < t.numel() or t.numel() <= 4
+    index = tuple(slice(n // 2, n) for n in shape)
+    for where in ("s", "a"):
+        out = pytreeckpt.load(tmp_path / where)
+        assert torch.equal(out["w"], t)
+        assert torch.equal(out["sh"], t)
+        again = pytreeckpt.load(tmp_path / where, {"w": Abstract(shape, torch.float32), "sh": sharded})
+        assert torch.equal(again["sh"].to_global(), t)
+        assert torch.equal(pytreeckpt.load_slice(tmp_path / where, "w", index), t[index])
