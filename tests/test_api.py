@@ -336,6 +336,26 @@ def test_load_slice_reads_only_the_chunks_it_touches(tmp_path: Path, monkeypatch
         pytreeckpt.load_slice(tmp_path / "c", "nope")
 
 
+@pytest.mark.parametrize("save", [pytreeckpt.save, pytreeckpt.async_save])
+def test_conjugate_and_negative_views_are_stored_resolved(tmp_path: Path, save: object) -> None:
+    z = torch.randn(4, 3, dtype=torch.complex64)
+    tree = {"conj": z.conj(), "neg": z.conj().imag, "conj_t": z.t().conj()}
+    assert tree["conj"].is_conj()
+    assert tree["neg"].is_neg()
+    want = {k: v.resolve_conj().resolve_neg() for k, v in tree.items()}
+    leaf = ShardedLeaf.from_global(want["conj"], ShardingSpec(Mesh(2), [Shard(0)]))
+    conj_shards = ShardedLeaf(leaf.shape, leaf.dtype, leaf.spec, {r: s.conj().resolve_conj().conj()
+                                                                   for r, s in leaf.shards.items()})  # fmt: skip
+    tree["sharded"] = conj_shards
+    want["sharded"] = want["conj"]
+    handle = save(tmp_path / "c", tree)  # type: ignore[operator]
+    if handle is not None:
+        handle.wait()
+    out = pytreeckpt.load(tmp_path / "c")
+    for k, v in want.items():
+        assert torch.equal(out[k], v), k
+
+
 # --------------------------------------------------------------------------- many dims
 
 

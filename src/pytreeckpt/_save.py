@@ -32,6 +32,7 @@ from ._format import (
     ValueMeta,
     array_names,
     build_document,
+    chunk_count,
     with_chunk_hashes,
 )
 from ._load import metadata
@@ -350,7 +351,9 @@ def _chunk_reuse(metas: list[ArrayMeta], base: PathLike | None) -> ChunkReuse:
     if not isinstance(base, (str, os.PathLike)) or "://" in os.fspath(base):
         raise CheckpointError(f"an incremental base must be a local directory, found {describe(base)}")
     stored = metadata(base).arrays
-    if stored and all(b.chunk_hashes is None for b in stored.values()):
+    # Arrays of no chunks (a zero in their shape) have no hashes to record.
+    chunked = [b for b in stored.values() if chunk_count(b.shape, b.chunk_shape)]
+    if chunked and all(b.chunk_hashes is None for b in chunked):
         raise CheckpointError(
             f"the base checkpoint {describe(base)} records no chunk hashes: save it with chunk_hashes=True "
             f"(CheckpointManager(incremental=True) does) to use it as a base"

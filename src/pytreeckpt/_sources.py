@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -48,6 +49,33 @@ def _global_source(arr: np.ndarray, pieces: tuple[tuple[Piece, ...], ...]) -> Pi
     return get
 
 
+def _numpy_source(arr: np.ndarray, pieces: tuple[tuple[Piece, ...], ...]) -> PieceData:
+    """Getters of the pieces of a numpy array held whole, in the machine's byte order.
+
+    Every path after this one (the staging copy, chunk files, TensorStore, chunk hashes)
+    takes an array's elements as native integers or floats, so an array of the other
+    byte order (``>f4`` on a little-endian machine) is converted here, once, when its
+    data is first asked for.
+    """
+    if arr.dtype.isnative:
+        return _global_source(arr, pieces)
+    native: list[PieceData] = []
+    lock = threading.Lock()
+
+    def get(rank: int, pi: int) -> tuple[np.ndarray, Region]:
+        with lock:
+            if not native:
+                native.append(_global_source(arr.astype(arr.dtype.newbyteorder("=")), pieces))
+        return native[0](rank, pi)
+
+    return get
+
+
+def _resolved(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with its conjugate and negative bits applied (a copy only if one is set): what numpy can view."""
+    return t.resolve_conj().resolve_neg()
+
+
 def _shard_sources(shards: Mapping[int, torch.Tensor], pieces: tuple[tuple[Piece, ...], ...]) -> tuple[PieceData, Any]:
     """Getters of the pieces of ranks' local tensors: numpy views of CPU memory, and for
     CUDA shards also views on the device (the CPU copy is then made only if asked for)."""
@@ -57,7 +85,7 @@ def _shard_sources(shards: Mapping[int, torch.Tensor], pieces: tuple[tuple[Piece
         if rank not in shards:
             raise CheckpointError(f"internal error: data of rank {rank} asked for, this process holds {sorted(shards)}")
         if rank not in cpu:
-            cpu[rank] = shards[rank].detach().cpu()
+            cpu[rank] = _resolved(shards[rank].detach().cpu())
         piece = pieces[rank][pi]
         return numpy_view(piece_view(cpu[rank], piece)), piece.region
 
@@ -74,12 +102,12 @@ def _shard_sources(shards: Mapping[int, torch.Tensor], pieces: tuple[tuple[Piece
 def _tensor_source(t: torch.Tensor, pieces: tuple[tuple[Piece, ...], ...]) -> tuple[PieceData, Any]:
     """Getters of the pieces of a global tensor held whole (every rank's piece is a box of it)."""
     if not t.is_cuda:
-        return _global_source(numpy_view(t.detach().cpu()), pieces), None
+        return _global_source(numpy_view(_resolved(t.detach().cpu())), pieces), None
     held: list[np.ndarray] = []
 
     def get(rank: int, pi: int) -> tuple[np.ndarray, Region]:
         if not held:
-            held.append(numpy_view(t.detach().cpu()))
+            held.append(numpy_view(_resolved(t.detach().cpu())))
         return _global_source(held[0], pieces)(rank, pi)
 
     def device(rank: int, pi: int) -> tuple[torch.Tensor, Region]:
@@ -155,7 +183,7 @@ def _array_in(key: str, leaf: Any, spec: Any, comm: Any = None) -> _ArrayIn:
             if tensor is not None:
                 get, device = _tensor_source(tensor, pieces)
             else:
-                get, device = _global_source(arr, pieces), None
+                get, device = _numpy_source(arr, pieces), None
             watch = () if tensor is None else (tensor,)
             return _ArrayIn(key, container, dtype, local_shape, whole, spec, pieces, get, device=device, watch=watch)
         raise CheckpointError(
