@@ -336,6 +336,34 @@ def test_load_slice_reads_only_the_chunks_it_touches(tmp_path: Path, monkeypatch
         pytreeckpt.load_slice(tmp_path / "c", "nope")
 
 
+def _unstorable_tensors() -> list[tuple[str, torch.Tensor, str]]:
+    nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)], layout=torch.jagged)
+    return [
+        ("meta", torch.empty(3, device="meta"), "meta device"),
+        ("sparse", torch.eye(3).to_sparse(), "layout torch.sparse_coo"),
+        ("csr", torch.eye(3).to_sparse_csr(), "layout torch.sparse_csr"),
+        ("nested", nested, "nested tensor"),
+        ("dims", torch.ones([1] * 64), "64 dims; a stored array has at most 32"),
+        ("dims33", torch.ones([1] * 33), "33 dims"),
+    ]
+
+
+@pytest.mark.filterwarnings("ignore:.*[Ss]parse.*:UserWarning")
+@pytest.mark.filterwarnings("ignore:.*nested tensors.*:UserWarning")
+@pytest.mark.parametrize("save", [pytreeckpt.save, pytreeckpt.async_save])
+def test_tensors_that_cannot_be_stored_are_refused_by_name_before_writing(tmp_path: Path, save: object) -> None:
+    for name, t, why in _unstorable_tensors():
+        with pytest.raises(pytreeckpt.CheckpointError, match=rf"'model\.{name}'.*{why}"):
+            save(tmp_path / "c", {"model": {"ok": torch.ones(2), name: t}})  # type: ignore[operator]
+        assert not (tmp_path / "c").exists(), name
+    leaf = ShardedLeaf.from_global(torch.empty(4, device="meta"), ShardingSpec(Mesh(2), [Shard(0)]))
+    with pytest.raises(pytreeckpt.CheckpointError, match=r"'s'.*meta device"):
+        save(tmp_path / "c", {"s": leaf})  # type: ignore[operator]
+    with pytest.raises(pytreeckpt.CheckpointError, match=r"'a'.*33 dims"):
+        save(tmp_path / "c", {"a": np.ones([1] * 33)})  # type: ignore[operator]
+    assert not (tmp_path / "c").exists()
+
+
 @pytest.mark.parametrize("save", [pytreeckpt.save, pytreeckpt.async_save])
 def test_conjugate_and_negative_views_are_stored_resolved(tmp_path: Path, save: object) -> None:
     z = torch.randn(4, 3, dtype=torch.complex64)

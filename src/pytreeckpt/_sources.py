@@ -13,6 +13,7 @@ import torch
 from ._dtypes import DType, dtype_of_numpy, dtype_of_torch, numpy_view
 from ._errors import CheckpointError, LayoutError
 from ._executor import PieceData
+from ._format import MAX_NDIM
 from ._leaf import Abstract, ShardedLeaf, piece_view
 from ._region import Region
 from ._sharding import Layout, Mesh, Piece, Replicate, ShardingSpec
@@ -76,6 +77,37 @@ def _resolved(t: torch.Tensor) -> torch.Tensor:
     return t.resolve_conj().resolve_neg()
 
 
+def _check_tensor(key: str, t: torch.Tensor) -> None:
+    """Refuse, naming the leaf, a tensor whose elements cannot be stored as one dense array."""
+    where = _where(key)
+    if t.is_meta:
+        raise CheckpointError(
+            f"leaf {where} is a tensor on the meta device, which holds no data to save; materialise it first "
+            f"(module.to_empty(device=...) and initialise or load its values)"
+        )
+    if t.is_nested:
+        raise CheckpointError(f"leaf {where} is a nested tensor, which cannot be stored; save t.unbind()")
+    if t.layout != torch.strided:
+        raise CheckpointError(
+            f"leaf {where} is a tensor of layout {t.layout}, which cannot be stored; save t.to_dense(), or "
+            f"its indices and values as tensors of their own"
+        )
+    if t.is_quantized:
+        raise CheckpointError(
+            f"leaf {where} is a quantized tensor (dtype {t.dtype}), which cannot be stored; save "
+            f"t.dequantize(), or t.int_repr() with its scale and zero point"
+        )
+    _check_ndim(key, t.dim())
+
+
+def _check_ndim(key: str, ndim: int) -> None:
+    if ndim > MAX_NDIM:
+        raise CheckpointError(
+            f"leaf {_where(key)} has {ndim} dims; a stored array has at most {MAX_NDIM} (the zarr v3 arrays "
+            f"TensorStore opens); reshape it before saving"
+        )
+
+
 def _shard_sources(shards: Mapping[int, torch.Tensor], pieces: tuple[tuple[Piece, ...], ...]) -> tuple[PieceData, Any]:
     """Getters of the pieces of ranks' local tensors: numpy views of CPU memory, and for
     CUDA shards also views on the device (the CPU copy is then made only if asked for)."""
@@ -134,8 +166,10 @@ def _array_in(key: str, leaf: Any, spec: Any, comm: Any = None) -> _ArrayIn:
                 )
             from ._distributed import dtensor_layout
 
-            layout, pieces = dtensor_layout(leaf, comm.world, comm.group)
             local = leaf.to_local()
+            _check_tensor(key, local)
+            _check_ndim(key, leaf.dim())
+            layout, pieces = dtensor_layout(leaf, comm.world, comm.group)
             get, device = _shard_sources({comm.rank: local}, pieces)
             dtype = dtype_of_torch(leaf.dtype)
             shape = tuple(leaf.shape)
@@ -145,6 +179,9 @@ def _array_in(key: str, leaf: Any, spec: Any, comm: Any = None) -> _ArrayIn:
                 raise CheckpointError(
                     f"leaf {_where(key)} is a ShardedLeaf in layout {leaf.spec}, but the spec tree gives {spec}"
                 )
+            _check_ndim(key, len(leaf.shape))
+            for shard in leaf.shards.values():
+                _check_tensor(key, shard)
             pieces = leaf.spec.rank_pieces(leaf.shape)
             if comm is not None:
                 pieces = _pad(pieces, comm.world, key)
@@ -163,12 +200,14 @@ def _array_in(key: str, leaf: Any, spec: Any, comm: Any = None) -> _ArrayIn:
             return _ArrayIn(key, "torch", dtype, leaf.shape, leaf.spec, leaf.spec, pieces, get, present, device, watch)
         tensor: torch.Tensor | None = None
         if isinstance(leaf, torch.Tensor):
+            _check_tensor(key, leaf)
             tensor = leaf
             dtype = dtype_of_torch(leaf.dtype)
             local_shape = tuple(int(s) for s in leaf.shape)
             container = "torch"
         else:
             arr = np.asarray(leaf)
+            _check_ndim(key, arr.ndim)
             dtype = dtype_of_numpy(arr.dtype)
             local_shape = tuple(int(s) for s in arr.shape)
             container = "numpy"
