@@ -5,7 +5,9 @@ from __future__ import annotations
 import collections
 import json
 import math
+import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -120,3 +122,83 @@ def test_defaultdict_with_an_unknown_factory_comes_back_without_one(tmp_path: Pa
     out = pytreeckpt.load(tmp_path / "c")["d"]
     assert out == {"a": 1}
     assert out.default_factory is None
+
+
+# --------------------------------------------------------------------------- key paths that collide
+
+_X, _Y = torch.ones(2), torch.zeros(3)
+COLLIDING = [
+    ({"a.b": _X, "a": {"b": _Y}}, "'a.b'", r"\['a\.b'\] and \['a'\]\['b'\]"),
+    ({0: _X, "0": _Y}, "'0'", r"\[0\] and \['0'\]"),
+    ({"l": [_X], "l.0": _Y}, "'l.0'", r"\['l'\]\[0\] and \['l\.0'\]"),
+    ({(1, "x"): _X, "(1,x)": _Y}, "'(1,x)'", r"\[\(1, 'x'\)\] and \['\(1,x\)'\]"),
+    ({None: 1, "None": _Y}, "'None'", r"\[None\] and \['None'\]"),
+    ({1.5: _X, "1.5": 2}, "'1.5'", r"\[1\.5\] and \['1\.5'\]"),
+    ({True: _X, "True": _Y}, "'True'", r"\[True\] and \['True'\]"),
+]
+
+
+@pytest.mark.parametrize(("tree", "key", "both"), COLLIDING)
+def test_a_tree_whose_key_paths_collide_is_refused_before_anything_is_written(
+    tmp_path: Path, tree: dict[Any, Any], key: str, both: str
+) -> None:
+    for save in (pytreeckpt.save, pytreeckpt.async_save):
+        with pytest.raises(pytreeckpt.CheckpointError, match=f"key path {re.escape(key)}: {both}.*rename one"):
+            save(tmp_path / "c", tree)
+        assert not (tmp_path / "c").exists()
+
+
+def test_an_incremental_manager_commits_no_checkpoint_it_cannot_load(tmp_path: Path) -> None:
+    # Saved with chunk hashes, two leaves of one key path used to get each other's hashes:
+    # a committed step that no load could read ("chunk_hashes must be 0 hex digests").
+    tree = {"a": {"b": torch.zeros(0)}, "a.b": torch.ones(2)}
+    with pytreeckpt.CheckpointManager(tmp_path / "run", incremental=True, async_=False) as m:
+        with pytest.raises(pytreeckpt.CheckpointError, match=r"\['a'\]\['b'\] and \['a\.b'\]"):
+            m.save(1, tree)
+        assert m.all_steps() == []
+        m.save(2, {"a.b": torch.ones(2), "a": {"c": torch.zeros(0)}})
+        assert m.all_steps() == [2]
+        assert torch.equal(m.restore()["a.b"], torch.ones(2))
+
+
+def test_dotted_keys_of_flat_dicts_stay_as_they_are(tmp_path: Path) -> None:
+    tree = {"model.layers.0.weight": torch.ones(2), "model.layers.1.weight": torch.zeros(2), "step": 3}
+    pytreeckpt.save(tmp_path / "c", tree)
+    assert list(pytreeckpt.metadata(tmp_path / "c").arrays) == ["model.layers.0.weight", "model.layers.1.weight"]
+    assert set(pytreeckpt.load(tmp_path / "c", include="model.*")) == {"model.layers.0.weight", "model.layers.1.weight"}
+
+
+def _old_document_with_a_duplicate_key(path: Path) -> None:
+    """A checkpoint as an older pytreeckpt wrote ``{"a.b": x, "a": {"b": y}}``: two leaves keyed 'a.b'."""
+    pytreeckpt.save(unpacked(path), {"a.b": torch.ones(2), "a": {"c": torch.arange(3.0)}, "n": {"0": 1, "1": 2}})
+    doc_path = path / "pytreeckpt.json"
+    doc = json.loads(doc_path.read_text())
+    text = json.dumps(doc).replace('"a.c"', '"a.b"').replace('"keys": ["c"]', '"keys": ["b"]')
+    doc = json.loads(text.replace('"n.1"', '"n.0"'))
+    assert doc["tree"]["c"][2]["keys"] == ["0", "1"]
+    doc["tree"]["c"][2]["keys"] = ["0", ["i", 0]]  # {"0": 1, 0: 2}
+    doc_path.write_text(json.dumps(doc))
+
+
+def test_an_old_checkpoint_with_a_duplicate_key_loads_whole_and_refuses_to_pick_one(tmp_path: Path) -> None:
+    _old_document_with_a_duplicate_key(tmp_path / "c")
+    out = pytreeckpt.load(tmp_path / "c")  # the typed structure tells the leaves apart
+    assert torch.equal(out["a.b"], torch.ones(2))
+    assert torch.equal(out["a"]["b"], torch.arange(3.0))
+    assert out["n"] == {"0": 1, 0: 2}
+    meta = pytreeckpt.metadata(tmp_path / "c")
+    assert meta.tree["a"]["b"] == Abstract((3,), torch.float32)
+    assert meta.nbytes == 5 * 4
+    ambiguous = r"'a\.b' names 2 leaves .*\['a\.b'\] and \['a'\]\['b'\].*load it whole"
+    with pytest.raises(pytreeckpt.MetadataError, match=ambiguous):
+        meta.arrays["a.b"]
+    with pytest.raises(pytreeckpt.MetadataError, match=ambiguous):
+        list(meta.arrays.values())
+    with pytest.raises(pytreeckpt.MetadataError, match=ambiguous):
+        pytreeckpt.load(tmp_path / "c", include="a*")
+    with pytest.raises(pytreeckpt.MetadataError, match=ambiguous):
+        pytreeckpt.load_slice(tmp_path / "c", "a.b", slice(0, 1))
+    with pytest.raises(pytreeckpt.MetadataError, match=ambiguous):
+        pytreeckpt.export_safetensors(tmp_path / "c", tmp_path / "out")
+    with pytest.raises(pytreeckpt.MetadataError, match=r"'n\.0' names 2 leaves .*\['n'\]\['0'\] and \['n'\]\[0\]"):
+        pytreeckpt.load(tmp_path / "c", include="n.*")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import fnmatch
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,10 +13,11 @@ import numpy as np
 import torch
 
 from ._dtypes import dtype_of_numpy, dtype_of_torch, numpy_view
-from ._errors import TargetMismatchError
+from ._errors import MetadataError, TargetMismatchError
 from ._executor import ExecutorOptions, Storage
 from ._format import (
     ArrayMeta,
+    CheckpointDoc,
     ValueMeta,
     parse_document,
 )
@@ -39,7 +40,7 @@ from ._shared import (
     _wait_in_flight,
     _where,
 )
-from ._tree import KeyEntry, Node, flatten, keystr
+from ._tree import KeyEntry, Node, flatten, keystr, typed_keystr
 
 __all__ = ["CheckpointMetadata", "VerifyReport", "load", "load_slice", "metadata", "read_array", "verify"]
 
@@ -63,6 +64,8 @@ class CheckpointMetadata:
 
     @property
     def nbytes(self) -> int:
+        if isinstance(self.arrays, _Arrays):
+            return self.arrays.nbytes
         return sum(a.nbytes for a in self.arrays.values())
 
 
@@ -73,11 +76,61 @@ def _open(path: PathLike, namespace: str, executor: ExecutorOptions | None) -> t
 
 
 def metadata(path: PathLike, *, namespace: str = "") -> CheckpointMetadata:
-    """Read a committed checkpoint's metadata (no array data is read)."""
+    """Read a committed checkpoint's metadata (no array data is read).
+
+    A checkpoint written by an older pytreeckpt may hold two leaves of one key path
+    (``{"a.b": x, "a": {"b": y}}``); ``arrays[key]`` then raises a MetadataError naming
+    both, rather than pick one. The tree holds both.
+    """
     _, doc = _open(path, namespace, None)
     leaves = [leaf.value if isinstance(leaf, ValueMeta) else _abstract_of(leaf) for leaf in doc.leaves]
-    arrays = {leaf.key: leaf for leaf in doc.leaves if isinstance(leaf, ArrayMeta)}
+    arrays = _Arrays(path, doc)
     return CheckpointMetadata(doc.tree.unflatten(leaves), arrays, doc.user_metadata, doc.version)
+
+
+class _Arrays(Mapping[str, ArrayMeta]):
+    """The stored arrays by key path; a key path two leaves share raises instead of naming one of them."""
+
+    def __init__(self, path: PathLike, doc: CheckpointDoc) -> None:
+        self._where = describe(path)
+        self._ambiguous = _ambiguous_keys(doc)
+        self._metas = {leaf.key: leaf for leaf in doc.leaves if isinstance(leaf, ArrayMeta)}
+        self._all = tuple(leaf for leaf in doc.leaves if isinstance(leaf, ArrayMeta))
+
+    def __getitem__(self, key: str) -> ArrayMeta:
+        if key in self._ambiguous:
+            raise _ambiguity_error(key, self._ambiguous[key], self._where)
+        return self._metas[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._metas)
+
+    def __len__(self) -> int:
+        return len(self._metas)
+
+    def __repr__(self) -> str:
+        many = self._ambiguous
+        return repr({k: f"<{len(many[k])} leaves>" if k in many else v for k, v in self._metas.items()})
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self._all)
+
+
+def _ambiguous_keys(doc: CheckpointDoc) -> dict[str, list[tuple[KeyEntry, ...]]]:
+    """Key paths that name several leaves (documents of older versions), with their typed paths."""
+    by_key: dict[str, list[tuple[KeyEntry, ...]]] = {}
+    for p, leaf in zip(doc.tree.paths(), doc.leaves, strict=True):
+        by_key.setdefault(leaf.key, []).append(p)
+    return {k: ps for k, ps in by_key.items() if len(ps) > 1}
+
+
+def _ambiguity_error(key: str, paths: Sequence[tuple[KeyEntry, ...]], where: str) -> MetadataError:
+    return MetadataError(
+        f"key path {key!r} names {len(paths)} leaves of the checkpoint at {where} "
+        f"({' and '.join(typed_keystr(p) for p in paths)}; it was written by an older pytreeckpt, which allowed "
+        f"that): load it whole, with load(path) or a target tree, which tells them apart"
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,7 +302,8 @@ def load(
       NotCommittedError: ``path`` holds no committed checkpoint.
       TargetMismatchError: listing every target leaf that the checkpoint lacks or that
         differs in shape, dtype or kind.
-      MetadataError: the metadata is malformed or unsafe.
+      MetadataError: the metadata is malformed or unsafe, or ``include`` selects a key
+        path that names several leaves (documents of older versions).
     """
     # A save in flight may be running collectives on the checkpoint groups, and may be
     # writing the very checkpoint asked for: let it finish first.
@@ -299,6 +353,10 @@ def _load(
             for p, leaf in zip(stored_paths, doc.leaves, strict=True)
             if any(fnmatch.fnmatchcase(leaf.key, pat) for pat in patterns)
         ]
+        ambiguous = _ambiguous_keys(doc)
+        for _, leaf in chosen:
+            if leaf.key in ambiguous:
+                raise _ambiguity_error(leaf.key, ambiguous[leaf.key], describe(path))
         t_leaves: list[Any] = [None] * len(chosen)
         t_paths = [p for p, _ in chosen]
         structure: Node = Node(

@@ -56,7 +56,7 @@ from ._shared import (
 )
 from ._sources import _array_in, _ArrayIn, _snapshot_merges
 from ._staging import PoolAborted, staging_pool
-from ._tree import broadcast_prefix, encode_value, flatten, keystr
+from ._tree import broadcast_prefix, check_unique_keys, encode_value, flatten, keystr
 
 __all__ = ["SaveHandle", "async_save", "save"]
 
@@ -272,6 +272,7 @@ def _plan_job(
     t0 = time.perf_counter()
     storage = Storage(path, executor)
     leaves, paths, root = flatten(tree, _is_leaf, namespace=namespace)
+    check_unique_keys(paths)
     specs = broadcast_prefix(spec, root, lambda x: isinstance(x, Layout), len(leaves), namespace=namespace)
     keys = [keystr(p) for p in paths]
     codecs = _compressions(compression, root, keys, len(leaves), namespace)

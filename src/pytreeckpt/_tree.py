@@ -8,6 +8,9 @@ types registered with ``optree.register_pytree_node`` in the given namespace).
 Leaves are tensors, numpy arrays, pytreeckpt's sharded and abstract leaves, and the
 plain Python values int, float, bool, str and None.
 
+Every leaf's dotted key path must name it alone (``{"a.b": x, "a": {"b": y}}`` is
+refused).
+
 The structure is recorded as JSON; nothing is ever pickled. Rebuilding a stored
 structure without a target never imports a module: a namedtuple or dataclass type is
 used only if its module is already imported and the type still has the same fields.
@@ -33,10 +36,12 @@ __all__ = [
     "KeyEntry",
     "Node",
     "broadcast_prefix",
+    "check_unique_keys",
     "decode_value",
     "encode_value",
     "flatten",
     "keystr",
+    "typed_keystr",
 ]
 
 PYTHON_LEAF_TYPES = (bool, int, float, str, type(None))
@@ -111,6 +116,34 @@ def _entry_str(e: KeyEntry) -> str:
 def keystr(path: Sequence[KeyEntry]) -> str:
     """The dotted key path of a leaf, e.g. ``optim.state.3.exp_avg``; ``""`` for the root."""
     return ".".join(_entry_str(e) for e in path)
+
+
+def typed_keystr(path: Sequence[KeyEntry]) -> str:
+    """A leaf's path as Python subscripts, telling keys of every type apart.
+
+    >>> typed_keystr([("s", "a.b"), ("i", 0), ("t", ("i", 1), ("s", "x"))])
+    "['a.b'][0][(1, 'x')]"
+    """
+    return "".join(f"[{_entry_key(e)!r}]" for e in path) or "(root)"
+
+
+def check_unique_keys(paths: Sequence[Sequence[KeyEntry]]) -> None:
+    """Refuse a tree in which two leaves have the same dotted key path.
+
+    Raises:
+      CheckpointError: naming both leaves by their typed paths, and how to tell them apart.
+    """
+    seen: dict[str, Sequence[KeyEntry]] = {}
+    for path in paths:
+        key = keystr(path)
+        other = seen.setdefault(key, path)
+        if other is not path:
+            raise CheckpointError(
+                f"two leaves have the key path {key!r}: {typed_keystr(other)} and {typed_keystr(path)}; a "
+                f"checkpoint names every leaf by its dotted key path (load(include=...), load_slice, "
+                f"metadata().arrays, export), so rename one of them (for example a key without '.', or keys "
+                f"of one type in each dict)"
+            )
 
 
 @dataclass(slots=True)
