@@ -40,7 +40,7 @@ from ._shared import (
     _wait_in_flight,
     _where,
 )
-from ._tree import KeyEntry, Node, flatten, keystr, typed_keystr
+from ._tree import KeyEntry, Node, flatten, keystr, resolve_value, typed_keystr
 
 __all__ = ["CheckpointMetadata", "VerifyReport", "load", "load_slice", "metadata", "read_array", "verify"]
 
@@ -284,8 +284,10 @@ def load(
         what to load: a tensor or numpy array (full, same shape and dtype, on the
         tensor's device), a :class:`ShardedLeaf` (its spec and ranks: resharding), an
         :class:`Abstract` (a full tensor, or the shards of its spec), a DTensor (its
-        mesh and placements), or a plain Python value (replaced by the stored value).
-        Stored leaves the target lacks are not read.
+        mesh and placements), or a plain Python value (replaced by the stored value;
+        a stored enum member comes back as a member of the target leaf's enum type, or
+        of its own type if that type's module is imported). Stored leaves the target
+        lacks are not read.
       namespace: the optree namespace of custom pytree nodes.
       executor: concurrency of the I/O.
       include: key-path globs (``fnmatch``, e.g. ``"model.layers.*.weight"``): load only
@@ -301,7 +303,8 @@ def load(
     Raises:
       NotCommittedError: ``path`` holds no committed checkpoint.
       TargetMismatchError: listing every target leaf that the checkpoint lacks or that
-        differs in shape, dtype or kind.
+        differs in shape, dtype or kind, and enum members whose type is neither
+        imported nor given by the target.
       MetadataError: the metadata is malformed or unsafe, or ``include`` selects a key
         path that names several leaves (documents of older versions).
     """
@@ -385,13 +388,13 @@ def _load(
             continue
         if not target_given:
             if isinstance(stored, ValueMeta):
-                results[i] = stored.value
+                results[i] = _value(key, stored.value, None, problems)
             else:
                 dests.append((i, _full_dest(stored, stored.container == "numpy", None, None, comm)))
             continue
         if _is_value(leaf):
             if isinstance(stored, ValueMeta):
-                results[i] = stored.value
+                results[i] = _value(key, stored.value, leaf, problems)
             else:
                 problems.append(
                     f"leaf {_where(key)}: the checkpoint has an array of shape {stored.shape} and dtype "
@@ -472,6 +475,15 @@ def _load(
     if comm is not None:
         _gather_spans(comm, monitor)
     return structure.unflatten(results)
+
+
+def _value(key: str, value: Any, like: Any, problems: list[str]) -> Any:
+    """A stored Python value as the target asks for it (enum members), or a problem noted."""
+    try:
+        return resolve_value(value, like)
+    except TypeError as e:
+        problems.append(f"leaf {_where(key)}: {e}")
+        return None
 
 
 def _dtensor_dest(meta: ArrayMeta, leaf: Any, comm: Any) -> _Dest:

@@ -280,7 +280,11 @@ def _plan_job(
     entries: list[dict[str, Any] | None] = []
     for key, leaf, sp in zip(keys, leaves, specs, strict=True):
         if _is_value(leaf):
-            entries.append(ValueMeta(key, leaf).to_json(encode_value(leaf)))
+            try:
+                encoded = encode_value(leaf)
+            except TypeError as e:
+                raise CheckpointError(f"leaf {_where(key)}: {e}") from None
+            entries.append(ValueMeta(key, leaf).to_json(encoded))
         else:
             arrays.append(_array_in(key, leaf, sp, comm))
             entries.append(None)

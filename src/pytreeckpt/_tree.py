@@ -5,8 +5,9 @@ defaultdict, list, tuple, deque, namedtuple) and dataclasses are handled here, k
 dict insertion order; any other node is flattened one level by optree (structseqs and
 types registered with ``optree.register_pytree_node`` in the given namespace).
 
-Leaves are tensors, numpy arrays, pytreeckpt's sharded and abstract leaves, and the
-plain Python values int, float, bool, str and None.
+Leaves are tensors, numpy arrays, pytreeckpt's sharded and abstract leaves, the plain
+Python values int, float, bool, str and None, and enum members whose value is one of
+those (stored with their type's name, like namedtuple types).
 
 Every leaf's dotted key path must name it alone (``{"a.b": x, "a": {"b": y}}`` is
 refused).
@@ -21,6 +22,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import enum
 import math
 import sys
 from collections.abc import Callable, Sequence
@@ -35,30 +37,31 @@ __all__ = [
     "PYTHON_LEAF_TYPES",
     "KeyEntry",
     "Node",
+    "StoredEnum",
     "broadcast_prefix",
     "check_unique_keys",
     "decode_value",
     "encode_value",
     "flatten",
     "keystr",
+    "resolve_value",
     "typed_keystr",
 ]
-
-PYTHON_LEAF_TYPES = (bool, int, float, str, type(None))
 
 KeyEntry = tuple[Any, ...]
 """A typed path entry: ``("s", name)``, ``("i", 3)``, ``("b", True)``, ``("f", "1.5")``, ``("n",)``."""
 
 
 def _entry(key: Any) -> KeyEntry:
+    # Subclasses (IntEnum, str enums) are keyed, stored and rebuilt as their plain value.
     if isinstance(key, str):
-        return ("s", key)
+        return ("s", str.__str__(key))
     if isinstance(key, bool):
-        return ("b", key)
+        return ("b", bool(key))
     if isinstance(key, int):
-        return ("i", key)
+        return ("i", int(key))
     if isinstance(key, float):
-        return ("f", repr(key))
+        return ("f", repr(float(key)))
     if key is None:
         return ("n",)
     if isinstance(key, tuple):
@@ -321,20 +324,69 @@ def _resolve(name: str | None) -> Any:
 # --------------------------------------------------------------------------- values
 
 
+@dataclass(frozen=True, slots=True)
+class StoredEnum:
+    """An enum member read from a checkpoint whose type is not imported here.
+
+    ``type_name`` is ``module:qualname``; ``value`` the member's value. :func:`load`
+    turns it into the member (the target's type, or the type once its module is
+    imported); :func:`metadata` shows it as it is.
+    """
+
+    type_name: str
+    value: Any
+
+    def __repr__(self) -> str:
+        return f"<{self.type_name} member of value {self.value!r}, type not imported>"
+
+
+PYTHON_LEAF_TYPES = (bool, int, float, str, type(None), enum.Enum, StoredEnum)
+"""The types of leaves stored inline in the metadata (of int, float and str, only enum subclasses)."""
+
+
+def _plain_type_error(v: Any) -> TypeError:
+    t = type(v)
+    base = next((b.__name__ for b in (bool, int, float, str) if isinstance(v, b)), None)
+    if base is not None:
+        return TypeError(
+            f"a value of type {t.__module__}.{t.__qualname__}, a subclass of {base}, would come back as a plain "
+            f"{base}; convert it with {base}(...) before saving (enum members are stored with their type)"
+        )
+    return TypeError(f"cannot store {t.__module__}.{t.__qualname__} inline")
+
+
 def encode_value(v: Any) -> Any:
-    """JSON for a plain Python leaf value, exact for floats (NaN and infinities too)."""
-    if isinstance(v, float) and not isinstance(v, bool):
+    """JSON for a plain Python leaf value, exact for floats (NaN and infinities too).
+
+    Enum members are stored with their type's name; subclasses of int, float and str
+    that are not enums are refused (they would come back as plain values).
+
+    Raises:
+      TypeError: a value that would not come back equal.
+    """
+    if isinstance(v, enum.Enum):
+        try:
+            return {"enum": _type_name(type(v)), "value": encode_value(v.value)}
+        except TypeError:
+            raise TypeError(
+                f"enum member {v!r} has a value of type {type(v.value).__qualname__}, which cannot be stored inline"
+            ) from None
+    if isinstance(v, StoredEnum):
+        return {"enum": v.type_name, "value": encode_value(v.value)}
+    t = type(v)
+    if t is float:
         if math.isfinite(v):
             return v
         return {"float": repr(v)}
-    if v is None or isinstance(v, bool | int | str):
+    if v is None or t is bool or t is int or t is str:
         return v
-    if isinstance(v, list | tuple):
-        return {"seq": [encode_value(x) for x in v], "tuple": isinstance(v, tuple)}
-    raise TypeError(f"cannot store {type(v).__name__} inline")
+    if t is list or t is tuple:
+        return {"seq": [encode_value(x) for x in v], "tuple": t is tuple}
+    raise _plain_type_error(v)
 
 
 def decode_value(data: Any) -> Any:
+    """The value :func:`encode_value` encoded; an enum member only if its type is imported, else a StoredEnum."""
     if data is None or isinstance(data, bool | int | float | str):
         return data
     if isinstance(data, dict) and set(data) == {"float"} and data["float"] in ("nan", "inf", "-inf"):
@@ -342,7 +394,46 @@ def decode_value(data: Any) -> Any:
     if isinstance(data, dict) and set(data) == {"seq", "tuple"} and isinstance(data["seq"], list):
         seq = [decode_value(x) for x in data["seq"]]
         return tuple(seq) if data["tuple"] else seq
+    if isinstance(data, dict) and set(data) == {"enum", "value"} and isinstance(data["enum"], str):
+        stored = StoredEnum(data["enum"], decode_value(data["value"]))
+        with contextlib.suppress(TypeError):
+            return resolve_value(stored, None)
+        return stored
     raise MetadataError(f"malformed inline value {str(data)[:200]}")
+
+
+def resolve_value(value: Any, like: Any) -> Any:
+    """A stored value as the load target asks for it: an enum member of the target leaf's type.
+
+    ``like`` is the target's leaf (None without a target). An enum comes back as a
+    member of ``like``'s enum type if it is one, else of its stored type if that type's
+    module is imported (no module is ever imported here).
+
+    Raises:
+      TypeError: the enum's type is not imported and the target gives none, or the
+        value is no member of the type.
+    """
+    if not isinstance(value, enum.Enum | StoredEnum):
+        return value
+    raw = value.value
+    if isinstance(like, enum.Enum):
+        typ: Any = type(like)
+        name = _type_name(typ)
+    else:
+        name = _type_name(type(value)) if isinstance(value, enum.Enum) else value.type_name
+        typ = type(value) if isinstance(value, enum.Enum) else _resolve(name)
+        if not (isinstance(typ, type) and issubclass(typ, enum.Enum)):
+            raise TypeError(
+                f"the checkpoint holds a member of enum {name}, whose module is not imported; import it before "
+                f"loading, or pass a target whose leaf is a member of that enum (pytreeckpt never imports modules "
+                f"named in a checkpoint)"
+            )
+    if isinstance(value, typ):
+        return value
+    try:
+        return typ(raw)
+    except (ValueError, TypeError, KeyError):
+        raise TypeError(f"the checkpoint holds the value {raw!r}, which is not a member of enum {name}") from None
 
 
 # --------------------------------------------------------------------------- flatten
@@ -409,7 +500,8 @@ def _one_level(x: Any, path: tuple[KeyEntry, ...], namespace: str) -> Node:
     except ValueError:
         raise CheckpointError(
             f"leaf at key path {keystr(path)!r} has type {t.__module__}.{t.__qualname__}, which pytreeckpt cannot "
-            f"store; leaves are tensors, numpy arrays, ShardedLeaf, Abstract, int, float, bool, str or None, and "
+            f"store; leaves are tensors, numpy arrays, ShardedLeaf, Abstract, int, float, bool, str, None or enum "
+            f"members, and "
             f"containers "
             f"must be builtin, dataclasses or registered with optree"
         ) from None
