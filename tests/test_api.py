@@ -336,6 +336,21 @@ def test_load_slice_reads_only_the_chunks_it_touches(tmp_path: Path, monkeypatch
         pytreeckpt.load_slice(tmp_path / "c", "nope")
 
 
+def test_a_meta_device_target_is_refused_naming_the_leaf(tmp_path: Path) -> None:
+    pytreeckpt.save(tmp_path / "c", {"layer": {"w": torch.ones(2, 3)}, "step": 1})
+    with torch.device("meta"):
+        model = torch.nn.Linear(3, 2)
+    meta_target = {"layer": {"w": model.weight}, "step": 0}
+    with pytest.raises(pytreeckpt.TargetMismatchError, match=r"'layer\.w'.*meta device.*to_empty.*Abstract"):
+        pytreeckpt.load(tmp_path / "c", meta_target)
+    sharded = ShardedLeaf.from_global(torch.empty(2, 3, device="meta"), ShardingSpec(Mesh(2), [Shard(0)]))
+    with pytest.raises(pytreeckpt.TargetMismatchError, match=r"'layer\.w'.*meta device"):
+        pytreeckpt.load(tmp_path / "c", {"layer": {"w": sharded}, "step": 0})
+    model.to_empty(device="cpu")  # materialised as the message says: then it loads
+    out = pytreeckpt.load(tmp_path / "c", {"layer": {"w": model.weight}, "step": 0})
+    assert torch.equal(out["layer"]["w"], torch.ones(2, 3))
+
+
 def _unstorable_tensors() -> list[tuple[str, torch.Tensor, str]]:
     nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)], layout=torch.jagged)
     return [

@@ -287,7 +287,8 @@ def load(
         mesh and placements), or a plain Python value (replaced by the stored value;
         a stored enum member comes back as a member of the target leaf's enum type, or
         of its own type if that type's module is imported). Stored leaves the target
-        lacks are not read.
+        lacks are not read. A tensor on the meta device holds no memory to load into
+        and is refused.
       namespace: the optree namespace of custom pytree nodes.
       executor: concurrency of the I/O.
       include: key-path globs (``fnmatch``, e.g. ``"model.layers.*.weight"``): load only
@@ -303,8 +304,8 @@ def load(
     Raises:
       NotCommittedError: ``path`` holds no committed checkpoint.
       TargetMismatchError: listing every target leaf that the checkpoint lacks or that
-        differs in shape, dtype or kind, and enum members whose type is neither
-        imported nor given by the target.
+        differs in shape, dtype or kind, meta-device targets, and enum members whose
+        type is neither imported nor given by the target.
       MetadataError: the metadata is malformed or unsafe, or ``include`` selects a key
         path that names several leaves (documents of older versions).
     """
@@ -573,7 +574,21 @@ def load_slice(path: PathLike, key: str, index: Any = (), *, executor: ExecutorO
     return read_array(path, meta, _region_of(index, meta.shape, key), executor)
 
 
+def _meta_problem(key: str, leaf: Any) -> str | None:
+    """A target on the meta device has no memory to load into: refused, saying how to make some."""
+    tensors = list(leaf.shards.values()) if isinstance(leaf, ShardedLeaf) else [leaf]
+    if any(isinstance(t, torch.Tensor) and t.is_meta for t in tensors):
+        return (
+            f"leaf {_where(key)}: the target is a tensor on the meta device, which holds no data; materialise "
+            f"the module with module.to_empty(device=...) first, or pass Abstract(shape, dtype) to get a new tensor"
+        )
+    return None
+
+
 def _dest_for(key: str, stored: ArrayMeta, leaf: Any, comm: Any = None) -> tuple[str | None, _Dest | None]:
+    meta_problem = _meta_problem(key, leaf)
+    if meta_problem is not None:
+        return meta_problem, None
     if isinstance(leaf, ShardedLeaf):
         problem = _target_problem(key, stored, leaf.shape, dtype_of_torch(leaf.dtype).name)
         devices = {r: t.device for r, t in leaf.shards.items()}
