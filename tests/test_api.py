@@ -8,6 +8,7 @@ import os
 import pickle
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -336,6 +337,9 @@ def test_load_slice_reads_only_the_chunks_it_touches(tmp_path: Path, monkeypatch
         pytreeckpt.load_slice(tmp_path / "c", "nope")
 
 
+# --------------------------------------------------------------------------- inputs refused by name, before writing
+
+
 def test_a_meta_device_target_is_refused_naming_the_leaf(tmp_path: Path) -> None:
     pytreeckpt.save(tmp_path / "c", {"layer": {"w": torch.ones(2, 3)}, "step": 1})
     with torch.device("meta"):
@@ -397,6 +401,55 @@ def test_conjugate_and_negative_views_are_stored_resolved(tmp_path: Path, save: 
     out = pytreeckpt.load(tmp_path / "c")
     for k, v in want.items():
         assert torch.equal(out[k], v), k
+
+
+def test_a_nul_byte_in_a_path_is_refused_by_name(tmp_path: Path) -> None:
+    bad = str(tmp_path / "c\0x")
+    for call in (
+        lambda: pytreeckpt.save(bad, {"w": torch.ones(1)}),
+        lambda: pytreeckpt.async_save(bad, {"w": torch.ones(1)}),
+        lambda: pytreeckpt.load(bad),
+        lambda: pytreeckpt.metadata(bad),
+        lambda: pytreeckpt.verify(bad),
+        lambda: pytreeckpt.save({"driver": "memory", "path": "a\0b"}, {"w": torch.ones(1)}),
+    ):
+        with pytest.raises(pytreeckpt.CheckpointError, match=r"c\\x00x|a\\x00b.*NUL"):
+            call()
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize(
+    ("user", "why"),
+    [
+        ([1, 2], "mapping from str.*found list"),
+        ({"betas": (0.9, 0.99)}, "would not come back equal.*tuples"),
+        ({1: "x"}, "would not come back equal"),
+        ({"nan": float("nan")}, "not a JSON object"),
+        ({"t": torch.ones(1)}, "not a JSON object"),
+    ],
+)
+def test_user_metadata_that_is_not_a_json_object_is_refused(tmp_path: Path, user: object, why: str) -> None:
+    with pytest.raises(pytreeckpt.CheckpointError, match=f"user_metadata.*{why}"):
+        pytreeckpt.save(tmp_path / "c", {"w": torch.ones(1)}, user_metadata=user)  # type: ignore[arg-type]
+    assert not (tmp_path / "c").exists()
+    pytreeckpt.save(tmp_path / "c", {"w": torch.ones(1)}, user_metadata={"run": {"lr": [0.1, None, True]}})
+    assert pytreeckpt.metadata(tmp_path / "c").user_metadata == {"run": {"lr": [0.1, None, True]}}
+
+
+@pytest.mark.parametrize(
+    ("spec", "why"),
+    [
+        (lambda: ShardingSpec(Mesh(2), [Shard(-1)]), r"Shard\(dim=-1\).*counts dims from 0.*Shard\(dim=1\)"),
+        (lambda: ShardingSpec(Mesh((2, 2)), [Shard(0)]), r"a mesh of 2 axes .* needs 2 placements"),
+        (lambda: ShardingSpec(Mesh(2), [Shard(2)]), r"Shard\(2\) .*more than 2 dims"),
+        (lambda: FlatRanges([(0, 3), (3, 99)]), r"rank 1: flat range ends at 99"),
+    ],
+)
+def test_spec_errors_name_the_leaf(tmp_path: Path, spec: Any, why: str) -> None:
+    for save in (pytreeckpt.save, pytreeckpt.async_save):
+        with pytest.raises(pytreeckpt.LayoutError, match=rf"leaf 'model\.w': {why}"):
+            save(tmp_path / "c", {"model": {"w": torch.ones(4, 6)}}, {"model": {"w": spec()}})
+        assert not (tmp_path / "c").exists()
 
 
 # --------------------------------------------------------------------------- many dims

@@ -327,3 +327,27 @@ def test_other_subclasses_of_plain_values_are_refused_by_name(tmp_path: Path, va
         assert not (tmp_path / "c").exists()
     pytreeckpt.save(tmp_path / "ok", {"n": np.float64(0.5), "i": np.int64(3)})  # numpy scalars are arrays
     assert pytreeckpt.load(tmp_path / "ok")["n"] == np.float64(0.5)
+
+
+# --------------------------------------------------------------------------- depth
+
+
+def test_a_tree_nested_too_deeply_is_refused_by_name(tmp_path: Path) -> None:
+    deep: Any = torch.ones(1)
+    for _ in range(5000):
+        deep = [deep]
+    with pytest.raises(pytreeckpt.CheckpointError, match=r"deeper than 100 levels.*'w\.0\.0"):
+        pytreeckpt.save(tmp_path / "c", {"w": deep})
+    assert not (tmp_path / "c").exists()
+    pytreeckpt.save(tmp_path / "c", {"w": torch.ones(1)})
+    with pytest.raises(pytreeckpt.CheckpointError, match="deeper than 100 levels"):
+        pytreeckpt.load(tmp_path / "c", {"w": deep})
+    cycle: list[Any] = [torch.ones(1)]
+    cycle.append(cycle)
+    with pytest.raises(pytreeckpt.CheckpointError, match="holds itself"):
+        pytreeckpt.save(tmp_path / "d", {"c": cycle})
+    ok: Any = 1
+    for _ in range(99):
+        ok = {"k": ok}
+    pytreeckpt.save(tmp_path / "e", ok)
+    assert pytreeckpt.load(tmp_path / "e") == ok

@@ -10,7 +10,7 @@ Python values int, float, bool, str and None, and enum members whose value is on
 those (stored with their type's name, like namedtuple types).
 
 Every leaf's dotted key path must name it alone (``{"a.b": x, "a": {"b": y}}`` is
-refused).
+refused), and a tree nests at most :data:`MAX_DEPTH` levels.
 
 The structure is recorded as JSON; nothing is ever pickled. Rebuilding a stored
 structure without a target never imports a module: a namedtuple or dataclass type is
@@ -34,6 +34,7 @@ import optree
 from ._errors import CheckpointError, MetadataError
 
 __all__ = [
+    "MAX_DEPTH",
     "PYTHON_LEAF_TYPES",
     "KeyEntry",
     "Node",
@@ -47,6 +48,9 @@ __all__ = [
     "resolve_value",
     "typed_keystr",
 ]
+
+MAX_DEPTH = 100
+"""The deepest a tree may nest: containers below the root, down to the leaves."""
 
 KeyEntry = tuple[Any, ...]
 """A typed path entry: ``("s", name)``, ``("i", 3)``, ``("b", True)``, ``("f", "1.5")``, ``("n",)``."""
@@ -445,7 +449,8 @@ def flatten(
     """Flatten ``tree`` into leaves, their typed key paths, and its structure.
 
     Raises:
-      CheckpointError: a leaf of a type pytreeckpt cannot store, naming its key path.
+      CheckpointError: a leaf of a type pytreeckpt cannot store, naming its key path, or
+        a tree nested deeper than :data:`MAX_DEPTH`.
     """
     leaves: list[Any] = []
     paths: list[tuple[KeyEntry, ...]] = []
@@ -455,6 +460,12 @@ def flatten(
             leaves.append(x)
             paths.append(path)
             return Node("leaf", leaf=len(leaves) - 1)
+        if len(path) >= MAX_DEPTH:
+            raise CheckpointError(
+                f"the tree nests deeper than {MAX_DEPTH} levels (below key path {keystr(path[:8])!r}...); "
+                f"pytreeckpt stores trees of at most {MAX_DEPTH} levels (a container that holds itself nests "
+                f"without end)"
+            )
         node = _one_level(x, path, namespace)
         node.children = [walk(c, (*path, e)) for e, c in zip(node.entries, node.extra.pop("_kids"), strict=True)]
         return node
