@@ -132,3 +132,10 @@ def test_an_incremental_base_of_empty_arrays_is_a_base(tmp_path: Path) -> None:
     pytreeckpt.save(tmp_path / "a", tree, chunk_hashes=True)
     pytreeckpt.save(tmp_path / "b", tree, base=tmp_path / "a")
     assert pytreeckpt.load(tmp_path / "b")["empty"].shape == (0, 3)
+
+
+def test_a_masked_array_is_refused_rather_than_lose_its_mask(tmp_path: Path) -> None:
+    masked = np.ma.masked_array([1.0, 2.0, 3.0], mask=[False, True, False])
+    with pytest.raises(pytreeckpt.CheckpointError, match=r"'m'.*masked array.*mask would be lost"):
+        pytreeckpt.save(tmp_path / "c", {"m": masked})
+    assert not (tmp_path / "c").exists()

@@ -166,10 +166,10 @@ def _array_in(key: str, leaf: Any, spec: Any, comm: Any = None) -> _ArrayIn:
                 )
             from ._distributed import dtensor_layout
 
+            layout, pieces = dtensor_layout(leaf, comm.world, comm.group)
             local = leaf.to_local()
             _check_tensor(key, local)
             _check_ndim(key, leaf.dim())
-            layout, pieces = dtensor_layout(leaf, comm.world, comm.group)
             get, device = _shard_sources({comm.rank: local}, pieces)
             dtype = dtype_of_torch(leaf.dtype)
             shape = tuple(leaf.shape)
@@ -206,6 +206,11 @@ def _array_in(key: str, leaf: Any, spec: Any, comm: Any = None) -> _ArrayIn:
             local_shape = tuple(int(s) for s in leaf.shape)
             container = "torch"
         else:
+            if isinstance(leaf, np.ma.MaskedArray):
+                raise CheckpointError(
+                    f"leaf {_where(key)} is a numpy masked array, whose mask would be lost; save its data and "
+                    f"mask as two arrays (leaf.data, np.ma.getmaskarray(leaf))"
+                )
             arr = np.asarray(leaf)
             _check_ndim(key, arr.ndim)
             dtype = dtype_of_numpy(arr.dtype)
