@@ -428,9 +428,9 @@ def resolve_value(value: Any, like: Any) -> Any:
         typ = type(value) if isinstance(value, enum.Enum) else _resolve(name)
         if not (isinstance(typ, type) and issubclass(typ, enum.Enum)):
             raise TypeError(
-                f"the checkpoint holds a member of enum {name}, whose module is not imported; import it before "
-                f"loading, or pass a target whose leaf is a member of that enum (pytreeckpt never imports modules "
-                f"named in a checkpoint)"
+                f"the checkpoint holds a member of enum {name}, which is not an enum imported here (its module is "
+                f"not imported, or holds no such enum); import it before loading, or pass a target whose leaf is a "
+                f"member of that enum (pytreeckpt never imports modules named in a checkpoint)"
             )
     if isinstance(value, typ):
         return value
