@@ -36,6 +36,7 @@ __all__ = [
     "ARRAYS_DIR",
     "FORMAT_NAME",
     "FORMAT_VERSION",
+    "MAX_NDIM",
     "METADATA_FILE",
     "PACKED_DIR",
     "ArrayMeta",
@@ -60,6 +61,8 @@ CONTAINERS = ("torch", "numpy")
 MAX_METADATA_BYTES = 1 << 30
 MAX_PACKED_BYTES = 64 << 20
 """A packed array is small: a document claiming a bigger one is refused before any allocation."""
+MAX_NDIM = 32
+"""The most dims a saved array may have: TensorStore's limit (``kMaxRank``) for the arrays it opens."""
 
 _DATABASE = re.compile(r"^ocdbt/(0|[1-9][0-9]{0,8})$")
 

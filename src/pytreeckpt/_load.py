@@ -5,7 +5,7 @@ from __future__ import annotations
 import fnmatch
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,10 +13,11 @@ import numpy as np
 import torch
 
 from ._dtypes import dtype_of_numpy, dtype_of_torch, numpy_view
-from ._errors import LayoutError, TargetMismatchError
+from ._errors import LayoutError, MetadataError, TargetMismatchError
 from ._executor import ExecutorOptions, Storage
 from ._format import (
     ArrayMeta,
+    CheckpointDoc,
     ValueMeta,
     parse_document,
 )
@@ -40,7 +41,7 @@ from ._shared import (
     _wait_in_flight,
     _where,
 )
-from ._tree import KeyEntry, Node, flatten, keystr
+from ._tree import KeyEntry, Node, flatten, keystr, resolve_value, typed_keystr
 
 __all__ = ["CheckpointMetadata", "VerifyReport", "load", "load_slice", "metadata", "read_array", "verify"]
 
@@ -64,6 +65,8 @@ class CheckpointMetadata:
 
     @property
     def nbytes(self) -> int:
+        if isinstance(self.arrays, _Arrays):
+            return self.arrays.nbytes
         return sum(a.nbytes for a in self.arrays.values())
 
 
@@ -74,11 +77,61 @@ def _open(path: PathLike, namespace: str, executor: ExecutorOptions | None) -> t
 
 
 def metadata(path: PathLike, *, namespace: str = "") -> CheckpointMetadata:
-    """Read a committed checkpoint's metadata (no array data is read)."""
+    """Read a committed checkpoint's metadata (no array data is read).
+
+    A checkpoint written by an older pytreeckpt may hold two leaves of one key path
+    (``{"a.b": x, "a": {"b": y}}``); ``arrays[key]`` then raises a MetadataError naming
+    both, rather than pick one. The tree holds both.
+    """
     _, doc = _open(path, namespace, None)
     leaves = [leaf.value if isinstance(leaf, ValueMeta) else _abstract_of(leaf) for leaf in doc.leaves]
-    arrays = {leaf.key: leaf for leaf in doc.leaves if isinstance(leaf, ArrayMeta)}
+    arrays = _Arrays(path, doc)
     return CheckpointMetadata(doc.tree.unflatten(leaves), arrays, doc.user_metadata, doc.version)
+
+
+class _Arrays(Mapping[str, ArrayMeta]):
+    """The stored arrays by key path; a key path two leaves share raises instead of naming one of them."""
+
+    def __init__(self, path: PathLike, doc: CheckpointDoc) -> None:
+        self._where = describe(path)
+        self._ambiguous = _ambiguous_keys(doc)
+        self._metas = {leaf.key: leaf for leaf in doc.leaves if isinstance(leaf, ArrayMeta)}
+        self._all = tuple(leaf for leaf in doc.leaves if isinstance(leaf, ArrayMeta))
+
+    def __getitem__(self, key: str) -> ArrayMeta:
+        if key in self._ambiguous:
+            raise _ambiguity_error(key, self._ambiguous[key], self._where)
+        return self._metas[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._metas)
+
+    def __len__(self) -> int:
+        return len(self._metas)
+
+    def __repr__(self) -> str:
+        many = self._ambiguous
+        return repr({k: f"<{len(many[k])} leaves>" if k in many else v for k, v in self._metas.items()})
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self._all)
+
+
+def _ambiguous_keys(doc: CheckpointDoc) -> dict[str, list[tuple[KeyEntry, ...]]]:
+    """Key paths that name several leaves (documents of older versions), with their typed paths."""
+    by_key: dict[str, list[tuple[KeyEntry, ...]]] = {}
+    for p, leaf in zip(doc.tree.paths(), doc.leaves, strict=True):
+        by_key.setdefault(leaf.key, []).append(p)
+    return {k: ps for k, ps in by_key.items() if len(ps) > 1}
+
+
+def _ambiguity_error(key: str, paths: Sequence[tuple[KeyEntry, ...]], where: str) -> MetadataError:
+    return MetadataError(
+        f"key path {key!r} names {len(paths)} leaves of the checkpoint at {where} "
+        f"({' and '.join(typed_keystr(p) for p in paths)}; it was written by an older pytreeckpt, which allowed "
+        f"that): load it whole, with load(path) or a target tree, which tells them apart"
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,8 +285,11 @@ def load(
         what to load: a tensor or numpy array (full, same shape and dtype, on the
         tensor's device), a :class:`ShardedLeaf` (its spec and ranks: resharding), an
         :class:`Abstract` (a full tensor, or the shards of its spec), a DTensor (its
-        mesh and placements), or a plain Python value (replaced by the stored value).
-        Stored leaves the target lacks are not read.
+        mesh and placements), or a plain Python value (replaced by the stored value;
+        a stored enum member comes back as a member of the target leaf's enum type, or
+        of its own type if that type's module is imported). Stored leaves the target
+        lacks are not read. A tensor on the meta device holds no memory to load into
+        and is refused.
       namespace: the optree namespace of custom pytree nodes.
       executor: concurrency of the I/O.
       include: key-path globs (``fnmatch``, e.g. ``"model.layers.*.weight"``): load only
@@ -253,8 +309,10 @@ def load(
     Raises:
       NotCommittedError: ``path`` holds no committed checkpoint.
       TargetMismatchError: listing every target leaf that the checkpoint lacks or that
-        differs in shape, dtype or kind.
-      MetadataError: the metadata is malformed or unsafe.
+        differs in shape, dtype or kind, meta-device targets, and enum members whose
+        type is neither imported nor given by the target.
+      MetadataError: the metadata is malformed or unsafe, or ``include`` selects a key
+        path that names several leaves (documents of older versions).
     """
     # A save in flight may be running collectives on the checkpoint groups, and may be
     # writing the very checkpoint asked for: let it finish first.
@@ -306,6 +364,10 @@ def _load(
                 for p, leaf in zip(stored_paths, doc.leaves, strict=True)
                 if any(fnmatch.fnmatchcase(leaf.key, pat) for pat in patterns)
             ]
+            ambiguous = _ambiguous_keys(doc)
+            for _, leaf in chosen:
+                if leaf.key in ambiguous:
+                    raise _ambiguity_error(leaf.key, ambiguous[leaf.key], describe(path))
             t_leaves: list[Any] = [None] * len(chosen)
             t_paths = [p for p, _ in chosen]
             structure: Node = Node(
@@ -333,13 +395,13 @@ def _load(
                 continue
             if not target_given:
                 if isinstance(stored, ValueMeta):
-                    results[i] = stored.value
+                    results[i] = _value(key, stored.value, None, problems)
                 else:
                     dests.append((i, _full_dest(stored, stored.container == "numpy", None, None, comm)))
                 continue
             if _is_value(leaf):
                 if isinstance(stored, ValueMeta):
-                    results[i] = stored.value
+                    results[i] = _value(key, stored.value, leaf, problems)
                 else:
                     problems.append(
                         f"leaf {_where(key)}: the checkpoint has an array of shape {stored.shape} and dtype "
@@ -424,6 +486,15 @@ def _load(
     if comm is not None:
         _gather_spans(comm, monitor)
     return structure.unflatten(results)
+
+
+def _value(key: str, value: Any, like: Any, problems: list[str]) -> Any:
+    """A stored Python value as the target asks for it (enum members), or a problem noted."""
+    try:
+        return resolve_value(value, like)
+    except TypeError as e:
+        problems.append(f"leaf {_where(key)}: {e}")
+        return None
 
 
 def _dtensor_dest(meta: ArrayMeta, leaf: Any, comm: Any) -> _Dest:
@@ -515,7 +586,21 @@ def load_slice(path: PathLike, key: str, index: Any = (), *, executor: ExecutorO
     return read_array(path, meta, _region_of(index, meta.shape, key), executor)
 
 
+def _meta_problem(key: str, leaf: Any) -> str | None:
+    """A target on the meta device has no memory to load into: refused, saying how to make some."""
+    tensors = list(leaf.shards.values()) if isinstance(leaf, ShardedLeaf) else [leaf]
+    if any(isinstance(t, torch.Tensor) and t.is_meta for t in tensors):
+        return (
+            f"leaf {_where(key)}: the target is a tensor on the meta device, which holds no data; materialise "
+            f"the module with module.to_empty(device=...) first, or pass Abstract(shape, dtype) to get a new tensor"
+        )
+    return None
+
+
 def _dest_for(key: str, stored: ArrayMeta, leaf: Any, comm: Any = None) -> tuple[str | None, _Dest | None]:
+    meta_problem = _meta_problem(key, leaf)
+    if meta_problem is not None:
+        return meta_problem, None
     if isinstance(leaf, ShardedLeaf):
         problem = _target_problem(key, stored, leaf.shape, dtype_of_torch(leaf.dtype).name)
         devices = {r: t.device for r, t in leaf.shards.items()}

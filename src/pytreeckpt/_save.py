@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 import math
 import os
 import threading
@@ -32,6 +33,7 @@ from ._format import (
     ValueMeta,
     array_names,
     build_document,
+    chunk_count,
     with_chunk_hashes,
 )
 from ._load import metadata
@@ -56,7 +58,7 @@ from ._shared import (
 )
 from ._sources import _array_in, _ArrayIn, _snapshot_merges
 from ._staging import PoolAborted, staging_pool
-from ._tree import broadcast_prefix, encode_value, flatten, keystr
+from ._tree import broadcast_prefix, check_unique_keys, encode_value, flatten, keystr
 
 __all__ = ["SaveHandle", "async_save", "save"]
 
@@ -284,16 +286,23 @@ def _plan_job(
     arrays: list[_ArrayIn] = []
     entries: list[dict[str, Any] | None] = []
     values: list[str] = []
+    user: dict[str, Any] = {}
     with carried.catch():
         storage = Storage(path, executor)
         leaves, paths, root = flatten(tree, _is_leaf, namespace=namespace)
+        check_unique_keys(paths)
+        user = _user_metadata(user_metadata)
         specs = broadcast_prefix(spec, root, lambda x: isinstance(x, Layout), len(leaves), namespace=namespace)
         keys = [keystr(p) for p in paths]
         codecs = _compressions(compression, root, keys, len(leaves), namespace)
         for key, leaf, sp in zip(keys, leaves, specs, strict=True):
             with carried.catch(key):
                 if _is_value(leaf):
-                    entries.append(ValueMeta(key, leaf).to_json(encode_value(leaf)))
+                    try:
+                        encoded = encode_value(leaf)
+                    except TypeError as e:
+                        raise CheckpointError(f"leaf {_where(key)}: {e}") from None
+                    entries.append(ValueMeta(key, leaf).to_json(encoded))
                     values.append(key)
                 else:
                     arrays.append(_array_in(key, leaf, sp, comm))
@@ -341,7 +350,7 @@ def _plan_job(
         ]
         it = iter(metas)
         leaf_json = [e if e is not None else next(it).to_json() for e in entries]
-        document = build_document(root, leaf_json, dict(user_metadata or {}))
+        document = build_document(root, leaf_json, user)
         if comm is None or comm.rank == 0:
             storage.check_writable(overwrite)
         t1 = time.perf_counter()
@@ -370,6 +379,39 @@ def _plan_job(
     return job
 
 
+def _user_metadata(user_metadata: Any) -> dict[str, Any]:
+    """``user_metadata`` as the JSON object it will be stored as; refused unless it comes back equal."""
+    if user_metadata is None:
+        return {}
+    if not isinstance(user_metadata, Mapping):
+        raise CheckpointError(
+            f"user_metadata must be a mapping from str to JSON values (a JSON object), found "
+            f"{type(user_metadata).__name__}"
+        )
+    user = dict(user_metadata)
+    try:
+        again = json.loads(json.dumps(user, allow_nan=False))
+    except (TypeError, ValueError, RecursionError) as e:
+        raise CheckpointError(f"user_metadata is not a JSON object: {e}") from None
+    if again != user or not _same_json_types(again, user):
+        raise CheckpointError(
+            "user_metadata would not come back equal: it must be a JSON object, with str keys and values that "
+            "are str, int, float, bool, None, lists and dicts of them (tuples come back as lists, other keys "
+            "as str)"
+        )
+    return user
+
+
+def _same_json_types(a: Any, b: Any) -> bool:
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(_same_json_types(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return all(_same_json_types(x, y) for x, y in zip(a, b, strict=True))
+    return True
+
+
 def _chunk_reuse(metas: list[ArrayMeta], base: PathLike | None) -> ChunkReuse:
     """Hash this save's chunks; with a base checkpoint, link its chunks that are unchanged."""
     reuse = ChunkReuse([m.chunk_shape for m in metas], [m.shape for m in metas], [m.path for m in metas])
@@ -378,7 +420,9 @@ def _chunk_reuse(metas: list[ArrayMeta], base: PathLike | None) -> ChunkReuse:
     if not isinstance(base, (str, os.PathLike)) or "://" in os.fspath(base):
         raise CheckpointError(f"an incremental base must be a local directory, found {describe(base)}")
     stored = metadata(base).arrays
-    if stored and all(b.chunk_hashes is None for b in stored.values()):
+    # Arrays of no chunks (a zero in their shape) have no hashes to record.
+    chunked = [b for b in stored.values() if chunk_count(b.shape, b.chunk_shape)]
+    if chunked and all(b.chunk_hashes is None for b in chunked):
         raise CheckpointError(
             f"the base checkpoint {describe(base)} records no chunk hashes: save it with chunk_hashes=True "
             f"(CheckpointManager(incremental=True) does) to use it as a base"
@@ -454,12 +498,15 @@ def save(
         :class:`Location` with its :class:`StorageOptions`. An interrupted, uncommitted save there is
         cleared; a committed checkpoint is replaced only with ``overwrite=True``.
       tree: a pytree whose leaves are tensors, numpy arrays, :class:`ShardedLeaf` or
-        plain Python values (int, float, bool, str, None).
+        plain Python values (int, float, bool, str, None, and enum members of those),
+        nested at most 100 levels, with arrays of at most 32 dims. Every leaf's dotted
+        key path must name it alone: ``{"a.b": x, "a": {"b": y}}`` is refused.
       spec: a pytree prefix of ``tree`` whose leaves are sharding specs or None. A
         tensor under a spec is the global tensor, laid out as the spec says: this
         decides the chunk grid and which rank writes what.
       overwrite: replace a committed checkpoint at ``path``.
-      user_metadata: a JSON object stored with the checkpoint.
+      user_metadata: a JSON object stored with the checkpoint (str keys; str, int,
+        float, bool, None, lists and dicts), refused unless it would come back equal.
       chunking: how stored arrays are chunked.
       executor: concurrency of the I/O, staging memory, progress bar.
       namespace: the optree namespace of custom pytree nodes in ``tree``.
@@ -486,9 +533,11 @@ def save(
         a ``base``; implied by ``base``.
 
     Raises:
-      CheckpointError: naming the leaf, for anything that cannot be saved. In a
-        distributed save every rank raises if any rank failed (the same error, naming
-        the failed ranks and what failed there), and nothing is committed.
+      CheckpointError: naming the leaf, for anything that cannot be saved (meta, sparse,
+        nested and quantized tensors, subclasses of int, float and str that are not
+        enums, colliding key paths), before anything is written. In a distributed save
+        every rank raises if any rank failed (the same error, naming the failed ranks and
+        what failed there), and nothing is committed.
 
     >>> import tempfile, torch, pytreeckpt
     >>> d = tempfile.mkdtemp()
