@@ -120,3 +120,21 @@ def test_the_manager_example_killed_and_resumed_gives_identical_losses(tmp_path:
     got = losses(resumed.stdout)
     assert sorted(got) == list(range(restart + 1, 31))
     assert {s: want[s] for s in got} == got  # bit-identical losses after the resume
+
+
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_loading_a_manager_directory_says_which_steps_it_holds(tmp_path: Path, where: str) -> None:
+    directory = str(tmp_path / "ckpt") if where == "local" else f"memory://{tmp_path.name}/ckpt"
+    with CheckpointManager(directory) as m:
+        m.save(1, state(1))
+        m.save(2, state(2))
+    with pytest.raises(pytreeckpt.NotCommittedError) as raised:
+        pytreeckpt.load(directory)
+    message = str(raised.value)
+    assert "is a CheckpointManager directory" in message
+    assert "steps [1, 2]" in message
+    assert f"pytreeckpt.load('{directory}/step_2')" in message
+    assert f"pytreeckpt.CheckpointManager('{directory}').restore()" in message
+    assert "interrupted" not in message
+    with pytest.raises(pytreeckpt.NotCommittedError, match=r"CheckpointManager directory"):
+        pytreeckpt.metadata(directory)

@@ -31,7 +31,7 @@ import tensorstore as ts
 
 from ._chunkio import LITTLE_ENDIAN, IOPool, read_chunk, write_chunk
 from ._errors import CheckpointError, MetadataError, NotCommittedError
-from ._format import ARRAYS_DIR, LOCK_FILE, METADATA_FILE, PACKED_DIR, ArrayMeta, zarr_metadata
+from ._format import ARRAYS_DIR, LOCK_FILE, METADATA_FILE, PACKED_DIR, STEP_DIR, ArrayMeta, zarr_metadata
 from ._location import OBJECT_STORE_CHUNKING, OCDBT_CACHE, KvPrefix, Where, make_context, resolve
 from ._plan import ArrayLoadPlan, ArraySavePlan, ChunkingOptions, ReadOp, WriteOp
 from ._region import Region, chunk_region
@@ -375,20 +375,50 @@ class Storage:
             raw = self.kv.read(METADATA_FILE)
             if raw is None:
                 self.kv.check_reachable()  # a missing bucket reads as a missing object: say which it is
-                raise NotCommittedError(
-                    f"{self.url} is not a committed checkpoint (no {METADATA_FILE}); "
-                    f"it may be a save that was interrupted, or nothing at all"
-                )
+                raise self._not_committed()
             return raw
-        if not self.root.is_dir():
-            raise NotCommittedError(f"{self.root} does not exist or is not a directory")
-        if not self.is_committed():
-            raise NotCommittedError(
-                f"{self.root} is not a committed checkpoint (no {METADATA_FILE}); it may be a save that was interrupted"
-            )
         self._check_inside(self.metadata_path, "metadata")
-        with open(self.metadata_path, "rb") as f:
-            return f.read()
+        try:  # opened, not checked first: a checkpoint replaced or removed meanwhile is no OS error
+            with open(self.metadata_path, "rb") as f:
+                return f.read()
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError) as e:
+            raise self._not_committed() from e
+
+    def _not_committed(self) -> NotCommittedError:
+        """Why there is no metadata document here, saying so when this is a CheckpointManager's directory."""
+        if self.kv is None and not self.root.is_dir():
+            return NotCommittedError(f"{self.root} does not exist or is not a directory")
+        steps: dict[int, bool] = {}  # step -> committed
+        if self.kv is not None:
+            for key in self.kv.list("step_"):
+                name, _, rest = key.partition("/")
+                m = STEP_DIR.match(name)
+                if m:
+                    steps[int(m.group(1))] = steps.get(int(m.group(1)), False) or rest == METADATA_FILE
+        else:
+            with contextlib.suppress(OSError):
+                for entry in os.scandir(self.root):
+                    m = STEP_DIR.match(entry.name)
+                    if m and entry.is_dir():
+                        steps[int(m.group(1))] = os.path.isfile(os.path.join(entry.path, METADATA_FILE))
+        committed = sorted(s for s, c in steps.items() if c)
+        if committed:
+            shown = committed if len(committed) <= 10 else [*committed[:3], "...", *committed[-3:]]
+            listed = ", ".join(map(str, shown))
+            return NotCommittedError(
+                f"{self.url} is a CheckpointManager directory, not a checkpoint: it holds the committed steps "
+                f"[{listed}]; load one with pytreeckpt.load('{self.url}/step_{committed[-1]}'), or the newest with "
+                f"pytreeckpt.CheckpointManager('{self.url}').restore()"
+            )
+        if steps:
+            return NotCommittedError(
+                f"{self.url} is a CheckpointManager directory with no committed step yet (steps left uncommitted "
+                f"by saves that failed or were interrupted: {sorted(steps)[:10]}), not a checkpoint"
+            )
+        return NotCommittedError(
+            f"{self.url} is not a committed checkpoint (no {METADATA_FILE}); it may be a save that was interrupted"
+            + ("" if self.kv is None else ", or nothing at all")
+        )
 
     def _check_inside(self, path: Path, key: str) -> Path:
         real = path.resolve()

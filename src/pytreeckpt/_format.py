@@ -54,6 +54,8 @@ FORMAT_VERSION = 2
 """The newest version written: 2 when some array is packed in an OCDBT database, else 1."""
 METADATA_FILE = "pytreeckpt.json"
 LOCK_FILE = ".pytreeckpt.lock"
+STEP_DIR = re.compile(r"^step_(\d+)$")
+"""A CheckpointManager's step directory (or key prefix): ``step_<n>``."""
 ARRAYS_DIR = "arrays"
 PACKED_DIR = "ocdbt"
 CONTAINERS = ("torch", "numpy")
