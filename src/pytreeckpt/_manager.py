@@ -9,6 +9,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+import numpy as np
+
 from ._api import SaveHandle, _comm, async_save, load, save
 from ._errors import CheckpointError, NotCommittedError
 from ._executor import Storage
@@ -21,14 +23,22 @@ __all__ = ["CheckpointManager"]
 _STEP = re.compile(r"^step_(\d+)$")
 
 
+def check_step(step: Any) -> int:
+    """``step`` as an int if it is a non-negative integer (numpy integers too), else a CheckpointError."""
+    if isinstance(step, (bool, np.bool_)) or not isinstance(step, (int, np.integer)) or step < 0:
+        raise CheckpointError(f"a step is a non-negative integer, found {step!r} ({type(step).__name__})")
+    return int(step)
+
+
 class CheckpointManager:
     """Saves numbered steps under one directory and keeps the ones worth keeping.
 
-    Each step is a checkpoint at ``directory/step_<n>``. Retention runs only once a save
-    has committed: the newest ``max_to_keep`` committed steps are kept, and so is every
-    step divisible by ``keep_every_n_steps``. With ``incremental=True`` each save writes
-    only the chunks that changed since the newest step and hard-links the others from it
-    (see ``base`` in :func:`pytreeckpt.save`), so retention may delete any step.
+    Each step, a non-negative integer, is a checkpoint at ``directory/step_<n>``.
+    Retention runs only once a save has committed: the newest ``max_to_keep`` committed
+    steps are kept, and so is every step divisible by ``keep_every_n_steps``. With
+    ``incremental=True`` each save writes only the chunks that changed since the newest
+    step and hard-links the others from it (see ``base`` in :func:`pytreeckpt.save`), so
+    retention may delete any step.
     Directories of saves that never committed (a crash) are never listed or restored,
     and are removed once no writer holds them. On an object store (``s3://bucket/run``,
     or a :class:`Location`) there are no locks: an uncommitted step is removed only when
@@ -88,9 +98,10 @@ class CheckpointManager:
 
     def step_path(self, step: int) -> Path | Location:
         """Where ``step`` is (or would be) stored: a directory, or a Location on a key-value store."""
+        step = check_step(step)
         if isinstance(self.directory, Path):
-            return self.directory / f"step_{int(step)}"
-        return self._location(f"step_{int(step)}")
+            return self.directory / f"step_{step}"
+        return self._location(f"step_{step}")
 
     def _location(self, name: str) -> Location:
         """A step's location with the directory's storage options (local or not)."""
@@ -133,12 +144,13 @@ class CheckpointManager:
         go to :func:`pytreeckpt.save`. With ``async_`` the call returns after the snapshot.
         """
         self._check_open()
+        step = check_step(step)
         if not force and step % self.save_interval_steps != 0:
             return False
         self._finish_in_flight()
         if not force and step in self.all_steps():
             raise CheckpointError(f"step {step} is already saved in {self.directory}; pass force=True to replace it")
-        path = self._location(f"step_{int(step)}")
+        path = self._location(f"step_{step}")
         kwargs.setdefault("process_group", self._process_group)
         if self.incremental:
             # unchanged chunks are hard-linked from the newest step: each step stays whole on its own
@@ -216,6 +228,7 @@ class CheckpointManager:
     def delete(self, step: int) -> None:
         """Delete a committed step."""
         self._check_open()
+        step = check_step(step)
         self._finish_in_flight()
         if step not in self.all_steps():
             raise NotCommittedError(f"step {step} is not a committed checkpoint in {self.directory}")
@@ -227,19 +240,21 @@ class CheckpointManager:
     def restore(self, step: int | None = None, target: Any = None, **kwargs: Any) -> Any:
         """Load ``step`` (the latest committed when None) into ``target`` (see :func:`pytreeckpt.load`)."""
         self._check_open()
+        if step is not None:
+            step = check_step(step)
         self._finish_in_flight()
         if step is None:
             step = self.latest_step()
             if step is None:
                 raise NotCommittedError(f"no committed checkpoint in {self.directory}")
         kwargs.setdefault("process_group", self._process_group)
-        return load(self._location(f"step_{int(step)}"), target, **kwargs)
+        return load(self._location(f"step_{step}"), target, **kwargs)
 
     def metadata_of(self, step: int) -> Mapping[str, Any]:
         """The user metadata stored with ``step``."""
         from ._api import metadata
 
-        return metadata(self._location(f"step_{int(step)}")).user_metadata
+        return metadata(self._location(f"step_{check_step(step)}")).user_metadata
 
     # ------------------------------------------------------------------ lifetime
     def _check_open(self) -> None:
