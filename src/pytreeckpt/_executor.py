@@ -17,8 +17,8 @@ import fcntl
 import hashlib
 import math
 import os
+import secrets
 import shutil
-import tempfile
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
@@ -174,7 +174,7 @@ class Storage:
             return _Lock(None)
         try:
             self.root.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.root / LOCK_FILE, os.O_CREAT | os.O_RDWR, 0o644)
+            fd = os.open(self.root / LOCK_FILE, os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o666)
         except OSError as e:
             raise CheckpointError(f"cannot write a checkpoint at {self.root}: {e}") from e
         try:
@@ -246,14 +246,16 @@ class Storage:
     def commit(self, document: bytes) -> None:
         """Write the metadata document atomically.
 
-        Locally: temporary file, fsync, rename, fsync of the directory. On a key-value
-        store: one PUT of the whole document, after every array write has finished.
+        Locally: a temporary file (made with the mode the umask gives, as any file the user
+        makes), fsync, rename, fsync of the directory. On a key-value store: one PUT of the
+        whole document, after every array write has finished.
         """
         if self.kv is not None:
             self.kv.write(METADATA_FILE, document)
             return
         try:
-            fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=self.root)
+            tmp = self.root / f".tmp-{os.getpid()}-{secrets.token_hex(8)}"
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
             try:
                 with os.fdopen(fd, "wb") as f:
                     f.write(document)
@@ -261,7 +263,7 @@ class Storage:
                     os.fsync(f.fileno())
                 os.replace(tmp, self.metadata_path)
             except BaseException:
-                Path(tmp).unlink(missing_ok=True)
+                tmp.unlink(missing_ok=True)
                 raise
             _fsync(self.root)
         except OSError as e:
