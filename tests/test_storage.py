@@ -96,7 +96,7 @@ def test_packed_arrays_are_few_files_and_damage_to_them_is_found(tmp_path: Path)
     doc = json.loads((tmp_path / "c" / "pytreeckpt.json").read_text())
     assert doc["version"] == 2
     assert {leaf["key"] for leaf in doc["leaves"] if "database" not in leaf} == {"big"}
-    assert sum(len(f) for _, _, f in os.walk(tmp_path / "c" / "ocdbt")) < 20  # not 600 files
+    assert sum(len(f) for _, _, f in os.walk(tmp_path / "c" / "ocdbt")) < 60  # not 600 files
     got = pytreeckpt.load(tmp_path / "c")
     assert all(torch.equal(got[k], v) for k, v in tree.items())
     for f in (tmp_path / "c" / "ocdbt" / "0" / "d").iterdir():
