@@ -1,4 +1,4 @@
-"""The commit protocol: replacing a checkpoint beside the old one, what a failed save leaves, file modes."""
+"""The commit protocol: replacing a checkpoint beside the old one, file modes, loads that lose a race."""
 
 from __future__ import annotations
 
@@ -152,6 +152,71 @@ def test_files_and_directories_get_the_modes_the_umask_gives(tmp_path: Path, uma
     assert set(modes) == want, {m: sorted(ps)[:5] for m, ps in modes.items() if m not in want}
     assert "c/pytreeckpt.json" in modes[oct(0o666 & ~umask)]
     assert "run/step_1/ocdbt" in modes[oct(0o777 & ~umask)]
+
+
+# --------------------------------------------------------------------------- loads losing a race
+
+
+def _replace_during_the_first_read(monkeypatch: pytest.MonkeyPatch, replace: object) -> list[int]:
+    """Run ``replace()`` (another process, as it were) when the load starts reading arrays; the reads counted."""
+    real = _executor.Storage.read
+    calls: list[int] = []
+
+    def read(self: _executor.Storage, *args: object, **kwargs: object) -> int:
+        calls.append(1)
+        if len(calls) == 1:
+            replace()  # type: ignore[operator]
+        return real(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_executor.Storage, "read", read)
+    return calls
+
+
+def test_a_load_whose_checkpoint_is_replaced_meanwhile_loads_the_new_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "c"
+    pytreeckpt.save(unpacked(path), tree(1))
+    calls = _replace_during_the_first_read(
+        monkeypatch, lambda: pytreeckpt.save(unpacked(path), tree(2), overwrite=True)
+    )
+    got = pytreeckpt.load(path)
+    assert len(calls) == 2  # the first load found the old arrays gone, and started again
+    assert got["step"] == 2
+    assert torch.equal(got["w"], tree(2)["w"])
+
+
+def test_a_load_whose_checkpoint_is_removed_meanwhile_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "c"
+    pytreeckpt.save(unpacked(path), tree(1))
+    _replace_during_the_first_read(monkeypatch, lambda: _executor.Storage(path).remove())
+    with pytest.raises(pytreeckpt.NotCommittedError, match="removed while it was being loaded"):
+        pytreeckpt.load(path)
+
+
+def test_a_load_replaced_again_and_again_gives_up(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "c"
+    pytreeckpt.save(unpacked(path), tree(1))
+    real = _executor.Storage.read
+    seed = [1]
+
+    def read(self: _executor.Storage, *args: object, **kwargs: object) -> int:
+        seed[0] = 3 - seed[0]
+        pytreeckpt.save(unpacked(path), tree(seed[0]), overwrite=True)
+        return real(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_executor.Storage, "read", read)
+    with pytest.raises(pytreeckpt.NotCommittedError, match="was replaced 4 times while it was being loaded"):
+        pytreeckpt.load(path)
+
+
+def test_a_damaged_checkpoint_is_not_taken_for_a_replaced_one(tmp_path: Path) -> None:
+    path = tmp_path / "c"
+    pytreeckpt.save(unpacked(path), tree(1))
+    (path / "arrays" / "w" / "c" / "0" / "0").unlink()
+    with pytest.raises(pytreeckpt.CheckpointError, match="holds only 0 bytes") as raised:
+        pytreeckpt.load(path)
+    assert not isinstance(raised.value, pytreeckpt.NotCommittedError)
 
 
 # --------------------------------------------------------------------------- the writer's lock

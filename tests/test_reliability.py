@@ -15,10 +15,20 @@ import time
 import uuid
 import weakref
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
-from crash_workers import race, save_too_much, save_when_told, state
+from crash_workers import (
+    load_repeatedly,
+    manage,
+    many_leaves,
+    overwrite_repeatedly,
+    race,
+    save_too_much,
+    save_when_told,
+    state,
+)
 from helpers import bits, unpacked
 from multiproc import run_world
 
@@ -142,6 +152,79 @@ def test_two_writers_racing_to_one_path_never_mix(tmp_path: Path) -> None:
         got = pytreeckpt.load(path)
         assert got["step"] in (3, 4)
         assert_state(got, got["step"])  # every leaf from the same writer
+
+
+def _run_together(ctx: mp.context.BaseContext, jobs: list[tuple[Any, tuple[Any, ...]]]) -> dict:
+    """Run ``fn(*args, ready, go, stop, out)`` processes from one start; their ``(name, result)`` puts, by name.
+
+    The first result sets ``stop``: the others then finish (or ignore it). Processes still
+    running when this returns (a failure) are killed.
+    """
+    ready = [ctx.Event() for _ in jobs]
+    go, stop, out = ctx.Event(), ctx.Event(), ctx.Queue()
+    procs = [
+        ctx.Process(target=fn, args=(*args, r, go, stop, out), daemon=True)
+        for (fn, args), r in zip(jobs, ready, strict=True)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        assert all(r.wait(60) for r in ready)
+        go.set()
+        results = [out.get(timeout=120)]
+        stop.set()
+        results += [out.get(timeout=120) for _ in procs[1:]]
+        return dict(results)
+    finally:
+        stop.set()
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+
+
+def test_loads_racing_a_process_that_replaces_the_checkpoint_get_one_state_whole(tmp_path: Path) -> None:
+    """A load sees the old checkpoint or the new one, whole; never an OS error nor a half-deleted one."""
+    ctx = _ctx()
+    path = str(tmp_path / "c")
+    pytreeckpt.save(unpacked(path), many_leaves(2))
+    saves = 12
+    # The writer finishes first; the reader loads until then.
+    jobs = [(overwrite_repeatedly, (path, saves)), (load_repeatedly, (path,))]
+    results = _run_together(ctx, jobs)
+    loads, retried, errors = results["reader"]
+    assert results["writer"] == []
+    assert errors == [], (len(errors), errors[:5])
+    assert loads > 0
+    assert retried > 0  # some loads did find their arrays deleted by a new commit, and loaded that one
+    print(f"{loads} loads beside {saves} replacements, {retried} started again after a replacement")
+
+
+@pytest.mark.parametrize("async_", [False, True], ids=["sync", "async"])
+def test_two_managers_in_two_processes_share_one_directory(tmp_path: Path, async_: bool) -> None:
+    """Each saves its own steps; retention and cleanup of either never fail the other's saves or restores.
+
+    The directory starts with 30 old steps, which the first saves' retention in both
+    processes removes at once.
+    """
+    ctx = _ctx()
+    directory = tmp_path / "run"
+    pytreeckpt.save(unpacked(directory / "step_0"), many_leaves(0))
+    for s in range(1, 30):
+        shutil.copytree(directory / "step_0", directory / f"step_{s}")
+    together = ctx.Barrier(2)
+    jobs = [(manage, (str(directory), list(range(100 + parity, 112, 2)), async_, together)) for parity in (0, 1)]
+    results = _run_together(ctx, jobs)
+    for parity, (restored, errors) in results.items():
+        assert errors == [], (parity, errors[:5])
+        assert restored > 0
+    m = pytreeckpt.CheckpointManager(directory)
+    assert m.all_steps() == [110, 111]
+    assert sorted(p.name for p in directory.iterdir()) == ["step_110", "step_111"]
+    for s in (110, 111):
+        got = m.restore(s)
+        assert got["step"] == s
+        assert all(torch.equal(got["w"][k], v) for k, v in many_leaves(s)["w"].items())
 
 
 def test_a_second_writer_gets_a_clear_error_while_the_first_holds_the_path(tmp_path: Path) -> None:
