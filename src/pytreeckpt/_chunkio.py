@@ -127,7 +127,7 @@ def write_chunk(path: Path, data: np.ndarray, chunk_shape: Sequence[int], fsync:
         crc = google_crc32c.extend(crc, zeros)
         parts.append(zeros)
     parts.append(np.frombuffer(crc.to_bytes(4, "little"), dtype=np.uint8))
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)  # less the umask
     try:
         _write_all(fd, parts)
         if fsync:

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from ._dtypes import dtype_of_numpy, dtype_of_torch, numpy_view
-from ._errors import LayoutError, MetadataError, TargetMismatchError
+from ._errors import CheckpointError, LayoutError, MetadataError, NotCommittedError, TargetMismatchError
 from ._executor import ExecutorOptions, Storage
 from ._format import (
     ArrayMeta,
@@ -320,10 +320,50 @@ def load(
     comm = _comm(process_group)
     spans = Monitor()
     try:
-        return _load(path, target, namespace, executor, include, comm, spans)
+        if comm is not None:
+            return _load(path, target, namespace, executor, include, comm, spans)
+        seen: list[bytes] = []
+        attempts = 0
+        while True:
+            seen.clear()
+            try:
+                return _load(path, target, namespace, executor, include, comm, spans, seen)
+            except (CheckpointError, OSError) as e:
+                if not seen or isinstance(e, (NotCommittedError, TargetMismatchError)):
+                    raise
+                _raise_unless_replaced(path, executor, seen[0], e)
+                attempts += 1
+                if attempts == LOAD_ATTEMPTS:
+                    raise NotCommittedError(
+                        f"{describe(path)} was replaced {attempts} times while it was being loaded (another process "
+                        f"saving there); the last failure: {e}"
+                    ) from e
     finally:
         if monitor is not None:
             monitor.extend(spans.spans)
+
+
+LOAD_ATTEMPTS = 4
+"""How many times a load starts again when the checkpoint is replaced under it (another process saving there)."""
+
+
+def _raise_unless_replaced(path: PathLike, executor: ExecutorOptions | None, document: bytes, error: Exception) -> None:
+    """Return if the load that read ``document`` and failed with ``error`` lost a race with a new save there.
+
+    Each save names its arrays anew and deletes the replaced ones only after its commit,
+    so a load that read the old document may find its arrays gone: the new document is
+    then loaded instead. When the document is unchanged the failure is the checkpoint's
+    own, and ``error`` is raised (as a CheckpointError); NotCommittedError when it is gone.
+    """
+    try:
+        now = Storage(path, executor).read_metadata()
+    except NotCommittedError:
+        raise NotCommittedError(f"{describe(path)} was removed while it was being loaded") from error
+    if now != document:
+        return
+    if isinstance(error, CheckpointError):
+        raise error
+    raise CheckpointError(f"loading {describe(path)}: {error}") from error
 
 
 def _load(
@@ -334,6 +374,7 @@ def _load(
     include: str | Sequence[str] | None,
     comm: Any,
     monitor: Monitor,
+    seen: list[bytes] | None = None,
 ) -> Any:
     me = 0 if comm is None else comm.rank
     t0 = time.time()
@@ -345,6 +386,8 @@ def _load(
         storage = Storage(path, executor)
         if comm is None or comm.rank == 0:
             raw = storage.read_metadata()
+            if seen is not None:
+                seen.append(raw)  # to tell, after a failure, whether the checkpoint was replaced meanwhile
     if comm is not None:
         carried.agree("reading the checkpoint metadata")
         raw = comm.broadcast(raw)

@@ -7,6 +7,7 @@ leaves), which is how layouts are resharded and tested without a process group.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import json
 import math
@@ -34,7 +35,9 @@ from ._format import (
     array_names,
     build_document,
     chunk_count,
+    generation_name,
     with_chunk_hashes,
+    with_generation,
 )
 from ._load import metadata
 from ._location import describe
@@ -161,7 +164,7 @@ class _SaveJob:
         if self.comm is None:
             lock = self.storage.lock()
             try:
-                self.storage.prepare(self.overwrite)
+                self._name(self.storage.prepare(self.overwrite))
                 total = sum(op.region.size * ap.itemsize for ap in self.plan.arrays for op in ap.writes)
                 progress = self._progress("save", total)
                 try:
@@ -174,6 +177,9 @@ class _SaveJob:
                 t1 = time.perf_counter()
                 with self.monitor.phase("save", "commit", 0):
                     self.storage.commit(self._final_document(None))
+            except BaseException:
+                self.storage.abandon()  # what this save wrote goes before its failure is reported
+                raise
             finally:
                 lock.release()
         else:
@@ -185,6 +191,30 @@ class _SaveJob:
                     self._lock = None
         self.timings["write"] = t1 - t0
         self.timings["commit"] = time.perf_counter() - t1
+
+    def _name(self, generation: int) -> None:
+        """Store this save's arrays under the names of ``generation`` (see :func:`generation_name`)."""
+        if generation == 0:
+            return
+        self.metas = [
+            dataclasses.replace(m, path=generation_name(m.path, generation))
+            if m.database is None
+            else dataclasses.replace(m, database=generation_name(m.database, generation))
+            for m in self.metas
+        ]
+        self.document = with_generation(self.document, generation)
+        if self.reuse is not None:
+            self.reuse.paths = [m.path for m in self.metas]
+
+    def _agree(self, error: BaseException | None, what: str) -> None:
+        """Every rank raises if any failed; rank 0 first removes what the save wrote, and all wait for that."""
+        try:
+            self.comm.agree(error, what)
+        except CheckpointError:
+            if self.comm.rank == 0:
+                self.storage.abandon()
+            self.comm.broadcast(None)
+            raise
 
     def _final_document(self, gathered: list[Any] | None) -> bytes:
         """The metadata document, with every array's chunk hashes when they were computed."""
@@ -203,19 +233,25 @@ class _SaveJob:
         comm = self.comm
         me = comm.rank
         error: BaseException | None = None
+        generation = 0
         if me == 0:
             try:
                 self._lock = self.storage.lock()
-                self.storage.prepare(self.overwrite)
+                generation = self.storage.prepare(self.overwrite)
+                self._name(generation)
                 self.storage.open_arrays([m for m in self.metas if m.database is None], create=True)
             except Exception as e:
                 error = e
-        comm.agree(error, "preparing the checkpoint directory")
+        self._agree(error, "preparing the checkpoint directory")
+        generation = comm.broadcast(generation)
+        if me != 0:
+            self._name(generation)
+        mine_db = generation_name(f"{PACKED_DIR}/{comm.rank}", generation)
         try:  # each rank alone writes its own OCDBT database of packed arrays
-            self.storage.open_arrays([m for m in self.metas if m.database == f"{PACKED_DIR}/{comm.rank}"], create=True)
+            self.storage.open_arrays([m for m in self.metas if m.database == mine_db], create=True)
         except Exception as e:
             error = e
-        comm.agree(error, "creating the packed arrays")
+        self._agree(error, "creating the packed arrays")
         dtypes = [m.dtype.numpy for m in self.metas]
         transfers = comm.post_write_transfers(self.plan.arrays, self.data, dtypes, direct=self.snap is None)
         mine = sum(op.region.size * ap.itemsize for ap in self.plan.arrays for op in ap.writes if op.writer == me)
@@ -233,7 +269,7 @@ class _SaveJob:
             progress.close()
             with self.monitor.phase("save", "merge", me, transfers.received_bytes()):
                 transfers.wait_all()
-        comm.agree(error, "writing the checkpoint")
+        self._agree(error, "writing the checkpoint")
         t1 = time.perf_counter()
         gathered = comm.gather(self.reuse.hashes) if self.reuse is not None else None
         if me == 0:
@@ -242,7 +278,7 @@ class _SaveJob:
                     self.storage.commit(self._final_document(gathered))
             except Exception as e:
                 error = e
-        comm.agree(error, "committing the checkpoint")
+        self._agree(error, "committing the checkpoint")
         _gather_spans(comm, self.monitor)
         return t1
 
