@@ -3,8 +3,9 @@
 ``python exit_workers.py fork DIR ROUNDS`` imports torch and pytreeckpt once, then forks
 one child per (round, way of ending): each child starts an ``async_save`` and ends at
 once (its script ends, ``sys.exit``, ``sys.exit`` in a thread, an uncaught exception, or
-with ``exit_timeout=0``), going through the interpreter's whole finalisation. The parent
-prints, as JSON, each child's exit status and its output. A child's last line of output
+with ``exit_timeout=0``), or ends right after a load that failed on a damaged chunk
+while other chunk reads were queued, going through the interpreter's whole
+finalisation. The parent prints, as JSON, each child's exit status and its output. A child's last line of output
 (from an ``atexit`` hook registered before pytreeckpt's own, so run after them) lists the
 threads still alive while the interpreter finalises.
 
@@ -28,7 +29,7 @@ import torch
 
 import pytreeckpt
 
-WAYS = ["end", "sys.exit", "sys.exit in a thread", "exception", "exit_timeout=0"]
+WAYS = ["end", "sys.exit", "sys.exit in a thread", "exception", "exit_timeout=0", "load fails"]
 STATUS = {"exception": 1}  # the exit status each way asks for; 0 otherwise
 
 
@@ -74,8 +75,27 @@ def report_threads_at_exit(gloo_before: list[str] | None = None) -> None:
     atexit.register(report)
 
 
+def _failed_load(path: Path, seed: int) -> None:
+    """A load that fails on its first chunk while the reads of the others are queued behind it."""
+    small = pytreeckpt.ChunkingOptions(single_chunk_bytes=0, min_chunk_bytes=1, max_chunk_bytes=1 << 16)
+    pytreeckpt.save(path, {"w": state(seed)["big"]}, chunking=small)  # 64 chunk files
+    for chunk in path.glob("arrays/*/c/*/*"):
+        with chunk.open("r+b") as f:  # a bad checksum in every chunk
+            f.seek(-1, os.SEEK_END)
+            last = f.read(1)
+            f.seek(-1, os.SEEK_END)
+            f.write(bytes([last[0] ^ 0xFF]))
+    try:
+        pytreeckpt.load(path, executor=pytreeckpt.ExecutorOptions(max_inflight_bytes=1 << 16))
+    except pytreeckpt.CheckpointError as e:
+        print(f"load failed: {e}", flush=True)
+
+
 def _child(way: str, path: Path, seed: int) -> None:
     report_threads_at_exit()
+    if way == "load fails":
+        _failed_load(path, seed)
+        return
     if way == "exit_timeout=0":
         opts = pytreeckpt.ExecutorOptions(exit_timeout=0.0)
         pytreeckpt.async_save(path, state(seed, big=True), executor=opts, chunking=CHUNKING)

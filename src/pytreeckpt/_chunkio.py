@@ -93,7 +93,7 @@ class IOPool:
             del task  # an idle thread must not keep the last buffer (staging memory) alive
 
     def quiesce(self, timeout: float | None = None) -> bool:
-        """Stop the threads: work not started yet is cancelled, work running is finished.
+        """Stop the threads: work not started yet fails (a CheckpointError), work running is finished.
 
         Returns whether every thread ended within ``timeout`` seconds. A later
         :meth:`submit` starts threads anew.
@@ -106,7 +106,7 @@ class IOPool:
                 except queue.Empty:
                     break
                 if task is not None:
-                    task[0].cancel()  # its waiter sees CancelledError
+                    task[0].set_exception(CheckpointError("chunk I/O not run: the program is exiting"))
             for _ in threads:
                 self._tasks.put(None)
         deadline = None if timeout is None else time.monotonic() + timeout
