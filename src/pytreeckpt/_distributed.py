@@ -6,11 +6,15 @@ other ranks that want them, and agrees on success before the commit.
 
 All traffic runs on a process group of its own (gloo, over CPU tensors), never on the
 user's default group, so a save running in a background thread cannot interleave its
-collectives with the training loop's.
+collectives with the training loop's. Those groups are destroyed when the program ends
+(``atexit``), while the interpreter is whole: held here, they would otherwise outlive
+the user's ``destroy_process_group()`` and have their gloo threads torn down during
+interpreter finalisation.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import threading
 import weakref
@@ -39,6 +43,7 @@ __all__ = [
 
 _GROUPS: dict[tuple[Any, ...], tuple[Any, Any]] = {}
 _GROUPS_LOCK = threading.Lock()
+_HOOKED: list[bool] = []  # release_groups is registered with atexit
 
 
 def is_dtensor(x: Any) -> bool:
@@ -119,6 +124,9 @@ def checkpoint_group(group: Any = None) -> tuple[Any, Any]:
                     dist.new_group(members, backend="gloo", use_local_synchronization=True),
                     dist.new_group(members, backend="gloo", use_local_synchronization=True),
                 )
+            if not _HOOKED:
+                _HOOKED.append(True)
+                atexit.register(release_groups)
         return _GROUPS[key]
 
 
@@ -141,6 +149,25 @@ def _check_group_history(group: Any, ranks: tuple[int, ...]) -> None:
             f"cannot name the checkpoint's gloo groups alike on all of them; make process groups in the same "
             f"order on every member, or pass no process_group (the whole world)"
         )
+
+
+def release_groups() -> None:
+    """Destroy the checkpoint process groups (at exit): their gloo threads end while Python is whole.
+
+    Runs after Python has joined every non-daemon thread (an asynchronous save's writer
+    included), so no checkpoint traffic is left. A group the user's
+    ``destroy_process_group()`` already shut down is only let go; one still registered
+    is destroyed. Later saves and loads make new groups.
+    """
+    with _GROUPS_LOCK:
+        groups = [g for pair in _GROUPS.values() for g in pair]
+        _GROUPS.clear()
+    while groups:
+        g = groups.pop()
+        if _alive(g):
+            with contextlib.suppress(ValueError, RuntimeError):  # gone with its world meanwhile
+                dist.destroy_process_group(g)
+        del g  # the last reference: the group's destructor joins its threads now
 
 
 def _alive(group: Any) -> bool:

@@ -88,6 +88,10 @@ class ExecutorOptions:
         into memory already mapped is several times faster); False frees it after each
         save. It is always freed after a failed save.
       progress: draw a progress bar on stderr for saves and loads.
+      exit_timeout: seconds an asynchronous save still running when the program's
+        main thread ends is waited for; past them it is cancelled and commits nothing
+        (a warning on the ``pytreeckpt`` logger says so). None waits however long it
+        takes.
     """
 
     max_inflight_bytes: int = 512 * MiB
@@ -97,6 +101,7 @@ class ExecutorOptions:
     staging_piece_bytes: int = 64 * MiB
     keep_staging: bool = True
     progress: bool = False
+    exit_timeout: float | None = 600.0
 
 
 class _Window:

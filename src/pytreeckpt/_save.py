@@ -2,6 +2,11 @@
 
 One process may hold the shards of every rank (ShardedLeaf.from_global makes such
 leaves), which is how layouts are resharded and tested without a process group.
+
+A program whose main thread ends with an asynchronous save in flight finishes it: the
+writer is not a daemon thread, and Python joins it before the interpreter finalises.
+That wait is bounded by ``ExecutorOptions.exit_timeout``: past it the save is cancelled
+(it stops writing, waits for the writes issued, and commits nothing).
 """
 
 from __future__ import annotations
@@ -15,11 +20,11 @@ import os
 import threading
 import time
 import traceback
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -41,7 +46,7 @@ from ._format import (
 )
 from ._load import metadata
 from ._location import describe
-from ._monitor import Monitor, Progress, Span
+from ._monitor import Monitor, Progress, Span, logger
 from ._pipeline import Snapshot, staged_writes
 from ._plan import ArrayLayout, ChunkingOptions, SavePlan
 from ._plan_cache import cached_plan_save
@@ -65,6 +70,8 @@ from ._tree import broadcast_prefix, check_unique_keys, encode_value, flatten, k
 
 __all__ = ["SaveHandle", "async_save", "save"]
 
+_T = TypeVar("_T")
+
 
 @dataclass(slots=True)
 class _SaveJob:
@@ -83,6 +90,7 @@ class _SaveJob:
     snap: Snapshot | None = None
     _lock: Any = None
     pending: BaseException | None = None  # this rank's error in a distributed save, not yet agreed on
+    cancelled: threading.Event = field(default_factory=threading.Event)  # set at exit: stop, commit nothing
 
     def ready(self) -> None:
         """In a distributed save, agree that every rank planned (and staged) its part: else all raise."""
@@ -149,9 +157,22 @@ class _SaveJob:
     def _items(self) -> Any:
         """This process's writes: staged pieces in an asynchronous save, else views of the caller's memory."""
         if self.snap is not None:
-            return self.snap.items()
+            return self._until_cancelled(self.snap.items())
         dtypes = [m.dtype.numpy for m in self.metas]
         return ((i, op.region, buf, None) for i, op, buf in write_items(self.plan.arrays, self.data, dtypes, None))
+
+    def _check_cancelled(self) -> None:
+        if self.cancelled.is_set():
+            raise CheckpointError(
+                f"the save to {self.storage.url} was cancelled: the program ended while it was still running "
+                f"(ExecutorOptions.exit_timeout); nothing is committed"
+            )
+
+    def _until_cancelled(self, items: Iterable[_T]) -> Iterator[_T]:
+        """``items``, raising before the next one once the save is cancelled (the writes issued are waited for)."""
+        for item in items:
+            self._check_cancelled()
+            yield item
 
     def persist(self) -> None:
         """Write and commit: the single-process path, or this rank's part of a distributed save."""
@@ -175,6 +196,7 @@ class _SaveJob:
                 finally:
                     progress.close()
                 t1 = time.perf_counter()
+                self._check_cancelled()
                 with self.monitor.phase("save", "commit", 0):
                     self.storage.commit(self._final_document(None))
             except BaseException:
@@ -259,7 +281,7 @@ class _SaveJob:
         try:
             with self.monitor.phase("save", "write", me) as box:
                 staged = self.snap.items() if self.snap is not None else iter(())
-                items = itertools.chain(staged, transfers.items())
+                items = self._until_cancelled(itertools.chain(staged, transfers.items()))
                 box[0] = self.storage.write(
                     self.metas, items, create=False, progress=progress.advance, reuse=self.reuse
                 )
@@ -274,6 +296,7 @@ class _SaveJob:
         gathered = comm.gather(self.reuse.hashes) if self.reuse is not None else None
         if me == 0:
             try:
+                self._check_cancelled()
                 with self.monitor.phase("save", "commit", 0):
                     self.storage.commit(self._final_document(gathered))
             except Exception as e:
@@ -609,8 +632,19 @@ def save(
 class SaveHandle:
     """A save running in the background: ``wait()``, ``done()``, per-phase ``timings`` and its ``monitor``."""
 
-    def __init__(self, path: PathLike, timings: dict[str, float], monitor: Monitor, user: Monitor | None) -> None:
+    def __init__(
+        self,
+        path: PathLike,
+        timings: dict[str, float],
+        monitor: Monitor,
+        user: Monitor | None,
+        *,
+        cancel: threading.Event | None = None,
+        exit_timeout: float | None = None,
+    ) -> None:
         self.path = describe(path)
+        self._cancel = cancel or threading.Event()
+        self._exit_timeout = exit_timeout
         self._timings = timings
         self._monitor = monitor
         self._user = user
@@ -815,7 +849,10 @@ def async_save(
     except BaseException:
         staging_pool().free()
         raise
-    handle = SaveHandle(path, job.timings, job.monitor, monitor)
+    handle = SaveHandle(
+        path, job.timings, job.monitor, monitor, cancel=job.cancelled, exit_timeout=job.storage.options.exit_timeout
+    )
+    _settle_at_exit_once()
     thread = threading.Thread(target=handle._run, args=(job,), name="pytreeckpt-save", daemon=False)
     with _IN_FLIGHT_LOCK:
         _in_flight.append(handle)
@@ -834,6 +871,41 @@ def async_save(
         handle._reported = True
         raise
     return handle
+
+
+_EXIT_HOOKED: list[bool] = []  # _settle_at_exit is registered
+
+
+def _settle_at_exit_once() -> None:
+    """Register :func:`_settle_at_exit` to run when the main thread ends, before Python joins the other threads.
+
+    ``threading._register_atexit`` (what ``concurrent.futures`` uses) runs there; a hook
+    registered with :mod:`atexit` would run only after the writer has been joined, too
+    late to bound the wait. Where it is missing the writer is still joined, without a bound.
+    """
+    with _IN_FLIGHT_LOCK:
+        if _EXIT_HOOKED:
+            return
+        _EXIT_HOOKED.append(True)
+    register = getattr(threading, "_register_atexit", None)
+    if register is not None:
+        with contextlib.suppress(RuntimeError):  # the interpreter is exiting already
+            register(_settle_at_exit)
+
+
+def _settle_at_exit() -> None:
+    """Wait for the save in flight, at most its ``exit_timeout``; then cancel it (it commits nothing)."""
+    with _IN_FLIGHT_LOCK:
+        pending = list(_in_flight)
+    for h in pending:
+        if not h._done.wait(h._exit_timeout):
+            h._cancel.set()
+            logger.warning(
+                "the asynchronous save to %s was still running %s s after the program ended: cancelled, "
+                "nothing is committed there (ExecutorOptions.exit_timeout)",
+                h.path,
+                h._exit_timeout,
+            )
 
 
 def _quietly(fn: Any, *args: Any) -> None:
