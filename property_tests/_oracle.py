@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from pytreeckpt import LayoutError, Region
+from pytreeckpt._sharding import Piece
 from pytreeckpt.plan import (
     ArrayLoadPlan,
     ArraySavePlan,
@@ -31,7 +32,6 @@ from pytreeckpt.plan import (
     SavePlan,
     WriteOp,
 )
-from pytreeckpt._sharding import Piece
 
 
 @dataclass(frozen=True, slots=True)

@@ -422,6 +422,17 @@ def with_chunk_hashes(document: bytes, hashes: dict[str, tuple[str, ...]]) -> by
     return json.dumps(doc, allow_nan=False, separators=(",", ":")).encode()
 
 
+def with_databases(document: bytes, databases: dict[str, str]) -> bytes:
+    """The document with the packed array leaves named in ``databases`` in those databases."""
+    if not databases:
+        return document
+    doc = json.loads(document)
+    for leaf in doc["leaves"]:
+        if leaf["kind"] == "array" and leaf["key"] in databases:
+            leaf["database"] = databases[leaf["key"]]
+    return json.dumps(doc, allow_nan=False, separators=(",", ":")).encode()
+
+
 def with_generation(document: bytes, generation: int) -> bytes:
     """The document with every array's stored name in ``generation``: its path, or its database's for a packed one."""
     if generation == 0:

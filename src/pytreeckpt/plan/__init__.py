@@ -9,6 +9,9 @@ per state (:class:`PlanCache`), so a save in the same layout as the last costs a
 Nothing here does I/O, reads a clock, draws random numbers or talks to other ranks.
 """
 
+from ._cache import PlanCache as PlanCache
+from ._cache import spec_digest as spec_digest
+from ._cache import spec_plan_key as spec_plan_key
 from ._load import plan_load as plan_load
 from ._save import check_complete as check_complete
 from ._save import clear_caches as clear_caches
@@ -30,6 +33,7 @@ __all__ = [
     "ChunkingOptions",
     "Fragment",
     "LoadPlan",
+    "PlanCache",
     "ReadOp",
     "SavePlan",
     "WriteOp",
@@ -37,4 +41,6 @@ __all__ = [
     "clear_caches",
     "plan_load",
     "plan_save",
+    "spec_digest",
+    "spec_plan_key",
 ]

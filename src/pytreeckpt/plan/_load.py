@@ -16,9 +16,10 @@ from typing import Any
 
 import numpy as np
 
-from .._errors import LayoutError
-from .._region import Region
-from ..core._grid import ChunkGrid
+from pytreeckpt._errors import LayoutError
+from pytreeckpt._region import Region
+from pytreeckpt.core._grid import ChunkGrid
+
 from ._balance import Scopes, scope_key, scope_loads
 from ._save import check_placement
 from ._tables import _I64, PieceTable, Placed, _Memo, first_of_runs, placed, unique_rows
@@ -92,7 +93,7 @@ def _make_cuts(table: PieceTable, shape: tuple[int, ...], chunk: tuple[int, ...]
         return _Cuts(
             np.zeros((0, nd), _I64), np.zeros((0, nd), _I64), none, np.zeros(1, _I64), none, none, none, int(outside[0])
         )
-    nonempty = (table.ext > 0).all(axis=1) if nd else np.ones(len(table.pos), dtype=bool)
+    nonempty = np.asarray((table.ext > 0).all(axis=1)) if nd else np.ones(len(table.pos), dtype=bool)
     if grid.count == 0:
         nonempty[:] = False
     rows = np.flatnonzero(nonempty)
@@ -155,7 +156,8 @@ def _array_reads(spec: ArraySpec, chunk: tuple[int, ...], scopes: Scopes, rank: 
         bad = cuts.outside
         region = Region(tuple(table.lo[bad].tolist()), tuple(table.ext[bad].tolist()))
         raise LayoutError(
-            f"leaf {spec.key!r}: rank {int(ranks[table.pos[bad]])} wants {region}, outside the stored shape {spec.shape}"
+            f"leaf {spec.key!r}: rank {int(ranks[table.pos[bad]])} wants {region}, outside the stored shape "
+            f"{spec.shape}"
         )
     if rank is None:
         rows: Sequence[int] = range(len(cuts.lo))
@@ -205,7 +207,8 @@ def plan_load(
 
     >>> from pytreeckpt import Mesh, Replicate, ShardingSpec
     >>> t = ArraySpec("w", (8, 4), 4, ShardingSpec(Mesh(2), [Replicate()]))
-    >>> [(op.region.offset, op.reader, [f.rank for f in op.targets]) for op in plan_load([(4, 4)], [t], 2).arrays[0].reads]
+    >>> reads = plan_load([(4, 4)], [t], 2).arrays[0].reads
+    >>> [(op.region.offset, op.reader, [f.rank for f in op.targets]) for op in reads]
     [((0, 0), 0, [0, 1]), ((4, 0), 1, [0, 1])]
     """
     scopes: Scopes = {}

@@ -29,9 +29,10 @@ from typing import Any
 
 import numpy as np
 
-from .._errors import LayoutError
-from .._region import Region
-from ..core._grid import ChunkGrid
+from pytreeckpt._errors import LayoutError
+from pytreeckpt._region import Region
+from pytreeckpt.core._grid import ChunkGrid
+
 from ._balance import Box, Scopes, coalesce, scope_key, scope_loads, subtract_box, water_fill
 from ._chunking import chunk_shape_of_table
 from ._tables import _I64, PieceTable, Placed, _Memo, clear_placed, first_of_runs, placed, unique_rows
@@ -509,14 +510,14 @@ def _array_writes(
             if mine is None or k == mine:
                 loose[(g.holders[k], pis[k])].append(grid.unflat(c))
     writes: list[WriteOp] = []
-    for (p, pi), bs in boxes.items():
-        if (p, pi) not in loose and len(bs) == 1:
-            writes.append(_direct(grid, bs[0], int(ranks[p]), pi))
+    for (q, pi), bs in boxes.items():
+        if (q, pi) not in loose and len(bs) == 1:
+            writes.append(_direct(grid, bs[0], int(ranks[q]), pi))
         else:
-            loose[(p, pi)].extend(i for lo, hi in bs for i in grid.indices(lo, hi))
-    for (p, pi), idxs in loose.items():
+            loose[(q, pi)].extend(i for lo, hi in bs for i in grid.indices(lo, hi))
+    for (q, pi), idxs in loose.items():
         for box in coalesce(idxs):
-            writes.append(_direct(grid, box, int(ranks[p]), pi))
+            writes.append(_direct(grid, box, int(ranks[q]), pi))
     for flat in merges:
         m = s.merge(flat)
         if not m.feeders:

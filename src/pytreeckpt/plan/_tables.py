@@ -15,8 +15,8 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from .._region import Region
-from .._sharding import FlatRanges, Layout, Piece, Replicate, ShardingSpec, StridedShard, flat_range_regions
+from pytreeckpt._region import Region
+from pytreeckpt._sharding import FlatRanges, Layout, Piece, Replicate, ShardingSpec, StridedShard, flat_range_regions
 
 __all__ = ["PieceTable", "piece_table", "unique_rows"]
 

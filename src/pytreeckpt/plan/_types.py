@@ -15,9 +15,9 @@ from typing import Any
 
 import numpy as np
 
-from .._errors import LayoutError
-from .._region import Region
-from .._sharding import Layout
+from pytreeckpt._errors import LayoutError
+from pytreeckpt._region import Region
+from pytreeckpt._sharding import Layout
 
 __all__ = [
     "ArrayLoadPlan",
