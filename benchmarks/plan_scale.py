@@ -3,22 +3,24 @@
     python benchmarks/plan_scale.py                       # the sweep: every model x 64, 512, 4096, 16384 ranks
     python benchmarks/plan_scale.py --model 405b --ranks 16384 --json
 
-Nothing is allocated or written: the planning layer is pure, so the plans of a 16,384-rank
-job are computed on one machine from the layouts alone (``pytreeckpt._llama``). For each
-model and rank count this measures
+Nothing is allocated or written: the planning layer is pure, so a rank's part of the plans
+of a 16,384-rank job is computed on one machine from the layouts alone (``benchmarks/_llama.py``),
+with the planner ``save()``, ``async_save()`` and ``load()`` call on every rank
+(``pytreeckpt.plan.plan_save(..., rank=r)``, ``plan_load(..., rank=r)``). For each model
+and rank count this measures
 
 - ``rank_plan_ms``: one rank computing its own part of the save plan, cold (no memo),
   median of 3 runs; the slowest of a few sampled ranks is ``rank_plan_max_ms``;
-- ``global_plan_s``: the coordinator computing the whole save plan and the metadata
-  document, cold;
-- ``metadata_mb``: the size of that document (MB = 10^6 bytes);
-- ``exchange_*``: the layout-exchange payload per rank (what ``_exchange_layouts`` sends
-  today: each rank's own pieces, pickled, all-gathered to every rank);
+- ``metadata_mb``: the size of the metadata document the coordinator writes (MB = 10^6
+  bytes), and ``coordinator_document_s`` the time to build it;
+- ``exchange_*``: what the layout agreement of a save or load sends per rank (a digest)
+  and what a non-coordinator rank receives (rank 0's verdict);
 - ``cached_plan_ms``: a save in the same layouts as the last one, served by the plan cache;
-- the same for resharded loads (to half the ranks with TP/2 and PP*2, and to 8 ranks for
-  evaluation with bf16 parameters only);
-- plan invariants (each element written once, each needed element read once), checked
-  exactly with numpy on the global plans.
+- the same rank plan for resharded loads (to half the ranks with TP/2 and PP*2, and to 8
+  ranks for evaluation with bf16 parameters only).
+
+The plans' invariants are checked against an independent reference planner by the
+property tests (``property_tests/test_planner.py``), not here.
 
 Results go to ``benchmarks/results/plan_scale/`` (JSON, a Markdown table, PNG plots if
 matplotlib is installed). With ``--json`` the last line printed is one JSON object (the
@@ -38,17 +40,21 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
+from _llama import llama_state
 
 from pytreeckpt._dtypes import dtype_from_name
 from pytreeckpt._format import ARRAYS_DIR, ArrayMeta, array_names, build_document
-from pytreeckpt._llama import llama_state
-from pytreeckpt._plan import ChunkingOptions
-from pytreeckpt._plan_cache import PlanCache, spec_plan_key
-from pytreeckpt._plan_check import check_load, check_save
-from pytreeckpt._plan_load_table import plan_load_rank, plan_load_tables
-from pytreeckpt._plan_table import ArraySpec, clear_caches, piece_table, plan_save_rank, plan_save_tables
 from pytreeckpt._tree import Node
+from pytreeckpt.plan import (
+    ArraySpec,
+    ChunkingOptions,
+    PlanCache,
+    clear_caches,
+    plan_load,
+    plan_save,
+    spec_digest,
+    spec_plan_key,
+)
 
 PP = {"8b": 1, "70b": 4, "405b": 16}  # 405B: TP8 x PP16, as Llama 3 405B was trained
 TP = 8
@@ -80,30 +86,23 @@ def _document(specs: list[ArraySpec], chunk_shapes: list[tuple[int, ...]]) -> by
     return build_document(tree, metas, {})
 
 
-def _exchange(specs: list[ArraySpec], world: int, rank: int) -> int:
-    """Bytes rank ``rank`` contributes to today's all-gather of layouts: its own pieces of every array, pickled.
+def _exchange(specs: list[ArraySpec]) -> tuple[int, int]:
+    """Bytes a rank sends and a non-coordinator rank receives in the layout agreement of save() and load().
 
-    Pieces are taken from the piece tables (offset, shape; local placement as for a rank
-    holding one box), so the count is exact for one-box layouts and close otherwise.
+    Each rank sends rank 0 ``("ok", digest)``; rank 0 broadcasts its verdict (None when
+    the ranks agree): what ``_shared._agree_on_specs`` exchanges, pickled as
+    torch.distributed's object collectives pickle it.
     """
-    mine = []
-    for s in specs:
-        table = piece_table(s.layout, s.shape)
-        ranks = s.rank_array()
-        rows = []
-        at = int(np.searchsorted(ranks, rank))
-        if at < len(ranks) and ranks[at] == rank:
-            sel = np.flatnonzero(table.pos == at)
-            rows = [(tuple(table.lo[i].tolist()), tuple(table.ext[i].tolist()), 0, None) for i in sel.tolist()]
-        mine.append((s.key, "bfloat16" if s.itemsize == 2 else "float32", list(s.shape), rows))
-    return len(pickle.dumps(mine))
+    dtypes = tuple("bfloat16" if s.itemsize == 2 else "float32" for s in specs)
+    sent = pickle.dumps(("ok", spec_digest(spec_plan_key(specs, dtypes, ()))))
+    return len(sent), len(pickle.dumps([None]))
 
 
 def _samples(world: int) -> list[int]:
     return sorted({0, world // 2 + 3, world - 1})
 
 
-def run_one(model: str, world: int, layout: str, check: bool = True) -> dict[str, Any]:
+def run_one(model: str, world: int, layout: str) -> dict[str, Any]:
     tp, pp = _parallel(model, world, TP, PP[model])
     if layout != "tp_pp_dp":
         pp = 1
@@ -126,63 +125,47 @@ def run_one(model: str, world: int, layout: str, check: bool = True) -> dict[str
         runs = []
         for _ in range(3):
             clear_caches()
-            dt, part = _timed(lambda r=r: plan_save_rank(specs, world, r, options))
+            dt, part = _timed(lambda r=r: plan_save(specs, world, rank=r, options=options))
             runs.append(dt)
         times.append(sorted(runs)[1])
         if r == 0:
             out["rank_writes"] = sum(len(a.writes) for a in part.arrays)
+            chunk_shapes = [a.chunk_shape for a in part.arrays]
     out["rank_plan_ms"] = times[0] * 1e3
     out["rank_plan_max_ms"] = max(times) * 1e3
-    dt, _ = _timed(lambda: plan_save_rank(specs, world, 0, options))
+    dt, _ = _timed(lambda: plan_save(specs, world, rank=0, options=options))
     out["rank_plan_warm_ms"] = dt * 1e3
-    # The plan cache: a save in the same layouts as the last one, on a rank (which holds its
-    # own plan, not the coordinator's global one: measured before that is built).
+    # The plan cache: a save in the same layouts as the last one.
     cache = PlanCache(4)
-    cache.get_or(spec_plan_key(specs, world, options, 0), lambda: plan_save_rank(specs, world, 0, options))
+    cache.get_or(spec_plan_key(specs, world, options, 0), lambda: plan_save(specs, world, rank=0, options=options))
     hits = []
     gc.collect()
     for _ in range(5):
         fresh = llama_state(model, layout, world, tp=tp, pp=pp)  # equal layouts, new objects, as on the next save
         t0 = time.perf_counter()
         key = spec_plan_key(fresh, world, options, 0)
-        cache.get_or(key, lambda fresh=fresh: plan_save_rank(fresh, world, 0, options))
+        cache.get_or(key, lambda fresh=fresh: plan_save(fresh, world, rank=0, options=options))
         hits.append(time.perf_counter() - t0)
     assert cache.hits == 5
     out["cached_plan_ms"] = sorted(hits)[len(hits) // 2] * 1e3
-    # The coordinator: the whole plan and the metadata document, cold.
-    clear_caches()
-
-    def global_plan() -> tuple[Any, bytes]:
-        tables = plan_save_tables(specs, world, options)
-        return tables, _document(specs, [t.chunk_shape for t in tables])
-
-    dt, (tables, doc) = _timed(global_plan)
-    out["global_plan_s"] = dt
-    out["writes"] = sum(len(t) for t in tables)
+    # The coordinator's metadata document (it plans only its own part, as every rank).
+    dt, doc = _timed(lambda: _document(specs, chunk_shapes))
+    out["coordinator_document_s"] = dt
     out["metadata_mb"] = len(doc) / 1e6
-    # Layout exchange as done today (all-gather of every rank's own pieces), sampled ranks.
-    sent = [_exchange(specs, world, r) for r in _samples(world)]
-    out["exchange_sent_kb_per_rank"] = max(sent) / 1e3
-    out["exchange_recv_mb_per_rank"] = sum(sent) / len(sent) * world / 1e6
-    if check:
-        dt, problems = _timed(lambda: check_save(specs, tables, world))
-        out["save_check_s"] = dt
-        out["save_invariants_ok"] = not problems
-        if problems:
-            out["save_problems"] = problems[:5]
+    sent, received = _exchange(specs)
+    out["exchange_sent_kb_per_rank"] = sent / 1e3
+    out["exchange_recv_mb_per_rank"] = received / 1e6
     chunks = dict(zip([s.key for s in specs], _chunks(specs, world, options), strict=True))
-    out["loads"] = [_run_load(model, world, tp, pp, layout, chunks, name, check) for name in ("reshard", "eval8")]
+    out["loads"] = [_run_load(model, world, tp, pp, layout, chunks, name) for name in ("reshard", "eval8")]
     return out
 
 
 def _chunks(specs: list[ArraySpec], world: int, options: ChunkingOptions) -> list[tuple[int, ...]]:
-    from pytreeckpt._plan_table import grid_info
-
-    return [grid_info(s.layout, s.shape, s.itemsize, options).chunk_shape for s in specs]
+    return [a.chunk_shape for a in plan_save(specs, world, rank=0, options=options).arrays]
 
 
 def _run_load(
-    model: str, world: int, tp: int, pp: int, layout: str, chunks: dict[str, tuple[int, ...]], name: str, check: bool
+    model: str, world: int, tp: int, pp: int, layout: str, chunks: dict[str, tuple[int, ...]], name: str
 ) -> dict[str, Any]:
     if name == "reshard":
         t_world = max(8, world // 2)
@@ -197,20 +180,10 @@ def _run_load(
     runs = []
     for _ in range(3):
         clear_caches()
-        dt, part = _timed(lambda: plan_load_rank(stored, targets, t_world, 0))
+        dt, part = _timed(lambda: plan_load(stored, targets, t_world, rank=0))
         runs.append(dt)
     out["rank_plan_ms"] = sorted(runs)[1] * 1e3
     out["rank_reads"] = sum(len(a.reads) for a in part.arrays)
-    clear_caches()
-    dt, tables = _timed(lambda: plan_load_tables(stored, targets, t_world))
-    out["global_plan_s"] = dt
-    out["reads"] = sum(len(t) if hasattr(t, "rows") else len(t.reads) for t in tables)  # type: ignore[union-attr]
-    if check:
-        dt, problems = _timed(lambda: check_load(targets, stored, tables, t_world))
-        out["check_s"] = dt
-        out["invariants_ok"] = not problems
-        if problems:
-            out["problems"] = problems[:5]
     return out
 
 
@@ -223,20 +196,17 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 def _table(rows: list[dict[str, Any]]) -> str:
     head = (
-        "| model | layout | ranks | TPxPP | arrays | rank plan ms (max) | global plan+meta s | metadata MB | "
-        "exchange recv MB/rank | cached ms | load reshard: rank ms / global s | eval8: rank ms / global s | "
-        "invariants |\n|" + " --- |" * 13
+        "| model | layout | ranks | TPxPP | arrays | save rank plan ms (max) | metadata MB | "
+        "agreement recv bytes/rank | cached ms | load reshard rank ms | eval8 rank ms |\n|" + " --- |" * 11
     )
     lines = [head]
     for r in rows:
         ld = {x["load"]: x for x in r["loads"]}
-        ok = r.get("save_invariants_ok", True) and all(x.get("invariants_ok", True) for x in r["loads"])
         lines.append(
             f"| {r['model']} | {r['layout']} | {r['ranks']} | {r['tp']}x{r['pp']} | {r['arrays']} | "
-            f"{r['rank_plan_ms']:.0f} ({r['rank_plan_max_ms']:.0f}) | {r['global_plan_s']:.2f} | "
-            f"{r['metadata_mb']:.2f} | {r['exchange_recv_mb_per_rank']:.1f} | {r['cached_plan_ms']:.2f} | "
-            f"{ld['reshard']['rank_plan_ms']:.0f} / {ld['reshard']['global_plan_s']:.2f} | "
-            f"{ld['eval8']['rank_plan_ms']:.0f} / {ld['eval8']['global_plan_s']:.2f} | {'ok' if ok else 'FAILED'} |"
+            f"{r['rank_plan_ms']:.0f} ({r['rank_plan_max_ms']:.0f}) | {r['metadata_mb']:.2f} | "
+            f"{r['exchange_recv_mb_per_rank'] * 1e6:.0f} | {r['cached_plan_ms']:.2f} | "
+            f"{ld['reshard']['rank_plan_ms']:.0f} | {ld['eval8']['rank_plan_ms']:.0f} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -251,16 +221,14 @@ def _plot(rows: list[dict[str, Any]], out: Path) -> list[str]:
         return []
     metrics = [
         ("rank_plan_ms", "one rank's save plan (ms)", lambda r: r["rank_plan_ms"]),
-        ("global_plan_s", "global save plan + metadata (s)", lambda r: r["global_plan_s"]),
         ("metadata_mb", "metadata document (MB)", lambda r: r["metadata_mb"]),
         (
             "exchange_recv_mb_per_rank",
-            "layout all-gather received per rank (MB)",
+            "layout agreement received per rank (MB)",
             lambda r: r["exchange_recv_mb_per_rank"],
         ),
         ("cached_plan_ms", "cached plan (ms)", lambda r: r["cached_plan_ms"]),
         ("load_rank_plan_ms", "one rank's resharded load plan (ms)", lambda r: r["loads"][0]["rank_plan_ms"]),
-        ("load_global_plan_s", "global resharded load plan (s)", lambda r: r["loads"][0]["global_plan_s"]),
     ]
     files = []
     for name, label, get in metrics:
@@ -302,7 +270,6 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", choices=["8b", "70b", "405b", "all"], default="all")
     p.add_argument("--ranks", type=int, nargs="*", default=list(RANKS))
     p.add_argument("--layout", nargs="*", default=["tp_pp_dp"], choices=["tp_pp_dp", "fsdp_tp", "fsdp1"])
-    p.add_argument("--no-check", action="store_true", help="skip the invariant checks")
     p.add_argument("--json", action="store_true", help="print one JSON object per configuration")
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "plan_scale"))
     p.add_argument("--no-save", action="store_true", help="do not write the results directory")
@@ -317,7 +284,7 @@ def main(argv: list[str] | None = None) -> None:
     for layout in args.layout:
         for model in models:
             for world in args.ranks:
-                row = run_one(model, world, layout, check=not args.no_check)
+                row = run_one(model, world, layout)
                 rows.append(row)
                 if not args.no_save:
                     _save(rows, Path(args.out), plots=False)
@@ -325,8 +292,8 @@ def main(argv: list[str] | None = None) -> None:
                     print(json.dumps(row), flush=True)
                 else:
                     print(
-                        f"{model} {layout} {world}: rank {row['rank_plan_ms']:.0f} ms, global "
-                        f"{row['global_plan_s']:.2f} s, metadata {row['metadata_mb']:.2f} MB, cached "
+                        f"{model} {layout} {world}: rank {row['rank_plan_ms']:.0f} ms, load "
+                        f"{row['loads'][0]['rank_plan_ms']:.0f} ms, metadata {row['metadata_mb']:.2f} MB, cached "
                         f"{row['cached_plan_ms']:.2f} ms",
                         file=sys.stderr,
                         flush=True,

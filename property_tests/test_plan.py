@@ -6,13 +6,14 @@ import json
 import math
 
 import numpy as np
+from _oracle import ArrayLayout, plan_load, plan_save
 from hypothesis import event, given
 from hypothesis import strategies as st
 
 from pytreeckpt import ChunkingOptions, ExplicitRegions, FlatRanges, Layout, Mesh, Replicate, ShardingSpec
-from pytreeckpt._plan import ArrayLayout, ArraySavePlan, LoadPlan, SavePlan, plan_load, plan_save
 from pytreeckpt._region import Region, chunk_region
 from pytreeckpt._sharding import Piece
+from pytreeckpt.plan import ArraySavePlan, LoadPlan, SavePlan
 from pytreeckpt.testing import chunking_options, shapes, specs
 
 Pieces = tuple[tuple[Piece, ...], ...]

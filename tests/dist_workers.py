@@ -686,3 +686,81 @@ def one_rank_fails(rank: int, world: int, path: str) -> list[dict[str, Any]]:
                 }
             )
     return out
+
+
+def collective_bytes(rank: int, world: int, path: str) -> dict[str, int]:
+    """The bytes this rank receives through object collectives inside one save and one load of the same state.
+
+    The state is the same at every world size: 240 leaves, DTensors sharded over the
+    world's mesh (and some replicated), with a few plain values.
+    """
+    import pickle
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    received = [0]
+
+    def size(obj: Any) -> int:
+        return len(pickle.dumps(obj))
+
+    real_gather, real_all_gather, real_broadcast = (
+        dist.gather_object,
+        dist.all_gather_object,
+        dist.broadcast_object_list,
+    )
+
+    def gather_object(obj: Any, object_gather_list: Any = None, dst: int = 0, group: Any = None) -> None:
+        real_gather(obj, object_gather_list, dst=dst, group=group)
+        if object_gather_list is not None:
+            received[0] += sum(size(o) for i, o in enumerate(object_gather_list) if i != dist.get_rank(group))
+
+    def all_gather_object(object_list: Any, obj: Any, group: Any = None) -> None:
+        real_all_gather(object_list, obj, group=group)
+        received[0] += sum(size(o) for i, o in enumerate(object_list) if i != dist.get_rank(group))
+
+    def broadcast_object_list(object_list: Any, src: int = 0, group: Any = None, device: Any = None) -> None:
+        real_broadcast(object_list, src=src, group=group, device=device)
+        if dist.get_rank() != src:
+            received[0] += size(object_list)
+
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    state: dict[str, Any] = {"step": 7, "lr": 0.1, "data": {"epoch": 2, "offset": 1234}}
+    for layer in range(40):
+        for name, shape, placement in (
+            ("wq", (64, 32), Shard(0)),
+            ("wk", (64, 32), Shard(0)),
+            ("wv", (64, 32), Shard(1)),
+            ("wo", (32, 64), Shard(1)),
+            ("norm", (32,), Replicate()),
+        ):
+            state[f"layers.{layer}.{name}"] = distribute_tensor(torch.randn(shape), mesh, [placement])
+    state["embed"] = distribute_tensor(torch.randn(128, 32), mesh, [Shard(0)])
+    dist.gather_object, dist.all_gather_object, dist.broadcast_object_list = (
+        gather_object,
+        all_gather_object,
+        broadcast_object_list,
+    )
+    try:
+        received[0] = 0
+        pytreeckpt.save(path, state)
+        saved = received[0]
+        received[0] = 0
+        target = {
+            k: distribute_tensor(torch.zeros_like(v.full_tensor()), mesh, [Replicate()])
+            if hasattr(v, "full_tensor")
+            else v
+            for k, v in state.items()
+        }
+        pytreeckpt.load(path, target)
+        loaded = received[0]
+    finally:
+        dist.gather_object, dist.all_gather_object, dist.broadcast_object_list = (
+            real_gather,
+            real_all_gather,
+            real_broadcast,
+        )
+    import os
+
+    return {"save": saved, "load": loaded, "metadata": os.path.getsize(f"{path}/pytreeckpt.json")}

@@ -247,3 +247,15 @@ def test_one_ranks_error_is_raised_by_every_rank_and_the_groups_stay_usable(tmp_
     assert "committed" in next(c["message"] for c in results[0] if c["case"] == "save_over_committed")
     slowest = max(c["seconds"] for r in results for c in r)
     print(f"slowest failing call: {slowest:.2f} s")
+
+
+def test_what_a_rank_receives_in_save_and_load_does_not_grow_with_the_world(tmp_path: Path) -> None:
+    # Ranks send rank 0 a digest of their layouts and get its verdict; no rank receives the
+    # others' pieces. A load also receives the metadata document rank 0 read. Before: a
+    # non-coordinator rank received 7x more at 8 ranks than at 2.
+    got = {n: run_world(n, w.collective_bytes, str(tmp_path / f"w{n}")) for n in (2, 4, 8)}
+    for what in ("save", "load"):
+        others = {n: max(r[what] for r in results[1:]) for n, results in got.items()}
+        assert others[8] <= 1.5 * others[2], (what, others)
+        document = got[2][0]["metadata"] if what == "load" else 0
+        assert others[2] < document + 10_000, (what, others, document)  # a few small messages besides

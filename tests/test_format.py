@@ -48,7 +48,7 @@ def test_a_symlink_out_of_the_checkpoint_is_refused(tmp_path: Path) -> None:
         (lambda d: d.update(format="other"), "not a pytreeckpt metadata document"),
         (lambda d: d.update(version=99), "version 99 is not supported"),
         (lambda d: d["leaves"][0].update(dtype="float128"), "unknown dtype"),
-        (lambda d: d["leaves"][0].update(shape=[-1]), "shape must be a list of non-negative integers"),
+        (lambda d: d["leaves"][0].update(shape=[-1]), r"shape must be a list of integers from 0 to 2\*\*62 - 2"),
         (lambda d: d["leaves"][0].update(shape="big"), "shape must be a list"),
         (lambda d: d["leaves"][0].update(chunk_shape=[0]), "chunk_shape"),
         (lambda d: d["leaves"][0].update(kind="pickle"), "unknown kind"),

@@ -31,3 +31,24 @@ def test_format_v1_golden_checkpoint_loads() -> None:
     assert math.isnan(got["nan"])
     assert got["none"] is None
     assert pytreeckpt.metadata(GOLDEN / "v1").version == 1
+
+
+def test_saving_the_golden_state_today_writes_the_golden_checkpoint_byte_for_byte(tmp_path: Path) -> None:
+    # The same state, chunking and (unpacked) layout as tests/golden/make_golden.py used: every
+    # chunk file is the same bytes, every array's zarr.json and the metadata say the same.
+    import json
+
+    where = pytreeckpt.Location(tmp_path / "v1", pytreeckpt.StorageOptions(pack_small_leaves=False))
+    chunking = pytreeckpt.ChunkingOptions(single_chunk_bytes=64, max_chunk_bytes=64)
+    pytreeckpt.save(where, golden_state(), chunking=chunking)
+    old, new = GOLDEN / "v1", tmp_path / "v1"
+    files = sorted(p.relative_to(old) for p in old.rglob("*") if p.is_file())
+    written = sorted(p.relative_to(new) for p in new.rglob("*") if p.is_file() and p.name != ".pytreeckpt.lock")
+    assert files == written
+    for f in files:
+        if f.name.endswith(".json"):
+            # (make_golden.py ran as a script, so its namedtuple's module was __main__)
+            text = (new / f).read_text().replace('"make_golden:Point"', '"__main__:Point"')
+            assert json.loads(text) == json.loads((old / f).read_text()), f
+        else:
+            assert (new / f).read_bytes() == (old / f).read_bytes(), f

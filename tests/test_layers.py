@@ -8,13 +8,8 @@ import sys
 PURE = [
     "pytreeckpt._region",
     "pytreeckpt._sharding",
-    "pytreeckpt._plan",
-    "pytreeckpt._piece_table",
-    "pytreeckpt._plan_table",
-    "pytreeckpt._plan_cache",
-    "pytreeckpt._plan_load_table",
-    "pytreeckpt._plan_check",
-    "pytreeckpt._llama",
+    "pytreeckpt.core._grid",
+    "pytreeckpt.plan",
     "pytreeckpt._tree",
 ]
 
@@ -47,7 +42,7 @@ def test_only_the_executor_imports_tensorstore_and_only_the_adapter_torch_distri
     import pytreeckpt
 
     src = pathlib.Path(pytreeckpt.__file__).parent
-    for f in src.glob("*.py"):
+    for f in src.rglob("*.py"):
         text = f.read_text()
         if f.name not in ("_executor.py", "_location.py"):  # storage: the executor and its locations
             assert "import tensorstore" not in text, f.name

@@ -7,14 +7,18 @@ import json
 import numpy as np
 import pytest
 
-from pytreeckpt import ExplicitRegions, FlatRanges, LayoutError, Mesh, Replicate, Shard, ShardingSpec
-from pytreeckpt._plan import ArrayLayout, ChunkingOptions, LoadPlan, SavePlan, choose_chunk_shape, plan_load, plan_save
+from pytreeckpt import ExplicitRegions, FlatRanges, Layout, LayoutError, Mesh, Replicate, Shard, ShardingSpec
+from pytreeckpt.plan import ArraySpec, ChunkingOptions, LoadPlan, SavePlan, plan_load, plan_save
 
 KiB = 1024
 
 
-def layout(key: str, shape: tuple[int, ...], spec: object, itemsize: int = 4) -> ArrayLayout:
-    return ArrayLayout(key, shape, itemsize, spec.rank_pieces(shape))  # type: ignore[attr-defined]
+def layout(key: str, shape: tuple[int, ...], spec: Layout, itemsize: int = 4) -> ArraySpec:
+    return ArraySpec(key, shape, itemsize, spec)
+
+
+def chunk_shape(shape: tuple[int, ...], spec: Layout, options: ChunkingOptions) -> tuple[int, ...]:
+    return plan_save([layout("a", shape, spec)], spec.world_size, options=options).arrays[0].chunk_shape
 
 
 def written_counts(plan: SavePlan, shape: tuple[int, ...], index: int = 0) -> np.ndarray:
@@ -26,7 +30,7 @@ def written_counts(plan: SavePlan, shape: tuple[int, ...], index: int = 0) -> np
 
 def test_aligned_shards_are_written_directly_by_their_owner() -> None:
     spec = ShardingSpec(Mesh(4), [Shard(0)])
-    plan = plan_save([layout("w", (1024, 512), spec)], 4, ChunkingOptions(single_chunk_bytes=0))
+    plan = plan_save([layout("w", (1024, 512), spec)], 4, options=ChunkingOptions(single_chunk_bytes=0))
     ap = plan.arrays[0]
     assert ap.chunk_shape == (256, 512)  # one chunk per shard
     assert [(op.writer, op.is_direct) for op in ap.writes] == [(0, True), (1, True), (2, True), (3, True)]
@@ -36,7 +40,7 @@ def test_aligned_shards_are_written_directly_by_their_owner() -> None:
 def test_replicated_data_is_written_once_balanced_across_holders() -> None:
     spec = ShardingSpec(Mesh(4), [Replicate()])
     opts = ChunkingOptions(single_chunk_bytes=0, min_chunk_bytes=0, max_chunk_bytes=64 * KiB)
-    plan = plan_save([layout("r", (1024, 64), spec)], 4, opts)  # 256 KiB in 64 KiB chunks
+    plan = plan_save([layout("r", (1024, 64), spec)], 4, options=opts)  # 256 KiB in 64 KiB chunks
     assert plan.bytes_per_rank() == (64 * KiB,) * 4
     assert (written_counts(plan, (1024, 64)) == 1).all()
 
@@ -50,7 +54,7 @@ def test_many_small_replicated_arrays_spread_over_ranks() -> None:
 def test_chunks_straddling_shards_are_merged_by_one_writer() -> None:
     spec = FlatRanges([(0, 7), (7, 20), (20, 30)])
     opts = ChunkingOptions(single_chunk_bytes=0, min_chunk_bytes=1000, max_chunk_bytes=40)
-    plan = plan_save([layout("f", (5, 6), spec)], 3, opts)
+    plan = plan_save([layout("f", (5, 6), spec)], 3, options=opts)
     merged = [op for op in plan.arrays[0].writes if not op.is_direct]
     assert merged  # irregular pieces routed to the writer of their chunk
     for op in merged:
@@ -71,9 +75,8 @@ def test_a_gap_in_the_layout_names_the_leaf() -> None:
 
 
 def test_load_reads_identical_regions_once_for_all_ranks_that_want_them() -> None:
-    stored = [("w", (8, 8), 4, (4, 8))]
-    target = ShardingSpec(Mesh((2, 2)), [Replicate(), Shard(0)]).rank_pieces((8, 8))
-    plan = plan_load(stored, [target], 4)
+    target = layout("w", (8, 8), ShardingSpec(Mesh((2, 2)), [Replicate(), Shard(0)]))
+    plan = plan_load([(4, 8)], [target], 4)
     reads = plan.arrays[0].reads
     assert len(reads) == 2
     assert sorted(sorted(t.rank for t in op.targets) for op in reads) == [[0, 2], [1, 3]]
@@ -82,9 +85,8 @@ def test_load_reads_identical_regions_once_for_all_ranks_that_want_them() -> Non
 
 
 def test_load_cuts_target_pieces_along_stored_chunks() -> None:
-    stored = [("w", (10,), 4, (3,))]
-    target = ExplicitRegions([[((1,), (7,))]]).rank_pieces((10,))
-    reads = plan_load(stored, [target], 1).arrays[0].reads
+    target = layout("w", (10,), ExplicitRegions([[((1,), (7,))]]))
+    reads = plan_load([(3,)], [target], 1).arrays[0].reads
     assert [(op.region.offset, op.region.shape) for op in reads] == [((1,), (2,)), ((3,), (3,)), ((6,), (2,))]
 
 
@@ -92,17 +94,16 @@ def test_plans_round_trip_through_json() -> None:
     spec = FlatRanges([(0, 7), (7, 30)])
     plan = plan_save([layout("f", (5, 6), spec), layout("r", (3,), ShardingSpec(Mesh(2), [Replicate()]))], 2)
     assert SavePlan.from_json(json.loads(json.dumps(plan.to_json()))) == plan
-    lp = plan_load([("f", (5, 6), 4, plan.arrays[0].chunk_shape)], [spec.rank_pieces((5, 6))], 2)
+    lp = plan_load([plan.arrays[0].chunk_shape], [layout("f", (5, 6), spec)], 2)
     assert LoadPlan.from_json(json.loads(json.dumps(lp.to_json()))) == lp
 
 
 def test_chunk_shape_choice() -> None:
     opts = ChunkingOptions(single_chunk_bytes=1024, min_chunk_bytes=256, max_chunk_bytes=4096)
     one = ShardingSpec(Mesh(1), [Replicate()])
-    assert choose_chunk_shape((16,), 4, one.rank_pieces((16,)), opts) == (16,)  # small: one chunk
-    assert choose_chunk_shape((0, 5), 4, one.rank_pieces((0, 5)), opts) == (1, 5)  # zero-size
+    assert chunk_shape((16,), one, opts) == (16,)  # small: one chunk
+    assert chunk_shape((0, 5), one, opts) == (1, 5)  # zero-size
     four = ShardingSpec(Mesh(4), [Shard(0)])
-    assert choose_chunk_shape((64, 32), 4, four.rank_pieces((64, 32)), opts) == (16, 32)  # aligned, 2 KiB
+    assert chunk_shape((64, 32), four, opts) == (16, 32)  # aligned, 2 KiB
     big = ShardingSpec(Mesh(2), [Shard(0)])
-    shape = (64, 64)  # shards of 8 KiB split to 4 KiB, still aligned
-    assert choose_chunk_shape(shape, 4, big.rank_pieces(shape), opts) == (16, 64)
+    assert chunk_shape((64, 64), big, opts) == (16, 64)  # shards of 8 KiB split to 4 KiB, still aligned

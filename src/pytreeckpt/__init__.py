@@ -40,9 +40,6 @@ from ._location import StorageOptions as StorageOptions
 from ._manager import CheckpointManager as CheckpointManager
 from ._monitor import Monitor as Monitor
 from ._monitor import Span as Span
-from ._plan import ChunkingOptions as ChunkingOptions
-from ._plan import LoadPlan as LoadPlan
-from ._plan import SavePlan as SavePlan
 from ._region import Region as Region
 from ._safetensors import export_safetensors as export_safetensors
 from ._safetensors import import_safetensors as import_safetensors
@@ -55,6 +52,9 @@ from ._sharding import Shard as Shard
 from ._sharding import ShardingSpec as ShardingSpec
 from ._sharding import StridedShard as StridedShard
 from ._tiered import TwoTierManager as TwoTierManager
+from .plan import ChunkingOptions as ChunkingOptions
+from .plan import LoadPlan as LoadPlan
+from .plan import SavePlan as SavePlan
 
 __version__ = "0.1.0"
 

@@ -27,9 +27,9 @@ import torch.distributed as dist
 
 from ._errors import CheckpointError, LayoutError, MetadataError, NotCommittedError, TargetMismatchError
 from ._executor import PieceData, WriteItem
-from ._plan import ArrayLoadPlan, ArraySavePlan, ReadOp
 from ._region import Region
-from ._sharding import Layout, Mesh, Piece, Placement, Replicate, Shard, ShardingSpec, StridedShard
+from ._sharding import Layout, Mesh, Placement, Replicate, Shard, ShardingSpec, StridedShard
+from .plan import ArrayLoadPlan, ArraySavePlan, ReadOp
 
 __all__ = [
     "DistComm",
@@ -252,29 +252,86 @@ def placements_from_spec(spec: ShardingSpec) -> list[Any]:
     return out
 
 
-def dtensor_layout(dt: Any, world: int, group: Any) -> tuple[ShardingSpec, tuple[tuple[Piece, ...], ...]]:
-    """A DTensor's spec and every rank's pieces, indexed by rank of ``group`` (None: this process alone)."""
+def dtensor_layout(dt: Any, comm: DistComm | None) -> tuple[ShardingSpec, tuple[int, ...], int | None, ShardingSpec]:
+    """A DTensor's layout for planning, the rank in ``comm``'s group of each of its positions, this process's
+    position (None off the mesh), and the DTensor's own spec (its mesh and placements).
+
+    With ``comm`` None the save or load runs in this process alone: the mesh must be
+    this rank alone, which is rank 0.
+    """
     spec, mesh_ranks = spec_from_dtensor(dt)
-    by_position = spec.rank_pieces(tuple(dt.shape))
-    pieces: list[tuple[Piece, ...]] = [() for _ in range(world)]
-    for pos, global_rank in enumerate(mesh_ranks):
-        pieces[_group_rank(group, global_rank, mesh_ranks)] = by_position[pos]
-    return spec, tuple(pieces)
+    own = spec
+    if comm is not None:
+        # A mesh sliced from a larger one (the "dp" axis of a dp x tp mesh) has replicas
+        # (the other tp ranks' "dp" meshes) holding the same tensor: its layout is the
+        # spec replicated over them. Every rank finds them from the root mesh alone.
+        replicas = [r for r in _replicas(dt.device_mesh) if all(g in comm.members for g in r)]
+        if len(replicas) > 1 and mesh_ranks in replicas:
+            mesh = spec.mesh
+            spec = ShardingSpec(
+                Mesh((len(replicas), *mesh.shape), (_free_name(mesh.axis_names), *mesh.axis_names)),
+                [Replicate(), *spec.placements],
+            )
+            mesh_ranks = tuple(g for r in replicas for g in r)
+    me = this_rank()
+    position = mesh_ranks.index(me) if me in mesh_ranks else None  # (a rank off the mesh holds nothing of it)
+    return spec, _group_ranks(comm, mesh_ranks), position, own
 
 
-def _group_rank(group: Any, global_rank: int, mesh_ranks: tuple[int, ...]) -> int:
-    if group is None:
-        me = this_rank()
-        if global_rank == me:
-            return 0
+_REPLICAS: weakref.WeakKeyDictionary[Any, list[tuple[int, ...]]] = weakref.WeakKeyDictionary()
+
+
+def _replicas(device_mesh: Any) -> list[tuple[int, ...]]:
+    """The global ranks of every mesh sliced like ``device_mesh`` from its root mesh (itself among them).
+
+    Uses torch's mesh layouts (``DeviceMesh._layout``, torch >= 2.9); with an older torch
+    only the mesh itself is known, and a tensor on a sliced mesh must be saved with a
+    process group of that mesh's ranks.
+    """
+    try:
+        return _REPLICAS[device_mesh]
+    except (KeyError, TypeError):
+        pass
+    try:
+        table = device_mesh._layout.remap_to_tensor(device_mesh._rank_map)
+        found = [tuple(int(g) for g in row.flatten().tolist()) for row in table.reshape(table.shape[0], -1)]
+    except AttributeError:
+        found = [_mesh_of(device_mesh)[1]]
+    with contextlib.suppress(TypeError):
+        _REPLICAS[device_mesh] = found
+    return found
+
+
+def _free_name(names: Sequence[str]) -> str:
+    name = "replicas"
+    while name in names:
+        name = "_" + name
+    return name
+
+
+def _group_ranks(comm: DistComm | None, mesh_ranks: tuple[int, ...]) -> tuple[int, ...]:
+    """The ranks in ``comm``'s group of the global ranks ``mesh_ranks``.
+
+    Remembered per call: a model's DTensors share a few meshes.
+    """
+    if comm is None:
+        if mesh_ranks == (this_rank(),):
+            return (0,)
         raise LayoutError(
-            f"its DTensor mesh holds ranks {list(mesh_ranks)}, but this save or load runs on rank {me} alone "
-            f"(a process group of one rank); pass a process_group holding the mesh's ranks, and call on each of them"
+            f"its DTensor mesh holds ranks {list(mesh_ranks)}, but this save or load runs on rank {this_rank()} "
+            f"alone (a process group of one rank); pass a process_group holding the mesh's ranks, and call on "
+            f"each of them"
         )
-    r = dist.get_group_rank(group, global_rank)
-    if r < 0:
-        raise LayoutError(f"rank {global_rank} of a DTensor's mesh is not in the checkpoint process group")
-    return int(r)
+    found = comm.mesh_ranks.get(mesh_ranks)
+    if found is None:
+        out = []
+        for global_rank in mesh_ranks:
+            r = dist.get_group_rank(comm.group, global_rank)
+            if r < 0:
+                raise LayoutError(f"rank {global_rank} of a DTensor's mesh is not in the checkpoint process group")
+            out.append(int(r))
+        found = comm.mesh_ranks[mesh_ranks] = tuple(out)
+    return found
 
 
 # --------------------------------------------------------------------------- communication
@@ -291,6 +348,8 @@ class DistComm:
         self.group, self.p2p = groups
         self.rank = dist.get_rank(self.group)
         self.world = dist.get_world_size(self.group)
+        self.mesh_ranks: dict[tuple[int, ...], tuple[int, ...]] = {}  # global ranks of a mesh -> ranks in the group
+        self.members = frozenset(int(g) for g in dist.get_process_group_ranks(self.group))  # global ranks
 
     def global_rank(self, rank: int) -> int:
         return int(dist.get_global_rank(self.group, rank))
@@ -317,8 +376,8 @@ class DistComm:
         The error is of the failed ranks' CheckpointError subclass when they share one;
         on a rank that failed it is chained to that rank's own error.
         """
-        gathered = self.all_gather(describe_failure(error))
-        failed = [(r, e) for r, e in enumerate(gathered) if e is not None]
+        gathered = self.gather(describe_failure(error))  # on rank 0; its verdict to every rank
+        failed = self.broadcast([(r, e) for r, e in enumerate(gathered) if e is not None] if self.rank == 0 else None)
         if failed:
             raise failure(what, failed, self.world) from error
 
@@ -343,7 +402,7 @@ class DistComm:
         """
         me = self.rank
         t = WriteTransfers()
-        tag = _TAG_BASE
+        tags = _PairTags()
         for i, plan in enumerate(plans):
             for op in plan.writes:
                 if op.is_direct:
@@ -351,7 +410,7 @@ class DistComm:
                 buf = np.empty(op.region.shape, dtype=dtypes[i]) if op.writer == me else None
                 pending: list[tuple[Any, torch.Tensor, Region]] = []
                 for frag in op.sources:
-                    tag += 1
+                    tag = tags.next(frag.rank, op.writer)
                     if frag.rank == me:
                         try:
                             src, where = data[i](me, frag.piece)
@@ -392,12 +451,11 @@ class DistComm:
         me = self.rank
         tags: dict[tuple[int, int, int], int] = {}
         recvs: list[tuple[Any, torch.Tensor, list[np.ndarray]]] = []
-        tag = _TAG_BASE
+        pairs = _PairTags()
         for i, plan in enumerate(plans):
             for j, op in enumerate(plan.reads):
                 for rank in sorted({t.rank for t in op.targets} - {op.reader}):
-                    tag += 1
-                    tags[(i, j, rank)] = tag
+                    tag = tags[(i, j, rank)] = pairs.next(op.reader, rank)
                     if rank == me:
                         outs = []
                         for t in op.targets:
@@ -435,6 +493,23 @@ class DistComm:
                 work.wait()
 
         return after, finish
+
+
+class _PairTags:
+    """Tags of point-to-point messages, numbered per (sender, receiver) pair in plan order.
+
+    Each rank plans only its own part, so the two ends of a message number it alike only
+    by counting the messages between them: both see those in the same order (arrays in
+    order, each array's operations in the order of the whole plan).
+    """
+
+    def __init__(self) -> None:
+        self._count: dict[tuple[int, int], int] = {}
+
+    def next(self, sender: int, receiver: int) -> int:
+        n = self._count.get((sender, receiver), 0) + 1
+        self._count[(sender, receiver)] = n
+        return _TAG_BASE + n
 
 
 class WriteTransfers:

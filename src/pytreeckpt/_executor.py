@@ -46,8 +46,8 @@ from ._format import (
     zarr_metadata,
 )
 from ._location import OBJECT_STORE_CHUNKING, OCDBT_CACHE, KvPrefix, Where, make_context, resolve
-from ._plan import ArrayLoadPlan, ArraySavePlan, ChunkingOptions, ReadOp, WriteOp
 from ._region import Region, chunk_region
+from .plan import ArrayLoadPlan, ArraySavePlan, ChunkingOptions, ReadOp, WriteOp
 
 __all__ = ["ExecutorOptions", "PieceData", "Storage", "WriteItem", "assemble", "remove_tree", "write_items"]
 
@@ -710,8 +710,12 @@ class Storage:
         create: bool = True,
         progress: Callable[[int], None] | None = None,
         reuse: ChunkReuse | None = None,
+        only: Iterable[int] | None = None,
     ) -> int:
         """Write ``(array index, region, data, done)`` items, a bounded number of bytes at a time.
+
+        ``only`` gives the indices of the arrays the items write (None: any of ``metas``);
+        only those are opened.
 
         ``items`` may be a generator that assembles each buffer when asked, so memory
         stays bounded by ``max_inflight_bytes``; ``done`` (or None) is called once the
@@ -721,7 +725,8 @@ class Storage:
         content is hashed, and a chunk equal to the base checkpoint's is hard-linked from
         it instead of written. Returns the bytes written.
         """
-        stores = self.open_arrays(metas, create=create)
+        wanted = range(len(metas)) if only is None else sorted(set(only))
+        stores = dict(zip(wanted, self.open_arrays([metas[i] for i in wanted], create=create), strict=True))
         window = _Window(self.options.max_inflight_bytes)
         written = 0
         try:

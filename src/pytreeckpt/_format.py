@@ -285,9 +285,14 @@ def check_relative_path(path: Any, key: str) -> str:
 # --------------------------------------------------------------------------- parsing
 
 
+_MAX_INDEX = (1 << 62) - 2  # TensorStore's largest finite index: no stored extent is larger
+
+
 def _int_list(v: Any, what: str, key: str) -> tuple[int, ...]:
-    if not isinstance(v, list) or not all(type(x) is int and x >= 0 for x in v) or len(v) > 64:
-        raise MetadataError(f"leaf {key!r}: {what} must be a list of non-negative integers, found {str(v)[:200]}")
+    if not isinstance(v, list) or not all(type(x) is int and 0 <= x <= _MAX_INDEX for x in v) or len(v) > 64:
+        raise MetadataError(
+            f"leaf {key!r}: {what} must be a list of integers from 0 to 2**62 - 2, found {str(v)[:200]}"
+        )
     return tuple(v)
 
 
@@ -419,6 +424,17 @@ def with_chunk_hashes(document: bytes, hashes: dict[str, tuple[str, ...]]) -> by
     for leaf in doc["leaves"]:
         if leaf["kind"] == "array" and leaf["key"] in hashes:
             leaf["chunk_hashes"] = list(hashes[leaf["key"]])
+    return json.dumps(doc, allow_nan=False, separators=(",", ":")).encode()
+
+
+def with_databases(document: bytes, databases: dict[str, str]) -> bytes:
+    """The document with the packed array leaves named in ``databases`` in those databases."""
+    if not databases:
+        return document
+    doc = json.loads(document)
+    for leaf in doc["leaves"]:
+        if leaf["kind"] == "array" and leaf["key"] in databases:
+            leaf["database"] = databases[leaf["key"]]
     return json.dumps(doc, allow_nan=False, separators=(",", ":")).encode()
 
 

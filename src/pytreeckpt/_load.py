@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import threading
 import time
@@ -24,24 +25,23 @@ from ._format import (
 from ._leaf import Abstract, ShardedLeaf, piece_view
 from ._location import describe
 from ._monitor import Monitor, Progress, Span
-from ._plan import plan_load
 from ._region import Region
-from ._sharding import Layout, Mesh, Piece, Replicate, ShardingSpec
+from ._sharding import ExplicitRegions, Layout, Mesh, Piece, Replicate, ShardingSpec
 from ._shared import (
     _SINGLE,
     PathLike,
+    _agree_on_specs,
     _Carried,
     _comm,
-    _exchange_layouts,
     _gather_spans,
     _is_dtensor,
     _is_leaf,
     _is_value,
-    _pad,
     _wait_in_flight,
     _where,
 )
 from ._tree import KeyEntry, Node, flatten, keystr, resolve_value, typed_keystr
+from .plan import ArraySpec, LoadPlan, PlanCache, plan_load, spec_plan_key
 
 __all__ = ["CheckpointMetadata", "VerifyReport", "load", "load_slice", "metadata", "read_array", "verify"]
 
@@ -193,10 +193,15 @@ class _Dest:
     """Destination memory of one target leaf."""
 
     meta: ArrayMeta
-    pieces: tuple[tuple[Piece, ...], ...]
+    layout: Layout  # the target's layout
+    pieces: Mapping[int, tuple[Piece, ...]]  # the pieces of the ranks whose memory this process holds
     locals: dict[int, Any]  # rank -> torch tensor or numpy array (CPU)
     finish: Any  # callable: () -> result leaf
     device_bytes: int = 0  # bytes copied to a device by finish()
+    ranks: tuple[int, ...] | None = None  # the rank of each position of ``layout``; None: position i on rank i
+
+    def spec(self) -> ArraySpec:
+        return ArraySpec(self.meta.key, self.meta.shape, self.meta.dtype.itemsize, self.layout, self.ranks)
 
     def get(self, rank: int, pi: int) -> tuple[np.ndarray, Region]:
         piece = self.pieces[rank][pi]
@@ -213,10 +218,10 @@ def _full_dest(
     """A whole tensor: held by the one rank of a single process, or by every rank of a group."""
     me = 0 if comm is None else comm.rank
     layout = _SINGLE if comm is None else ShardingSpec(Mesh(comm.world), [Replicate()])
-    pieces = layout.rank_pieces(meta.shape)
+    pieces = {me: layout.pieces_of(me, meta.shape)}
     if as_numpy:
         arr = np.empty(meta.shape, dtype=meta.dtype.numpy)
-        return _Dest(meta, pieces, {me: arr}, lambda: arr)
+        return _Dest(meta, layout, pieces, {me: arr}, lambda: arr)
     on_device = device is not None and device.type != "cpu"
     t = _host_buffer(meta.shape, meta.dtype.torch, pinned=device is not None and device.type == "cuda")
 
@@ -226,7 +231,7 @@ def _full_dest(
             return torch.nn.Parameter(out, requires_grad=param.requires_grad)
         return out
 
-    return _Dest(meta, pieces, {me: t}, finish, t.numel() * t.element_size() if on_device else 0)
+    return _Dest(meta, layout, pieces, {me: t}, finish, t.numel() * t.element_size() if on_device else 0)
 
 
 def _host_buffer(shape: tuple[int, ...], dtype: torch.dtype, pinned: bool) -> torch.Tensor:
@@ -238,12 +243,14 @@ def _sharded_dest(
     meta: ArrayMeta, spec: Layout, ranks: list[int], devices: dict[int, torch.device], comm: Any = None
 ) -> _Dest:
     """The shards of ``ranks`` in ``spec``; in a distributed load every rank's pieces count, this rank's are filled."""
-    all_pieces = spec.rank_pieces(meta.shape)
-    if comm is None:
-        pieces = tuple(p if r in ranks else () for r, p in enumerate(all_pieces))
-    else:
-        pieces = _pad(all_pieces, comm.world, meta.key)
+    if comm is not None:
+        if spec.world_size > comm.world:
+            raise LayoutError(
+                f"leaf {_where(meta.key)}: its spec spans {spec.world_size} ranks but the process group has "
+                f"{comm.world}"
+            )
         ranks = [comm.rank] if comm.rank < spec.world_size else []
+    pieces = {r: spec.pieces_of(r, meta.shape) for r in ranks}
     moved = {r for r in ranks if r in devices and devices[r].type != "cpu"}
     locals_ = {
         r: _host_buffer(spec.local_shape(r, meta.shape), meta.dtype.torch, r in moved and devices[r].type == "cuda")
@@ -255,7 +262,7 @@ def _sharded_dest(
         return ShardedLeaf(meta.shape, meta.dtype.torch, spec, shards)
 
     device_bytes = sum(locals_[r].numel() * locals_[r].element_size() for r in moved)
-    return _Dest(meta, pieces, dict(locals_), finish, device_bytes)
+    return _Dest(meta, spec, pieces, dict(locals_), finish, device_bytes)
 
 
 def _target_problem(key: str, stored: ArrayMeta, shape: tuple[int, ...], dtype_name: str) -> str | None:
@@ -466,19 +473,21 @@ def _load(
             raise TargetMismatchError(
                 f"the target does not match the checkpoint at {describe(path)}:\n  " + "\n  ".join(problems)
             )
+    specs: list[ArraySpec] = []
+    with carried.catch():
+        specs = [d.spec() for _, d in dests]
     if comm is not None:
-        rank_arrays = [(d.meta.key, d.meta.dtype.name, d.meta.shape, d.pieces[comm.rank]) for _, d in dests]
-        layouts = _exchange_layouts(comm, rank_arrays, "load", carried.error)
-        for (_, d), pieces in zip(dests, layouts, strict=True):
-            d.pieces = pieces
+        _agree_on_specs(comm, specs, [d.meta.dtype.name for _, d in dests], "load", carried.error)
         world = comm.world
     else:
-        world = max((len(d.pieces) for _, d in dests), default=1)
-    plan = plan_load(
-        [(d.meta.key, d.meta.shape, d.meta.dtype.itemsize, d.meta.chunk_shape) for _, d in dests],
-        [d.pieces for _, d in dests],
-        world,
+        world = max((d.layout.world_size for _, d in dests), default=1)
+    rank = None if comm is None else comm.rank
+    chunks = [d.meta.chunk_shape for _, d in dests]
+    plan = _LOAD_PLANS.get_or(
+        spec_plan_key(specs, world, rank, tuple(chunks)), lambda: plan_load(chunks, specs, world, rank=rank)
     )
+    if comm is None:
+        plan = _held(plan, [d.pieces for _, d in dests])
     metas = [d.meta for _, d in dests]
     getters = [d.get for _, d in dests]
     thread = threading.current_thread().name
@@ -531,6 +540,22 @@ def _load(
     return structure.unflatten(results)
 
 
+_LOAD_PLANS = PlanCache(4)  # the plans of the last few loads: a load into the layout of one of them reuses its plan
+
+
+def _held(plan: LoadPlan, held: Sequence[Mapping[int, Any]]) -> LoadPlan:
+    """``plan`` without the reads into ranks whose memory this process does not hold (a ShardedLeaf of some ranks)."""
+    arrays = []
+    for ap, ranks in zip(plan.arrays, held, strict=True):
+        reads = ap.reads
+        if any(t.rank not in ranks for op in reads for t in op.targets):
+            kept = ((op, tuple(t for t in op.targets if t.rank in ranks)) for op in reads)
+            reads = tuple(dataclasses.replace(op, targets=ts) for op, ts in kept if ts)
+            ap = dataclasses.replace(ap, reads=reads)
+        arrays.append(ap)
+    return dataclasses.replace(plan, arrays=tuple(arrays))
+
+
 def _value(key: str, value: Any, like: Any, problems: list[str]) -> Any:
     """A stored Python value as the target asks for it (enum members), or a problem noted."""
     try:
@@ -547,8 +572,9 @@ def _dtensor_dest(meta: ArrayMeta, leaf: Any, comm: Any) -> _Dest:
     from ._distributed import dtensor_layout
 
     # (in a single process, a process group of one rank, its mesh must be this rank alone)
-    _, pieces = dtensor_layout(leaf, 1, None) if comm is None else dtensor_layout(leaf, comm.world, comm.group)
+    layout, ranks, position, _ = dtensor_layout(leaf, comm)
     me = 0 if comm is None else comm.rank
+    pieces = {me: layout.pieces_of(position, meta.shape) if position is not None else ()}
     local_target = leaf.to_local()
     on_device = local_target.device.type != "cpu"
     local = _host_buffer(tuple(local_target.shape), meta.dtype.torch, local_target.is_cuda)
@@ -563,7 +589,9 @@ def _dtensor_dest(meta: ArrayMeta, leaf: Any, comm: Any) -> _Dest:
             stride=leaf.stride(),
         )
 
-    return _Dest(meta, pieces, {me: local}, finish, local.numel() * local.element_size() if on_device else 0)
+    return _Dest(
+        meta, layout, pieces, {me: local}, finish, local.numel() * local.element_size() if on_device else 0, ranks
+    )
 
 
 def read_array(
@@ -577,12 +605,13 @@ def read_array(
     storage.check_stored_sizes([meta])
     region = Region.full(meta.shape) if region is None else region
     out = torch.empty(region.shape, dtype=meta.dtype.torch)
-    pieces = ((Piece(region, 0),),) if region.size else ((),)
 
     def get(rank: int, pi: int) -> tuple[np.ndarray, Region]:
         return numpy_view(out), region
 
-    plan = plan_load([(meta.key, meta.shape, meta.dtype.itemsize, meta.chunk_shape)], [pieces], 1)
+    plan = plan_load(
+        [meta.chunk_shape], [ArraySpec(meta.key, meta.shape, meta.dtype.itemsize, ExplicitRegions([[region]]))], 1
+    )
     storage.read([meta], plan.arrays, [get], rank=None)
     return out
 

@@ -24,7 +24,7 @@ from typing import Any
 import tensorstore as ts
 
 from ._errors import CheckpointError
-from ._plan import ChunkingOptions
+from .plan import ChunkingOptions
 
 __all__ = ["KvPrefix", "Location", "Resolved", "StorageOptions", "describe", "resolve"]
 

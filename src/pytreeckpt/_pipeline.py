@@ -26,9 +26,9 @@ import torch
 
 from ._errors import CheckpointError
 from ._executor import PieceData
-from ._plan import ArraySavePlan, Fragment
 from ._region import Region, split_aligned
 from ._staging import Stage, StagingPool, copy_into
+from .plan import ArraySavePlan, Fragment
 
 __all__ = ["DeviceData", "Snapshot", "StagedWrite", "staged_writes"]
 

@@ -42,21 +42,20 @@ from ._format import (
     chunk_count,
     generation_name,
     with_chunk_hashes,
+    with_databases,
     with_generation,
 )
 from ._load import metadata
 from ._location import describe
 from ._monitor import Monitor, Progress, Span, logger
 from ._pipeline import Snapshot, staged_writes
-from ._plan import ArrayLayout, ChunkingOptions, SavePlan
-from ._plan_cache import cached_plan_save
 from ._sharding import Layout
 from ._shared import (
     _IN_FLIGHT_LOCK,
     PathLike,
+    _agree_on_specs,
     _Carried,
     _comm,
-    _exchange_layouts,
     _gather_spans,
     _in_flight,
     _is_leaf,
@@ -67,6 +66,7 @@ from ._shared import (
 from ._sources import _array_in, _ArrayIn, _snapshot_merges
 from ._staging import PoolAborted, staging_pool
 from ._tree import broadcast_prefix, check_unique_keys, encode_value, flatten, keystr
+from .plan import ArraySpec, ChunkingOptions, PlanCache, SavePlan, plan_save, spec_plan_key
 
 __all__ = ["SaveHandle", "async_save", "save"]
 
@@ -91,6 +91,7 @@ class _SaveJob:
     _lock: Any = None
     pending: BaseException | None = None  # this rank's error in a distributed save, not yet agreed on
     cancelled: threading.Event = field(default_factory=threading.Event)  # set at exit: stop, commit nothing
+    generation: int = 0  # of the stored names (see generation_name)
 
     def ready(self) -> None:
         """In a distributed save, agree that every rank planned (and staged) its part: else all raise."""
@@ -216,6 +217,7 @@ class _SaveJob:
 
     def _name(self, generation: int) -> None:
         """Store this save's arrays under the names of ``generation`` (see :func:`generation_name`)."""
+        self.generation = generation
         if generation == 0:
             return
         self.metas = [
@@ -238,17 +240,34 @@ class _SaveJob:
             self.comm.broadcast(None)
             raise
 
+    @property
+    def _placeholder(self) -> str:
+        """The database of a packed array another rank writes, until the coordinator learns which."""
+        generation = self.generation
+        return generation_name(PACKED_DIR, generation) if generation else PACKED_DIR
+
     def _final_document(self, gathered: list[Any] | None) -> bytes:
-        """The metadata document, with every array's chunk hashes when they were computed."""
+        """The metadata document, with every packed array's database and every array's chunk hashes."""
+        document = self.document
+        if gathered is not None:  # every rank's packed arrays and hashes, on rank 0
+            databases: dict[str, str] = {}
+            for packed, _ in gathered:
+                for i, db in packed.items():
+                    self.metas[i] = dataclasses.replace(self.metas[i], database=db)
+                    databases[self.metas[i].key] = db
+            missing = [m.key for m in self.metas if m.database == self._placeholder]
+            if missing:
+                raise CheckpointError(f"internal error: no rank wrote the packed arrays {missing[:5]}")
+            document = with_databases(document, databases)
         reuse = self.reuse
         if reuse is None:
-            return self.document
-        if gathered is not None:  # every rank's hashes, on rank 0
-            for other in gathered:
+            return document
+        if gathered is not None:
+            for _, other in gathered:
                 for i, got in (other or {}).items():
                     reuse.hashes.setdefault(i, {}).update(got)
         hashes = {m.key: reuse.chunk_hashes(i) for i, m in enumerate(self.metas)}
-        return with_chunk_hashes(self.document, {k: v for k, v in hashes.items() if v})
+        return with_chunk_hashes(document, {k: v for k, v in hashes.items() if v})
 
     def _persist_distributed(self) -> float:
         """Rank 0 prepares the directory (holding its lock), every rank writes, rank 0 commits."""
@@ -282,8 +301,9 @@ class _SaveJob:
             with self.monitor.phase("save", "write", me) as box:
                 staged = self.snap.items() if self.snap is not None else iter(())
                 items = self._until_cancelled(itertools.chain(staged, transfers.items()))
+                writes = [i for i, ap in enumerate(self.plan.arrays) if any(op.writer == me for op in ap.writes)]
                 box[0] = self.storage.write(
-                    self.metas, items, create=False, progress=progress.advance, reuse=self.reuse
+                    self.metas, items, create=False, progress=progress.advance, reuse=self.reuse, only=writes
                 )
         except Exception as e:
             error = e
@@ -293,7 +313,9 @@ class _SaveJob:
                 transfers.wait_all()
         self._agree(error, "writing the checkpoint")
         t1 = time.perf_counter()
-        gathered = comm.gather(self.reuse.hashes) if self.reuse is not None else None
+        # What only the writers know goes to the coordinator: where each packed array went, and chunk hashes.
+        packed = {i: m.database for i, m in enumerate(self.metas) if m.database not in (None, self._placeholder)}
+        gathered = comm.gather((packed, self.reuse.hashes if self.reuse is not None else None))
         if me == 0:
             try:
                 self._check_cancelled()
@@ -351,10 +373,10 @@ def _plan_job(
         leaves, paths, root = flatten(tree, _is_leaf, namespace=namespace)
         check_unique_keys(paths)
         user = _user_metadata(user_metadata)
-        specs = broadcast_prefix(spec, root, lambda x: isinstance(x, Layout), len(leaves), namespace=namespace)
+        leaf_specs = broadcast_prefix(spec, root, lambda x: isinstance(x, Layout), len(leaves), namespace=namespace)
         keys = [keystr(p) for p in paths]
         codecs = _compressions(compression, root, keys, len(leaves), namespace)
-        for key, leaf, sp in zip(keys, leaves, specs, strict=True):
+        for key, leaf, sp in zip(keys, leaves, leaf_specs, strict=True):
             with carried.catch(key):
                 if _is_value(leaf):
                     try:
@@ -368,26 +390,26 @@ def _plan_job(
                     entries.append(None)
             if carried.error is not None:
                 break
+    specs: list[ArraySpec] = []
+    with carried.catch():
+        specs = [a.spec() for a in arrays]
     if comm is not None:
-        rank_arrays = [(a.key, a.dtype.name, a.shape, a.pieces[comm.rank]) for a in arrays]
-        layouts = _exchange_layouts(comm, rank_arrays, "save", carried.error, values)
-        for a, pieces in zip(arrays, layouts, strict=True):
-            a.pieces = pieces
+        _agree_on_specs(comm, specs, [a.dtype.name for a in arrays], "save", carried.error, values)
         world = comm.world
     else:
         world = max((a.layout.world_size for a in arrays), default=1)
     job: _SaveJob | None = None
     with carried.catch():
-        plan = cached_plan_save(
-            [ArrayLayout(a.key, a.shape, a.dtype.itemsize, a.pieces) for a in arrays],
-            world,
-            chunking or storage.chunking,
+        options = chunking or storage.chunking
+        rank = None if comm is None else comm.rank
+        plan = _SAVE_PLANS.get_or(
+            spec_plan_key(specs, world, options, rank), lambda: plan_save(specs, world, rank=rank, options=options)
         )
         for a, ap in zip(arrays, plan.arrays, strict=True):
-            if a.present is not None:
+            if a.present is not None and comm is None:
                 for op in ap.writes:
                     for frag in op.sources:
-                        if frag.rank not in a.present and comm is None:
+                        if frag.rank not in a.present:
                             raise CheckpointError(
                                 f"leaf {_where(a.key)}: elements {frag.region} live only on rank {frag.rank}, "
                                 f"whose shard is not in this ShardedLeaf (it holds ranks {sorted(a.present)})"
@@ -405,7 +427,7 @@ def _plan_job(
                 codecs[a.key],
                 database=db,
             )
-            for a, ap, name, db in zip(arrays, plan.arrays, names, _databases(storage, plan), strict=True)
+            for a, ap, name, db in zip(arrays, plan.arrays, names, _databases(storage, plan, rank), strict=True)
         ]
         it = iter(metas)
         leaf_json = [e if e is not None else next(it).to_json() for e in entries]
@@ -521,15 +543,28 @@ def _compressions(compression: Any, root: Any, keys: list[str], n: int, namespac
     return out
 
 
-def _databases(storage: Storage, plan: SavePlan) -> list[str | None]:
-    """Where each array goes: the OCDBT database of its writer if it is small, has one writer and packing is on."""
+_SAVE_PLANS = PlanCache(4)  # the plans of the last few saves: a save in the layout of one of them reuses its plan
+
+
+def _databases(storage: Storage, plan: SavePlan, rank: int | None) -> list[str | None]:
+    """Where each array goes: the OCDBT database of its writer if it is small and one chunk, and packing is on.
+
+    A rank planning its own part (``rank``) knows the writer of the arrays it writes;
+    the others' packed arrays get a placeholder database (``PACKED_DIR`` alone), which
+    the coordinator replaces by the writer's, gathered after the writes.
+    """
     opts = storage.location.options
     out: list[str | None] = []
     for ap in plan.arrays:
         nbytes = math.prod(ap.shape) * ap.itemsize
-        one_writer = len({op.writer for op in ap.writes}) == 1
-        packed = opts.pack_small_leaves and one_writer and 0 < nbytes <= min(opts.pack_max_bytes, MAX_PACKED_BYTES)
-        out.append(f"{PACKED_DIR}/{ap.writes[0].writer}" if packed else None)
+        one_chunk = tuple(ap.chunk_shape) == tuple(ap.shape)
+        packed = opts.pack_small_leaves and one_chunk and 0 < nbytes <= min(opts.pack_max_bytes, MAX_PACKED_BYTES)
+        if not packed:
+            out.append(None)
+        elif ap.writes and (rank is None or ap.writes[0].writer == rank):
+            out.append(f"{PACKED_DIR}/{ap.writes[0].writer}")
+        else:
+            out.append(PACKED_DIR)
     return out
 
 

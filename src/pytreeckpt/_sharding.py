@@ -184,6 +184,10 @@ class Layout:
         """For each rank, the non-empty boxes it holds, in local order."""
         raise NotImplementedError
 
+    def pieces_of(self, rank: int, shape: Sequence[int]) -> tuple[Piece, ...]:
+        """The non-empty boxes ``rank`` holds, in local order: ``rank_pieces(shape)[rank]``, for one rank."""
+        return self.rank_pieces(shape)[rank]
+
     def local_shape(self, rank: int, shape: Sequence[int]) -> tuple[int, ...]:
         """Shape of ``rank``'s local tensor for a global tensor of ``shape``."""
         raise NotImplementedError
@@ -290,30 +294,28 @@ class ShardingSpec(Layout):
         return Region(tuple(offset), tuple(extent))
 
     def rank_pieces(self, shape: Sequence[int]) -> tuple[tuple[Piece, ...], ...]:
-        out: list[tuple[Piece, ...]] = []
-        for r in range(self.world_size):
-            runs = self.intervals(r, shape)
-            if any(not rs for rs in runs):
-                out.append(())
-                continue
-            if all(len(rs) == 1 for rs in runs):
-                out.append((Piece(Region(tuple(rs[0][0] for rs in runs), tuple(rs[0][1] for rs in runs)), 0),))
-                continue
-            local_starts = []
-            for rs in runs:
-                starts, pos = [], 0
-                for _, length in rs:
-                    starts.append(pos)
-                    pos += length
-                local_starts.append(starts)
-            pieces = []
-            for combo in _index_product([len(rs) for rs in runs]):
-                region = Region(
-                    tuple(runs[d][k][0] for d, k in enumerate(combo)), tuple(runs[d][k][1] for d, k in enumerate(combo))
-                )
-                pieces.append(Piece(region, 0, tuple(local_starts[d][k] for d, k in enumerate(combo))))
-            out.append(tuple(pieces))
-        return tuple(out)
+        return tuple(self.pieces_of(r, shape) for r in range(self.world_size))
+
+    def pieces_of(self, rank: int, shape: Sequence[int]) -> tuple[Piece, ...]:
+        runs = self.intervals(rank, shape)
+        if any(not rs for rs in runs):
+            return ()
+        if all(len(rs) == 1 for rs in runs):
+            return (Piece(Region(tuple(rs[0][0] for rs in runs), tuple(rs[0][1] for rs in runs)), 0),)
+        local_starts = []
+        for rs in runs:
+            starts, pos = [], 0
+            for _, length in rs:
+                starts.append(pos)
+                pos += length
+            local_starts.append(starts)
+        pieces = []
+        for combo in _index_product([len(rs) for rs in runs]):
+            region = Region(
+                tuple(runs[d][k][0] for d, k in enumerate(combo)), tuple(runs[d][k][1] for d, k in enumerate(combo))
+            )
+            pieces.append(Piece(region, 0, tuple(local_starts[d][k] for d, k in enumerate(combo))))
+        return tuple(pieces)
 
     def local_shape(self, rank: int, shape: Sequence[int]) -> tuple[int, ...]:
         return tuple(sum(length for _, length in rs) for rs in self.intervals(rank, shape))
@@ -434,6 +436,11 @@ class FlatRanges(Layout):
     def rank_pieces(self, shape: Sequence[int]) -> tuple[tuple[Piece, ...], ...]:
         self._check(shape)
         return tuple(_pieces_in_order(flat_range_regions(shape, a, b)) for a, b in self.ranges)
+
+    def pieces_of(self, rank: int, shape: Sequence[int]) -> tuple[Piece, ...]:
+        self._check(shape)
+        a, b = self.ranges[rank]
+        return _pieces_in_order(flat_range_regions(shape, a, b))
 
     def local_shape(self, rank: int, shape: Sequence[int]) -> tuple[int, ...]:
         a, b = self.ranges[rank]

@@ -4,19 +4,19 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
 import torch
 
-from ._errors import CheckpointError, LayoutError
+from ._errors import CheckpointError
 from ._leaf import Abstract, ShardedLeaf
 from ._location import Where
 from ._monitor import Monitor, Span
-from ._region import Region
-from ._sharding import Mesh, Piece, Replicate, ShardingSpec
+from ._sharding import Mesh, Replicate, ShardingSpec
 from ._tree import PYTHON_LEAF_TYPES
+from .plan import ArraySpec, spec_digest, spec_plan_key
 
 if TYPE_CHECKING:
     from ._save import SaveHandle
@@ -93,12 +93,6 @@ class _Carried:
         raise error  # (a single process; in a distributed one the agreement raised)
 
 
-def _pad(pieces: tuple[tuple[Piece, ...], ...], world: int, key: str) -> tuple[tuple[Piece, ...], ...]:
-    if len(pieces) > world:
-        raise LayoutError(f"leaf {_where(key)}: its spec spans {len(pieces)} ranks but the process group has {world}")
-    return pieces + ((),) * (world - len(pieces))
-
-
 def _gather_spans(comm: Any, monitor: Monitor) -> None:
     """Bring every rank's spans of this call to rank 0's monitor (the other ranks keep their own)."""
     mine = [s.to_json() for s in monitor.spans if s.rank == comm.rank]
@@ -107,58 +101,77 @@ def _gather_spans(comm: Any, monitor: Monitor) -> None:
         monitor.extend([Span.from_json(s) for r, spans in enumerate(gathered) if r != 0 for s in spans])
 
 
-def _exchange_layouts(
+def _describe(specs: Sequence[ArraySpec], dtypes: Sequence[str]) -> list[Any]:
+    """What a rank says of the arrays it saves or loads, for an error message: key, dtype, shape, layout, ranks."""
+    return [
+        (s.key, d, list(s.shape), s.layout.to_json(), None if s.ranks is None else list(s.ranks))
+        for s, d in zip(specs, dtypes, strict=True)
+    ]
+
+
+def _agree_on_specs(
     comm: Any,
-    arrays: list[tuple[str, str, tuple[int, ...], tuple[Piece, ...]]],
+    specs: Sequence[ArraySpec],
+    dtypes: Sequence[str],
     what: str,
     error: BaseException | None = None,
-    values: list[str] | None = None,
-) -> list[tuple[tuple[Piece, ...], ...]]:
-    """Gather every rank's own pieces of every array, once; check that the ranks describe the same arrays.
+    values: Sequence[str] = (),
+) -> None:
+    """Check that every rank describes the same arrays, in the same layouts: the first collective of a save or load.
 
-    A rank knows its own pieces for sure (a DTensor on a submesh says nothing of the
-    ranks outside it), so each rank reports its own and all assemble the same layouts.
-    This is the first collective of a save or load: a rank that failed before it
-    (``error``) sends its error instead, and every rank raises the same error. The keys
-    of plain Python leaves (``values``) must agree too.
+    Every array's layout is a spec that every rank knows whole (a DTensor's mesh and
+    placements, a ``ShardingSpec``, ``FlatRanges`` or ``ExplicitRegions``), so no rank's
+    pieces travel: each rank sends rank 0 a 16-byte digest of its arrays (keys, dtypes,
+    shapes, layouts, placements, and the keys of plain Python leaves ``values``), and
+    rank 0 answers every rank with its verdict. What a rank receives does not grow with
+    the world. Only when the digests differ do the descriptions travel, to say how they
+    differ. A rank that failed before (``error``) sends its error instead, and every
+    rank raises the same error.
     """
     from ._distributed import describe_failure, failure
 
+    mine: Any = None
+    if error is None:
+        try:
+            mine = ("ok", spec_digest(spec_plan_key(specs, tuple(dtypes), tuple(values))))
+        except Exception as e:
+            error = e
     if error is not None:
-        mine: Any = ("error", describe_failure(error))
-    else:
-        mine = (
-            "ok",
-            [
-                (key, dtype, list(shape), [(p.region.offset, p.region.shape, p.local_offset, p.local_box) for p in pcs])
-                for key, dtype, shape, pcs in arrays
-            ],
-            list(values or []),
+        mine = ("error", describe_failure(error))
+    gathered = comm.gather(mine)
+    verdict: Any = None
+    if comm.rank == 0:
+        failed = [(r, g[1]) for r, g in enumerate(gathered) if g[0] == "error"]
+        if failed:
+            verdict = ("failed", failed)
+        elif any(g[1] != gathered[0][1] for g in gathered):
+            verdict = ("differ",)
+    verdict = comm.broadcast(verdict)
+    if verdict is None:
+        return
+    if verdict[0] == "failed":
+        raise failure(f"preparing the {what}", verdict[1], comm.world) from error
+    # The digests differ: rank 0's description goes to every rank, which says how its own differs.
+    desc = (_describe(specs, dtypes), list(values))
+    ref = comm.broadcast(desc if comm.rank == 0 else None)
+    problem = None
+    if [m[:3] for m in desc[0]] != [m[:3] for m in ref[0]]:
+        problem = CheckpointError(
+            f"ranks disagree on the state to {what}: rank 0 and rank {comm.rank} differ in (key, dtype, shape): "
+            f"{_difference([m[:3] for m in ref[0]], [m[:3] for m in desc[0]], comm.rank)}"
         )
-    gathered = comm.all_gather(mine)
-    failed = [(r, g[1]) for r, g in enumerate(gathered) if g[0] == "error"]
-    if failed:
-        raise failure(f"preparing the {what}", failed, comm.world) from error
-    ref = [m[:3] for m in gathered[0][1]]
-    for r, (_, other, other_values) in enumerate(gathered):
-        desc = [m[:3] for m in other]
-        if desc != ref:
-            raise CheckpointError(
-                f"ranks disagree on the state to {what}: rank 0 and rank {r} differ in (key, dtype, shape): "
-                f"{_difference(ref, desc, r)}"
-            )
-        if other_values != gathered[0][2]:
-            raise CheckpointError(
-                f"ranks disagree on the state to {what}: rank 0 and rank {r} differ in their plain Python leaves: "
-                f"{_difference(gathered[0][2], other_values, r)}"
-            )
-    return [
-        tuple(
-            tuple(Piece(Region(tuple(o), tuple(s)), lo, lb) for o, s, lo, lb in gathered[r][1][i][3])
-            for r in range(comm.world)
+    elif desc[0] != ref[0]:
+        problem = CheckpointError(
+            f"ranks disagree on the state to {what}: rank 0 and rank {comm.rank} differ in the layout of "
+            f"{_difference(ref[0], desc[0], comm.rank)}"
         )
-        for i in range(len(arrays))
-    ]
+    elif desc[1] != ref[1]:
+        problem = CheckpointError(
+            f"ranks disagree on the state to {what}: rank 0 and rank {comm.rank} differ in their plain Python "
+            f"leaves: {_difference(ref[1], desc[1], comm.rank)}"
+        )
+    comm.agree(problem, f"preparing the {what}")
+    raise CheckpointError(f"ranks disagree on the state to {what}: their descriptions differ in a way not shown")
 
 
 def _difference(ref: list[Any], other: list[Any], rank: int) -> str:

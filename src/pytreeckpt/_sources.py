@@ -20,9 +20,9 @@ from ._sharding import Layout, Mesh, Piece, Replicate, ShardingSpec
 from ._shared import (
     _SINGLE,
     _is_dtensor,
-    _pad,
     _where,
 )
+from .plan import ArraySpec
 
 
 @dataclass(slots=True)
@@ -35,14 +35,19 @@ class _ArrayIn:
     shape: tuple[int, ...]
     layout: Layout
     saved_layout: Layout | None
-    pieces: tuple[tuple[Piece, ...], ...]
+    pieces: Mapping[int, tuple[Piece, ...]]  # the pieces of the ranks whose data this process holds
     get: PieceData
     present: frozenset[int] | None = None  # ranks whose data is here; None: all
     device: Any = None  # DeviceData for leaves on a CUDA device, else None
     watch: tuple[torch.Tensor, ...] = ()  # tensors whose version counters tell of a change during a snapshot
+    ranks: tuple[int, ...] | None = None  # the rank of each position of ``layout``; None: position i on rank i
+
+    def spec(self) -> ArraySpec:
+        """What the planner needs of this array: its key, shape, element size and placed layout."""
+        return ArraySpec(self.key, self.shape, self.dtype.itemsize, self.layout, self.ranks)
 
 
-def _global_source(arr: np.ndarray, pieces: tuple[tuple[Piece, ...], ...]) -> PieceData:
+def _global_source(arr: np.ndarray, pieces: Mapping[int, tuple[Piece, ...]]) -> PieceData:
     def get(rank: int, pi: int) -> tuple[np.ndarray, Region]:
         region = pieces[rank][pi].region
         return arr[region.slices()], region
@@ -50,7 +55,7 @@ def _global_source(arr: np.ndarray, pieces: tuple[tuple[Piece, ...], ...]) -> Pi
     return get
 
 
-def _numpy_source(arr: np.ndarray, pieces: tuple[tuple[Piece, ...], ...]) -> PieceData:
+def _numpy_source(arr: np.ndarray, pieces: Mapping[int, tuple[Piece, ...]]) -> PieceData:
     """Getters of the pieces of a numpy array held whole, in the machine's byte order.
 
     Every path after this one (the staging copy, chunk files, TensorStore, chunk hashes)
@@ -108,7 +113,9 @@ def _check_ndim(key: str, ndim: int) -> None:
         )
 
 
-def _shard_sources(shards: Mapping[int, torch.Tensor], pieces: tuple[tuple[Piece, ...], ...]) -> tuple[PieceData, Any]:
+def _shard_sources(
+    shards: Mapping[int, torch.Tensor], pieces: Mapping[int, tuple[Piece, ...]]
+) -> tuple[PieceData, Any]:
     """Getters of the pieces of ranks' local tensors: numpy views of CPU memory, and for
     CUDA shards also views on the device (the CPU copy is then made only if asked for)."""
     cpu: dict[int, torch.Tensor] = {}
@@ -131,7 +138,7 @@ def _shard_sources(shards: Mapping[int, torch.Tensor], pieces: tuple[tuple[Piece
     return get, device
 
 
-def _tensor_source(t: torch.Tensor, pieces: tuple[tuple[Piece, ...], ...]) -> tuple[PieceData, Any]:
+def _tensor_source(t: torch.Tensor, pieces: Mapping[int, tuple[Piece, ...]]) -> tuple[PieceData, Any]:
     """Getters of the pieces of a global tensor held whole (every rank's piece is a box of it)."""
     if not t.is_cuda:
         return _global_source(numpy_view(_resolved(t.detach().cpu())), pieces), None
@@ -162,17 +169,19 @@ def _array_in(key: str, leaf: Any, spec: Any, comm: Any = None) -> _ArrayIn:
             # In a single process (a process group of one rank) its mesh must be this rank alone.
             from ._distributed import dtensor_layout
 
-            if comm is None:
-                layout, pieces = dtensor_layout(leaf, 1, None)
-            else:
-                layout, pieces = dtensor_layout(leaf, comm.world, comm.group)
+            layout, ranks, position, own = dtensor_layout(leaf, comm)
             local = leaf.to_local()
             _check_tensor(key, local)
             _check_ndim(key, leaf.dim())
-            get, device = _shard_sources({0 if comm is None else comm.rank: local}, pieces)
-            dtype = dtype_of_torch(leaf.dtype)
             shape = tuple(leaf.shape)
-            return _ArrayIn(key, "torch", dtype, shape, layout, layout, pieces, get, device=device, watch=(local,))
+            pieces = {
+                0 if comm is None else comm.rank: layout.pieces_of(position, shape) if position is not None else ()
+            }
+            get, device = _shard_sources(dict.fromkeys(pieces, local), pieces)
+            dtype = dtype_of_torch(leaf.dtype)
+            return _ArrayIn(
+                key, "torch", dtype, shape, layout, own, pieces, get, device=device, watch=(local,), ranks=ranks
+            )
         if isinstance(leaf, ShardedLeaf):
             if spec is not None and spec != leaf.spec:
                 raise CheckpointError(
@@ -181,19 +190,21 @@ def _array_in(key: str, leaf: Any, spec: Any, comm: Any = None) -> _ArrayIn:
             _check_ndim(key, len(leaf.shape))
             for shard in leaf.shards.values():
                 _check_tensor(key, shard)
-            pieces = leaf.spec.rank_pieces(leaf.shape)
             if comm is not None:
-                pieces = _pad(pieces, comm.world, key)
+                if leaf.spec.world_size > comm.world:
+                    raise LayoutError(
+                        f"its spec spans {leaf.spec.world_size} ranks but the process group has {comm.world}"
+                    )
                 if comm.rank not in leaf.shards:
                     raise CheckpointError(
                         f"leaf {_where(key)}: rank {comm.rank} saves a ShardedLeaf without its own shard "
                         f"(it holds ranks {sorted(leaf.shards)})"
                     )
-                get, device = _shard_sources({comm.rank: leaf.shards[comm.rank]}, pieces)
                 present = frozenset({comm.rank})
             else:
-                get, device = _shard_sources(leaf.shards, pieces)
                 present = frozenset(leaf.shards)
+            pieces = {r: leaf.spec.pieces_of(r, leaf.shape) for r in sorted(present)}
+            get, device = _shard_sources({r: leaf.shards[r] for r in present}, pieces)
             watch = tuple(leaf.shards[r] for r in sorted(present))
             dtype = dtype_of_torch(leaf.dtype)
             return _ArrayIn(key, "torch", dtype, leaf.shape, leaf.spec, leaf.spec, pieces, get, present, device, watch)
@@ -222,7 +233,8 @@ def _array_in(key: str, leaf: Any, spec: Any, comm: Any = None) -> _ArrayIn:
             # Every rank holds the whole tensor: replicated, written once in total.
             whole = ShardingSpec(Mesh(comm.world), [Replicate()])
         if whole is not None:
-            pieces = whole.rank_pieces(local_shape)
+            held = range(whole.world_size) if comm is None else (comm.rank,)
+            pieces = {r: whole.pieces_of(r, local_shape) for r in held}
             if tensor is not None:
                 get, device = _tensor_source(tensor, pieces)
             else:

@@ -52,7 +52,6 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 from ._api import _is_leaf, _is_value, async_save, load, save
 from ._dtypes import dtype_of_torch
 from ._leaf import Abstract, ShardedLeaf
-from ._plan import ChunkingOptions
 from ._region import Region
 from ._sharding import (
     ExplicitRegions,
@@ -66,6 +65,7 @@ from ._sharding import (
     StridedShard,
 )
 from ._tree import broadcast_prefix, flatten, keystr
+from .plan import ChunkingOptions
 
 __all__ = [
     "check_reshard",

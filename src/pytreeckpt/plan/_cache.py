@@ -1,7 +1,8 @@
-"""The plan cache: a save in the same layouts as an earlier one reuses its plan.
+"""The plan cache: a save or load in the same layouts as an earlier one reuses its plan.
 
-Pure: a small LRU from exact keys to plans; the caller decides the key. Nothing here
-does I/O.
+A small LRU from exact keys to plans; :func:`spec_plan_key` makes the key of a state's
+specs cheaply (arrays sharing layout objects, as a model's layers do, are numbered by
+identity; only distinct layouts are compared by value). Nothing here does I/O.
 """
 
 from __future__ import annotations
@@ -10,50 +11,18 @@ import hashlib
 import operator
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import numpy as np
 
-from ._errors import LayoutError
-from ._piece_table import _I64, ArraySpec, unique_rows
-from ._plan import ArrayLayout, ChunkingOptions, SavePlan
-from ._plan_table import plan_save_tables
-from ._sharding import Layout, Piece
+from pytreeckpt._sharding import Layout
 
-__all__ = ["PlanCache", "cached_plan_save", "layouts_digest", "plan_save_fast", "spec_plan_key"]
+from ._tables import _I64, unique_rows
+from ._types import ArraySpec
+
+__all__ = ["PlanCache", "spec_digest", "spec_plan_key"]
 
 V = TypeVar("V")
-
-
-@dataclass(frozen=True, slots=True, eq=False)
-class _GivenPieces(Layout):
-    """Pieces already computed (gathered from the ranks), as a layout; equal by content."""
-
-    pieces: tuple[tuple[Piece, ...], ...]
-
-    @property
-    def world_size(self) -> int:
-        return len(self.pieces)
-
-    def rank_pieces(self, shape: Sequence[int]) -> tuple[tuple[Piece, ...], ...]:
-        return self.pieces
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _GivenPieces) and self.pieces == other.pieces
-
-    def __hash__(self) -> int:
-        return hash(self.pieces)
-
-
-def plan_save_fast(layouts: Sequence[ArrayLayout], world: int, options: ChunkingOptions | None = None) -> SavePlan:
-    """:func:`~pytreeckpt._plan.plan_save`, computed by the tables: the same plan, errors and all."""
-    options = options or ChunkingOptions()
-    for a in layouts:
-        if len(a.pieces) > world:
-            raise LayoutError(f"leaf {a.key!r}: its layout spans {len(a.pieces)} ranks but the world has {world}")
-    specs = [ArraySpec(a.key, a.shape, a.itemsize, _GivenPieces(a.pieces)) for a in layouts]
-    return SavePlan(world, tuple(t.to_plan() for t in plan_save_tables(specs, world, options)))
 
 
 class PlanCache:
@@ -139,26 +108,17 @@ _ITEMSIZE = operator.attrgetter("itemsize")
 _RANKS = operator.attrgetter("ranks")
 
 
-_SAVE_PLANS = PlanCache(4)  # the plans of the last few saves
-
-
-def cached_plan_save(
-    layouts: Sequence[ArrayLayout], world: int, options: ChunkingOptions | None = None, cache: PlanCache | None = None
-) -> SavePlan:
-    """:func:`plan_save_fast`, reusing the plan of an earlier save whose layouts, world and options were equal.
-
-    The key is the layouts themselves (a dict lookup: their hash, then equality), so a
-    hit is exact, never a collision.
-    """
-    cache = _SAVE_PLANS if cache is None else cache
-    key = (world, options or ChunkingOptions(), tuple(layouts))
-    return cache.get_or(key, lambda: plan_save_fast(layouts, world, options))
-
-
-def layouts_digest(parts: Sequence[Any]) -> str:
-    """A digest of planning inputs (anything with a stable ``repr``): the plan cache's key."""
+def spec_digest(key: tuple[Any, ...]) -> bytes:
+    """A digest of a :func:`spec_plan_key`, the same in every process (Python's own hash is not)."""
     h = hashlib.blake2b(digest_size=16)
-    for p in parts:
-        h.update(repr(p).encode())
-        h.update(b"\0")
-    return h.hexdigest()
+    keys, numbered, by_value, layouts = key[:4]
+    h.update(keys.encode("utf-8", "surrogatepass"))
+    h.update(b"\0")
+    h.update(numbered)
+    for cols in by_value:
+        h.update(repr(cols).encode())
+    for layout in layouts:
+        h.update(repr(layout.to_json()).encode())
+    for extra in key[4:]:
+        h.update(b"\0" + repr(extra).encode())
+    return h.digest()

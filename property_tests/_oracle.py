@@ -1,24 +1,11 @@
-"""Pure planning: from layouts to save and load plans, as plain data.
+"""The reference planner: slow and obvious, a test oracle for pytreeckpt's planner.
 
-Nothing here does I/O, reads a clock, draws random numbers or talks to other ranks.
-The same inputs give the same plan on every rank, so ranks agree on a plan without
-shipping it around.
-
-Save: each stored array gets a regular chunk grid. Every chunk has exactly one writer.
-When one rank holds a whole chunk, that rank (or, for replicated data, the least loaded
-of the ranks that hold it) writes it from its own memory; otherwise the chunk is merged
-from fragments that its writer collects from the ranks holding them. A writer's chunks
-coming from one local piece are coalesced into as few boxes as possible.
-
-Load: each target piece is cut along the stored chunk grid; each resulting region is
-read once, by one reader, and delivered to every rank piece that wants exactly it.
-
-Balance is kept per *scope*: the set of ranks that could take a piece of work (the
-holders of a replicated chunk, the ranks feeding a merged chunk, the ranks wanting a
-region). "Least loaded" means least loaded by the work of that same scope, in plan
-order. Every chunk or region a rank could take has a scope containing the rank, so a
-rank's own part of the plan depends only on the arrays it holds (or wants), never on
-the rest of the world: at 16,384 ranks a rank plans its own arrays and nothing else.
+It walks every piece of every rank and every chunk in Python, straight from the
+definitions: each chunk written once, by a rank holding it whole when one does (the least
+loaded of those holding it, per scope), else merged by the rank holding most of it; each
+target region cut along the stored chunks and read once, by the least loaded rank
+wanting it. ``property_tests/test_planner.py`` holds :func:`pytreeckpt.plan.plan_save`
+and :func:`pytreeckpt.plan.plan_load` equal to it. Not used by the library.
 """
 
 from __future__ import annotations
@@ -32,50 +19,19 @@ from typing import Any
 
 import numpy as np
 
-from ._errors import LayoutError
-from ._region import Region, chunk_region
-from ._sharding import Piece
-
-__all__ = [
-    "ArrayLayout",
-    "ArrayLoadPlan",
-    "ArraySavePlan",
-    "ChunkingOptions",
-    "Fragment",
-    "LoadPlan",
-    "ReadOp",
-    "SavePlan",
-    "WriteOp",
-    "choose_chunk_shape",
-    "plan_load",
-    "plan_save",
-]
-
-MiB = 1 << 20
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ChunkingOptions:
-    """How stored arrays are cut into chunks.
-
-    Attributes:
-      single_chunk_bytes: arrays up to this size are stored as one chunk.
-      min_chunk_bytes: a chunk grid aligned with every shard boundary is used when its
-        chunks are at least this large; otherwise a regular grid is used and chunks that
-        straddle shards are merged by their writer.
-      max_chunk_bytes: chunks are split until they are at most this large.
-    """
-
-    single_chunk_bytes: int = 1 * MiB
-    min_chunk_bytes: int = 256 * 1024
-    max_chunk_bytes: int = 16 * MiB
-
-    def to_json(self) -> dict[str, int]:
-        return {
-            "single_chunk_bytes": self.single_chunk_bytes,
-            "min_chunk_bytes": self.min_chunk_bytes,
-            "max_chunk_bytes": self.max_chunk_bytes,
-        }
+from pytreeckpt import LayoutError, Region
+from pytreeckpt._sharding import Piece
+from pytreeckpt.plan import (
+    ArrayLoadPlan,
+    ArraySavePlan,
+    ArraySpec,
+    ChunkingOptions,
+    Fragment,
+    LoadPlan,
+    ReadOp,
+    SavePlan,
+    WriteOp,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,162 +48,57 @@ class ArrayLayout:
         return math.prod(self.shape) * self.itemsize
 
 
-@dataclass(frozen=True, slots=True)
-class Fragment:
-    """The part ``region`` (global coordinates) of piece ``piece`` of rank ``rank``."""
-
-    rank: int
-    piece: int
-    region: Region
-
-    def to_json(self) -> list[Any]:
-        return [self.rank, self.piece, self.region.to_json()]
-
-    @classmethod
-    def from_json(cls, data: Any) -> Fragment:
-        return cls(int(data[0]), int(data[1]), Region.from_json(data[2]))
+def chunk_region(index: Sequence[int], chunk_shape: Sequence[int], shape: Sequence[int]) -> Region:
+    offset = tuple(i * c for i, c in zip(index, chunk_shape, strict=True))
+    extent = tuple(min(c, s - o) for o, c, s in zip(offset, chunk_shape, shape, strict=True))
+    return Region(offset, extent)
 
 
-@dataclass(frozen=True, slots=True)
-class WriteOp:
-    """Write ``region`` (a union of whole chunks) by ``writer``, assembled from ``sources``.
-
-    A direct write has one source, on the writer itself, covering the whole region.
-    """
-
-    region: Region
-    writer: int
-    sources: tuple[Fragment, ...]
-
-    @property
-    def is_direct(self) -> bool:
-        return len(self.sources) == 1 and self.sources[0].rank == self.writer and self.sources[0].region == self.region
-
-    def to_json(self) -> list[Any]:
-        return [self.region.to_json(), self.writer, [s.to_json() for s in self.sources]]
-
-    @classmethod
-    def from_json(cls, data: Any) -> WriteOp:
-        return cls(Region.from_json(data[0]), int(data[1]), tuple(Fragment.from_json(s) for s in data[2]))
+def chunk_indices(region: Region, chunk_shape: Sequence[int]) -> list[tuple[int, ...]]:
+    ranges = [
+        range(o // c, (o + s - 1) // c + 1) if s > 0 else range(0)
+        for o, s, c in zip(region.offset, region.shape, chunk_shape, strict=True)
+    ]
+    out: list[tuple[int, ...]] = [()]
+    for r in ranges:
+        out = [(*t, i) for t in out for i in r]
+    return out
 
 
-@dataclass(frozen=True, slots=True)
-class ArraySavePlan:
-    key: str
-    shape: tuple[int, ...]
-    itemsize: int
-    chunk_shape: tuple[int, ...]
-    writes: tuple[WriteOp, ...]
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "key": self.key,
-            "shape": list(self.shape),
-            "itemsize": self.itemsize,
-            "chunk_shape": list(self.chunk_shape),
-            "writes": [w.to_json() for w in self.writes],
-        }
-
-    @classmethod
-    def from_json(cls, data: Any) -> ArraySavePlan:
-        return cls(
-            str(data["key"]),
-            tuple(int(v) for v in data["shape"]),
-            int(data["itemsize"]),
-            tuple(int(v) for v in data["chunk_shape"]),
-            tuple(WriteOp.from_json(w) for w in data["writes"]),
-        )
+def array_layout(spec: ArraySpec, world: int) -> ArrayLayout:
+    """Every world rank's pieces of ``spec`` (the oracle's input)."""
+    pieces: list[tuple[Piece, ...]] = [()] * world
+    ranks = spec.rank_array()
+    for pos, ps in enumerate(spec.layout.rank_pieces(spec.shape)):
+        pieces[int(ranks[pos])] = ps
+    return ArrayLayout(spec.key, spec.shape, spec.itemsize, tuple(pieces))
 
 
-@dataclass(frozen=True, slots=True)
-class SavePlan:
-    """Every array's chunk grid and writes; identical on every rank."""
-
-    world_size: int
-    arrays: tuple[ArraySavePlan, ...]
-
-    def bytes_per_rank(self) -> tuple[int, ...]:
-        """Bytes each rank writes."""
-        load = [0] * self.world_size
-        for a in self.arrays:
-            for w in a.writes:
-                load[w.writer] += w.region.size * a.itemsize
-        return tuple(load)
-
-    def to_json(self) -> dict[str, Any]:
-        return {"world_size": self.world_size, "arrays": [a.to_json() for a in self.arrays]}
-
-    @classmethod
-    def from_json(cls, data: Any) -> SavePlan:
-        return cls(int(data["world_size"]), tuple(ArraySavePlan.from_json(a) for a in data["arrays"]))
+def rank_part(plan: SavePlan, rank: int) -> SavePlan:
+    """The writes of a whole plan that involve ``rank``; merged writes it only feeds keep its own fragments."""
+    arrays = []
+    for ap in plan.arrays:
+        writes = []
+        for op in ap.writes:
+            if op.writer == rank:
+                writes.append(op)
+            elif any(s.rank == rank for s in op.sources):
+                writes.append(WriteOp(op.region, op.writer, tuple(s for s in op.sources if s.rank == rank)))
+        arrays.append(ArraySavePlan(ap.key, ap.shape, ap.itemsize, ap.chunk_shape, tuple(writes)))
+    return SavePlan(plan.world_size, tuple(arrays))
 
 
-@dataclass(frozen=True, slots=True)
-class ReadOp:
-    """Read ``region`` of the stored array once, by ``reader``, into every target fragment.
-
-    Every target fragment has the same region; it names the rank piece receiving it.
-    """
-
-    region: Region
-    reader: int
-    targets: tuple[Fragment, ...]
-
-    def to_json(self) -> list[Any]:
-        return [self.region.to_json(), self.reader, [[t.rank, t.piece] for t in self.targets]]
-
-    @classmethod
-    def from_json(cls, data: Any) -> ReadOp:
-        region = Region.from_json(data[0])
-        return cls(region, int(data[1]), tuple(Fragment(int(r), int(p), region) for r, p in data[2]))
-
-
-@dataclass(frozen=True, slots=True)
-class ArrayLoadPlan:
-    key: str
-    shape: tuple[int, ...]
-    itemsize: int
-    reads: tuple[ReadOp, ...]
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "key": self.key,
-            "shape": list(self.shape),
-            "itemsize": self.itemsize,
-            "reads": [r.to_json() for r in self.reads],
-        }
-
-    @classmethod
-    def from_json(cls, data: Any) -> ArrayLoadPlan:
-        return cls(
-            str(data["key"]),
-            tuple(int(v) for v in data["shape"]),
-            int(data["itemsize"]),
-            tuple(ReadOp.from_json(r) for r in data["reads"]),
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class LoadPlan:
-    """Every target array's reads; identical on every rank."""
-
-    world_size: int
-    arrays: tuple[ArrayLoadPlan, ...]
-
-    def bytes_per_rank(self) -> tuple[int, ...]:
-        """Bytes each rank reads from storage."""
-        load = [0] * self.world_size
-        for a in self.arrays:
-            for r in a.reads:
-                load[r.reader] += r.region.size * a.itemsize
-        return tuple(load)
-
-    def to_json(self) -> dict[str, Any]:
-        return {"world_size": self.world_size, "arrays": [a.to_json() for a in self.arrays]}
-
-    @classmethod
-    def from_json(cls, data: Any) -> LoadPlan:
-        return cls(int(data["world_size"]), tuple(ArrayLoadPlan.from_json(a) for a in data["arrays"]))
+def load_rank_part(plan: LoadPlan, rank: int) -> LoadPlan:
+    """The reads of a whole plan that ``rank`` wants (it reads them or receives them)."""
+    return LoadPlan(
+        plan.world_size,
+        tuple(
+            ArrayLoadPlan(
+                a.key, a.shape, a.itemsize, tuple(r for r in a.reads if any(t.rank == rank for t in r.targets))
+            )
+            for a in plan.arrays
+        ),
+    )
 
 
 # --------------------------------------------------------------------------- chunk grid
@@ -448,7 +299,7 @@ def _plan_array_save(layout: ArrayLayout, options: ChunkingOptions, scopes: Scop
     shape, itemsize = layout.shape, layout.itemsize
     chunk_shape = choose_chunk_shape(shape, itemsize, layout.pieces, options)
     full = Region.full(shape)
-    all_chunks = list(full.chunk_indices(chunk_shape))
+    all_chunks = list(chunk_indices(full, chunk_shape))
     if not all_chunks:
         return ArraySavePlan(layout.key, shape, itemsize, chunk_shape, ())
     # Which (rank, piece) wholly hold each chunk.
@@ -607,7 +458,7 @@ def _plan_array_load(
         for pi, piece in enumerate(rank_pieces):
             if not full.contains(piece.region):
                 raise LayoutError(f"leaf {key!r}: rank {rank} wants {piece.region}, outside the stored shape {shape}")
-            for idx in piece.region.chunk_indices(chunk_shape):
+            for idx in chunk_indices(piece.region, chunk_shape):
                 inter = chunk_region(idx, chunk_shape, shape).intersect(piece.region)
                 if inter is not None:
                     wanted.setdefault(inter, []).append(Fragment(rank, pi, inter))

@@ -1,10 +1,10 @@
-"""Layouts as numpy tables: every piece of every rank, computed from the spec for all ranks at once.
+"""Layouts as tables: every piece of every position, computed from a spec for all positions at once.
 
 A :class:`PieceTable` has one row per piece (layout position, piece index, offset,
-extent), the same regions :meth:`Layout.rank_pieces` gives, without visiting ranks one by
-one: ``ShardingSpec`` (``Shard``, ``Replicate``, ``StridedShard``) vectorised over the
-mesh, ``FlatRanges`` visiting only ranks that hold something. Tables are memoised per
-(layout, shape): every layer of a model shares a few. Nothing here does I/O.
+extent): the boxes :meth:`Layout.rank_pieces` gives, computed with numpy from the spec
+(``ShardingSpec`` vectorised over the mesh, ``FlatRanges`` visiting only the ranks that
+hold something, ``ExplicitRegions`` as given). Tables are memoised per (layout, shape):
+the layers of a model share a few. Nothing here does I/O.
 """
 
 from __future__ import annotations
@@ -15,52 +15,12 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from ._errors import LayoutError
-from ._plan import ArrayLayout
-from ._region import Region
-from ._sharding import FlatRanges, Layout, Piece, Replicate, ShardingSpec, StridedShard, flat_range_regions
+from pytreeckpt._region import Region
+from pytreeckpt._sharding import FlatRanges, Layout, Piece, Replicate, ShardingSpec, StridedShard, flat_range_regions
 
-__all__ = ["ArraySpec", "PieceTable", "piece_table"]
+__all__ = ["PieceTable", "piece_table", "unique_rows"]
 
 _I64 = np.int64
-
-
-@dataclass(frozen=True, slots=True)
-class ArraySpec:
-    """One array of a state, as a spec: its layout sits on world ranks ``ranks`` (None: ``0..n-1``).
-
-    A pipeline stage's tensors are a spec on the stage's sub-mesh placed on the stage's ranks.
-    """
-
-    key: str
-    shape: tuple[int, ...]
-    itemsize: int
-    layout: Layout
-    ranks: range | tuple[int, ...] | None = None
-
-    def rank_array(self) -> np.ndarray:
-        """World rank of each layout position."""
-        n = self.layout.world_size
-        if self.ranks is None:
-            return np.arange(n, dtype=_I64)
-        if len(self.ranks) != n:
-            raise LayoutError(
-                f"leaf {self.key!r}: its layout has {n} ranks but it is placed on {len(self.ranks)} ranks"
-            )
-        if isinstance(self.ranks, range):
-            return np.arange(self.ranks.start, self.ranks.stop, self.ranks.step, dtype=_I64)
-        return np.asarray(self.ranks, dtype=_I64)
-
-    def array_layout(self, world: int) -> ArrayLayout:
-        """The reference planning input: every world rank's pieces."""
-        pieces: list[tuple[Piece, ...]] = [()] * world
-        ranks = self.rank_array()
-        for pos, ps in enumerate(self.layout.rank_pieces(self.shape)):
-            pieces[int(ranks[pos])] = ps
-        return ArrayLayout(self.key, self.shape, self.itemsize, tuple(pieces))
-
-
-# --------------------------------------------------------------------------- piece tables
 
 
 @dataclass(frozen=True, eq=False)
@@ -262,7 +222,7 @@ class _Memo(dict[Any, Any]):
             return value
 
 
-_TABLES = _Memo(256)
+_TABLES = _Memo(4096)
 
 
 def piece_table(layout: Layout, shape: tuple[int, ...]) -> PieceTable:
@@ -290,7 +250,7 @@ def unique_rows(a: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     n = len(a)
     if n == 0:
         return a, np.zeros(0, _I64), np.zeros(0, _I64)
-    order = np.lexsort(a.T[::-1]) if a.shape[1] else np.zeros(n, _I64)
+    order = np.lexsort(a.T[::-1]) if a.shape[1] else np.arange(n, dtype=_I64)
     s = a[order]
     new = np.ones(n, dtype=bool)
     new[1:] = (s[1:] != s[:-1]).any(axis=1)
@@ -299,6 +259,70 @@ def unique_rows(a: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return s[new], inverse, order[new]
 
 
-def _pos_of(ranks: np.ndarray, r: int) -> int | None:
-    i = int(np.searchsorted(ranks, r))
-    return i if i < len(ranks) and ranks[i] == r else None
+def placed_table(layout: Layout, shape: tuple[int, ...], ranks: np.ndarray) -> tuple[PieceTable, np.ndarray, Any]:
+    """The layout's table with positions renumbered in world-rank order, the world rank of each, and a memo key.
+
+    Planning compares and orders ranks; with positions in rank order it can work in
+    positions (memoised per layout) and map to world ranks at the end. A mesh whose
+    ranks ascend (every mesh ``init_device_mesh`` makes, and its slices) keeps its table.
+    """
+    table = piece_table(layout, shape)
+    if len(ranks) < 2 or bool((np.diff(ranks) > 0).all()):
+        return table, ranks, (layout, shape)
+    order = np.argsort(ranks, kind="stable")
+    renumber = np.empty(len(order), dtype=_I64)
+    renumber[order] = np.arange(len(order), dtype=_I64)
+    pos = renumber[table.pos]
+    rows = np.lexsort((table.piece, pos))
+    moved = PieceTable(table.positions, pos[rows], table.piece[rows], table.lo[rows], table.ext[rows])
+    return moved, ranks[order], (layout, shape, ranks.tobytes())
+
+
+@dataclass(eq=False)
+class Placed:
+    """A layout's table for an array shape, in world-rank order, placed on world ranks.
+
+    ``table_key`` names the table (shared by every placement of a layout whose ranks
+    ascend), ``place`` the placement; ``derived`` holds what planning memoises on it.
+    """
+
+    table: PieceTable
+    shape: tuple[int, ...]
+    ranks: np.ndarray  # the world rank of each position of ``table``, ascending
+    table_key: Any
+    place: Any
+    derived: dict[Any, Any]
+
+
+_PLACED = _Memo(4096)
+_PLACED_BY_ID = _Memo(4096)  # (id of a layout, shape, ranks) -> (that layout, its entry); the layout kept alive
+
+
+def placed(spec: Any) -> Placed:
+    """The placed table of an :class:`~pytreeckpt.plan.ArraySpec` (memoised, looked up by the layout object first:
+    hashing a spec by value costs more than the rest of the lookup)."""
+    where = spec.ranks if spec.ranks is None or isinstance(spec.ranks, range) else tuple(spec.ranks)
+    fast = (id(spec.layout), spec.shape, where)
+    hit = _PLACED_BY_ID.get(fast)
+    if hit is not None and hit[0] is spec.layout:
+        return hit[1]  # type: ignore[no-any-return]
+
+    def make() -> Placed:
+        table, ranks, key = placed_table(spec.layout, spec.shape, spec.rank_array())
+        return Placed(table, spec.shape, ranks, key, (where, spec.layout.world_size), {})
+
+    got: Placed = _PLACED.get_or((spec.layout, spec.shape, where), make)
+    _PLACED_BY_ID.get_or(fast, lambda: (spec.layout, got))
+    return got
+
+
+def clear_placed() -> None:
+    _PLACED.clear()
+    _PLACED_BY_ID.clear()
+
+
+def first_of_runs(keys: np.ndarray) -> np.ndarray:
+    """Indices where a sorted 1-D array starts a run of equal values."""
+    if len(keys) == 0:
+        return np.zeros(0, dtype=_I64)
+    return np.flatnonzero(np.r_[True, keys[1:] != keys[:-1]])

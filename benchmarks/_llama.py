@@ -30,9 +30,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ._errors import LayoutError
-from ._piece_table import ArraySpec
-from ._sharding import FlatRanges, Layout, Mesh, Placement, Replicate, Shard, ShardingSpec, StridedShard
+from pytreeckpt._errors import LayoutError
+from pytreeckpt._sharding import FlatRanges, Layout, Mesh, Placement, Replicate, Shard, ShardingSpec, StridedShard
+from pytreeckpt.plan import ArraySpec
 
 __all__ = ["MODELS", "LlamaConfig", "llama_params", "llama_state"]
 

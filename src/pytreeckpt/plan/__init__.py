@@ -1,0 +1,46 @@
+"""Planning: pure functions from layouts to save and load plans, as plain data.
+
+One planner, columnar (numpy), used by ``save``, ``async_save`` and ``load`` at every
+world size. In: each array's global shape, element size and spec, placed on world
+ranks (:class:`ArraySpec`). Out: the writes or reads of one rank, or of every rank (a
+process holding every rank's shards). Deterministic, so ranks agree on a plan without
+shipping it; memoised per layout, so the layers of a model cost one computation; cached
+per state (:class:`PlanCache`), so a save in the same layout as the last costs a lookup.
+Nothing here does I/O, reads a clock, draws random numbers or talks to other ranks.
+"""
+
+from ._cache import PlanCache as PlanCache
+from ._cache import spec_digest as spec_digest
+from ._cache import spec_plan_key as spec_plan_key
+from ._load import plan_load as plan_load
+from ._save import check_complete as check_complete
+from ._save import clear_caches as clear_caches
+from ._save import plan_save as plan_save
+from ._types import ArrayLoadPlan as ArrayLoadPlan
+from ._types import ArraySavePlan as ArraySavePlan
+from ._types import ArraySpec as ArraySpec
+from ._types import ChunkingOptions as ChunkingOptions
+from ._types import Fragment as Fragment
+from ._types import LoadPlan as LoadPlan
+from ._types import ReadOp as ReadOp
+from ._types import SavePlan as SavePlan
+from ._types import WriteOp as WriteOp
+
+__all__ = [
+    "ArrayLoadPlan",
+    "ArraySavePlan",
+    "ArraySpec",
+    "ChunkingOptions",
+    "Fragment",
+    "LoadPlan",
+    "PlanCache",
+    "ReadOp",
+    "SavePlan",
+    "WriteOp",
+    "check_complete",
+    "clear_caches",
+    "plan_load",
+    "plan_save",
+    "spec_digest",
+    "spec_plan_key",
+]

@@ -1,0 +1,147 @@
+"""Balancing work over the ranks able to take it, and merging chunk indices into boxes.
+
+A *scope* is the set of ranks able to take a piece of work (the holders of a replicated
+chunk, the ranks feeding a merged chunk, the ranks wanting a region); its loads are the
+bytes given so far to each of its ranks. Work is handed to the least loaded rank of its
+scope, so balance holds within every scope and a rank's part of a plan depends only on
+the scopes that contain it. Pure and deterministic.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+__all__ = ["Scopes", "coalesce", "scope_key", "scope_loads", "water_fill"]
+
+Scopes = dict[bytes, np.ndarray]
+"""Per scope (keyed by :func:`scope_key` of its ranks, ascending), the bytes given so far to each of its ranks."""
+
+
+def scope_key(ranks: Sequence[int] | np.ndarray) -> bytes:
+    """The key of the scope of ``ranks`` (ascending): their int64 bytes, whose hash Python caches."""
+    return np.asarray(ranks, dtype=np.int64).tobytes()
+
+
+def scope_loads(scopes: Scopes, key: bytes, size: int) -> np.ndarray:
+    """The loads of the scope ``key`` of ``size`` ranks (int64, updated in place by the caller)."""
+    got = scopes.get(key)
+    if got is None:
+        got = scopes[key] = np.zeros(size, dtype=np.int64)
+    return got
+
+
+def water_fill(sizes: Sequence[int], load: list[int]) -> list[int]:
+    """Hand chunks of ``sizes`` (in order) to the holders whose bytes so far are ``load``, evening loads out.
+
+    Returns each chunk's holder (an index into ``load``) and adds the chunks to ``load``.
+    Handing each chunk to the least loaded holder keeps the spread of the holders' loads
+    within the larger of its spread before and the largest chunk. Contiguous runs (fewer,
+    larger writes) are used when they keep that bound too.
+
+    >>> load = [0, 0]
+    >>> water_fill([4, 4, 4, 4], load), load
+    ([0, 0, 1, 1], [8, 8])
+    """
+    n = len(load)
+    if n > 1 and len(sizes) > 1:
+        runs = _contiguous_runs(sizes, load)
+        if runs is not None:
+            after = list(load)
+            for size, r in zip(sizes, runs, strict=True):
+                after[r] += size
+            if max(after) - min(after) <= max(max(load) - min(load), max(sizes)):
+                load[:] = after
+                return runs
+    out = []
+    heap = list(zip(load, range(n), strict=True))  # the least loaded holder, lowest first, is heap[0]
+    heapq.heapify(heap)
+    for size in sizes:
+        best = heap[0][1]
+        out.append(best)
+        load[best] += size
+        heapq.heapreplace(heap, (load[best], best))
+    return out
+
+
+def _contiguous_runs(sizes: Sequence[int], load: list[int]) -> list[int] | None:
+    """Each chunk's holder when contiguous runs of the chunks fill the holders below the water level."""
+    total = sum(sizes)
+    current = sorted(load)
+    # the level L such that sum(max(0, L - load)) == total
+    level: float = current[0]
+    acc = 0
+    for i, v in enumerate(current):
+        width = i + 1
+        nxt = current[i + 1] if i + 1 < len(current) else None
+        need = total - acc
+        if nxt is None or (nxt - v) * width >= need:
+            level = v + need / width
+            break
+        acc += (nxt - v) * width
+    order = [r for r, x in enumerate(load) if level - x > 0]
+    if not order:  # nothing to hand out
+        return None
+    quota = [level - load[r] for r in order]
+    # The quotas laid end to end; a chunk goes to the holder whose stretch holds the chunk's
+    # midpoint. Each holder gets a contiguous run, and no holder's rounding carries over.
+    out, i, bound, pos = [], 0, quota[0], 0.0
+    for size in sizes:
+        mid = pos + size / 2
+        while i < len(order) - 1 and mid > bound:
+            i += 1
+            bound += quota[i]
+        out.append(order[i])
+        pos += size
+    return out
+
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]
+
+
+def coalesce(indices: Sequence[tuple[int, ...]]) -> list[Box]:
+    """Merge a set of chunk indices into boxes ``(lo, hi)`` of the chunk index space, sorted.
+
+    Boxes are merged along the last dim first, then the ones before it.
+
+    >>> coalesce([(0, 0), (0, 1), (1, 0), (1, 1), (2, 0)])
+    [((0, 0), (2, 2)), ((2, 0), (3, 1))]
+    """
+    boxes: list[Box] = [(idx, tuple(i + 1 for i in idx)) for idx in sorted(indices)]
+    ndim = len(indices[0]) if indices else 0
+    for d in reversed(range(ndim)):
+
+        def other(b: Box, d: int = d) -> tuple[Any, ...]:
+            return (b[0][:d] + b[0][d + 1 :], b[1][:d] + b[1][d + 1 :])
+
+        boxes.sort(key=lambda b, d=d: (other(b), b[0][d]))  # type: ignore[misc]
+        merged: list[Box] = []
+        for b in boxes:
+            if merged and other(merged[-1]) == other(b) and merged[-1][1][d] == b[0][d]:
+                lo, hi = merged[-1]
+                merged[-1] = (lo, (*hi[:d], b[1][d], *hi[d + 1 :]))
+            else:
+                merged.append(b)
+        boxes = merged
+    boxes.sort()
+    return boxes
+
+
+def subtract_box(lo: tuple[int, ...], hi: tuple[int, ...], glo: tuple[int, ...], ghi: tuple[int, ...]) -> list[Box]:
+    """``[lo, hi)`` minus its sub-box ``[glo, ghi)``, as disjoint boxes (at most two per dim)."""
+    out = []
+    cur_lo, cur_hi = list(lo), list(hi)
+    for d in range(len(lo)):
+        if glo[d] > cur_lo[d]:
+            h = list(cur_hi)
+            h[d] = glo[d]
+            out.append((tuple(cur_lo), tuple(h)))
+        if ghi[d] < cur_hi[d]:
+            a = list(cur_lo)
+            a[d] = ghi[d]
+            out.append((tuple(a), tuple(cur_hi)))
+        cur_lo[d], cur_hi[d] = glo[d], ghi[d]
+    return out

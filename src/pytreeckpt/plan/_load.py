@@ -1,0 +1,221 @@
+"""Load planning: each target region cut along the stored chunks, read once, delivered to every rank wanting it.
+
+The same planner at every scale: for every rank at once, or for one rank's own part.
+A target layout's distinct boxes are cut along the stored chunk grid; a region wanted by
+one rank is read by it, a region wanted by several (replicated targets) by the least
+loaded of them, by the bytes that same set of ranks has read so far, and sent on to the
+others. Every decision about a rank's reads is made within a set of ranks containing it,
+so a rank plans only the arrays it wants. Pure: no I/O, no clock, no globals.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from pytreeckpt._errors import LayoutError
+from pytreeckpt._region import Region
+from pytreeckpt.core._grid import ChunkGrid
+
+from ._balance import Scopes, scope_key, scope_loads
+from ._save import check_placement
+from ._tables import _I64, PieceTable, Placed, _Memo, first_of_runs, placed, unique_rows
+from ._types import ArrayLoadPlan, ArraySpec, Fragment, LoadPlan, ReadOp
+
+__all__ = ["plan_load"]
+
+
+@dataclass(eq=False)
+class _Cuts:
+    """A target layout cut along a stored chunk grid, in positions of a table in rank order.
+
+    Regions are in the order the ranks meet them: by their first wanting (position,
+    piece), then row-major within its box; a region equal to one met before is met once.
+    """
+
+    lo: np.ndarray  # (R, ndim) per region
+    ext: np.ndarray
+    nbytes: np.ndarray  # (R,) bytes per region
+    wanted_ptr: np.ndarray  # (R + 1,) CSR into the wanting (position, piece) pairs, by position then piece
+    want_pos: np.ndarray
+    want_piece: np.ndarray
+    single: np.ndarray  # (R,) the one position wanting the region, or -1
+    outside: int = -1  # a table row reaching outside the array, if any
+    _of_pos: dict[int, np.ndarray] = field(default_factory=dict)
+    _scopes: dict[tuple[int, Any], tuple[tuple[int, ...], bytes]] = field(default_factory=dict)
+
+    def wanting(self, r: int) -> np.ndarray:
+        return self.want_pos[self.wanted_ptr[r] : self.wanted_ptr[r + 1]]
+
+    def regions_of(self, pos: int) -> np.ndarray:
+        """The regions position ``pos`` wants, in order (memoised)."""
+        got = self._of_pos.get(pos)
+        if got is None:
+            rows = np.flatnonzero(self.want_pos == pos)
+            owner = np.searchsorted(self.wanted_ptr, rows, side="right") - 1
+            got = self._of_pos[pos] = np.unique(owner)
+        return got
+
+    def scope(self, r: int, ranks: np.ndarray, placement: Any) -> tuple[tuple[int, ...], bytes]:
+        """The distinct positions wanting region ``r`` and the key of their world ranks' scope (memoised)."""
+        key = (r, placement)
+        got = self._scopes.get(key)
+        if got is None:
+            held = tuple(np.unique(self.wanting(r)).tolist())
+            got = self._scopes[key] = (held, scope_key(ranks[list(held)]))
+        return got
+
+
+_CUTS = _Memo(4096)
+
+
+def _cuts(p: Placed, chunk: tuple[int, ...], itemsize: int) -> _Cuts:
+    """A placed target layout cut along ``chunk`` (memoised on it, and shared by placements of one table)."""
+    key = ("load", chunk, itemsize)
+    got = p.derived.get(key)
+    if got is None:
+        got = p.derived[key] = _CUTS.get_or(
+            (p.table_key, chunk, itemsize), lambda: _make_cuts(p.table, p.shape, chunk, itemsize)
+        )
+    return got  # type: ignore[no-any-return]
+
+
+def _make_cuts(table: PieceTable, shape: tuple[int, ...], chunk: tuple[int, ...], itemsize: int) -> _Cuts:
+    nd = len(shape)
+    grid = ChunkGrid(shape, chunk)
+    hi = table.lo + table.ext
+    outside = np.flatnonzero(((table.lo < 0) | (hi > np.asarray(shape, dtype=_I64))).any(axis=1))
+    if len(outside):
+        none = np.zeros(0, dtype=_I64)
+        return _Cuts(
+            np.zeros((0, nd), _I64), np.zeros((0, nd), _I64), none, np.zeros(1, _I64), none, none, none, int(outside[0])
+        )
+    nonempty = np.asarray((table.ext > 0).all(axis=1)) if nd else np.ones(len(table.pos), dtype=bool)
+    if grid.count == 0:
+        nonempty[:] = False
+    rows = np.flatnonzero(nonempty)
+    # distinct boxes, in the order of their first holder
+    ubox, inverse, first = unique_rows(np.concatenate([table.lo[rows], hi[rows]], axis=1))
+    order = np.argsort(first, kind="stable")
+    relabel = np.empty(len(order), dtype=_I64)
+    relabel[order] = np.arange(len(order), dtype=_I64)
+    box_of_row = relabel[inverse] if len(rows) else np.zeros(0, dtype=_I64)
+    ub = ubox[order]
+    blo, bhi = ub[:, :nd], ub[:, nd:]
+    # every box cut along the chunk grid, row-major within the box
+    c = np.asarray(chunk, dtype=_I64)
+    n = np.asarray(shape, dtype=_I64)
+    if nd:
+        box, flat = grid.cells(blo // c, (bhi - 1) // c + 1)
+        idx = grid.unflat_columns(flat)
+        lo = np.maximum(idx * c, blo[box])
+        ext = np.minimum(np.minimum((idx + 1) * c, n), bhi[box]) - lo
+    else:
+        box = np.arange(len(ub), dtype=_I64)
+        lo = ext = np.zeros((len(ub), 0), dtype=_I64)
+    # a region several boxes give (overlapping targets) is met once, where first met
+    if len(ub) > 1:
+        uregion, region_of, first_r = unique_rows(np.concatenate([lo, ext], axis=1))
+        keep = np.sort(first_r)
+        renumber = np.empty(len(uregion), dtype=_I64)
+        renumber[np.argsort(first_r, kind="stable")] = np.arange(len(uregion), dtype=_I64)
+        region_of = renumber[region_of]
+        lo, ext = lo[keep], ext[keep]
+    else:
+        region_of = np.arange(len(box), dtype=_I64)
+    # the (position, piece) pairs wanting each region: every holder of every box giving it
+    by_box = np.argsort(box_of_row, kind="stable")
+    starts = np.searchsorted(box_of_row[by_box], np.arange(len(ub)), side="left")
+    counts_b = np.searchsorted(box_of_row[by_box], np.arange(len(ub)), side="right") - starts
+    per_pair = counts_b[box]
+    pair = np.repeat(np.arange(len(box), dtype=_I64), per_pair)
+    offs = np.arange(len(pair), dtype=_I64) - np.repeat(np.cumsum(per_pair) - per_pair, per_pair)
+    trow = rows[by_box[starts[box[pair]] + offs]]
+    reg = region_of[pair]
+    wpos, wpiece = table.pos[trow], table.piece[trow]
+    o = np.lexsort((wpiece, wpos, reg))
+    reg, wpos, wpiece = reg[o], wpos[o], wpiece[o]
+    ptr = np.searchsorted(reg, np.arange(len(lo) + 1), side="left")
+    # regions wanted by one position only are read by it
+    distinct = first_of_runs(reg * (int(table.positions) + 1) + wpos)
+    nwanting = np.bincount(reg[distinct], minlength=len(lo))
+    first_pos = wpos[ptr[:-1]] if len(wpos) else np.zeros(len(lo), dtype=_I64)
+    single = np.where(nwanting == 1, first_pos, -1)
+    nbytes = (np.prod(ext, axis=1) if nd else np.ones(len(lo), dtype=_I64)) * itemsize
+    return _Cuts(lo, ext, nbytes, ptr, wpos, wpiece, single.astype(_I64))
+
+
+def _array_reads(spec: ArraySpec, chunk: tuple[int, ...], scopes: Scopes, rank: int | None) -> list[ReadOp]:
+    p = placed(spec)
+    table, ranks, place = p.table, p.ranks, p.place
+    cuts = _cuts(p, chunk, spec.itemsize)
+    if cuts.outside >= 0:
+        bad = cuts.outside
+        region = Region(tuple(table.lo[bad].tolist()), tuple(table.ext[bad].tolist()))
+        raise LayoutError(
+            f"leaf {spec.key!r}: rank {int(ranks[table.pos[bad]])} wants {region}, outside the stored shape "
+            f"{spec.shape}"
+        )
+    if rank is None:
+        rows: Sequence[int] = range(len(cuts.lo))
+    else:
+        at = int(np.searchsorted(ranks, rank))
+        if at == len(ranks) or ranks[at] != rank:
+            return []
+        rows = cuts.regions_of(at).tolist()
+    reads = []
+    single, nbytes = cuts.single, cuts.nbytes
+    lo, ext = cuts.lo, cuts.ext
+    for r in rows:
+        region = Region(tuple(lo[r].tolist()), tuple(ext[r].tolist()))
+        s = int(single[r])
+        if s >= 0:
+            reader = int(ranks[s])
+        else:
+            held, key = cuts.scope(r, ranks, place)
+            loads = scope_loads(scopes, key, len(held))
+            at_min = int(np.argmin(loads))
+            loads[at_min] += nbytes[r]
+            reader = int(ranks[held[at_min]])
+        a, b = cuts.wanted_ptr[r], cuts.wanted_ptr[r + 1]
+        targets = tuple(
+            Fragment(int(ranks[p]), pi, region)
+            for p, pi in zip(cuts.want_pos[a:b].tolist(), cuts.want_piece[a:b].tolist(), strict=True)
+        )
+        reads.append(ReadOp(region, reader, targets))
+    return reads
+
+
+def plan_load(
+    chunk_shapes: Sequence[tuple[int, ...]],
+    specs: Sequence[ArraySpec],
+    world: int,
+    *,
+    rank: int | None = None,
+) -> LoadPlan:
+    """The reads filling every target piece of ``specs`` from stored arrays chunked as ``chunk_shapes``.
+
+    With ``rank``, each array keeps the reads ``rank`` wants (it reads them, or receives
+    them from the rank that does); arrays it wants nothing of are not planned.
+
+    Raises:
+      LayoutError: a target spans ranks beyond the world, or wants elements outside the
+        stored shape.
+
+    >>> from pytreeckpt import Mesh, Replicate, ShardingSpec
+    >>> t = ArraySpec("w", (8, 4), 4, ShardingSpec(Mesh(2), [Replicate()]))
+    >>> reads = plan_load([(4, 4)], [t], 2).arrays[0].reads
+    >>> [(op.region.offset, op.reader, [f.rank for f in op.targets]) for op in reads]
+    [((0, 0), 0, [0, 1]), ((4, 0), 1, [0, 1])]
+    """
+    scopes: Scopes = {}
+    out = []
+    checked: set[tuple[int, Any]] = set()
+    for spec, chunk in zip(specs, chunk_shapes, strict=True):
+        check_placement(spec, world, checked, "target")
+        reads = _array_reads(spec, tuple(chunk), scopes, rank)
+        out.append(ArrayLoadPlan(spec.key, spec.shape, spec.itemsize, tuple(reads)))
+    return LoadPlan(world, tuple(out))

@@ -1,0 +1,610 @@
+"""Save planning: each stored array's chunk grid, and who writes which chunks from which pieces.
+
+One planner, columnar, used at every scale: for every rank at once (one process holding
+every rank's shards) or for one rank's own part (a rank among thousands).
+
+Per array, what does not depend on the bytes already given to ranks is computed once
+per (layout, shape, element size, chunking) and shared by every array of that layout
+(a model's layers have a few): the chunk grid, the *cells* (boxes of chunks held whole
+by the same set of positions), and the chunks no piece holds whole. Then per array:
+
+- a cell held by one position is written by it, as one box;
+- cells held by several (replicated data) are balanced over their holders, by bytes,
+  within their *scope* (the set of holders), the loads carrying over from array to array;
+- a chunk no piece holds whole is *merged*: written by the rank holding most of it
+  (ties to the least loaded of its feeders, then the lowest rank) from the fragments
+  its feeders send.
+
+Every scope deciding a rank's writes contains the rank, so a rank's part depends only on
+the arrays it holds: it plans those and nothing else. Pure: no I/O, no clock, no rank
+taken from globals.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from pytreeckpt._errors import LayoutError
+from pytreeckpt._region import Region
+from pytreeckpt.core._grid import ChunkGrid
+
+from ._balance import Box, Scopes, coalesce, scope_key, scope_loads, subtract_box, water_fill
+from ._chunking import chunk_shape_of_table
+from ._tables import _I64, PieceTable, Placed, _Memo, clear_placed, first_of_runs, placed, unique_rows
+from ._types import ArraySavePlan, ArraySpec, ChunkingOptions, Fragment, SavePlan, WriteOp
+
+__all__ = ["check_complete", "clear_caches", "plan_save"]
+
+
+# --------------------------------------------------------------------------- structure
+
+
+@dataclass(eq=False)
+class _Group:
+    """Chunks held whole by the same two or more positions (replicated data), row-major."""
+
+    holders: tuple[int, ...]  # positions, ascending
+    chunks: list[int]  # flat chunk indices, ascending
+    sizes: list[int]  # bytes of each chunk
+    pieces: list[tuple[int, ...]]  # per chunk: each holder's lowest piece holding it
+    memo: dict[bytes, tuple[list[int], np.ndarray]] = field(default_factory=dict)
+    scopes: dict[Any, bytes] = field(default_factory=dict)
+
+    def scope_key(self, ranks: np.ndarray, placement: Any) -> bytes:
+        """The key of the scope of the holders' world ranks under ``placement`` (memoised)."""
+        got = self.scopes.get(placement)
+        if got is None:
+            got = self.scopes[placement] = scope_key(ranks[list(self.holders)])
+        return got
+
+    def fill(self, loads: np.ndarray) -> list[int]:
+        """Each chunk's holder index given the holders' loads, which it updates in place (memoised).
+
+        The filling depends on the loads' differences only, so equal patterns of loads
+        (layer after layer of a model) share one computation.
+        """
+        rel = loads - loads.min()
+        key = rel.tobytes()
+        got = self.memo.get(key)
+        if got is None:
+            after = rel.tolist()
+            assign = water_fill(self.sizes, after)
+            got = self.memo[key] = (assign, np.asarray(after, dtype=np.int64) - rel)
+        loads += got[1]
+        return got[0]
+
+
+Part = tuple[int, int, tuple[int, ...], tuple[int, ...]]
+"""(position, piece, lo, hi): the box ``[lo, hi)`` of a piece."""
+
+
+@dataclass(eq=False)
+class _Merge:
+    """A chunk no piece holds whole: the parts of it each position holds, and the order they are taken in.
+
+    When position ``w`` writes the chunk, its fragments are taken in this order: ``w``'s
+    own parts (by piece), then every other part by how much of the chunk its position
+    holds (most first), then by position and piece; a part equal to one already taken
+    adds nothing (replicas), and each part gives what is still missing of the chunk.
+    Parts stay in columns; lists are made only for the positions asked about.
+    """
+
+    chunk: Region
+    feeders: tuple[int, ...]  # positions holding a part, ascending
+    overlap: np.ndarray  # elements of the chunk each feeder holds (summed over its pieces)
+    pos: np.ndarray  # per part, in table order (position, then piece)
+    piece: np.ndarray
+    lo: np.ndarray
+    hi: np.ndarray
+    box: np.ndarray  # per part, its distinct box
+    base: np.ndarray  # each distinct box once, from its first part in the shared order: part indices
+    is_grid: bool  # the distinct boxes are the cells of a grid over the chunk
+    _sources: dict[int, list[Part]] = field(default_factory=dict)
+    _scopes: dict[Any, bytes] = field(default_factory=dict)
+    _tied: np.ndarray | None = None
+    _base_by_pos: tuple[np.ndarray, np.ndarray] | None = None
+
+    def scope_key(self, ranks: np.ndarray, placement: Any) -> bytes:
+        got = self._scopes.get(placement)
+        if got is None:
+            got = self._scopes[placement] = scope_key(ranks[list(self.feeders)])
+        return got
+
+    def writer_at(self, loads: np.ndarray) -> int:
+        """The index (in ``feeders``) of the writer: most of the chunk, then least loaded, then lowest."""
+        if self._tied is None:
+            self._tied = np.flatnonzero(self.overlap == self.overlap.max())
+        tied = self._tied
+        if len(tied) == 1:
+            return int(tied[0])
+        if len(tied) == len(loads):
+            return int(np.argmin(loads))
+        return int(tied[np.argmin(loads[tied])])
+
+    def _parts(self, idx: np.ndarray) -> list[Part]:
+        nd = self.lo.shape[1]
+        return [
+            (p, pi, tuple(row[:nd]), tuple(row[nd:]))
+            for p, pi, row in zip(
+                self.pos[idx].tolist(),
+                self.piece[idx].tolist(),
+                np.concatenate([self.lo[idx], self.hi[idx]], axis=1).tolist(),
+                strict=True,
+            )
+        ]
+
+    def _of(self, pos: int) -> np.ndarray:
+        """Part indices of position ``pos`` (parts are in table order: by position, then piece)."""
+        a, b = np.searchsorted(self.pos, [pos, pos + 1])
+        return np.arange(a, b)
+
+    def _own(self, pos: int) -> np.ndarray:
+        """Part indices of position ``pos``, one per distinct box (its lowest piece), by piece."""
+        idx = self._of(pos)
+        _, first = np.unique(self.box[idx], return_index=True)
+        return idx[np.sort(first)]
+
+    def sources(self, key: str, writer: int) -> list[Part]:
+        """The fragments assembling the chunk when position ``writer`` writes it (memoised)."""
+        got = self._sources.get(writer)
+        if got is not None:
+            return got
+        own = self._own(writer)
+        rest = self.base[~np.isin(self.box[self.base], self.box[own])]
+        order = self._parts(np.concatenate([own, rest]))
+        got = order if self.is_grid else _cover(key, self.chunk, order)  # grid cells are taken whole
+        self._sources[writer] = got
+        return got
+
+    def sources_from(self, key: str, writer: int, pos: int) -> list[Part]:
+        """The fragments position ``pos`` (not the writer) sends to ``writer``."""
+        if not self.is_grid:
+            return [p for p in self.sources(key, writer) if p[0] == pos]
+        if self._base_by_pos is None:
+            order = np.argsort(self.pos[self.base], kind="stable")
+            self._base_by_pos = (self.pos[self.base][order], self.base[order])
+        keys, parts = self._base_by_pos
+        a, b = np.searchsorted(keys, [pos, pos + 1])
+        if a == b:
+            return []
+        held = set(self.box[self._of(writer)].tolist())
+        return self._parts(np.asarray([i for i in parts[a:b].tolist() if self.box[i] not in held], dtype=_I64))
+
+
+def _cover(key: str, chunk: Region, order: list[Part]) -> list[Part]:
+    """Take from each part, in order, what is still missing of ``chunk``."""
+    got: list[Part] = []
+    uncovered: list[Box] = [(chunk.offset, chunk.stop)]
+    for pos, piece, plo, phi in order:
+        rest: list[Box] = []
+        for ulo, uhi in uncovered:
+            glo = tuple(map(max, ulo, plo))
+            ghi = tuple(map(min, uhi, phi))
+            if any(h <= a for a, h in zip(glo, ghi, strict=True)):
+                rest.append((ulo, uhi))
+                continue
+            got.append((pos, piece, glo, ghi))
+            rest.extend(subtract_box(ulo, uhi, glo, ghi))
+        uncovered = rest
+        if not uncovered:
+            break
+    if uncovered:
+        lo, hi = uncovered[0]
+        first = Region(lo, tuple(h - a for a, h in zip(lo, hi, strict=True)))
+        raise LayoutError(
+            f"leaf {key!r}: elements {first} (and {len(uncovered) - 1} more boxes) are held by no rank, "
+            f"so they cannot be saved"
+        )
+    return got
+
+
+def _tile_grid(ubox: np.ndarray, chunk: Region) -> bool:
+    """True when the distinct boxes ``ubox`` (lo | hi rows) are every cell of a grid over ``chunk``."""
+    nd = chunk.ndim
+    cells = 1
+    for d in range(nd):
+        iv = unique_rows(ubox[:, [d, nd + d]])[0]
+        if iv[0, 0] != chunk.offset[d] or iv[-1, 1] != chunk.stop[d] or (iv[1:, 0] != iv[:-1, 1]).any():
+            return False
+        cells *= len(iv)
+    return cells == len(ubox)
+
+
+@dataclass(eq=False)
+class _Structure:
+    """What planning an array needs that does not depend on the bytes given to ranks so far.
+
+    In positions of a table whose position order is world-rank order.
+    """
+
+    grid: ChunkGrid
+    table: PieceTable
+    itemsize: int
+    # cells held whole by one position: a direct write each (chunk-index boxes)
+    single_pos: np.ndarray
+    single_piece: np.ndarray
+    single_lo: np.ndarray
+    single_hi: np.ndarray
+    # per single cell: True where the cell is a whole box the position writes alone, False
+    # where it is one chunk among others its (position, piece) writes (overlapping layouts)
+    single_box: bool
+    groups: list[_Group]
+    uncovered: np.ndarray  # flat indices of the chunks no piece holds whole, ascending
+    _index: _PartIndex | None = None
+    _merges: dict[int, _Merge] = field(default_factory=dict)
+    _by_pos: dict[int, tuple[np.ndarray, list[_Group], list[int]]] = field(default_factory=dict)
+
+    def involving(self, pos: int) -> tuple[np.ndarray, list[_Group], list[int]]:
+        """The single cells, groups and merged chunks position ``pos`` takes part in (memoised)."""
+        got = self._by_pos.get(pos)
+        if got is None:
+            got = self._by_pos[pos] = (
+                np.flatnonzero(self.single_pos == pos),
+                [g for g in self.groups if pos in g.holders],
+                self.merged_touched_by(pos),
+            )
+        return got
+
+    def merged_touched_by(self, pos: int) -> list[int]:
+        """Flat indices of the merged chunks position ``pos`` holds a part of, ascending."""
+        if not len(self.uncovered):
+            return []
+        t = self.table
+        rows = np.flatnonzero(t.pos == pos)
+        if not len(rows):
+            return []
+        lo = t.lo[rows] // np.asarray(self.grid.chunk, dtype=_I64)
+        hi = (t.lo[rows] + t.ext[rows] - 1) // np.asarray(self.grid.chunk, dtype=_I64) + 1
+        nonempty = (t.ext[rows] > 0).all(axis=1)
+        _, flat = self.grid.cells(lo[nonempty], hi[nonempty])
+        return np.intersect1d(flat, self.uncovered).tolist()  # type: ignore[no-any-return]
+
+    def merge(self, flat: int) -> _Merge:
+        got = self._merges.get(flat)
+        if got is None:
+            got = self._merges[flat] = self._make_merge(flat)
+        return got
+
+    def _make_merge(self, flat: int) -> _Merge:
+        chunk = self.grid.region(self.grid.unflat(flat))
+        if self._index is None:
+            self._index = _PartIndex(self.table)
+        t = self.table
+        rows = self._index.intersecting(chunk)
+        nd = self.grid.ndim
+        lo = np.maximum(t.lo[rows], np.asarray(chunk.offset, dtype=_I64))
+        hi = np.minimum(t.lo[rows] + t.ext[rows], np.asarray(chunk.stop, dtype=_I64))
+        pos, piece = t.pos[rows], t.piece[rows]
+        sizes = np.prod(hi - lo, axis=1) if nd else np.ones(len(rows), dtype=_I64)
+        feeders, inverse = np.unique(pos, return_inverse=True)
+        inverse = inverse.reshape(-1)
+        overlap = np.zeros(len(feeders), dtype=_I64)
+        np.add.at(overlap, inverse, sizes)
+        ubox, box, _ = unique_rows(np.concatenate([lo, hi], axis=1))
+        # the shared order: most of the chunk first, then position, then piece; each
+        # distinct box from its first part in that order, the boxes in that order
+        shared = np.lexsort((piece, pos, -overlap[inverse]))
+        _, first = np.unique(box[shared], return_index=True)
+        base = shared[np.sort(first)]
+        return _Merge(chunk, tuple(feeders.tolist()), overlap, pos, piece, lo, hi, box, base, _tile_grid(ubox, chunk))
+
+
+class _PartIndex:
+    """Finds the rows of a table whose boxes meet a box, without scanning every row."""
+
+    def __init__(self, table: PieceTable) -> None:
+        self.table = table
+        nd = table.lo.shape[1]
+        nonempty = np.flatnonzero((table.ext > 0).all(axis=1)) if nd else np.arange(len(table.pos))
+        self.rows = nonempty
+        if nd == 0 or not len(nonempty):
+            self.dim = -1
+            return
+        # sweep along the dim where the boxes start at the most distinct places
+        lo = table.lo[nonempty]
+        self.dim = int(np.argmax([len(np.unique(lo[:, d])) for d in range(nd)]))
+        order = np.argsort(lo[:, self.dim], kind="stable")
+        self.rows = nonempty[order]
+        self.start = table.lo[self.rows, self.dim]
+        self.reach = np.maximum.accumulate(self.start + table.ext[self.rows, self.dim])
+
+    def intersecting(self, box: Region) -> np.ndarray:
+        """Rows meeting ``box``, in table order."""
+        t = self.table
+        if self.dim < 0:
+            return np.sort(self.rows)
+        a, b = box.offset[self.dim], box.stop[self.dim]
+        first = int(np.searchsorted(self.reach, a, side="right"))
+        last = int(np.searchsorted(self.start, b, side="left"))
+        cand = self.rows[first:last]
+        lo, hi = t.lo[cand], t.lo[cand] + t.ext[cand]
+        meets = (lo < np.asarray(box.stop, dtype=_I64)).all(axis=1) & (hi > np.asarray(box.offset, dtype=_I64)).all(
+            axis=1
+        )
+        return np.sort(cand[meets])
+
+
+_STRUCTURES = _Memo(4096)
+
+
+def clear_caches() -> None:
+    """Forget the memoised tables and structures (benchmarks time cold planning with this)."""
+    from ._load import _CUTS
+    from ._tables import _TABLES
+
+    _TABLES.clear()
+    _CUTS.clear()
+    _STRUCTURES.clear()
+    clear_placed()
+
+
+def _structure(p: Placed, itemsize: int, opts: ChunkingOptions) -> _Structure:
+    """The save structure of a placed layout (memoised on it, and shared by placements of one table)."""
+    key = ("save", itemsize, opts)
+    got = p.derived.get(key)
+    if got is None:
+        got = p.derived[key] = _STRUCTURES.get_or(
+            (p.table_key, itemsize, opts), lambda: _make_structure(p.table, p.shape, itemsize, opts)
+        )
+    return got  # type: ignore[no-any-return]
+
+
+def _make_structure(table: PieceTable, shape: tuple[int, ...], itemsize: int, opts: ChunkingOptions) -> _Structure:
+    grid = ChunkGrid(shape, chunk_shape_of_table(table, shape, itemsize, opts))
+    nd = len(shape)
+    empty = np.zeros((0, nd), dtype=_I64)
+    none = np.zeros(0, dtype=_I64)
+    if grid.count == 0:
+        return _Structure(grid, table, itemsize, none, none, empty, empty, True, [], none)
+    clo, chi = grid.contained(table.lo, table.ext)
+    rows = np.flatnonzero((chi > clo).all(axis=1)) if nd else np.arange(len(table.pos), dtype=_I64)
+    ubox, inverse, _ = unique_rows(np.concatenate([clo[rows], chi[rows]], axis=1))
+    ulo, uhi = ubox[:, :nd], ubox[:, nd:]
+    if _disjoint(ulo, uhi):
+        # Each distinct box is a cell; its holders are the rows with that box.
+        cell_of_row = inverse
+        cell_lo, cell_hi = ulo, uhi
+        per_chunk = False
+    else:
+        # Overlapping boxes: a cell is one chunk, held by every box containing it.
+        box_of, flat = grid.cells(ulo, uhi)
+        cells, cell_of_pair = np.unique(flat, return_inverse=True)
+        # pair each (box, chunk) with the rows holding that box
+        by_box = np.argsort(inverse, kind="stable")
+        starts = np.searchsorted(inverse[by_box], np.arange(len(ubox)), side="left")
+        ends = np.searchsorted(inverse[by_box], np.arange(len(ubox)), side="right")
+        counts = (ends - starts)[box_of]
+        pair = np.repeat(np.arange(len(box_of)), counts)
+        offs = np.arange(len(pair)) - np.repeat(np.cumsum(counts) - counts, counts)
+        row_idx = by_box[starts[box_of[pair]] + offs]
+        rows = rows[row_idx]
+        cell_of_row = cell_of_pair.reshape(-1)[pair]
+        cell_lo = grid.unflat_columns(cells)
+        cell_hi = cell_lo + 1
+        per_chunk = True
+    pos, piece = table.pos[rows], table.piece[rows]
+    # holders of each cell: distinct positions ascending, each with its lowest piece
+    order = np.lexsort((piece, pos, cell_of_row))
+    c_sorted, p_sorted, pi_sorted = cell_of_row[order], pos[order], piece[order]
+    keep = first_of_runs(c_sorted * (int(table.positions) + 1) + p_sorted)
+    c_sorted, p_sorted, pi_sorted = c_sorted[keep], p_sorted[keep], pi_sorted[keep]
+    starts = first_of_runs(c_sorted)
+    nholders = np.diff(np.r_[starts, len(c_sorted)])
+    cell_ids = c_sorted[starts]
+    one = nholders == 1
+    single_cells = cell_ids[one]
+    single_pos = p_sorted[starts[one]]
+    single_piece = pi_sorted[starts[one]]
+    # replicated cells, grouped by their holders
+    by_holders: dict[tuple[int, ...], list[tuple[int, tuple[int, ...]]]] = defaultdict(list)
+    for cell, s, n in zip(cell_ids[~one].tolist(), starts[~one].tolist(), nholders[~one].tolist(), strict=True):
+        by_holders[tuple(p_sorted[s : s + n].tolist())].append((cell, tuple(pi_sorted[s : s + n].tolist())))
+    groups = []
+    for holders in sorted(by_holders, key=lambda h: (len(h), h)):
+        chunks: list[int] = []
+        pieces: list[tuple[int, ...]] = []
+        for cell, pis in by_holders[holders]:
+            _, flat = grid.cells(cell_lo[cell : cell + 1], cell_hi[cell : cell + 1])
+            chunks.extend(flat.tolist())
+            pieces.extend([pis] * len(flat))
+        order_c = sorted(range(len(chunks)), key=chunks.__getitem__)
+        chunks = [chunks[i] for i in order_c]
+        pieces = [pieces[i] for i in order_c]
+        sizes = [grid.region(grid.unflat(c)).size * itemsize for c in chunks]
+        groups.append(_Group(holders, chunks, sizes, pieces))
+    # chunks no piece holds whole
+    covered = int(np.prod(cell_hi - cell_lo, axis=1).sum()) if nd else len(cell_ids)
+    if covered >= grid.count:
+        uncovered = none
+    else:
+        _, flat = grid.cells(cell_lo, cell_hi)
+        mask = np.ones(grid.count, dtype=bool)
+        mask[flat] = False
+        uncovered = np.flatnonzero(mask)
+    return _Structure(
+        grid,
+        table,
+        itemsize,
+        single_pos,
+        single_piece,
+        cell_lo[single_cells],
+        cell_hi[single_cells],
+        not per_chunk,
+        groups,
+        uncovered,
+    )
+
+
+def _disjoint(lo: np.ndarray, hi: np.ndarray) -> bool:
+    """True when no two of the boxes ``[lo, hi)`` share a cell (bounded work for tiled boxes)."""
+    n = len(lo)
+    if n < 2:
+        return True
+    nd = lo.shape[1]
+    if nd == 0:
+        return False
+    d = int(np.argmax([len(np.unique(lo[:, k])) for k in range(nd)]))
+    order = np.argsort(lo[:, d], kind="stable")
+    lo, hi = lo[order], hi[order]
+    # candidates of box i: the boxes after it (in start order) starting before it ends
+    ends = np.searchsorted(lo[:, d], hi[:, d], side="left")
+    counts = np.maximum(ends - np.arange(n) - 1, 0)
+    total = int(counts.sum())
+    if total == 0:
+        return True
+    step = 1 << 20
+    first = np.repeat(np.arange(n), counts)
+    offs = np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts)
+    for s in range(0, total, step):
+        i = first[s : s + step]
+        j = i + 1 + offs[s : s + step]
+        if ((lo[i] < hi[j]) & (lo[j] < hi[i])).all(axis=1).any():
+            return False
+    return True
+
+
+# --------------------------------------------------------------------------- planning
+
+
+def _array_writes(
+    spec: ArraySpec, opts: ChunkingOptions, scopes: Scopes, rank: int | None
+) -> tuple[tuple[int, ...], list[WriteOp]]:
+    """One array's chunk shape, and its writes involving ``rank`` (every write when None)."""
+    p = placed(spec)
+    ranks, place = p.ranks, p.place
+    s = _structure(p, spec.itemsize, opts)
+    grid = s.grid
+    pos: int | None = None
+    if rank is not None:
+        at = int(np.searchsorted(ranks, rank))
+        if at == len(ranks) or ranks[at] != rank:
+            return grid.chunk, []
+        pos = at
+    # (writer position, piece) -> its whole boxes, and its chunks to coalesce
+    boxes: dict[tuple[int, int], list[Box]] = defaultdict(list)
+    loose: dict[tuple[int, int], list[tuple[int, ...]]] = defaultdict(list)
+    if pos is None:
+        singles: Sequence[int] = range(len(s.single_pos))
+        groups = s.groups
+        merges: Sequence[int] = s.uncovered.tolist()
+    else:
+        singles_a, groups, merges = s.involving(pos)
+        singles = singles_a.tolist()
+    if len(singles):
+        sp, spi = s.single_pos[singles].tolist(), s.single_piece[singles].tolist()
+        slo, shi = s.single_lo[singles].tolist(), s.single_hi[singles].tolist()
+        for p, pi, lo, hi in zip(sp, spi, slo, shi, strict=True):
+            if s.single_box:
+                boxes[(p, pi)].append((tuple(lo), tuple(hi)))
+            else:
+                loose[(p, pi)].append(tuple(lo))
+    for g in groups:
+        assign = g.fill(scope_loads(scopes, g.scope_key(ranks, place), len(g.holders)))
+        mine = None if pos is None else g.holders.index(pos)
+        for c, k, pis in zip(g.chunks, assign, g.pieces, strict=True):
+            if mine is None or k == mine:
+                loose[(g.holders[k], pis[k])].append(grid.unflat(c))
+    writes: list[WriteOp] = []
+    for (q, pi), bs in boxes.items():
+        if (q, pi) not in loose and len(bs) == 1:
+            writes.append(_direct(grid, bs[0], int(ranks[q]), pi))
+        else:
+            loose[(q, pi)].extend(i for lo, hi in bs for i in grid.indices(lo, hi))
+    for (q, pi), idxs in loose.items():
+        for box in coalesce(idxs):
+            writes.append(_direct(grid, box, int(ranks[q]), pi))
+    for flat in merges:
+        m = s.merge(flat)
+        if not m.feeders:
+            raise LayoutError(f"leaf {spec.key!r}: elements {m.chunk} are held by no rank, so they cannot be saved")
+        loads = scope_loads(scopes, m.scope_key(ranks, place), len(m.feeders))
+        at = m.writer_at(loads)
+        loads[at] += m.chunk.size * spec.itemsize
+        writer_pos = m.feeders[at]
+        if pos is None or pos == writer_pos:
+            sources = m.sources(spec.key, writer_pos)
+        else:
+            sources = m.sources_from(spec.key, writer_pos, pos)
+            if not sources:
+                continue
+        frags = tuple(
+            Fragment(int(ranks[p]), pi, Region(lo, tuple(h - a for a, h in zip(lo, hi, strict=True))))
+            for p, pi, lo, hi in sources
+        )
+        writes.append(WriteOp(m.chunk, int(ranks[writer_pos]), frags))
+    writes.sort(key=lambda w: w.region.offset)
+    return grid.chunk, writes
+
+
+def _direct(grid: ChunkGrid, box: Box, writer: int, piece: int) -> WriteOp:
+    lo, hi = box
+    offset = tuple(i * c for i, c in zip(lo, grid.chunk, strict=True))
+    stop = tuple(min(i * c, n) for i, c, n in zip(hi, grid.chunk, grid.shape, strict=True))
+    region = Region(offset, tuple(e - o for o, e in zip(offset, stop, strict=True)))
+    return WriteOp(region, writer, (Fragment(writer, piece, region),))
+
+
+def plan_save(
+    specs: Sequence[ArraySpec], world: int, *, rank: int | None = None, options: ChunkingOptions | None = None
+) -> SavePlan:
+    """The save plan of ``specs`` on a world of ``world`` ranks: every write, or those involving ``rank``.
+
+    With ``rank``, each array keeps the writes ``rank`` makes, and the merged writes it
+    feeds with only its own fragments (what it sends, and to whom); arrays it holds no
+    piece of are not planned beyond their chunk grid. Arrays are planned in order; within
+    each scope the bytes already given carry over from one array to the next.
+
+    Raises:
+      LayoutError: a layout spans ranks beyond the world, or (planning every write, or
+        the merged chunks ``rank`` writes) some element is held by no rank.
+
+    >>> from pytreeckpt import Mesh, Replicate, Shard, ShardingSpec
+    >>> w = ArraySpec("w", (1024, 1024), 4, ShardingSpec(Mesh((2, 2)), [Replicate(), Shard(0)]))
+    >>> plan = plan_save([w], 4)
+    >>> [(op.writer, op.region.offset) for op in plan.arrays[0].writes]
+    [(0, (0, 0)), (2, (256, 0)), (1, (512, 0)), (3, (768, 0))]
+    >>> [op.writer for op in plan_save([w], 4, rank=2).arrays[0].writes]
+    [2]
+    """
+    opts = options or ChunkingOptions()
+    scopes: Scopes = {}
+    out = []
+    checked: set[tuple[int, Any]] = set()
+    for spec in specs:
+        check_placement(spec, world, checked, "layout")
+        chunk, writes = _array_writes(spec, opts, scopes, rank)
+        out.append(ArraySavePlan(spec.key, spec.shape, spec.itemsize, chunk, tuple(writes)))
+    return SavePlan(world, tuple(out))
+
+
+def check_placement(spec: ArraySpec, world: int, checked: set[tuple[int, Any]], what: str) -> None:
+    """Raise unless ``spec``'s layout sits on ranks of the world; each placement is checked once."""
+    where = (id(spec.layout), spec.ranks if spec.ranks is None or isinstance(spec.ranks, range) else id(spec.ranks))
+    if where in checked:
+        return
+    if spec.layout.world_size > world:
+        raise LayoutError(
+            f"leaf {spec.key!r}: its {what} spans {spec.layout.world_size} ranks but the world has {world}"
+        )
+    spec.check_world(world)
+    checked.add(where)
+
+
+def check_complete(spec: ArraySpec, options: ChunkingOptions | None = None) -> None:
+    """Raise LayoutError naming the leaf if some element of ``spec`` is held by no rank.
+
+    Mesh specs hold every element by construction; irregular layouts are checked on the
+    chunks no piece holds whole (what merged writes would assemble).
+    """
+    opts = options or ChunkingOptions()
+    s = _structure(placed(spec), spec.itemsize, opts)
+    for flat in s.uncovered.tolist():
+        m = s.merge(flat)
+        if not m.feeders:
+            raise LayoutError(f"leaf {spec.key!r}: elements {m.chunk} are held by no rank, so they cannot be saved")
+        m.sources(spec.key, m.feeders[0])
