@@ -35,6 +35,7 @@ from ._format import ArrayMeta as ArrayMeta
 from ._format import Compression as Compression
 from ._leaf import Abstract as Abstract
 from ._leaf import ShardedLeaf as ShardedLeaf
+from ._load import plan_load_of as plan_load
 from ._location import Location as Location
 from ._location import StorageOptions as StorageOptions
 from ._manager import CheckpointManager as CheckpointManager
@@ -43,6 +44,7 @@ from ._monitor import Span as Span
 from ._region import Region as Region
 from ._safetensors import export_safetensors as export_safetensors
 from ._safetensors import import_safetensors as import_safetensors
+from ._save import plan_save_of as plan_save
 from ._sharding import ExplicitRegions as ExplicitRegions
 from ._sharding import FlatRanges as FlatRanges
 from ._sharding import Layout as Layout
@@ -98,6 +100,8 @@ __all__ = [
     "load_slice",
     "metadata",
     "placements_from_spec",
+    "plan_load",
+    "plan_save",
     "save",
     "spec_from_dtensor",
     "verify",

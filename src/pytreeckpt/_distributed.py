@@ -19,7 +19,7 @@ import contextlib
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -52,7 +52,26 @@ def is_dtensor(x: Any) -> bool:
     return isinstance(x, DTensor)
 
 
-def distributed_comm(group: Any = None) -> DistComm | None:
+@runtime_checkable
+class Comm(Protocol):
+    """What a save or load needs of its ranks: the object collectives of planning and agreement.
+
+    :class:`DistComm` is the torch.distributed one. Another (``pytreeckpt.testing.SimComm``,
+    one rank of a simulated world) may be passed as ``process_group`` to
+    ``pytreeckpt.plan_save`` and ``pytreeckpt.plan_load``, which need nothing else.
+    """
+
+    rank: int
+    world: int
+
+    def gather(self, obj: Any) -> list[Any]: ...
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any: ...
+
+    def agree(self, error: BaseException | None, what: str) -> None: ...
+
+
+def distributed_comm(group: Any = None) -> Any:
     """The DistComm of a save or load, or None when it runs as a single process.
 
     A save or load is distributed when torch.distributed is initialised (at any world
@@ -64,6 +83,8 @@ def distributed_comm(group: Any = None) -> DistComm | None:
     Raises:
       CheckpointError: this process is not a member of ``group``.
     """
+    if isinstance(group, Comm):
+        return group
     if group is None:
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return None

@@ -350,6 +350,28 @@ def load(
             monitor.extend(spans.spans)
 
 
+def plan_load_of(
+    path: PathLike,
+    target: Any = None,
+    *,
+    namespace: str = "",
+    executor: ExecutorOptions | None = None,
+    process_group: Any = None,
+) -> LoadPlan:
+    """The load plan this rank runs for ``load(path, target)``: the metadata is read, no array.
+
+    The same planning ``load`` does (rank 0 reads the metadata and sends it to the
+    others, the target is matched against it, the ranks' layouts agreed on, this rank's
+    part planned, or every rank's in a single process), for inspecting who reads which
+    stored boxes into which ranks' pieces. Call it on every rank of ``process_group`` in
+    a distributed job, as ``load``. Each plan array is a target leaf that is an array, in
+    the target's order.
+    """
+    _wait_in_flight()
+    plan: LoadPlan = _load(path, target, namespace, executor, None, _comm(process_group), Monitor(), plan_only=True)
+    return plan
+
+
 LOAD_ATTEMPTS = 4
 """How many times a load starts again when the checkpoint is replaced under it (another process saving there)."""
 
@@ -382,6 +404,7 @@ def _load(
     comm: Any,
     monitor: Monitor,
     seen: list[bytes] | None = None,
+    plan_only: bool = False,
 ) -> Any:
     me = 0 if comm is None else comm.rank
     t0 = time.time()
@@ -483,11 +506,16 @@ def _load(
         world = max((d.layout.world_size for _, d in dests), default=1)
     rank = None if comm is None else comm.rank
     chunks = [d.meta.chunk_shape for _, d in dests]
-    plan = _LOAD_PLANS.get_or(
-        spec_plan_key(specs, world, rank, tuple(chunks)), lambda: plan_load(chunks, specs, world, rank=rank)
-    )
-    if comm is None:
-        plan = _held(plan, [d.pieces for _, d in dests])
+    plan = LoadPlan(world, ())
+    with carried.catch():
+        plan = _LOAD_PLANS.get_or(
+            spec_plan_key(specs, world, rank, tuple(chunks)), lambda: plan_load(chunks, specs, world, rank=rank)
+        )
+        if comm is None:
+            plan = _held(plan, [d.pieces for _, d in dests])
+    carried.agree("planning the load")
+    if plan_only:
+        return plan
     metas = [d.meta for _, d in dests]
     getters = [d.get for _, d in dests]
     thread = threading.current_thread().name

@@ -345,31 +345,43 @@ def _torch_dtype_or_none(meta: ArrayMeta) -> torch.dtype | None:
         return None
 
 
-def _plan_job(
-    path: PathLike,
+@dataclass(slots=True)
+class _Planned:
+    """A state described and planned on this rank: what save() writes and what plan_save() returns."""
+
+    arrays: list[_ArrayIn]
+    entries: list[dict[str, Any] | None]  # a plain Python leaf's metadata, None for an array
+    root: Any
+    user: dict[str, Any]
+    codecs: dict[str, Any]
+    plan: SavePlan
+    rank: int | None  # the rank planned for; None: every rank (a single process)
+
+
+def _plan_state(
+    storage: Storage | None,
     tree: Any,
     spec: Any,
-    overwrite: bool,
     user_metadata: Mapping[str, Any] | None,
     chunking: ChunkingOptions | None,
-    executor: ExecutorOptions | None,
     namespace: str,
-    comm: Any = None,
-    compression: Any = None,
-    base: PathLike | None = None,
-    chunk_hashes: bool = False,
-) -> _SaveJob:
-    t0 = time.perf_counter()
-    # In a distributed save, what a rank does before the layout exchange, and then before
-    # the first agreement, is carried into that collective: a rank that raised alone
-    # would never join it and would leave the others waiting for its timeout.
-    carried = _Carried(comm)
+    comm: Any,
+    compression: Any,
+    carried: _Carried,
+) -> _Planned | None:
+    """Describe the tree's leaves, agree with the other ranks, and plan this rank's part (None if this rank failed).
+
+    In a distributed save, what a rank does before the layout agreement is carried into
+    it (``carried``): a rank that raised alone would never join it and would leave the
+    others waiting for its timeout.
+    """
     arrays: list[_ArrayIn] = []
     entries: list[dict[str, Any] | None] = []
     values: list[str] = []
     user: dict[str, Any] = {}
+    codecs: dict[str, Any] = {}
+    root: Any = None
     with carried.catch():
-        storage = Storage(path, executor)
         leaves, paths, root = flatten(tree, _is_leaf, namespace=namespace)
         check_unique_keys(paths)
         user = _user_metadata(user_metadata)
@@ -398,9 +410,11 @@ def _plan_job(
         world = comm.world
     else:
         world = max((a.layout.world_size for a in arrays), default=1)
-    job: _SaveJob | None = None
     with carried.catch():
-        options = chunking or storage.chunking
+        if chunking is not None:
+            options = chunking
+        else:
+            options = storage.chunking if storage is not None else ChunkingOptions()
         rank = None if comm is None else comm.rank
         plan = _SAVE_PLANS.get_or(
             spec_plan_key(specs, world, options, rank), lambda: plan_save(specs, world, rank=rank, options=options)
@@ -414,6 +428,35 @@ def _plan_job(
                                 f"leaf {_where(a.key)}: elements {frag.region} live only on rank {frag.rank}, "
                                 f"whose shard is not in this ShardedLeaf (it holds ranks {sorted(a.present)})"
                             )
+        return _Planned(arrays, entries, root, user, codecs, plan, rank)
+    return None
+
+
+def _plan_job(
+    path: PathLike,
+    tree: Any,
+    spec: Any,
+    overwrite: bool,
+    user_metadata: Mapping[str, Any] | None,
+    chunking: ChunkingOptions | None,
+    executor: ExecutorOptions | None,
+    namespace: str,
+    comm: Any = None,
+    compression: Any = None,
+    base: PathLike | None = None,
+    chunk_hashes: bool = False,
+) -> _SaveJob:
+    t0 = time.perf_counter()
+    carried = _Carried(comm)
+    storage: Storage | None = None
+    with carried.catch():
+        storage = Storage(path, executor)
+    planned = _plan_state(storage, tree, spec, user_metadata, chunking, namespace, comm, compression, carried)
+    job: _SaveJob | None = None
+    with carried.catch():
+        assert storage is not None  # (else this rank failed before, and carried its error)
+        assert planned is not None
+        arrays, plan, rank = planned.arrays, planned.plan, planned.rank
         names = array_names([a.key for a in arrays])
         metas = [
             ArrayMeta(
@@ -424,22 +467,20 @@ def _plan_job(
                 ap.chunk_shape,
                 f"{ARRAYS_DIR}/{name}",
                 a.saved_layout,
-                codecs[a.key],
+                planned.codecs[a.key],
                 database=db,
             )
             for a, ap, name, db in zip(arrays, plan.arrays, names, _databases(storage, plan, rank), strict=True)
         ]
         it = iter(metas)
-        leaf_json = [e if e is not None else next(it).to_json() for e in entries]
-        document = build_document(root, leaf_json, user)
+        leaf_json = [e if e is not None else next(it).to_json() for e in planned.entries]
+        document = build_document(planned.root, leaf_json, planned.user)
         if comm is None or comm.rank == 0:
             storage.check_writable(overwrite)
         t1 = time.perf_counter()
         monitor = Monitor()
-        rank = 0 if comm is None else comm.rank
-        monitor.add(
-            Span("save", "plan", rank, time.time() - (t1 - t0), time.time(), 0, threading.current_thread().name)
-        )
+        me = 0 if comm is None else comm.rank
+        monitor.add(Span("save", "plan", me, time.time() - (t1 - t0), time.time(), 0, threading.current_thread().name))
         reuse = _chunk_reuse(metas, base) if base is not None or chunk_hashes else None
         job = _SaveJob(
             storage,
@@ -458,6 +499,36 @@ def _plan_job(
     if job is None:  # planning failed on this rank: it raises with the others, at their agreement after planning
         carried.fail("preparing the save")
     return job
+
+
+def plan_save_of(
+    tree: Any,
+    spec: Any = None,
+    *,
+    chunking: ChunkingOptions | None = None,
+    namespace: str = "",
+    process_group: Any = None,
+) -> SavePlan:
+    """The save plan this rank runs for ``save(path, tree, spec)``: nothing is read or written.
+
+    The same planning ``save`` and ``async_save`` do (the leaves described, the ranks'
+    layouts agreed on, this rank's part planned, or every rank's in a single process),
+    for inspecting who writes which chunks. Call it on every rank of ``process_group``
+    in a distributed job, as ``save``.
+
+    >>> import torch
+    >>> plan = plan_save_of({"w": torch.zeros(4, 4)})
+    >>> [(a.key, a.chunk_shape, [op.writer for op in a.writes]) for a in plan.arrays]
+    [('w', (4, 4), [0])]
+    """
+    comm = _comm(process_group)
+    carried = _Carried(comm)
+    planned = _plan_state(None, tree, spec, None, chunking, namespace, comm, None, carried)
+    if planned is None:
+        carried.fail("planning the save")
+    if comm is not None:
+        carried.agree("planning the save")
+    return planned.plan
 
 
 def _user_metadata(user_metadata: Any) -> dict[str, Any]:

@@ -1,0 +1,82 @@
+"""pytreeckpt.plan_save and plan_load: the plans save() and load() run, one rank's at any world size."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+import pytreeckpt
+from pytreeckpt import Abstract, FlatRanges, Mesh, Replicate, Shard, ShardedLeaf, ShardingSpec
+from pytreeckpt.testing import SimComm
+
+WORLD = 8
+
+
+def _state(rank: int | None) -> dict[str, object]:
+    """Every rank's shards (rank None), or one rank's, of a small state in three layouts."""
+    full = {
+        "w": torch.arange(64 * 48, dtype=torch.float32).reshape(64, 48),
+        "flat": torch.arange(100, dtype=torch.int16),
+        "rep": torch.arange(10, dtype=torch.float64),
+    }
+    specs = {
+        "w": ShardingSpec(Mesh((2, 4)), [Shard(1), Shard(0)]),
+        "flat": FlatRanges([(0, 10), (10, 10), (10, 40), (40, 41), (41, 70), (70, 80), (80, 95), (95, 100)]),
+        "rep": ShardingSpec(Mesh(WORLD), [Replicate()]),
+    }
+    out: dict[str, object] = {"step": 3}
+    for k, t in full.items():
+        leaf = ShardedLeaf.from_global(t, specs[k])
+        out[k] = leaf if rank is None else ShardedLeaf(leaf.shape, leaf.dtype, leaf.spec, {rank: leaf.shards[rank]})
+    return out
+
+
+def _ops(plan: pytreeckpt.SavePlan, rank: int) -> list[object]:
+    return [[(op.region, op.writer) for op in a.writes if op.writer == rank] for a in plan.arrays]
+
+
+def test_plan_save_is_what_save_writes(tmp_path: Path) -> None:
+    state = _state(None)
+    chunking = pytreeckpt.ChunkingOptions(single_chunk_bytes=256, min_chunk_bytes=64, max_chunk_bytes=1024)
+    plan = pytreeckpt.plan_save(state, chunking=chunking)
+    pytreeckpt.save(tmp_path / "c", state, chunking=chunking)
+    stored = pytreeckpt.metadata(tmp_path / "c").arrays
+    assert [a.key for a in plan.arrays] == ["w", "flat", "rep"]
+    for a in plan.arrays:
+        assert stored[a.key].chunk_shape == a.chunk_shape
+        covered = torch.zeros(a.shape, dtype=torch.int32)
+        for op in a.writes:
+            covered[op.region.slices()] += 1
+        assert bool((covered == 1).all()), a.key  # every element written once
+
+
+def test_a_simulated_rank_plans_its_part_of_the_whole_plan() -> None:
+    chunking = pytreeckpt.ChunkingOptions(single_chunk_bytes=256, min_chunk_bytes=64, max_chunk_bytes=1024)
+    whole = pytreeckpt.plan_save(_state(None), chunking=chunking)
+    for rank in range(WORLD):
+        comm = SimComm(rank, WORLD)
+        part = pytreeckpt.plan_save(_state(rank), chunking=chunking, process_group=comm)
+        assert _ops(part, rank) == _ops(whole, rank), rank
+        assert [a.chunk_shape for a in part.arrays] == [a.chunk_shape for a in whole.arrays]
+        if rank:  # a rank receives only rank 0's verdict that the ranks agree
+            assert comm.received == [None]
+
+
+def test_plan_load_reads_what_each_rank_wants_and_a_simulated_rank_its_part(tmp_path: Path) -> None:
+    pytreeckpt.save(tmp_path / "c", _state(None))
+    target = {
+        "w": Abstract((64, 48), torch.float32, ShardingSpec(Mesh(4), [Shard(0)])),
+        "flat": Abstract((100,), torch.int16, ShardingSpec(Mesh(WORLD), [Shard(0)])),
+        "rep": Abstract((10,), torch.float64, ShardingSpec(Mesh(2), [Replicate()])),
+        "step": 0,
+    }
+    whole = pytreeckpt.plan_load(tmp_path / "c", target)
+    assert [a.key for a in whole.arrays] == ["w", "flat", "rep"]
+    document = (tmp_path / "c" / "pytreeckpt.json").read_bytes()
+    for rank in range(WORLD):
+        comm = SimComm(rank, WORLD, document=document if rank else None)
+        part = pytreeckpt.plan_load(tmp_path / "c", target, process_group=comm)
+        for a, b in zip(part.arrays, whole.arrays, strict=True):
+            wanted = [op for op in b.reads if any(t.rank == rank for t in op.targets)]
+            assert list(a.reads) == wanted, (a.key, rank)
