@@ -11,7 +11,7 @@ model and rank count this measures
   median of 3 runs; the slowest of a few sampled ranks is ``rank_plan_max_ms``;
 - ``global_plan_s``: the coordinator computing the whole save plan and the metadata
   document, cold;
-- ``metadata_mb``: the size of that document (MB = 10^6 bytes);
+- ``metadata_mb``: the size of that document (MB = 10^6 bytes), every chunk's crc32c included;
 - ``exchange_*``: the layout-exchange payload per rank (what ``_exchange_layouts`` sends
   today: each rank's own pieces, pickled, all-gathered to every rank);
 - ``cached_plan_ms``: a save in the same layouts as the last one, served by the plan cache;
@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from pytreeckpt._dtypes import dtype_from_name
-from pytreeckpt._format import ARRAYS_DIR, ArrayMeta, array_names, build_document
+from pytreeckpt._format import ARRAYS_DIR, ArrayMeta, array_names, build_document, chunk_count
 from pytreeckpt._llama import llama_state
 from pytreeckpt._plan import ChunkingOptions
 from pytreeckpt._plan_cache import PlanCache, spec_plan_key
@@ -70,10 +70,20 @@ def _parallel(model: str, world: int, tp: int, pp: int) -> tuple[int, int]:
 
 
 def _document(specs: list[ArraySpec], chunk_shapes: list[tuple[int, ...]]) -> bytes:
+    """The metadata document a save writes, with every chunk's crc32c recorded (arbitrary values, same size)."""
     names = array_names([s.key for s in specs])
     dtypes = {2: dtype_from_name("bfloat16"), 4: dtype_from_name("float32")}
     metas = [
-        ArrayMeta(s.key, "torch", dtypes[s.itemsize], s.shape, c, f"{ARRAYS_DIR}/{n}", s.layout).to_json()
+        ArrayMeta(
+            s.key,
+            "torch",
+            dtypes[s.itemsize],
+            s.shape,
+            c,
+            f"{ARRAYS_DIR}/{n}",
+            s.layout,
+            chunk_crc32c=bytes(4 * chunk_count(s.shape, c)),
+        ).to_json()
         for s, c, n in zip(specs, chunk_shapes, names, strict=True)
     ]
     tree = Node("dict", [("s", s.key) for s in specs], [Node("leaf", leaf=i) for i in range(len(specs))])

@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from ._errors import CheckpointError
-from ._executor import ChunkReuse, ExecutorOptions, PieceData, Storage, write_items
+from ._errors import CheckpointError, MetadataError
+from ._executor import ChunkReuse, ChunkSums, ExecutorOptions, PieceData, Storage, write_items
 from ._format import (
     ARRAYS_DIR,
     MAX_PACKED_BYTES,
@@ -32,7 +32,8 @@ from ._format import (
     ValueMeta,
     array_names,
     build_document,
-    with_chunk_hashes,
+    chunk_count,
+    with_chunk_sums,
 )
 from ._load import metadata
 from ._location import describe
@@ -76,6 +77,8 @@ class _SaveJob:
     reuse: ChunkReuse | None = None
     snap: Snapshot | None = None
     _lock: Any = None
+    sums: ChunkSums | None = None
+    parts: tuple[Any, list[dict[str, Any]], dict[str, Any]] | None = None  # the document's tree, leaves, user metadata
 
     @property
     def rank(self) -> int:
@@ -157,7 +160,7 @@ class _SaveJob:
                 try:
                     with self.monitor.phase("save", "write", 0) as box:
                         box[0] = self.storage.write(
-                            self.metas, self._items(), progress=progress.advance, reuse=self.reuse
+                            self.metas, self._items(), progress=progress.advance, reuse=self.reuse, sums=self._sums()
                         )
                 finally:
                     progress.close()
@@ -176,17 +179,23 @@ class _SaveJob:
         self.timings["write"] = t1 - t0
         self.timings["commit"] = time.perf_counter() - t1
 
+    def _sums(self) -> ChunkSums:
+        """The record of every chunk this process writes (its crc32c; its hash when ``reuse``)."""
+        if self.sums is None:
+            self.sums = ChunkSums(self.metas)
+        return self.sums
+
     def _final_document(self, gathered: list[Any] | None) -> bytes:
-        """The metadata document, with every array's chunk hashes when they were computed."""
-        reuse = self.reuse
-        if reuse is None:
-            return self.document
-        if gathered is not None:  # every rank's hashes, on rank 0
-            for other in gathered:
-                for i, got in (other or {}).items():
-                    reuse.hashes.setdefault(i, {}).update(got)
-        hashes = {m.key: reuse.chunk_hashes(i) for i, m in enumerate(self.metas)}
-        return with_chunk_hashes(self.document, {k: v for k, v in hashes.items() if v})
+        """The metadata document, with every array's chunk checksums (and chunk hashes when they were computed)."""
+        sums = self._sums()
+        if gathered is not None:  # every rank's records, on rank 0 (its own among them)
+            for other in gathered[1:]:
+                sums.merge(other)
+        crcs = [sums.crc32c(i) for i in range(len(self.metas))]
+        hashes = [sums.chunk_hashes(i) if self.reuse is not None else None for i in range(len(self.metas))]
+        assert self.parts is not None
+        tree, leaves, user = self.parts
+        return build_document(tree, with_chunk_sums(leaves, crcs, hashes), user)
 
     def _persist_distributed(self) -> float:
         """Rank 0 prepares the directory (holding its lock), every rank writes, rank 0 commits."""
@@ -215,7 +224,7 @@ class _SaveJob:
                 staged = self.snap.items() if self.snap is not None else iter(())
                 items = itertools.chain(staged, transfers.items())
                 box[0] = self.storage.write(
-                    self.metas, items, create=False, progress=progress.advance, reuse=self.reuse
+                    self.metas, items, create=False, progress=progress.advance, reuse=self.reuse, sums=self._sums()
                 )
         except Exception as e:
             error = e
@@ -225,7 +234,7 @@ class _SaveJob:
                 transfers.wait_all()
         comm.agree(error, "writing the checkpoint")
         t1 = time.perf_counter()
-        gathered = comm.gather(self.reuse.hashes) if self.reuse is not None else None
+        gathered = comm.gather(self._sums().payload())  # the checksums (and hashes) of every rank's chunks
         if me == 0:
             try:
                 with self.monitor.phase("save", "commit", 0):
@@ -318,7 +327,9 @@ def _plan_job(
     ]
     it = iter(metas)
     leaf_json = [e if e is not None else next(it).to_json() for e in entries]
-    document = build_document(root, leaf_json, dict(user_metadata or {}))
+    user = dict(user_metadata or {})
+    document = build_document(root, leaf_json, user)  # built now, so a bad user_metadata fails before any write
+    _check_document_size(document, metas, storage)
     if comm is None or comm.rank == 0:
         storage.check_writable(overwrite)
     t1 = time.perf_counter()
@@ -339,7 +350,20 @@ def _plan_job(
         [a.device for a in arrays],
         [a.watch for a in arrays],
         reuse,
+        parts=(root, leaf_json, user),
     )
+
+
+def _check_document_size(document: bytes, metas: list[ArrayMeta], storage: Storage) -> None:
+    """Refuse, before writing, a checkpoint whose metadata document its location would refuse to read."""
+    limit = storage.location.options.max_metadata_bytes
+    size = len(document) + sum(6 * chunk_count(m.shape, m.chunk_shape) + 20 for m in metas)  # and the checksums
+    if size > limit:
+        raise MetadataError(
+            f"the metadata document of this checkpoint would hold about {size} bytes, more than the {limit} "
+            f"bytes a load reads (StorageOptions.max_metadata_bytes); save it, and load it, through a Location "
+            f"with a larger max_metadata_bytes"
+        )
 
 
 def _chunk_reuse(metas: list[ArrayMeta], base: PathLike | None) -> ChunkReuse:
