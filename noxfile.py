@@ -1,8 +1,10 @@
-"""Sessions: tests, property, lint, typecheck, bench. Run ``nox -s NAME``.
+"""Sessions: check (tests, property tests, mypy), lint, bench; tests, property, typecheck alone.
 
-Each session installs torch 2.13.0 first (a CPU wheel; an unpinned torch would pull a
-multi-GB CUDA build), then the project, so the project's own range ``torch>=2.6`` is
-satisfied without another download.
+``nox`` runs check and lint, the README's test command. check sets up one environment
+and runs everything that needs torch in it: torch 2.13.0 is installed first (a CPU wheel;
+an unpinned torch would pull a multi-GB CUDA build), then the project once, so the
+project's own range ``torch>=2.6`` is satisfied without another download. lint needs only
+ruff. tests, property and typecheck run one part each, in an environment of their own.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import os
 
 import nox
 
-nox.options.sessions = ["tests", "property", "lint", "typecheck"]
+nox.options.sessions = ["check", "lint"]
 nox.options.default_venv_backend = "venv"
 nox.options.reuse_existing_virtualenvs = os.environ.get("CI") != "true"
 
@@ -23,19 +25,36 @@ def _install(session: nox.Session, extra: str) -> None:
     session.install("-e", f".[{extra}]")
 
 
+def _tests(session: nox.Session, *args: str) -> None:
+    session.run("pytest", "-q", *args)  # tests/ and the doctests of src/ (pyproject's testpaths)
+
+
+def _property(session: nox.Session, *args: str) -> None:
+    env = {"HYPOTHESIS_PROFILE": os.environ.get("HYPOTHESIS_PROFILE", "ci")}
+    session.run("pytest", "-q", "property_tests", *args, env=env)
+
+
+@nox.session
+def check(session: nox.Session) -> None:
+    """Example tests and doctests, property tests and mypy, in one environment."""
+    _install(session, "dev")
+    session.run("mypy")
+    _tests(session, "--durations=10")
+    _property(session)
+
+
 @nox.session
 def tests(session: nox.Session) -> None:
     """Example tests and doctests."""
     _install(session, "test")
-    session.run("pytest", "-q", *session.posargs)
+    _tests(session, *session.posargs)
 
 
 @nox.session
 def property(session: nox.Session) -> None:
     """Hypothesis property tests; HYPOTHESIS_PROFILE=dev for the broad local profile."""
     _install(session, "test")
-    env = {"HYPOTHESIS_PROFILE": os.environ.get("HYPOTHESIS_PROFILE", "ci")}
-    session.run("pytest", "-q", "property_tests", *session.posargs, env=env)
+    _property(session, *session.posargs)
 
 
 @nox.session

@@ -63,10 +63,14 @@ class ByteTransformer(nn.Module):
         self.head = nn.Linear(dim, 256)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Logits of shape (batch * seq, 256)."""
         x = self.embed(tokens) + self.pos[: tokens.shape[1]]
         for block in self.blocks:
             x = block(x)
-        return self.head(self.norm(x))
+        # The head on rows of a 2-d input: on a 3-d input, nn.Linear returns a view of its
+        # 2-d result, and FSDP2 warns about a module returning a view (an in-place op on it
+        # would skip FSDP2's pre-backward hook).
+        return self.head(self.norm(x).flatten(0, 1))
 
 
 def batch(step: int, rank: int, world: int, device: torch.device) -> torch.Tensor:
@@ -130,7 +134,7 @@ def main() -> None:
     for step in range(start, start + args.steps):
         tokens = batch(step, rank, world, device)
         logits = model(tokens[:, :-1])
-        loss = nn.functional.cross_entropy(logits.reshape(-1, 256), tokens[:, 1:].reshape(-1))
+        loss = nn.functional.cross_entropy(logits, tokens[:, 1:].reshape(-1))
         opt.zero_grad()
         loss.backward()
         opt.step()

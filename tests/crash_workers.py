@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import time
 from typing import Any
 
 import torch
@@ -41,3 +43,134 @@ def race(path: str, seed: int, ready: Any, go: Any, out: Any) -> None:
         out.put((seed, f"CheckpointError: {e}"))
     except Exception as e:  # anything else is a bug the test reports
         out.put((seed, f"{type(e).__name__}: {e}"))
+
+
+def save_too_much(rank: int, world: int, path: str) -> tuple[str, list[str]]:
+    """A distributed save of 8 MiB, written by both ranks, into a disk with less room: the error, and what is left."""
+    g = torch.Generator().manual_seed(0)
+    tree = {f"w{i}": torch.randn(512, 1024, generator=g) for i in range(4)}
+    try:
+        pytreeckpt.save(path, tree)
+    except pytreeckpt.CheckpointError as e:
+        error = f"CheckpointError: {e}"
+    except Exception as e:  # anything else is a bug the test reports
+        error = f"{type(e).__name__}: {e}"
+    else:
+        error = "saved"
+    left = sorted(os.listdir(path)) if os.path.isdir(path) else []
+    return error, left
+
+
+def many_leaves(seed: int) -> dict[str, Any]:
+    """60 leaves of 4 KiB, each in files of its own when saved unpacked: saves, loads and removals of many files."""
+    g = torch.Generator().manual_seed(seed)
+    return {"w": {f"{i}": torch.randn(32, 32, generator=g) for i in range(60)}, "step": seed}
+
+
+def _unpacked(path: str) -> pytreeckpt.Location:
+    return pytreeckpt.Location(path, pytreeckpt.StorageOptions(pack_small_leaves=False))
+
+
+def overwrite_repeatedly(path: str, saves: int, ready: Any, go: Any, stop: Any, out: Any) -> None:
+    """Replace the checkpoint at ``path`` ``saves`` times, seeds alternating, pausing a little in between."""
+    trees = {seed: many_leaves(seed) for seed in (1, 2)}
+    ready.set()
+    go.wait()
+    errors = []
+    for i in range(saves):
+        try:
+            pytreeckpt.save(_unpacked(path), trees[1 + i % 2], overwrite=True)
+        except Exception as e:
+            errors.append(f"{type(e).__name__}: {e}")
+        time.sleep(0.05 + 0.1 * (i % 3))  # room for the loads that lost a race to finish their retry
+    out.put(("writer", errors))
+
+
+def load_repeatedly(path: str, ready: Any, go: Any, stop: Any, out: Any) -> None:
+    """Load ``path`` until told to stop; every load must be one of the two states, whole."""
+    from pytreeckpt import _load
+
+    retried = [0]
+    real = getattr(_load, "_raise_unless_replaced", None)
+
+    def counting(*args: Any) -> None:
+        assert real is not None
+        real(*args)
+        retried[0] += 1  # it returned: the checkpoint was replaced under this load, which starts again
+
+    if real is not None:
+        _load._raise_unless_replaced = counting
+    want = {seed: many_leaves(seed) for seed in (1, 2)}
+    ready.set()
+    go.wait()
+    loads, errors = 0, []
+    while not stop.is_set():
+        try:
+            got = pytreeckpt.load(path)
+        except Exception as e:
+            errors.append(f"{type(e).__name__}: {e}")
+            continue
+        loads += 1
+        seed = got["step"]
+        mixed = [k for k, v in want[seed]["w"].items() if not torch.equal(got["w"][k], v)]
+        if mixed:
+            errors.append(f"state {seed} with leaves {mixed[:5]} of another state")
+    out.put(("reader", (loads, retried[0], errors)))
+
+
+def manage(
+    directory: str, steps: list[int], async_: bool, together: Any, ready: Any, go: Any, stop: Any, out: Any
+) -> None:
+    """A CheckpointManager saving ``steps`` into a directory another one shares, restoring the newest now and then.
+
+    The two managers start each save together (``together``, a barrier), so that their
+    retention runs, removing the same old steps, overlap.
+    """
+    ready.set()
+    go.wait()
+    errors, restored = [], 0
+    try:
+        with pytreeckpt.CheckpointManager(_unpacked(directory), max_to_keep=2, async_=async_) as m:
+            for step in steps:
+                try:
+                    together.wait(60)
+                    m.save(step, many_leaves(step))
+                    if step % 3 == 0:
+                        got = m.restore()  # the newest step of either manager
+                        if not torch.equal(got["w"]["0"], many_leaves(got["step"])["w"]["0"]):
+                            errors.append(f"restored step {got['step']} is not whole")
+                        restored += 1
+                except Exception as e:
+                    errors.append(f"step {step}: {type(e).__name__}: {e}")
+    except Exception as e:
+        errors.append(f"closing: {type(e).__name__}: {e}")
+    out.put((steps[0] % 2, (restored, errors)))
+
+
+def replace_distributed(rank: int, world: int, path: str) -> dict[str, Any]:
+    """Two ranks save, then replace, a checkpoint of arrays both write and small ones packed per rank."""
+    from torch.distributed.tensor import DeviceMesh, Shard, distribute_tensor
+
+    mesh = DeviceMesh("cpu", list(range(world)))
+
+    def tree(seed: int) -> dict[str, Any]:
+        g = torch.Generator().manual_seed(seed)
+        big = torch.randn(1024, 512, generator=g)  # 2 MiB: stored on its own, written by both ranks
+        small = {f"b{i}": torch.randn(16, generator=g) for i in range(8)}  # packed, spread over the ranks
+        return {"big": distribute_tensor(big, mesh, [Shard(0)]), "small": small, "step": seed}
+
+    pytreeckpt.save(path, tree(1))
+    first = sorted(p for top in ("arrays", "ocdbt") for p in _names(path, top))
+    pytreeckpt.save(path, tree(2), overwrite=True)
+    second = sorted(p for top in ("arrays", "ocdbt") for p in _names(path, top))
+    got = pytreeckpt.load(path)
+    want = tree(2)
+    whole = torch.equal(got["big"], want["big"].full_tensor()) and all(
+        torch.equal(got["small"][k], v) for k, v in want["small"].items()
+    )
+    return {"first": first, "second": second, "step": got["step"], "whole": whole}
+
+
+def _names(path: str, top: str) -> list[str]:
+    folder = os.path.join(path, top)
+    return [f"{top}/{n}" for n in os.listdir(folder)] if os.path.isdir(folder) else []

@@ -104,7 +104,7 @@ def _full(sd: Any) -> Any:
     if isinstance(sd, list):
         return [_full(v) for v in sd]
     if isinstance(sd, DTensor):
-        return sd.full_tensor()
+        return sd.full_tensor().clone()  # (on one rank the full tensor may be the local tensor itself)
     if isinstance(sd, torch.Tensor):
         return sd.clone()
     return sd
@@ -424,3 +424,265 @@ def incremental_saves(rank: int, world: int, path: str) -> dict[str, Any]:
         "inc": sum(s.nbytes for s in inc.spans if s.phase == "write"),
         "hashes": pytreeckpt.metadata(f"{path}/s2").arrays["a"].chunk_hashes is not None,
     }
+
+
+# --------------------------------------------------------------------------- a world of one, sub-meshes, groups
+
+
+def _locals_equal(got: Any, full: torch.Tensor) -> bool:
+    """A loaded DTensor holds what torch itself puts on this rank for its mesh and placements (nothing off its mesh)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    want = distribute_tensor(full, got.device_mesh, got.placements).to_local()
+    return isinstance(got, DTensor) and torch.equal(got.to_local(), want)
+
+
+class _GroupCounter:
+    """Counts the process groups made while it is on (torch.distributed.new_group calls)."""
+
+    def __init__(self) -> None:
+        self.made = 0
+        self._orig = dist.new_group
+
+    def __enter__(self) -> _GroupCounter:
+        def counting(*args: Any, **kwargs: Any) -> Any:
+            self.made += 1
+            return self._orig(*args, **kwargs)
+
+        dist.new_group = counting
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        dist.new_group = self._orig
+
+
+def world_of_one(rank: int, world: int, directory: str) -> dict[str, Any]:
+    """An FSDP2 model on a world of one rank: save, async_save, a manager and loads, all with DTensors."""
+    from torch.distributed.tensor import DTensor
+
+    model, opt, dp_rank, dp_size = build(world, "fsdp", seed=0)
+    train(model, opt, 0, 1, dp_rank, dp_size)
+    msd, osd = _state_dicts(model, opt)
+    state = {"model": msd, "optim": osd, "step": 1}
+    full = {"model": _full(msd), "optim": _full(osd)}
+    other, other_opt, _, _ = build(world, "fsdp", seed=5)  # another init: the loads must matter
+    train(other, other_opt, 0, 1, dp_rank, dp_size)
+    tmsd, tosd = _state_dicts(other, other_opt)
+    target = {"model": tmsd, "optim": tosd, "step": 0}
+    got: dict[str, Any] = {}
+    with _GroupCounter() as groups:
+        pytreeckpt.save(f"{directory}/save", state)
+        pytreeckpt.async_save(f"{directory}/async", state).wait()
+        pytreeckpt.save(f"{directory}/group", state, process_group=dist.group.WORLD)
+        with pytreeckpt.CheckpointManager(f"{directory}/manager", max_to_keep=1) as m:
+            m.save(1, state)
+            m.wait()
+            got["manager"] = m.restore(target=target)
+        got["save"] = pytreeckpt.load(f"{directory}/save", target)
+        got["async"] = pytreeckpt.load(f"{directory}/async", target)
+        got["group"] = pytreeckpt.load(f"{directory}/group", target, process_group=dist.group.WORLD)
+    dtensors = all(
+        isinstance(v, DTensor) for g in got.values() for v in g["model"].values() if isinstance(v, torch.Tensor)
+    )
+    return {
+        "full": full,
+        "got": {k: {"model": _full(g["model"]), "optim": _full(g["optim"]), "step": g["step"]} for k, g in got.items()},
+        "dtensors": dtensors,
+        "groups_made": groups.made,
+    }
+
+
+def sub_meshes(rank: int, world: int, path: str) -> dict[str, Any]:
+    """DTensors whose meshes cover some ranks only: two halves of the world and a ``mesh["tp"]`` slice."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    first, second = DeviceMesh("cpu", [0, 1]), DeviceMesh("cpu", [2, 3])
+    grid = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    full = {"a": torch.randn(6, 4), "b": torch.randn(5, 3), "c": torch.randn(8, 2)}
+    state = {
+        "a": distribute_tensor(full["a"], first, [Shard(0)]),  # ranks 2 and 3 hold nothing of it
+        "b": distribute_tensor(full["b"], second, [Shard(1)]),  # ranks 0 and 1 hold nothing of it
+        "c": distribute_tensor(full["c"], grid["tp"], [Shard(0)]),  # each tp pair holds a copy
+        "step": 3,
+    }
+
+    def target() -> dict[str, Any]:
+        return {
+            "a": distribute_tensor(torch.zeros(6, 4), second, [Replicate()]),
+            "b": distribute_tensor(torch.zeros(5, 3), first, [Shard(0)]),
+            "c": distribute_tensor(torch.zeros(8, 2), grid["dp"], [Shard(1)]),
+            "step": 0,
+        }
+
+    pytreeckpt.save(f"{path}/save", state)
+    pytreeckpt.async_save(f"{path}/async", state).wait()
+    loaded = {name: pytreeckpt.load(f"{path}/{name}", target()) for name in ("save", "async")}
+    with pytreeckpt.CheckpointManager(f"{path}/manager") as m:
+        m.save(1, state)
+        m.wait()
+        loaded["manager"] = m.restore(target=target())
+    plain = pytreeckpt.load(f"{path}/save", {k: torch.zeros_like(v) for k, v in full.items()})
+    return {
+        "locals": {name: all(_locals_equal(got[k], v) for k, v in full.items()) for name, got in loaded.items()},
+        "steps": [got["step"] for got in loaded.values()],
+        "plain": all(torch.equal(plain[k], v) for k, v in full.items()),
+        "held": state["a"].to_local().numel(),
+    }
+
+
+def subset_groups(rank: int, world: int, path: str) -> dict[str, Any]:
+    """Pipeline stages save and load on their own process groups (one stage alone, then both); then groups
+    of one rank, then the whole world."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    grid = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    ones = [DeviceMesh("cpu", [r]) for r in range(world)]  # every rank makes every one-rank mesh
+    stage_mesh, group = grid["dp"], grid.get_group("dp")
+    coordinate = grid.get_coordinate()
+    assert coordinate is not None
+    stage = coordinate[0]
+    torch.manual_seed(stage)
+    w, b = torch.randn(6, 4), torch.full((3,), float(stage))
+    state = {"w": distribute_tensor(w, stage_mesh, [Shard(0)]), "b": b.clone(), "stage": stage}
+
+    def target() -> dict[str, Any]:
+        return {"w": distribute_tensor(torch.zeros(6, 4), stage_mesh, [Shard(1)]), "b": torch.zeros(3), "stage": -1}
+
+    def round_trip(where: str) -> dict[str, bool]:
+        pytreeckpt.save(f"{where}/save", state, process_group=group)
+        pytreeckpt.async_save(f"{where}/async", state, process_group=group).wait()
+        loaded = {name: pytreeckpt.load(f"{where}/{name}", target(), process_group=group) for name in ("save", "async")}
+        with pytreeckpt.CheckpointManager(f"{where}/manager", process_group=group) as m:
+            m.save(1, state)
+            m.wait()
+            loaded["manager"] = m.restore(target=target())
+        return {
+            name: _locals_equal(got["w"], w) and torch.equal(got["b"], b) and got["stage"] == stage
+            for name, got in loaded.items()
+        }
+
+    # Stage 0 alone first: the ranks of stage 1 take no part in making its groups.
+    first = round_trip(f"{path}/first") if stage == 0 else {}
+    # Then both stages at once, each on its own group.
+    same = round_trip(f"{path}/stage{stage}")
+    # A group of this rank alone, with a DTensor on its one-rank mesh.
+    mine = ones[rank]
+    x = torch.arange(4.0) + rank
+    pytreeckpt.save(f"{path}/solo{rank}", {"x": distribute_tensor(x, mine, [Shard(0)])}, process_group=mine.get_group())
+    solo = pytreeckpt.load(
+        f"{path}/solo{rank}",
+        {"x": distribute_tensor(torch.zeros(4), mine, [Replicate()])},
+        process_group=mine.get_group(),
+    )
+    # Then the whole world, without a group: its checkpoint groups are unaffected by the others.
+    g = torch.arange(48.0).reshape(8, 6)
+    pytreeckpt.save(f"{path}/world", {"g": distribute_tensor(g, grid, [Shard(0), Shard(1)])})
+    whole = pytreeckpt.load(f"{path}/world", {"g": torch.zeros(8, 6)})
+    return {
+        "stage": stage,
+        "first": first,
+        "same": same,
+        "solo": _locals_equal(solo["x"], x),
+        "world": torch.equal(whole["g"], g),
+    }
+
+
+# --------------------------------------------------------------------------- one rank's error
+
+
+def one_rank_fails(rank: int, world: int, path: str) -> list[dict[str, Any]]:
+    """One rank at a time fails before any collective (a bad leaf, a meta tensor, another tree, another target).
+
+    Every case records what each rank raised and how long it took; after each, a save
+    and a load, and a collective on the default group, must still work.
+    """
+    import time
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    w = torch.arange(8.0).reshape(4, 2)
+
+    def good() -> dict[str, Any]:
+        return {"w": distribute_tensor(w, mesh, [Shard(0)]), "b": torch.ones(3), "step": 1}
+
+    def meta_dtensor() -> Any:
+        return DTensor.from_local(torch.empty(2, 2, device="meta"), mesh, [Shard(0)], run_check=False)
+
+    pytreeckpt.save(f"{path}/base", good())
+    spec = pytreeckpt.ShardingSpec(pytreeckpt.Mesh(world), [pytreeckpt.Shard(0)])
+    out: list[dict[str, Any]] = []
+    for bad in range(world):
+        me = rank == bad
+
+        def save_meta_tensor(me: bool = me) -> None:
+            pytreeckpt.save(f"{path}/x", {**good(), "b": torch.empty(3, device="meta") if me else torch.ones(3)})
+
+        def save_meta_dtensor(me: bool = me) -> None:
+            tree = good()  # (every rank makes it: distribute_tensor is a collective)
+            pytreeckpt.save(f"{path}/x", {**tree, "w": meta_dtensor()} if me else tree)
+
+        def async_save_bad_spec(me: bool = me) -> None:
+            specs = {"w": None, "b": spec if me else None, "step": None}
+            pytreeckpt.async_save(f"{path}/x", good(), specs).wait()
+
+        def async_save_meta_dtensor(me: bool = me) -> None:
+            tree = good()
+            pytreeckpt.async_save(f"{path}/x", {**tree, "w": meta_dtensor()} if me else tree).wait()
+
+        def save_another_tree(me: bool = me) -> None:
+            pytreeckpt.save(f"{path}/x", {**good(), "extra": torch.ones(2)} if me else good())
+
+        def load_another_shape(me: bool = me) -> None:
+            pytreeckpt.load(f"{path}/base", {**good(), "b": torch.zeros(4 if me else 3)})
+
+        def load_another_tree(me: bool = me) -> None:
+            pytreeckpt.load(f"{path}/base", {**good(), "extra": torch.ones(2)} if me else good())
+
+        cases = [
+            ("save_meta_tensor", "b", save_meta_tensor),
+            ("save_meta_dtensor", "w", save_meta_dtensor),
+            ("async_save_bad_spec", "b", async_save_bad_spec),
+            ("async_save_meta_dtensor", "w", async_save_meta_dtensor),
+            ("save_another_tree", "extra", save_another_tree),
+            ("load_another_shape", "b", load_another_shape),
+            ("load_another_tree", "extra", load_another_tree),
+        ]
+        if bad == 0:  # a step after the exchange that only rank 0 takes: the committed checkpoint is not replaced
+
+            def save_over_committed() -> None:
+                pytreeckpt.save(f"{path}/base", good())
+
+            cases.append(("save_over_committed", None, save_over_committed))
+        for name, leaf, fn in cases:
+            start = time.perf_counter()
+            try:
+                fn()
+                kind, message, checkpoint_error = "none", "no error", False
+            except Exception as e:
+                kind, message = type(e).__name__, str(e)
+                checkpoint_error = isinstance(e, pytreeckpt.CheckpointError)
+            seconds = time.perf_counter() - start
+            # The checkpoint's groups and the default group are still usable.
+            n = len(out)
+            pytreeckpt.save(f"{path}/after{n}", good())
+            back = pytreeckpt.load(f"{path}/after{n}", {"w": torch.zeros(4, 2), "b": torch.zeros(3), "step": 0})
+            total = torch.ones(1)
+            dist.all_reduce(total)
+            out.append(
+                {
+                    "case": name,
+                    "bad": bad,
+                    "leaf": leaf,
+                    "kind": kind,
+                    "message": message,
+                    "checkpoint_error": checkpoint_error,
+                    "seconds": seconds,
+                    "after": torch.equal(back["w"], w) and float(total) == world,
+                }
+            )
+    return out

@@ -1,19 +1,35 @@
-"""Run a function in several real processes joined by a gloo process group.
+"""Run a function in several real processes joined by a gloo process group, or a script under torchrun.
 
-Workers are module-level functions (spawned processes import them by name); each
+Workers are module-level functions (the processes import them by name); each
 returns a picklable result or raises. ``run_world`` returns the results by rank, or
-raises with every failed rank's traceback.
+raises with every failed rank's traceback. The processes fork from a server that
+imported torch and pytreeckpt once, instead of importing them anew for every rank.
+Each rank's stderr goes to a file of its own (with Python's fault handler on, so a
+crash prints every thread's stack there); when
+anything fails (a rank raises, dies, exits non-zero after answering, or does not answer)
+the assertion message shows every rank's own stderr, labelled. ``run_torchrun`` does the
+same for a script launched by torchrun.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing as mp
 import os
 import queue
+import shutil
+import signal
 import socket
+import subprocess
+import sys
+import tempfile
+import time
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
+
+STDERR_SHOWN = 20_000  # the last characters of each rank's stderr shown in a failure
 
 
 def free_port() -> int:
@@ -22,7 +38,13 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple[Any, ...], out: Any) -> None:
+def _entry(
+    fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple[Any, ...], out: Any, stderr: str
+) -> None:
+    fd = os.open(stderr, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 2)  # this rank's own stderr, native code's included
+    os.close(fd)
+    faulthandler.enable(all_threads=True)
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
     )
@@ -67,30 +89,119 @@ def _restore(x: Any) -> Any:
     return x
 
 
+def _exit_status(code: int | None) -> str:
+    if code is None:
+        return "still running (killed)"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name} (exit {code})"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit {code}"
+
+
+def rank_stderr(rank: int, path: Path, status: str = "") -> str:
+    """One rank's stderr, labelled: the last ``STDERR_SHOWN`` characters of the file at ``path``."""
+    try:
+        text = path.read_text(errors="replace")
+    except FileNotFoundError:
+        text = "(no stderr file)"
+    if len(text) > STDERR_SHOWN:
+        text = f"[... {len(text) - STDERR_SHOWN} characters before these; whole file: {path}]\n" + text[-STDERR_SHOWN:]
+    label = f"rank {rank} ({status})" if status else f"rank {rank}"
+    return f"===== {label}: its stderr =====\n{text.rstrip() or '(empty)'}"
+
+
 def run_world(world: int, fn: Callable[..., Any], *args: Any, timeout: float = 240.0) -> list[Any]:
-    """Run ``fn(rank, world, *args)`` on ``world`` processes; the results by rank."""
-    ctx = mp.get_context("spawn")
+    """Run ``fn(rank, world, *args)`` on ``world`` processes; the results by rank.
+
+    Every rank must answer within ``timeout`` seconds and then exit with status 0.
+    """
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "pytreeckpt"])
     out = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, args, out), daemon=True) for r in range(world)]
+    logs = Path(tempfile.mkdtemp(prefix="run_world-"))
+    paths = [logs / f"rank{r}.stderr" for r in range(world)]
+    procs = [
+        ctx.Process(target=_entry, args=(fn, r, world, port, args, out, str(paths[r])), daemon=True)
+        for r in range(world)
+    ]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}
     failures: dict[int, str] = {}
+    deadline = time.monotonic() + timeout
+    dead_since: float | None = None
     try:
-        for _ in range(world):
+        while len(results) + len(failures) < world and time.monotonic() < deadline:
             try:
-                rank, ok, value = out.get(timeout=timeout)
+                rank, ok, value = out.get(timeout=0.2)
             except queue.Empty:
-                break
+                # A rank that died without answering leaves the others waiting for it
+                # (in a collective) until gloo's timeout: stop a few seconds after it died.
+                silent = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in results | failures]
+                if silent:
+                    dead_since = dead_since or time.monotonic()
+                    if time.monotonic() - dead_since > 5:
+                        break
+                continue
             (results if ok else failures)[rank] = value
+        if len(results) + len(failures) == world:  # every rank answered: each must now exit, and exit well
+            for p in procs:
+                p.join(timeout=60)
     finally:
         for p in procs:
-            p.join(timeout=10)
             if p.is_alive():
                 p.kill()
-    if failures or len(results) != world:
+                p.join()
+    codes = [p.exitcode for p in procs]
+    bad_exit = [r for r, c in enumerate(codes) if c != 0]
+    if failures or bad_exit or len(results) != world:
         missing = sorted(set(range(world)) - set(results) - set(failures))
-        detail = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items()))
-        raise AssertionError(f"ranks failed: {sorted(failures)}; no answer from {missing}\n{detail}")
+        tracebacks = "\n".join(f"--- rank {r} raised ---\n{tb}" for r, tb in sorted(failures.items()))
+        said = ["answered" if r in results else "raised" if r in failures else "no answer" for r in range(world)]
+        stderrs = "\n".join(rank_stderr(r, paths[r], f"{said[r]}, {_exit_status(codes[r])}") for r in range(world))
+        raise AssertionError(
+            f"ranks failed: {sorted(failures)}; no answer from {missing}; exited badly: {bad_exit}; "
+            f"stderr files in {logs}\n{tracebacks}\n{stderrs}"
+        )
+    shutil.rmtree(logs, ignore_errors=True)
     return [_restore(results[r]) for r in range(world)]
+
+
+def run_torchrun(script: Path, nproc: int, *args: str, logs: Path, timeout: float = 300.0) -> list[str]:
+    """Run ``script *args`` under torchrun on ``nproc`` local ranks; each rank's stdout, by rank.
+
+    Each rank's stdout and stderr go to files of their own under ``logs`` (torchrun's
+    ``--log-dir`` with ``--redirects 3``), with Python's fault handler on. If torchrun
+    fails or times out, the assertion message has the end of torchrun's stderr (its
+    summary) and every rank's own stderr, labelled.
+    """
+    logs.mkdir(parents=True, exist_ok=True)
+    cmd = [
+        *(sys.executable, "-m", "torch.distributed.run", "--master-addr", "127.0.0.1", f"--master-port={free_port()}"),
+        *(f"--nproc-per-node={nproc}", "--log-dir", str(logs), "--redirects", "3", str(script), *args),
+    ]
+    env = {**os.environ, "PYTHONFAULTHANDLER": "1"}
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) as proc:
+        try:
+            _, err = proc.communicate(timeout=timeout)
+            status = _exit_status(proc.returncode)
+        except subprocess.TimeoutExpired:
+            proc.terminate()  # torchrun stops its ranks (each in a session of its own) on SIGTERM
+            try:
+                _, err = proc.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                _, err = proc.communicate()
+            status = f"no exit within {timeout} s (terminated)"
+    runs = sorted(logs.glob("*/attempt_*"))
+    where = runs[-1] if runs else logs
+    if proc.returncode != 0 or status.startswith("no exit"):
+        stderrs = "\n".join(rank_stderr(r, where / str(r) / "stderr.log") for r in range(nproc))
+        raise AssertionError(
+            f"torchrun {script.name} {' '.join(args)} on {nproc} ranks: {status}; logs in {where}\n"
+            f"--- torchrun's stderr (last 3000 characters) ---\n{err[-3000:]}\n{stderrs}"
+        )
+    return [(where / str(r) / "stdout.log").read_text() for r in range(nproc)]

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import pickle
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -333,3 +335,150 @@ def test_load_slice_reads_only_the_chunks_it_touches(tmp_path: Path, monkeypatch
         pytreeckpt.load_slice(tmp_path / "c", "emb", slice(0, 10, 2))
     with pytest.raises(pytreeckpt.TargetMismatchError, match="'nope'"):
         pytreeckpt.load_slice(tmp_path / "c", "nope")
+
+
+# --------------------------------------------------------------------------- inputs refused by name, before writing
+
+
+def test_a_meta_device_target_is_refused_naming_the_leaf(tmp_path: Path) -> None:
+    pytreeckpt.save(tmp_path / "c", {"layer": {"w": torch.ones(2, 3)}, "step": 1})
+    with torch.device("meta"):
+        model = torch.nn.Linear(3, 2)
+    meta_target = {"layer": {"w": model.weight}, "step": 0}
+    with pytest.raises(pytreeckpt.TargetMismatchError, match=r"'layer\.w'.*meta device.*to_empty.*Abstract"):
+        pytreeckpt.load(tmp_path / "c", meta_target)
+    sharded = ShardedLeaf.from_global(torch.empty(2, 3, device="meta"), ShardingSpec(Mesh(2), [Shard(0)]))
+    with pytest.raises(pytreeckpt.TargetMismatchError, match=r"'layer\.w'.*meta device"):
+        pytreeckpt.load(tmp_path / "c", {"layer": {"w": sharded}, "step": 0})
+    model.to_empty(device="cpu")  # materialised as the message says: then it loads
+    out = pytreeckpt.load(tmp_path / "c", {"layer": {"w": model.weight}, "step": 0})
+    assert torch.equal(out["layer"]["w"], torch.ones(2, 3))
+
+
+def _unstorable_tensors() -> list[tuple[str, torch.Tensor, str]]:
+    nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)], layout=torch.jagged)
+    return [
+        ("meta", torch.empty(3, device="meta"), "meta device"),
+        ("sparse", torch.eye(3).to_sparse(), "layout torch.sparse_coo"),
+        ("csr", torch.eye(3).to_sparse_csr(), "layout torch.sparse_csr"),
+        ("nested", nested, "nested tensor"),
+        ("dims", torch.ones([1] * 64), "64 dims; a stored array has at most 32"),
+        ("dims33", torch.ones([1] * 33), "33 dims"),
+    ]
+
+
+@pytest.mark.filterwarnings("ignore:.*[Ss]parse.*:UserWarning")
+@pytest.mark.filterwarnings("ignore:.*nested tensors.*:UserWarning")
+@pytest.mark.parametrize("save", [pytreeckpt.save, pytreeckpt.async_save])
+def test_tensors_that_cannot_be_stored_are_refused_by_name_before_writing(tmp_path: Path, save: object) -> None:
+    for name, t, why in _unstorable_tensors():
+        with pytest.raises(pytreeckpt.CheckpointError, match=rf"'model\.{name}'.*{why}"):
+            save(tmp_path / "c", {"model": {"ok": torch.ones(2), name: t}})  # type: ignore[operator]
+        assert not (tmp_path / "c").exists(), name
+    leaf = ShardedLeaf.from_global(torch.empty(4, device="meta"), ShardingSpec(Mesh(2), [Shard(0)]))
+    with pytest.raises(pytreeckpt.CheckpointError, match=r"'s'.*meta device"):
+        save(tmp_path / "c", {"s": leaf})  # type: ignore[operator]
+    with pytest.raises(pytreeckpt.CheckpointError, match=r"'a'.*33 dims"):
+        save(tmp_path / "c", {"a": np.ones([1] * 33)})  # type: ignore[operator]
+    assert not (tmp_path / "c").exists()
+
+
+@pytest.mark.parametrize("save", [pytreeckpt.save, pytreeckpt.async_save])
+def test_conjugate_and_negative_views_are_stored_resolved(tmp_path: Path, save: object) -> None:
+    z = torch.randn(4, 3, dtype=torch.complex64)
+    tree = {"conj": z.conj(), "neg": z.conj().imag, "conj_t": z.t().conj()}
+    assert tree["conj"].is_conj()
+    assert tree["neg"].is_neg()
+    want = {k: v.resolve_conj().resolve_neg() for k, v in tree.items()}
+    leaf = ShardedLeaf.from_global(want["conj"], ShardingSpec(Mesh(2), [Shard(0)]))
+    conj_shards = ShardedLeaf(leaf.shape, leaf.dtype, leaf.spec, {r: s.conj().resolve_conj().conj()
+                                                                   for r, s in leaf.shards.items()})  # fmt: skip
+    tree["sharded"] = conj_shards
+    want["sharded"] = want["conj"]
+    handle = save(tmp_path / "c", tree)  # type: ignore[operator]
+    if handle is not None:
+        handle.wait()
+    out = pytreeckpt.load(tmp_path / "c")
+    for k, v in want.items():
+        assert torch.equal(out[k], v), k
+
+
+def test_a_nul_byte_in_a_path_is_refused_by_name(tmp_path: Path) -> None:
+    bad = str(tmp_path / "c\0x")
+    for call in (
+        lambda: pytreeckpt.save(bad, {"w": torch.ones(1)}),
+        lambda: pytreeckpt.async_save(bad, {"w": torch.ones(1)}),
+        lambda: pytreeckpt.load(bad),
+        lambda: pytreeckpt.metadata(bad),
+        lambda: pytreeckpt.verify(bad),
+        lambda: pytreeckpt.save({"driver": "memory", "path": "a\0b"}, {"w": torch.ones(1)}),
+    ):
+        with pytest.raises(pytreeckpt.CheckpointError, match=r"c\\x00x|a\\x00b.*NUL"):
+            call()
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize(
+    ("user", "why"),
+    [
+        ([1, 2], "mapping from str.*found list"),
+        ({"betas": (0.9, 0.99)}, "would not come back equal.*tuples"),
+        ({1: "x"}, "would not come back equal"),
+        ({"nan": float("nan")}, "not a JSON object"),
+        ({"t": torch.ones(1)}, "not a JSON object"),
+    ],
+)
+def test_user_metadata_that_is_not_a_json_object_is_refused(tmp_path: Path, user: object, why: str) -> None:
+    with pytest.raises(pytreeckpt.CheckpointError, match=f"user_metadata.*{why}"):
+        pytreeckpt.save(tmp_path / "c", {"w": torch.ones(1)}, user_metadata=user)  # type: ignore[arg-type]
+    assert not (tmp_path / "c").exists()
+    pytreeckpt.save(tmp_path / "c", {"w": torch.ones(1)}, user_metadata={"run": {"lr": [0.1, None, True]}})
+    assert pytreeckpt.metadata(tmp_path / "c").user_metadata == {"run": {"lr": [0.1, None, True]}}
+
+
+@pytest.mark.parametrize(
+    ("spec", "why"),
+    [
+        (lambda: ShardingSpec(Mesh(2), [Shard(-1)]), r"Shard\(dim=-1\).*counts dims from 0.*Shard\(dim=1\)"),
+        (lambda: ShardingSpec(Mesh((2, 2)), [Shard(0)]), r"a mesh of 2 axes .* needs 2 placements"),
+        (lambda: ShardingSpec(Mesh(2), [Shard(2)]), r"Shard\(2\) .*more than 2 dims"),
+        (lambda: FlatRanges([(0, 3), (3, 99)]), r"rank 1: flat range ends at 99"),
+    ],
+)
+def test_spec_errors_name_the_leaf(tmp_path: Path, spec: Any, why: str) -> None:
+    for save in (pytreeckpt.save, pytreeckpt.async_save):
+        with pytest.raises(pytreeckpt.LayoutError, match=rf"leaf 'model\.w': {why}"):
+            save(tmp_path / "c", {"model": {"w": torch.ones(4, 6)}}, {"model": {"w": spec()}})
+        assert not (tmp_path / "c").exists()
+
+
+# --------------------------------------------------------------------------- many dims
+
+
+MANY_DIMS = [
+    (2,) + (1,) * 19,  # the shape that hung: 20 dims, 2 elements
+    (1,) * 32,
+    (2,) + (1,) * 31,
+    (3, 1, 2, 1, 1, 4) + (1,) * 20 + (2, 1, 1, 3, 1, 1),
+    (1,) * 10 + (5,) + (1,) * 10 + (3,) + (1,) * 9 + (2,),
+    (2,) * 8 + (1,) * 24,
+]
+
+
+@pytest.mark.parametrize("shape", MANY_DIMS, ids=lambda s: f"{len(s)}d-{math.prod(s)}")
+def test_arrays_of_up_to_32_dims_save_and_load(tmp_path: Path, shape: tuple[int, ...]) -> None:
+    t = torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape)
+    chunking = pytreeckpt.ChunkingOptions(single_chunk_bytes=16, min_chunk_bytes=8, max_chunk_bytes=32)
+    big = max(range(len(shape)), key=lambda d: shape[d])
+    sharded = ShardedLeaf.from_global(t, ShardingSpec(Mesh((2, 2)), [Shard(big), Replicate()]))
+    pytreeckpt.save(tmp_path / "s", {"w": t, "sh": sharded}, chunking=chunking)
+    pytreeckpt.async_save(tmp_path / "a", {"w": t, "sh": sharded}, chunking=chunking).wait()
+    assert math.prod(pytreeckpt.metadata(tmp_path / "s").arrays["w"].chunk_shape) < t.numel() or t.numel() <= 4
+    index = tuple(slice(n // 2, n) for n in shape)
+    for where in ("s", "a"):
+        out = pytreeckpt.load(tmp_path / where)
+        assert torch.equal(out["w"], t)
+        assert torch.equal(out["sh"], t)
+        again = pytreeckpt.load(tmp_path / where, {"w": Abstract(shape, torch.float32), "sh": sharded})
+        assert torch.equal(again["sh"].to_global(), t)
+        assert torch.equal(pytreeckpt.load_slice(tmp_path / where, "w", index), t[index])

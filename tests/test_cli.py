@@ -139,3 +139,22 @@ def test_verify_prints_a_status_when_nothing_can_be_checked(tmp_path: Path) -> N
     data = json.loads(run("verify", tmp_path / "c", "--json").stdout)
     assert data["ok"] is False
     assert "not valid JSON" in data["error"]
+
+
+def test_python_values_survive_export_and_import_on_the_command_line(tmp_path: Path) -> None:
+    state = {"model": {"w": torch.randn(4, 4)}, "step": 900, "lr": 1e-4, "data": {"pos": 31337, "name": "c4"}}
+    pytreeckpt.save(tmp_path / "c", state)
+    exported = run("export", tmp_path / "c", tmp_path / "out", "--max-shard-size", "16B")
+    assert exported.returncode == 0, exported.stderr
+    imported = run("import", tmp_path / "out", tmp_path / "back")
+    assert imported.returncode == 0, imported.stderr
+    back = pytreeckpt.load(tmp_path / "back")
+    assert {k: back[k] for k in ("step", "lr", "data.pos", "data.name")} == {
+        "step": 900,
+        "lr": 1e-4,
+        "data.pos": 31337,
+        "data.name": "c4",
+    }
+    assert torch.equal(back["model.w"], state["model"]["w"])
+    shown = json.loads(run("inspect", tmp_path / "back", "--json").stdout)
+    assert shown["values"]["step"] == 900

@@ -11,11 +11,15 @@ from pathlib import Path
 import dist_workers as w
 import pytest
 import torch
+from helpers import bits
 from multiproc import run_world
 
 import pytreeckpt
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+# DCP says this on every save without a process group; the tests below save in one process.
+single_process_dcp = pytest.mark.filterwarnings(
+    "ignore:torch.distributed is disabled, unavailable or uninitialized:UserWarning"
+)
 
 
 def test_dcp_written_at_2_ranks_imports_and_loads_at_1_and_4(tmp_path: Path) -> None:
@@ -34,6 +38,29 @@ def test_dcp_written_at_2_ranks_imports_and_loads_at_1_and_4(tmp_path: Path) -> 
     assert all(run_world(4, w.dcp_imported_load, str(out)))
 
 
+@single_process_dcp
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental:UserWarning")
+def test_dtypes_torch_saves_as_untyped_storages_import_bit_for_bit(tmp_path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    state = {
+        "f8": torch.linspace(-4, 4, 12).to(torch.float8_e4m3fn).reshape(3, 4),
+        "f8e5": torch.linspace(-4, 4, 5).to(torch.float8_e5m2),
+        "u16": torch.arange(7).to(torch.uint16),
+        "u64": torch.tensor([2**63 + 5, 1], dtype=torch.uint64),
+        "c32": torch.ones(3, dtype=torch.complex32),
+        "bf16": torch.arange(4.0).to(torch.bfloat16),
+        "strided": torch.arange(12.0).reshape(3, 4)[:, 1],  # a view: a storage larger than the tensor
+    }
+    dcp.save(state, checkpoint_id=tmp_path / "dcp")
+    pytreeckpt.import_dcp(tmp_path / "dcp", tmp_path / "c")
+    got = pytreeckpt.load(tmp_path / "c")
+    for name, want in state.items():
+        assert (got[name].dtype, got[name].shape) == (want.dtype, want.shape), name
+        assert torch.equal(bits(got[name]), bits(want)), name
+
+
+@single_process_dcp
 def test_the_command_line_imports_a_dcp_directory(tmp_path: Path) -> None:
     import torch.distributed.checkpoint as dcp
 
@@ -53,6 +80,7 @@ class _Evil:
         return (os.system, (f"touch {self.marker}",))
 
 
+@single_process_dcp
 def test_a_crafted_dcp_metadata_runs_no_code(tmp_path: Path) -> None:
     import torch.distributed.checkpoint as dcp
 

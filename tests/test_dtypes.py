@@ -8,7 +8,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import torch
-from helpers import bits
+from helpers import bits, unpacked
 
 import pytreeckpt
 
@@ -90,3 +90,52 @@ def test_quantized_dtype_is_refused_naming_the_leaf(tmp_path: Path) -> None:
     q = torch.quantize_per_tensor(torch.ones(3), 0.1, 0, torch.qint8)
     with pytest.raises(pytreeckpt.CheckpointError, match=r"'layer\.q'.*cannot be stored"):
         pytreeckpt.save(tmp_path / "c", {"layer": {"q": q}})
+
+
+def _saves(tmp_path: Path, tree: dict[str, object], packed: bool) -> dict[str, object]:
+    """The same tree through save, async_save, a lazy snapshot and an incremental save."""
+    paths = {how: tmp_path / how for how in ("save", "async", "lazy", "incremental")}
+    at = {how: p if packed else unpacked(p) for how, p in paths.items()}
+    pytreeckpt.save(at["save"], tree, chunk_hashes=True)
+    pytreeckpt.async_save(at["async"], tree).wait()
+    pytreeckpt.async_save(at["lazy"], tree, snapshot="lazy").wait()
+    pytreeckpt.async_save(at["incremental"], tree, base=paths["save"]).wait()
+    return at
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_big_endian_numpy_arrays_come_back_equal_through_every_save(tmp_path: Path, packed: bool) -> None:
+    # The staging copy of an asynchronous save used to copy their raw bits into a
+    # little-endian buffer: [0, 1, 2, 3] came back as [0, 4.6e-41, 9.0e-44, ...].
+    tree = {
+        ">f4": np.arange(4, dtype=">f4"),
+        ">i8": np.arange(-3, 3, dtype=">i8").reshape(2, 3)[:, ::-1],
+        ">c16": np.array([1 + 2j, -3.5j], dtype=">c16"),
+        ">u2": np.asfortranarray(np.arange(6, dtype=">u2").reshape(2, 3)),
+    }
+    for how, path in _saves(tmp_path, tree, packed).items():
+        out = pytreeckpt.load(path)
+        for k, v in tree.items():
+            assert out[k].dtype == v.dtype.newbyteorder("="), (how, k)
+            assert np.array_equal(out[k], v), (how, k, out[k])
+
+
+def test_numpy_uint4_without_a_stored_form_is_refused_by_name_before_writing(tmp_path: Path) -> None:
+    with pytest.raises(pytreeckpt.CheckpointError, match=r"'q'.*uint4 cannot be stored"):
+        pytreeckpt.save(tmp_path / "c", {"q": np.zeros(4, dtype=ml_dtypes.uint4)})
+    assert not (tmp_path / "c").exists()
+
+
+def test_an_incremental_base_of_empty_arrays_is_a_base(tmp_path: Path) -> None:
+    # Arrays of no chunks have no hashes to record; such a base used to be refused.
+    tree = {"empty": torch.zeros(0, 3), "none": np.zeros((2, 0), dtype=np.float32)}
+    pytreeckpt.save(tmp_path / "a", tree, chunk_hashes=True)
+    pytreeckpt.save(tmp_path / "b", tree, base=tmp_path / "a")
+    assert pytreeckpt.load(tmp_path / "b")["empty"].shape == (0, 3)
+
+
+def test_a_masked_array_is_refused_rather_than_lose_its_mask(tmp_path: Path) -> None:
+    masked = np.ma.masked_array([1.0, 2.0, 3.0], mask=[False, True, False])
+    with pytest.raises(pytreeckpt.CheckpointError, match=r"'m'.*masked array.*mask would be lost"):
+        pytreeckpt.save(tmp_path / "c", {"m": masked})
+    assert not (tmp_path / "c").exists()

@@ -1,7 +1,8 @@
-"""The README's demo runs as it says."""
+"""The README's demo and examples run as it says."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,8 +16,10 @@ def test_the_quickstart_saves_async_saves_reshards_and_resumes_bit_identically(t
         capture_output=True,
         text=True,
         timeout=300,
+        env={**os.environ, "PYTHONFAULTHANDLER": "1"},  # a crash prints every thread's stack to stderr
     )
-    assert done.returncode == 0, done.stderr
+    said = f"--- stdout ---\n{done.stdout}\n--- stderr ---\n{done.stderr}"
+    assert done.returncode == 0, f"exit status {done.returncode}\n{said}"
     out = done.stdout
     assert "async-saved step 30" in out
     assert "into a 3-rank layout" in out

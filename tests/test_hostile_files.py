@@ -366,7 +366,7 @@ def test_the_metadata_size_limit_is_an_option(tmp_path: Path) -> None:
     with pytest.raises(pytreeckpt.MetadataError, match="holds more than 100 bytes"):
         pytreeckpt.load(Location(where, StorageOptions(max_metadata_bytes=100)))
     assert torch.equal(pytreeckpt.load(where)["w"], _tree()["w"])
-    with pytest.raises(pytreeckpt.MetadataError, match="would hold about .* more than the 200 bytes a load reads"):
+    with pytest.raises(pytreeckpt.MetadataError, match=r"would hold about .* more than the 200 bytes a load reads"):
         _save(Location(tmp_path / "small", StorageOptions(max_metadata_bytes=200)))  # never saved unreadable
     assert not (tmp_path / "small").exists()
 

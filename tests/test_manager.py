@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import dist_workers as w
+import numpy as np
 import pytest
 import torch
 from multiproc import run_world
@@ -120,3 +121,60 @@ def test_the_manager_example_killed_and_resumed_gives_identical_losses(tmp_path:
     got = losses(resumed.stdout)
     assert sorted(got) == list(range(restart + 1, 31))
     assert {s: want[s] for s in got} == got  # bit-identical losses after the resume
+
+
+@pytest.mark.parametrize("step", [-1, True, "3", 2.0, None, np.int64(-2), torch.tensor(3)])
+def test_a_step_that_is_not_a_non_negative_integer_is_refused(tmp_path: Path, step: object) -> None:
+    with CheckpointManager(tmp_path, async_=False) as m:
+        m.save(1, state(1))
+        for call in (
+            lambda: m.save(step, state(2)),  # type: ignore[arg-type]
+            lambda: m.delete(step),  # type: ignore[arg-type]
+            lambda: m.metadata_of(step),  # type: ignore[arg-type]
+            lambda: m.step_path(step),  # type: ignore[arg-type]
+        ):
+            with pytest.raises(pytreeckpt.CheckpointError, match=r"a step is a non-negative integer, found"):
+                call()
+        if step is not None:  # restore(None) is the newest step
+            with pytest.raises(pytreeckpt.CheckpointError, match=r"a step is a non-negative integer, found"):
+                m.restore(step)  # type: ignore[arg-type]
+        assert m.all_steps() == [1]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_1"]
+
+
+def test_numpy_integer_steps_are_steps(tmp_path: Path) -> None:
+    with CheckpointManager(tmp_path, async_=False) as m:
+        assert m.save(np.int64(3), state(3))
+        assert m.all_steps() == [3]
+        assert m.restore(np.int32(3))["step"] == 3
+        m.delete(np.uint8(3))
+        assert m.all_steps() == []
+
+
+def test_a_two_tier_manager_refuses_such_steps_too(tmp_path: Path) -> None:
+    with pytreeckpt.TwoTierManager(
+        tmp_path / "fast", tmp_path / "durable", fast_interval_steps=1, durable_interval_steps=2
+    ) as m:
+        for step in (-1, "3"):
+            with pytest.raises(pytreeckpt.CheckpointError, match=r"a step is a non-negative integer"):
+                m.save(step, state(1))  # type: ignore[arg-type]
+            with pytest.raises(pytreeckpt.CheckpointError, match=r"a step is a non-negative integer"):
+                m.restore(step)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_loading_a_manager_directory_says_which_steps_it_holds(tmp_path: Path, where: str) -> None:
+    directory = str(tmp_path / "ckpt") if where == "local" else f"memory://{tmp_path.name}/ckpt"
+    with CheckpointManager(directory) as m:
+        m.save(1, state(1))
+        m.save(2, state(2))
+    with pytest.raises(pytreeckpt.NotCommittedError) as raised:
+        pytreeckpt.load(directory)
+    message = str(raised.value)
+    assert "is a CheckpointManager directory" in message
+    assert "steps [1, 2]" in message
+    assert f"pytreeckpt.load('{directory}/step_2')" in message
+    assert f"pytreeckpt.CheckpointManager('{directory}').restore()" in message
+    assert "interrupted" not in message
+    with pytest.raises(pytreeckpt.NotCommittedError, match=r"CheckpointManager directory"):
+        pytreeckpt.metadata(directory)

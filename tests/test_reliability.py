@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import json
 import multiprocessing as mp
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -13,11 +15,22 @@ import time
 import uuid
 import weakref
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
-from crash_workers import race, save_when_told, state
-from helpers import bits
+from crash_workers import (
+    load_repeatedly,
+    manage,
+    many_leaves,
+    overwrite_repeatedly,
+    race,
+    save_too_much,
+    save_when_told,
+    state,
+)
+from helpers import bits, unpacked
+from multiproc import run_world
 
 import pytreeckpt
 
@@ -38,52 +51,79 @@ def assert_state(got: dict, seed: int) -> None:
             assert torch.equal(bits(got[group][k]), bits(v)), (group, k)
 
 
-def test_a_save_killed_at_any_instant_leaves_the_old_checkpoint_and_no_half_new_one(tmp_path: Path) -> None:
+def stored_but_unreferenced(path: Path) -> list[str]:
+    """Arrays and databases in a checkpoint directory that its metadata does not name: leftovers."""
+    doc = json.loads((path / "pytreeckpt.json").read_bytes())
+    named = {leaf.get("database") or leaf["path"] for leaf in doc["leaves"] if leaf["kind"] == "array"}
+    stored = {f"{top}/{p.name}" for top in ("arrays", "ocdbt") if (path / top).is_dir() for p in (path / top).iterdir()}
+    return sorted(stored - named)
+
+
+@pytest.mark.parametrize("replacing", [False, True], ids=["beside", "replacing"])
+def test_a_save_killed_at_any_instant_leaves_the_old_checkpoint_whole(tmp_path: Path, replacing: bool) -> None:
+    """SIGKILL at any instant of a save, to a new path beside a checkpoint or replacing it (overwrite=True).
+
+    The old checkpoint loads bit for bit until the new one's commit; the new one is whole
+    or not there; what a killed save left is reclaimed by the next save.
+    """
     ctx = _ctx()
     old, new = tmp_path / "step_1", tmp_path / "step_2"
     pytreeckpt.save(old, state(1))
+    target = old if replacing else new
 
-    def run(kill_after: float | None, use_async: bool) -> bool:
+    def run(seed: int, kill_after: float | None, use_async: bool) -> None:
         ready, go, done = ctx.Event(), ctx.Event(), ctx.Event()
-        p = ctx.Process(target=save_when_told, args=(str(new), 2, use_async, ready, go, done))
+        p = ctx.Process(target=save_when_told, args=(str(target), seed, use_async, ready, go, done))
         p.start()
         assert ready.wait(60)
         go.set()
         if kill_after is None:
             assert done.wait(120)
-            p.join(30)
-            return True
-        time.sleep(kill_after)
-        with contextlib.suppress(ProcessLookupError):  # it may have finished already
-            os.kill(p.pid, signal.SIGKILL)
+        else:
+            time.sleep(kill_after)
+            with contextlib.suppress(ProcessLookupError):  # it may have finished already
+                os.kill(p.pid, signal.SIGKILL)
         p.join(30)
-        return done.is_set()
 
     durations = []
     for _ in range(3):  # the save's own length, warm, as the kills will see it
         t0 = time.perf_counter()
-        run(None, False)
+        run(1, None, False)
         durations.append(time.perf_counter() - t0)
     duration = sorted(durations)[1]  # the median: on a busy machine the fastest run understates it
-    shutil.rmtree(new)
-    kills = 32
-    outcomes = {"uncommitted": 0, "committed": 0}
+    if not replacing:
+        shutil.rmtree(new)
+    kills = 16
+    outcomes = {"before the commit": 0, "after the commit": 0}
+    current = 1  # the seed of the checkpoint at `target` (replacing), or of `old`
     for i in range(kills):
-        run(duration * 1.05 * i / (kills - 1), use_async=bool(i % 2))
-        assert_state(pytreeckpt.load(old), 1)  # the previous checkpoint, bit for bit
-        try:
-            got = pytreeckpt.load(new)
-        except pytreeckpt.NotCommittedError:
-            outcomes["uncommitted"] += 1
-            with pytest.raises(pytreeckpt.NotCommittedError):
-                pytreeckpt.metadata(new)
+        seed = 3 - current if replacing else 2
+        run(seed, duration * 1.05 * i / (kills - 1), use_async=bool(i % 2))
+        if replacing:
+            got = pytreeckpt.load(old)  # never uncommitted: the old one, or the new one whole
+            assert got["step"] in (current, seed)
+            committed = got["step"] == seed
+            assert_state(got, got["step"])
+            if committed:
+                current = seed
         else:
-            outcomes["committed"] += 1  # killed after the commit: then it is whole
-            assert_state(got, 2)
-            assert pytreeckpt.verify(new).ok
-    assert outcomes["uncommitted"] >= kills // 3, outcomes  # the kills did land inside the save
-    pytreeckpt.save(new, state(2), overwrite=True)  # a retry after the last kill succeeds
-    assert_state(pytreeckpt.load(new), 2)
+            assert_state(pytreeckpt.load(old), 1)  # the checkpoint beside it, bit for bit
+            try:
+                got = pytreeckpt.load(new)
+            except pytreeckpt.NotCommittedError:
+                committed = False
+                with pytest.raises(pytreeckpt.NotCommittedError):
+                    pytreeckpt.metadata(new)
+            else:
+                committed = True
+                assert_state(got, 2)
+                shutil.rmtree(new)  # the next kill hits a save to a new path again
+        outcomes["after the commit" if committed else "before the commit"] += 1
+        assert pytreeckpt.verify(old).ok
+    assert outcomes["before the commit"] >= kills // 3, outcomes  # the kills did land inside the save
+    pytreeckpt.save(target, state(2), overwrite=True)  # a retry after the last kill succeeds
+    assert_state(pytreeckpt.load(target), 2)
+    assert stored_but_unreferenced(target) == []  # and reclaimed what the killed saves left
     print(f"save took {duration:.2f} s; after {kills} kills: {outcomes}")
 
 
@@ -112,6 +152,79 @@ def test_two_writers_racing_to_one_path_never_mix(tmp_path: Path) -> None:
         got = pytreeckpt.load(path)
         assert got["step"] in (3, 4)
         assert_state(got, got["step"])  # every leaf from the same writer
+
+
+def _run_together(ctx: mp.context.BaseContext, jobs: list[tuple[Any, tuple[Any, ...]]]) -> dict:
+    """Run ``fn(*args, ready, go, stop, out)`` processes from one start; their ``(name, result)`` puts, by name.
+
+    The first result sets ``stop``: the others then finish (or ignore it). Processes still
+    running when this returns (a failure) are killed.
+    """
+    ready = [ctx.Event() for _ in jobs]
+    go, stop, out = ctx.Event(), ctx.Event(), ctx.Queue()
+    procs = [
+        ctx.Process(target=fn, args=(*args, r, go, stop, out), daemon=True)
+        for (fn, args), r in zip(jobs, ready, strict=True)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        assert all(r.wait(60) for r in ready)
+        go.set()
+        results = [out.get(timeout=120)]
+        stop.set()
+        results += [out.get(timeout=120) for _ in procs[1:]]
+        return dict(results)
+    finally:
+        stop.set()
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+
+
+def test_loads_racing_a_process_that_replaces_the_checkpoint_get_one_state_whole(tmp_path: Path) -> None:
+    """A load sees the old checkpoint or the new one, whole; never an OS error nor a half-deleted one."""
+    ctx = _ctx()
+    path = str(tmp_path / "c")
+    pytreeckpt.save(unpacked(path), many_leaves(2))
+    saves = 12
+    # The writer finishes first; the reader loads until then.
+    jobs = [(overwrite_repeatedly, (path, saves)), (load_repeatedly, (path,))]
+    results = _run_together(ctx, jobs)
+    loads, retried, errors = results["reader"]
+    assert results["writer"] == []
+    assert errors == [], (len(errors), errors[:5])
+    assert loads > 0
+    assert retried > 0  # some loads did find their arrays deleted by a new commit, and loaded that one
+    print(f"{loads} loads beside {saves} replacements, {retried} started again after a replacement")
+
+
+@pytest.mark.parametrize("async_", [False, True], ids=["sync", "async"])
+def test_two_managers_in_two_processes_share_one_directory(tmp_path: Path, async_: bool) -> None:
+    """Each saves its own steps; retention and cleanup of either never fail the other's saves or restores.
+
+    The directory starts with 30 old steps, which the first saves' retention in both
+    processes removes at once.
+    """
+    ctx = _ctx()
+    directory = tmp_path / "run"
+    pytreeckpt.save(unpacked(directory / "step_0"), many_leaves(0))
+    for s in range(1, 30):
+        shutil.copytree(directory / "step_0", directory / f"step_{s}")
+    together = ctx.Barrier(2)
+    jobs = [(manage, (str(directory), list(range(100 + parity, 112, 2)), async_, together)) for parity in (0, 1)]
+    results = _run_together(ctx, jobs)
+    for parity, (restored, errors) in results.items():
+        assert errors == [], (parity, errors[:5])
+        assert restored > 0
+    m = pytreeckpt.CheckpointManager(directory)
+    assert m.all_steps() == [110, 111]
+    assert sorted(p.name for p in directory.iterdir()) == ["step_110", "step_111"]
+    for s in (110, 111):
+        got = m.restore(s)
+        assert got["step"] == s
+        assert all(torch.equal(got["w"][k], v) for k, v in many_leaves(s)["w"].items())
 
 
 def test_a_second_writer_gets_a_clear_error_while_the_first_holds_the_path(tmp_path: Path) -> None:
@@ -156,29 +269,123 @@ def small_disk(tmp_path: Path):  # type: ignore[no-untyped-def]
         subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
+FULL = r"No space left|RESOURCE_EXHAUSTED"
+
+
+def used(disk: Path) -> int:
+    return shutil.disk_usage(disk).used
+
+
 @pytest.mark.parametrize("use_async", [False, True])
 def test_a_disk_that_fills_fails_cleanly(small_disk: Path, use_async: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     small = {"w": torch.randn(256, 1024)}  # 1 MiB
     pytreeckpt.save(small_disk / "step_1", small)
+    before = used(small_disk)
     big = {f"w{i}": torch.randn(512, 1024) for i in range(4)}  # 8 MiB: more than is left
-    full = r"No space left|RESOURCE_EXHAUSTED"
     if use_async:
         staged = _spy_on_staging(monkeypatch)
         h = pytreeckpt.async_save(small_disk / "step_2", big)
-        with pytest.raises(pytreeckpt.CheckpointError, match=full):
+        with pytest.raises(pytreeckpt.CheckpointError, match=FULL):
             h.wait()
         gc.collect()
         assert staged
         assert all(ref() is None for ref in staged)  # the staging memory is released
         assert pytreeckpt._staging.staging_pool().capacity == 0
     else:
-        with pytest.raises(pytreeckpt.CheckpointError, match=full):
+        with pytest.raises(pytreeckpt.CheckpointError, match=FULL):
             pytreeckpt.save(small_disk / "step_2", big)
+    # The failed save removed what it wrote before it reported: its directory is gone,
+    # and the disk holds what it held before.
+    assert not (small_disk / "step_2").exists()
+    assert used(small_disk) == before
     with pytest.raises(pytreeckpt.NotCommittedError):
         pytreeckpt.load(small_disk / "step_2")
     assert torch.equal(pytreeckpt.load(small_disk / "step_1")["w"], small["w"])  # earlier one intact
-    shutil.rmtree(small_disk / "step_2")
-    pytreeckpt.save(small_disk / "step_2", {"w": torch.ones(4)})  # space freed: saving works again
+    most = {"w": torch.randn(1024, 1024)}  # 4 MiB: fits only in the room the failed save gave back
+    pytreeckpt.save(small_disk / "step_3", most)
+    assert torch.equal(pytreeckpt.load(small_disk / "step_3")["w"], most["w"])
+
+
+@pytest.mark.parametrize("use_async", [False, True])
+def test_an_overwrite_that_fails_keeps_the_old_checkpoint(small_disk: Path, use_async: bool) -> None:
+    old = {"w": torch.randn(256, 1024), "b": torch.randn(16), "step": 1}  # 1 MiB, one leaf packed
+    pytreeckpt.save(small_disk / "c", old)
+    before = used(small_disk)
+    big = {"w": torch.randn(2048, 1024), "b": torch.randn(16), "step": 2}  # 8 MiB: more than is left
+    if use_async:
+        h = pytreeckpt.async_save(small_disk / "c", big, overwrite=True)
+        with pytest.raises(pytreeckpt.CheckpointError, match=FULL):
+            h.wait()
+    else:
+        with pytest.raises(pytreeckpt.CheckpointError, match=FULL):
+            pytreeckpt.save(small_disk / "c", big, overwrite=True)
+    got = pytreeckpt.load(small_disk / "c")  # the old checkpoint, whole
+    assert got["step"] == 1
+    assert torch.equal(got["w"], old["w"])
+    assert torch.equal(got["b"], old["b"])
+    assert pytreeckpt.verify(small_disk / "c").ok
+    assert stored_but_unreferenced(small_disk / "c") == []
+    assert used(small_disk) == before
+
+
+def test_an_overwrite_of_a_checkpoint_whose_files_cannot_be_deleted_keeps_it(tmp_path: Path) -> None:
+    """A leftover the new save cannot remove (an immutable file) fails the save before anything is written."""
+    path = tmp_path / "c"
+    old = {"w": torch.randn(64, 64), "step": 1}
+    pytreeckpt.save(unpacked(path), old)
+    stuck = path / "arrays" / "w~g7" / "c" / "0"  # a leftover of a killed save, one file made immutable
+    stuck.mkdir(parents=True)
+    (stuck / "0").write_bytes(b"x")
+    done = subprocess.run(["chattr", "+i", str(stuck / "0")], capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot make a file immutable here: {done.stderr.strip()}")
+    try:
+        with pytest.raises(pytreeckpt.CheckpointError, match=r"cannot prepare .* Operation not permitted"):
+            pytreeckpt.save(unpacked(path), {"w": torch.zeros(64, 64), "step": 2}, overwrite=True)
+    finally:
+        subprocess.run(["chattr", "-i", str(stuck / "0")], check=True)
+    got = pytreeckpt.load(path)
+    assert got["step"] == 1
+    assert torch.equal(got["w"], old["w"])
+    pytreeckpt.save(unpacked(path), {"w": torch.zeros(64, 64), "step": 2}, overwrite=True)
+    assert pytreeckpt.load(path)["step"] == 2
+    assert stored_but_unreferenced(path) == []
+
+
+@pytest.mark.parametrize("async_", [False, True])
+def test_a_manager_carries_on_after_a_step_that_filled_the_disk(small_disk: Path, async_: bool) -> None:
+    with pytreeckpt.CheckpointManager(small_disk / "run", async_=async_) as m:
+        m.save(1, {"w": torch.randn(256, 1024)})  # 1 MiB
+        m.wait()
+        before = used(small_disk)
+        big = {f"w{i}": torch.randn(512, 1024) for i in range(4)}  # 8 MiB
+
+        def step_2() -> None:
+            m.save(2, big)
+            m.wait()  # where an asynchronous step fails
+
+        with pytest.raises(pytreeckpt.CheckpointError, match=FULL):
+            step_2()
+        assert used(small_disk) == before
+        most = torch.randn(1024, 1024)  # 4 MiB: fits only in the room the failed step gave back
+        assert m.save(3, {"w": most})
+        m.wait()
+        assert m.all_steps() == [1, 3]
+        assert torch.equal(m.restore()["w"], most)
+    assert sorted(p.name for p in (small_disk / "run").iterdir()) == ["step_1", "step_3"]
+
+
+def test_a_distributed_save_that_fills_the_disk_leaves_nothing(small_disk: Path) -> None:
+    pytreeckpt.save(small_disk / "step_1", {"w": torch.ones(4)})
+    before = used(small_disk)
+    results = run_world(2, save_too_much, str(small_disk / "step_2"), timeout=120)
+    for rank, (error, left) in enumerate(results):
+        assert re.search(FULL, error), (rank, error)
+        assert error.startswith("CheckpointError"), (rank, error)
+        assert not left, (rank, left)  # gone before any rank reported
+    assert not (small_disk / "step_2").exists()
+    assert used(small_disk) == before
+    assert torch.equal(pytreeckpt.load(small_disk / "step_1")["w"], torch.ones(4))
 
 
 def test_a_read_only_file_system_is_a_clear_error(small_disk: Path) -> None:

@@ -96,7 +96,7 @@ def test_packed_arrays_are_few_files_and_damage_to_them_is_found(tmp_path: Path)
     doc = json.loads((tmp_path / "c" / "pytreeckpt.json").read_text())
     assert doc["version"] == 2
     assert {leaf["key"] for leaf in doc["leaves"] if "database" not in leaf} == {"big"}
-    assert sum(len(f) for _, _, f in os.walk(tmp_path / "c" / "ocdbt")) < 20  # not 600 files
+    assert sum(len(f) for _, _, f in os.walk(tmp_path / "c" / "ocdbt")) < 60  # not 600 files
     got = pytreeckpt.load(tmp_path / "c")
     assert all(torch.equal(got[k], v) for k, v in tree.items())
     for f in (tmp_path / "c" / "ocdbt" / "0" / "d").iterdir():
@@ -251,16 +251,21 @@ def _ctx() -> mp.context.BaseContext:
     return ctx
 
 
-def test_a_save_to_s3_killed_midway_is_not_a_checkpoint_and_the_previous_one_stays(s3: seaweed.Server) -> None:
+@pytest.mark.parametrize("replacing", [False, True], ids=["beside", "replacing"])
+def test_a_save_to_s3_killed_midway_leaves_the_previous_checkpoint_whole(s3: seaweed.Server, replacing: bool) -> None:
+    """On S3 the old checkpoint stays whole until the new metadata object is PUT, and leftovers are reclaimed."""
     ctx = _ctx()
     run = _prefix()
     old, new = s3.location(f"{run}/step_1"), s3.location(f"{run}/step_2")
     pytreeckpt.save(old, state(1))
+    target = old if replacing else new
+    kv = pytreeckpt._executor.Storage(target).kv
+    assert kv is not None
 
-    def save_in_child(kill_after: float | None) -> float:
+    def save_in_child(seed: int, kill_after: float | None) -> float:
         """Seconds from the go to the save's end (or to the kill)."""
         ready, go, done = ctx.Event(), ctx.Event(), ctx.Event()
-        p = ctx.Process(target=save_when_told, args=(new, 2, False, ready, go, done))
+        p = ctx.Process(target=save_when_told, args=(target, seed, False, ready, go, done))
         p.start()
         assert ready.wait(60)
         t0 = time.perf_counter()
@@ -275,10 +280,20 @@ def test_a_save_to_s3_killed_midway_is_not_a_checkpoint_and_the_previous_one_sta
         p.join(30)
         return elapsed
 
-    duration = min(save_in_child(None) for _ in range(2))
-    uncommitted = 0
+    duration = min(save_in_child(1, None) for _ in range(2))
+    uncommitted, current = 0, 1
     for fraction in (0.3, 0.6, 0.9):
-        save_in_child(duration * fraction)
+        if not replacing:
+            kv.delete_prefix("")  # each kill hits a save to a new prefix
+        seed = 3 - current if replacing else 2
+        save_in_child(seed, duration * fraction)
+        if replacing:
+            got = pytreeckpt.load(old)  # never uncommitted: the old one, or the new one whole
+            assert got["step"] in (current, seed)
+            assert_state(got, got["step"])
+            uncommitted += got["step"] == current
+            current = got["step"]
+            continue
         assert_state(pytreeckpt.load(old), 1)
         try:
             got = pytreeckpt.load(new)
@@ -287,8 +302,12 @@ def test_a_save_to_s3_killed_midway_is_not_a_checkpoint_and_the_previous_one_sta
         else:
             assert_state(got, 2)  # the kill came after the commit: then it is whole
     assert uncommitted >= 1
-    pytreeckpt.save(new, state(2), overwrite=True)  # a retry clears the leftovers and succeeds
-    assert_state(pytreeckpt.load(new), 2)
+    pytreeckpt.save(target, state(2), overwrite=True)  # a retry clears the leftovers and succeeds
+    assert_state(pytreeckpt.load(target), 2)
+    doc = json.loads(kv.read("pytreeckpt.json") or b"")
+    named = {leaf.get("database") or leaf["path"] for leaf in doc["leaves"] if leaf["kind"] == "array"}
+    stored = {"/".join(k.split("/")[:2]) for k in kv.list() if k != "pytreeckpt.json"}
+    assert stored == named  # nothing the killed saves left
 
 
 def test_s3_failures_are_quick_clear_errors_naming_the_location(s3: seaweed.Server) -> None:

@@ -63,21 +63,31 @@ def _killed_at(base: list[str], step: int) -> None:
         proc.wait(60)
 
 
+COMMON = [sys.executable, str(EXAMPLE), "--steps", "24", "--every", "10", "--fast-every", "3"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_losses(tmp_path_factory: pytest.TempPathFactory) -> dict[int, str]:
+    """The losses of the example run without interruption (one run for every test below)."""
+    tmp = tmp_path_factory.mktemp("reference")
+    fast = Path("/dev/shm") if Path("/dev/shm").is_dir() else tmp
+    fast = fast / f"pytreeckpt-test-{uuid.uuid4().hex[:8]}-ref"
+    try:
+        reference = subprocess.run(
+            [*COMMON, "--dir", str(tmp / "ref"), "--fast-dir", str(fast)], capture_output=True, text=True, timeout=300
+        )
+    finally:
+        shutil.rmtree(fast, ignore_errors=True)
+    assert reference.returncode == 0, reference.stderr
+    return _losses(reference.stdout)
+
+
 @pytest.mark.parametrize("lose_fast_tier", [False, True])
 def test_a_killed_run_resumes_from_the_fast_tier_or_from_the_durable_one(
-    tmp_path: Path, shm: Path, lose_fast_tier: bool
+    tmp_path: Path, shm: Path, lose_fast_tier: bool, uninterrupted_losses: dict[int, str]
 ) -> None:
-    common = [sys.executable, str(EXAMPLE), "--steps", "24", "--every", "10", "--fast-every", "3"]
-    reference = subprocess.run(
-        [*common, "--dir", str(tmp_path / "ref"), "--fast-dir", str(shm) + "-ref"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    shutil.rmtree(str(shm) + "-ref", ignore_errors=True)
-    assert reference.returncode == 0, reference.stderr
-    want = _losses(reference.stdout)
-    base = [*common, "--dir", str(tmp_path / "run"), "--fast-dir", str(shm)]
+    want = uninterrupted_losses
+    base = [*COMMON, "--dir", str(tmp_path / "run"), "--fast-dir", str(shm)]
     _killed_at(base, 17)
     if lose_fast_tier:
         shutil.rmtree(shm)

@@ -3,16 +3,47 @@
 from __future__ import annotations
 
 import collections
+import enum
 import json
 import math
+import re
+import sys
+import types
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from helpers import NAMESPACE, Config, Pair, Point, assert_trees_equal, every_node_kind, unpacked
 
 import pytreeckpt
 from pytreeckpt import Abstract, Mesh, Shard, ShardingSpec
+
+
+class Phase(enum.IntEnum):
+    WARMUP = 1
+    DECAY = 2
+
+
+class Mode(str, enum.Enum):
+    TRAIN = "train"
+    EVAL = "eval"
+
+
+class Perm(enum.Flag):
+    R = 1
+    W = 2
+
+
+class Shape(enum.Enum):
+    SQUARE = (2, 2)
+    FLAT = (1, 4)
+
+
+class Hyper(enum.Enum):
+    LR = 1e-3
+    NONE = None
 
 
 def test_every_node_kind_round_trips_without_a_target(tmp_path: Path) -> None:
@@ -120,3 +151,203 @@ def test_defaultdict_with_an_unknown_factory_comes_back_without_one(tmp_path: Pa
     out = pytreeckpt.load(tmp_path / "c")["d"]
     assert out == {"a": 1}
     assert out.default_factory is None
+
+
+# --------------------------------------------------------------------------- key paths that collide
+
+_X, _Y = torch.ones(2), torch.zeros(3)
+COLLIDING = [
+    ({"a.b": _X, "a": {"b": _Y}}, "'a.b'", r"\['a\.b'\] and \['a'\]\['b'\]"),
+    ({0: _X, "0": _Y}, "'0'", r"\[0\] and \['0'\]"),
+    ({"l": [_X], "l.0": _Y}, "'l.0'", r"\['l'\]\[0\] and \['l\.0'\]"),
+    ({(1, "x"): _X, "(1,x)": _Y}, "'(1,x)'", r"\[\(1, 'x'\)\] and \['\(1,x\)'\]"),
+    ({None: 1, "None": _Y}, "'None'", r"\[None\] and \['None'\]"),
+    ({1.5: _X, "1.5": 2}, "'1.5'", r"\[1\.5\] and \['1\.5'\]"),
+    ({True: _X, "True": _Y}, "'True'", r"\[True\] and \['True'\]"),
+]
+
+
+@pytest.mark.parametrize(("tree", "key", "both"), COLLIDING)
+def test_a_tree_whose_key_paths_collide_is_refused_before_anything_is_written(
+    tmp_path: Path, tree: dict[Any, Any], key: str, both: str
+) -> None:
+    for save in (pytreeckpt.save, pytreeckpt.async_save):
+        with pytest.raises(pytreeckpt.CheckpointError, match=f"key path {re.escape(key)}: {both}.*rename one"):
+            save(tmp_path / "c", tree)
+        assert not (tmp_path / "c").exists()
+
+
+def test_an_incremental_manager_commits_no_checkpoint_it_cannot_load(tmp_path: Path) -> None:
+    # Saved with chunk hashes, two leaves of one key path used to get each other's hashes:
+    # a committed step that no load could read ("chunk_hashes must be 0 hex digests").
+    tree = {"a": {"b": torch.zeros(0)}, "a.b": torch.ones(2)}
+    with pytreeckpt.CheckpointManager(tmp_path / "run", incremental=True, async_=False) as m:
+        with pytest.raises(pytreeckpt.CheckpointError, match=r"\['a'\]\['b'\] and \['a\.b'\]"):
+            m.save(1, tree)
+        assert m.all_steps() == []
+        m.save(2, {"a.b": torch.ones(2), "a": {"c": torch.zeros(0)}})
+        assert m.all_steps() == [2]
+        assert torch.equal(m.restore()["a.b"], torch.ones(2))
+
+
+def test_dotted_keys_of_flat_dicts_stay_as_they_are(tmp_path: Path) -> None:
+    tree = {"model.layers.0.weight": torch.ones(2), "model.layers.1.weight": torch.zeros(2), "step": 3}
+    pytreeckpt.save(tmp_path / "c", tree)
+    assert list(pytreeckpt.metadata(tmp_path / "c").arrays) == ["model.layers.0.weight", "model.layers.1.weight"]
+    assert set(pytreeckpt.load(tmp_path / "c", include="model.*")) == {"model.layers.0.weight", "model.layers.1.weight"}
+
+
+def _old_document_with_a_duplicate_key(path: Path) -> None:
+    """A checkpoint as an older pytreeckpt wrote ``{"a.b": x, "a": {"b": y}}``: two leaves keyed 'a.b'."""
+    pytreeckpt.save(unpacked(path), {"a.b": torch.ones(2), "a": {"c": torch.arange(3.0)}, "n": {"0": 1, "1": 2}})
+    doc_path = path / "pytreeckpt.json"
+    doc = json.loads(doc_path.read_text())
+    text = json.dumps(doc).replace('"a.c"', '"a.b"').replace('"keys": ["c"]', '"keys": ["b"]')
+    doc = json.loads(text.replace('"n.1"', '"n.0"'))
+    assert doc["tree"]["c"][2]["keys"] == ["0", "1"]
+    doc["tree"]["c"][2]["keys"] = ["0", ["i", 0]]  # {"0": 1, 0: 2}
+    doc_path.write_text(json.dumps(doc))
+
+
+def test_an_old_checkpoint_with_a_duplicate_key_loads_whole_and_refuses_to_pick_one(tmp_path: Path) -> None:
+    _old_document_with_a_duplicate_key(tmp_path / "c")
+    out = pytreeckpt.load(tmp_path / "c")  # the typed structure tells the leaves apart
+    assert torch.equal(out["a.b"], torch.ones(2))
+    assert torch.equal(out["a"]["b"], torch.arange(3.0))
+    assert out["n"] == {"0": 1, 0: 2}
+    meta = pytreeckpt.metadata(tmp_path / "c")
+    assert meta.tree["a"]["b"] == Abstract((3,), torch.float32)
+    assert meta.nbytes == 5 * 4
+    ambiguous = r"'a\.b' names 2 leaves .*\['a\.b'\] and \['a'\]\['b'\].*load it whole"
+    with pytest.raises(pytreeckpt.MetadataError, match=ambiguous):
+        meta.arrays["a.b"]
+    with pytest.raises(pytreeckpt.MetadataError, match=ambiguous):
+        list(meta.arrays.values())
+    with pytest.raises(pytreeckpt.MetadataError, match=ambiguous):
+        pytreeckpt.load(tmp_path / "c", include="a*")
+    with pytest.raises(pytreeckpt.MetadataError, match=ambiguous):
+        pytreeckpt.load_slice(tmp_path / "c", "a.b", slice(0, 1))
+    with pytest.raises(pytreeckpt.MetadataError, match=ambiguous):
+        pytreeckpt.export_safetensors(tmp_path / "c", tmp_path / "out")
+    with pytest.raises(pytreeckpt.MetadataError, match=r"'n\.0' names 2 leaves .*\['n'\]\['0'\] and \['n'\]\[0\]"):
+        pytreeckpt.load(tmp_path / "c", include="n.*")
+
+
+# --------------------------------------------------------------------------- enums and other subclasses
+
+
+def test_enum_members_come_back_as_members(tmp_path: Path) -> None:
+    tree = {
+        "phase": Phase.DECAY,
+        "mode": Mode.EVAL,
+        "perm": Perm.R | Perm.W,
+        "shape": Shape.FLAT,
+        "lr": Hyper.LR,
+        "none": Hyper.NONE,
+        "list": [Phase.WARMUP, 2],
+    }
+    pytreeckpt.save(tmp_path / "c", tree)
+    doc = json.loads((tmp_path / "c" / "pytreeckpt.json").read_text())
+    inline = {leaf["key"]: leaf["value"] for leaf in doc["leaves"]}
+    assert inline["phase"] == {"enum": f"{__name__}:Phase", "value": 2}
+    out = pytreeckpt.load(tmp_path / "c")
+    for k, v in tree.items():
+        assert out[k] == v, k
+        assert type(out[k]) is type(v), k
+    assert out["list"][0] is Phase.WARMUP
+    assert type(out["list"][1]) is int
+    target = {**tree, "phase": Phase.WARMUP, "mode": Mode.TRAIN}
+    again = pytreeckpt.load(tmp_path / "c", target)
+    assert again["phase"] is Phase.DECAY
+    assert again["mode"] is Mode.EVAL
+    assert pytreeckpt.metadata(tmp_path / "c").tree["phase"] is Phase.DECAY
+
+
+def test_an_enum_whose_module_is_not_imported_needs_a_target(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    mod = types.ModuleType("pytreeckpt_tests_levels")
+    exec("import enum\nclass Level(enum.IntEnum):\n    LOW = 1\n    HIGH = 2\n", mod.__dict__)
+    monkeypatch.setitem(sys.modules, mod.__name__, mod)
+    pytreeckpt.save(tmp_path / "c", {"opt": {"level": mod.Level.HIGH}, "w": torch.ones(1)})
+    monkeypatch.delitem(sys.modules, mod.__name__)  # as in a process that never imported it
+    with pytest.raises(
+        pytreeckpt.TargetMismatchError, match=r"'opt\.level'.*pytreeckpt_tests_levels:Level.*not imported.*target"
+    ):
+        pytreeckpt.load(tmp_path / "c")
+    meta = pytreeckpt.metadata(tmp_path / "c")  # no error: the stored member is shown as it is
+    assert "pytreeckpt_tests_levels:Level" in repr(meta.tree["opt"]["level"])
+    out = pytreeckpt.load(tmp_path / "c", {"opt": {"level": mod.Level.LOW}, "w": torch.zeros(1)})
+    assert out["opt"]["level"] is mod.Level.HIGH
+    with pytest.raises(pytreeckpt.TargetMismatchError, match=r"'opt\.level'.*not imported"):
+        pytreeckpt.load(tmp_path / "c", meta.tree)  # the metadata's tree as the target knows no more
+    monkeypatch.setitem(sys.modules, mod.__name__, mod)  # imported again: resolved, never imported by us
+    assert pytreeckpt.load(tmp_path / "c")["opt"]["level"] is mod.Level.HIGH
+
+
+def test_a_value_that_is_no_member_of_the_target_enum_is_a_mismatch(tmp_path: Path) -> None:
+    pytreeckpt.save(tmp_path / "c", {"p": Phase.DECAY})
+
+    class Other(enum.IntEnum):
+        ONLY = 7
+
+    with pytest.raises(pytreeckpt.TargetMismatchError, match=r"'p'.*value 2.*not a member"):
+        pytreeckpt.load(tmp_path / "c", {"p": Other.ONLY})
+
+
+def test_enum_dict_keys_are_keyed_and_rebuilt_as_their_values(tmp_path: Path) -> None:
+    pytreeckpt.save(tmp_path / "c", {"by_mode": {Mode.EVAL: torch.ones(1)}, "by_phase": {Phase.DECAY: torch.ones(2)}})
+    assert list(pytreeckpt.metadata(tmp_path / "c").arrays) == ["by_mode.eval", "by_phase.2"]
+    out = pytreeckpt.load(tmp_path / "c")
+    assert [type(k) for k in (*out["by_mode"], *out["by_phase"])] == [str, int]
+    assert set(pytreeckpt.load(tmp_path / "c", include="by_mode.eval")) == {"by_mode.eval"}
+
+
+class Tokens(int):
+    pass
+
+
+class Rate(float):
+    pass
+
+
+class Name(str):
+    pass
+
+
+class Opaque(enum.Enum):
+    THING = object()
+
+
+@pytest.mark.parametrize(
+    ("value", "base"), [(Tokens(5), "int"), (Rate(0.5), "float"), (Name("x"), "str"), (Opaque.THING, "cannot")]
+)
+def test_other_subclasses_of_plain_values_are_refused_by_name(tmp_path: Path, value: Any, base: str) -> None:
+    for save in (pytreeckpt.save, pytreeckpt.async_save):
+        with pytest.raises(pytreeckpt.CheckpointError, match=rf"'cfg\.v'.*{type(value).__qualname__}.*{base}"):
+            save(tmp_path / "c", {"cfg": {"v": value}, "w": torch.ones(2)})
+        assert not (tmp_path / "c").exists()
+    pytreeckpt.save(tmp_path / "ok", {"n": np.float64(0.5), "i": np.int64(3)})  # numpy scalars are arrays
+    assert pytreeckpt.load(tmp_path / "ok")["n"] == np.float64(0.5)
+
+
+# --------------------------------------------------------------------------- depth
+
+
+def test_a_tree_nested_too_deeply_is_refused_by_name(tmp_path: Path) -> None:
+    deep: Any = torch.ones(1)
+    for _ in range(5000):
+        deep = [deep]
+    with pytest.raises(pytreeckpt.CheckpointError, match=r"deeper than 100 levels.*'w\.0\.0"):
+        pytreeckpt.save(tmp_path / "c", {"w": deep})
+    assert not (tmp_path / "c").exists()
+    pytreeckpt.save(tmp_path / "c", {"w": torch.ones(1)})
+    with pytest.raises(pytreeckpt.CheckpointError, match="deeper than 100 levels"):
+        pytreeckpt.load(tmp_path / "c", {"w": deep})
+    cycle: list[Any] = [torch.ones(1)]
+    cycle.append(cycle)
+    with pytest.raises(pytreeckpt.CheckpointError, match="holds itself"):
+        pytreeckpt.save(tmp_path / "d", {"c": cycle})
+    ok: Any = 1
+    for _ in range(99):
+        ok = {"k": ok}
+    pytreeckpt.save(tmp_path / "e", ok)
+    assert pytreeckpt.load(tmp_path / "e") == ok

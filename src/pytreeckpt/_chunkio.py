@@ -13,11 +13,15 @@ copy stages TensorStore runs for every chunk. Cold loads of large arrays ran at 
 
 The I/O runs on plain daemon threads, not ``concurrent.futures``'s executor, which
 refuses new work once the interpreter starts to exit while an asynchronous save may
-still be writing.
+still be writing. When the program ends (``atexit``, after Python has joined every
+non-daemon thread, an asynchronous save's writer included) the threads are stopped and
+joined, so none is inside a system call on a Python buffer while the interpreter
+finalises.
 """
 
 from __future__ import annotations
 
+import atexit
 import errno
 import math
 import os
@@ -25,6 +29,7 @@ import queue
 import stat
 import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from pathlib import Path
@@ -41,13 +46,24 @@ LITTLE_ENDIAN = sys.byteorder == "little"
 _MAX_IO = 1 << 30  # bytes per system call (Linux moves at most about 2 GiB in one)
 
 
+_Task = tuple[Future[Any], Callable[..., Any], tuple[Any, ...]]
+
+QUIESCE_SECONDS = 60.0
+"""How long the exit hook waits for the chunk reads and writes already running (each one
+``pread`` or ``pwrite`` and fsync of one chunk file) before the interpreter finalises."""
+
+
 class IOPool:
-    """Daemon threads running blocking file I/O, each call returning a :class:`Future`."""
+    """Daemon threads running blocking file I/O, each call returning a :class:`Future`.
+
+    The first thread started registers :meth:`quiesce` with :mod:`atexit`.
+    """
 
     def __init__(self) -> None:
-        self._tasks: queue.SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]]] = queue.SimpleQueue()
+        self._tasks: queue.SimpleQueue[_Task | None] = queue.SimpleQueue()  # None: a thread stops
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
+        self._hooked = False
 
     def submit(self, workers: int, fn: Callable[..., Any], *args: Any) -> Future[Any]:
         """Run ``fn(*args)`` on one of at least ``workers`` threads (inline where no thread can start)."""
@@ -60,6 +76,9 @@ class IOPool:
                 except RuntimeError:  # the interpreter is exiting: no new threads
                     break
                 self._threads.append(t)
+                if not self._hooked:
+                    self._hooked = True
+                    atexit.register(self.quiesce, QUIESCE_SECONDS)
             alive = bool(self._threads)
         if not alive:
             _run(future, fn, args)
@@ -70,8 +89,32 @@ class IOPool:
     def _work(self) -> None:
         while True:
             task = self._tasks.get()
+            if task is None:
+                return
             _run(*task)
             del task  # an idle thread must not keep the last buffer (staging memory) alive
+
+    def quiesce(self, timeout: float | None = None) -> bool:
+        """Stop the threads: work not started yet fails (a CheckpointError), work running is finished.
+
+        Returns whether every thread ended within ``timeout`` seconds. A later
+        :meth:`submit` starts threads anew.
+        """
+        with self._lock:
+            threads, self._threads = self._threads, []
+            while True:
+                try:
+                    task = self._tasks.get_nowait()
+                except queue.Empty:
+                    break
+                if task is not None:
+                    task[0].set_exception(CheckpointError("chunk I/O not run: the program is exiting"))
+            for _ in threads:
+                self._tasks.put(None)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for t in threads:
+            t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return not any(t.is_alive() for t in threads)
 
 
 def _run(future: Future[Any], fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
@@ -130,7 +173,7 @@ def write_chunk(path: Path, data: np.ndarray, chunk_shape: Sequence[int], fsync:
         crc = google_crc32c.extend(crc, zeros)
         parts.append(zeros)
     parts.append(np.frombuffer(crc.to_bytes(4, "little"), dtype=np.uint8))
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)  # less the umask
     try:
         _write_all(fd, parts)
         if fsync:
@@ -189,7 +232,7 @@ def open_regular(path: Path | str, inside: str | None, what: str) -> tuple[int, 
     block on a FIFO: ``O_NONBLOCK``). A symbolic link is followed only where it leads to a
     place inside the directory ``inside`` (a real path; None: links are not followed):
     the check costs a system call only for links (``O_NOFOLLOW`` fails on them).
-    FileNotFoundError is raised as is; every other failure is a CheckpointError naming
+    FileNotFoundError and NotADirectoryError are raised as they are; every other failure is a CheckpointError naming
     ``what`` and the path, with the OS error chained.
     """
     flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK
@@ -229,8 +272,8 @@ def _real_inside(path: Path | str, inside: str, what: str) -> str:
 
 
 def _os_error(e: OSError, path: Path | str, what: str) -> BaseException:
-    """A CheckpointError for a failed open or stat (FileNotFoundError stays itself, for callers to word)."""
-    if isinstance(e, FileNotFoundError):
+    """A CheckpointError for a failed open or stat (a missing file or directory stays itself, for callers to word)."""
+    if isinstance(e, (FileNotFoundError, NotADirectoryError)):
         return e
     if isinstance(e, PermissionError):
         return CheckpointError(f"{what}: permission denied reading {path}")
@@ -279,7 +322,7 @@ def read_chunk(
     stored = math.prod(chunk) * dtype.itemsize
     try:
         fd, st = open_regular(path, inside, what)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         raise CheckpointError(f"{what} is missing: no file {path}") from None
     try:
         if st.st_size != stored + 4:

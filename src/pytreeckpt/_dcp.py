@@ -2,7 +2,7 @@
 
 DCP pickles its metadata and writes each tensor chunk as a ``torch.save`` archive. Both
 are read here by unpicklers that resolve an allowlist of names only — DCP's own
-metadata classes, torch dtypes and sizes, and the one function torch uses to rebuild a
+metadata classes, torch dtypes and sizes, and the two functions torch uses to rebuild a
 tensor, replaced by our own — so a crafted DCP directory cannot run code: anything
 outside the list is refused with a CheckpointError.
 """
@@ -68,6 +68,27 @@ class _StorageType:
         self.dtype = dtype
 
 
+# The storage classes torch.save names for the dtypes it pickles with _rebuild_tensor_v2
+# (torch.storage._dtype_to_storage_type_map, fixed since torch 2.1), resolved by name:
+# asking the classes themselves for their dtype goes through TypedStorage, deprecated.
+# Newer dtypes (float8, uint16/32/64, complex32, ...) are stored as an UntypedStorage of
+# bytes, their dtype given to _rebuild_tensor_v3.
+_STORAGE_DTYPES = {
+    "DoubleStorage": torch.float64,
+    "FloatStorage": torch.float32,
+    "HalfStorage": torch.float16,
+    "BFloat16Storage": torch.bfloat16,
+    "LongStorage": torch.int64,
+    "IntStorage": torch.int32,
+    "ShortStorage": torch.int16,
+    "CharStorage": torch.int8,
+    "ByteStorage": torch.uint8,
+    "BoolStorage": torch.bool,
+    "ComplexDoubleStorage": torch.complex128,
+    "ComplexFloatStorage": torch.complex64,
+}
+
+
 def _rebuild_tensor(
     storage: torch.Tensor, offset: int, size: tuple[int, ...], stride: tuple[int, ...], *_rest: Any
 ) -> torch.Tensor:
@@ -84,14 +105,33 @@ class _BlobUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
             return _rebuild_tensor
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v3"):
+            return self._rebuild_tensor_v3
         if (module, name) == ("collections", "OrderedDict"):
             return OrderedDict
-        if module == "torch" and name.endswith("Storage"):
-            cls = getattr(torch, name, None)
-            dtype = getattr(cls, "dtype", None)
-            if isinstance(dtype, torch.dtype):
-                return _StorageType(dtype)
+        if module == "torch" and name in _STORAGE_DTYPES:
+            return _StorageType(_STORAGE_DTYPES[name])
+        if (module, name) == ("torch.storage", "UntypedStorage"):
+            return _StorageType(torch.uint8)
+        if module == "torch" and _torch_dtype(name) is not None:
+            return _torch_dtype(name)
         raise CheckpointError(f"{self.what} holds {module}.{name}, which is not plain data; refusing to load it")
+
+    def _rebuild_tensor_v3(
+        self,
+        storage: torch.Tensor,
+        offset: int,
+        size: tuple[int, ...],
+        stride: tuple[int, ...],
+        _requires_grad: bool,
+        _hooks: Any,
+        dtype: torch.dtype,
+        *_rest: Any,
+    ) -> torch.Tensor:
+        """A tensor of a dtype newer than torch's typed storages, over an untyped storage of bytes."""
+        if not isinstance(dtype, torch.dtype) or storage.dtype != torch.uint8 or storage.numel() % dtype.itemsize:
+            raise CheckpointError(f"{self.what}: a {dtype} tensor over a storage of {storage.numel()} bytes")
+        return _rebuild_tensor(storage.view(dtype), offset, size, stride)
 
     def persistent_load(self, pid: Any) -> Any:
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[1], _StorageType)):
@@ -123,8 +163,16 @@ def _read_blob(file: Path, offset: int, length: int, what: str) -> Any:
         return _BlobUnpickler(archive.read(pkl), archive, prefix, what).load()
     except CheckpointError:
         raise
-    except (zipfile.BadZipFile, StopIteration, KeyError, pickle.UnpicklingError, EOFError, ValueError) as e:
-        raise CheckpointError(f"{what}: unreadable torch.save archive in {file.name}: {e}") from None
+    except (
+        zipfile.BadZipFile,
+        StopIteration,
+        KeyError,
+        pickle.UnpicklingError,
+        EOFError,
+        ValueError,
+        RuntimeError,
+    ) as e:
+        raise CheckpointError(f"{what}: unreadable torch.save archive in {file.name}: {e}") from e
 
 
 def import_dcp(src: str | os.PathLike[str], out: str | os.PathLike[str], **save_kwargs: Any) -> list[str]:

@@ -6,12 +6,18 @@ other ranks that want them, and agrees on success before the commit.
 
 All traffic runs on a process group of its own (gloo, over CPU tensors), never on the
 user's default group, so a save running in a background thread cannot interleave its
-collectives with the training loop's.
+collectives with the training loop's. Those groups are destroyed when the program ends
+(``atexit``), while the interpreter is whole: held here, they would otherwise outlive
+the user's ``destroy_process_group()`` and have their gloo threads torn down during
+interpreter finalisation.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -19,7 +25,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ._errors import CheckpointError, LayoutError
+from ._errors import CheckpointError, LayoutError, MetadataError, NotCommittedError, TargetMismatchError
 from ._executor import PieceData, WriteItem
 from ._plan import ArrayLoadPlan, ArraySavePlan, ReadOp
 from ._region import Region
@@ -28,6 +34,7 @@ from ._sharding import Layout, Mesh, Piece, Placement, Replicate, Shard, Shardin
 __all__ = [
     "DistComm",
     "checkpoint_group",
+    "distributed_comm",
     "dtensor_layout",
     "is_dtensor",
     "placements_from_spec",
@@ -36,6 +43,7 @@ __all__ = [
 
 _GROUPS: dict[tuple[Any, ...], tuple[Any, Any]] = {}
 _GROUPS_LOCK = threading.Lock()
+_HOOKED: list[bool] = []  # release_groups is registered with atexit
 
 
 def is_dtensor(x: Any) -> bool:
@@ -44,11 +52,45 @@ def is_dtensor(x: Any) -> bool:
     return isinstance(x, DTensor)
 
 
-def distributed_active(group: Any = None) -> bool:
-    """True when this process is one rank of several in an initialised process group."""
-    if group is not None:
-        return True
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+def distributed_comm(group: Any = None) -> DistComm | None:
+    """The DistComm of a save or load, or None when it runs as a single process.
+
+    A save or load is distributed when torch.distributed is initialised (at any world
+    size) or ``group`` is given; its ranks are those of ``group``, else of the default
+    group. With one rank there is nobody to talk to: no gloo group is made, no
+    collective is issued, and the call runs as a single process does, DTensors on a mesh
+    of this one rank included.
+
+    Raises:
+      CheckpointError: this process is not a member of ``group``.
+    """
+    if group is None:
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return None
+    elif len(group_ranks(group)) == 1:
+        return None
+    return DistComm(checkpoint_group(group))
+
+
+def group_ranks(group: Any) -> tuple[int, ...]:
+    """The global ranks of a process group given by the caller, this process among them."""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise CheckpointError("a process_group was given but torch.distributed is not initialised")
+    try:
+        ranks = tuple(int(r) for r in dist.get_process_group_ranks(group))
+    except (ValueError, RuntimeError, KeyError) as e:
+        raise CheckpointError(f"process_group {group!r} is not a process group of this process: {e}") from e
+    if dist.get_rank() not in ranks:
+        raise CheckpointError(
+            f"rank {dist.get_rank()} is not a member of the process_group given (its ranks are {list(ranks)}): "
+            f"only its members save or load with it"
+        )
+    return ranks
+
+
+def this_rank() -> int:
+    """This process's global rank (0 without torch.distributed)."""
+    return int(dist.get_rank()) if dist.is_available() and dist.is_initialized() else 0
 
 
 # Point-to-point tags start high: gloo's collectives number their own messages from 0
@@ -62,14 +104,70 @@ def checkpoint_group(group: Any = None) -> tuple[Any, Any]:
     With ``group`` given, its ranks are used. The gloo groups are made once
     (collectively, on first use) and reused; keeping point-to-point transfers on a
     group of their own means no collective can ever match one of their messages.
+    Groups of the whole world are made by every rank; a group of some ranks only (a
+    pipeline stage, a data-parallel replica) by its members alone, so the other ranks
+    need not take part, and may make their own.
     """
-    ranks = None if group is None else dist.get_process_group_ranks(group)
-    key = (id(dist.distributed_c10d._get_default_group()), None if ranks is None else tuple(ranks))
+    ranks = None if group is None else group_ranks(group)
+    if ranks is not None and len(ranks) == dist.get_world_size():
+        ranks = None
+    key = (id(dist.distributed_c10d._get_default_group()), ranks)
     with _GROUPS_LOCK:
         if key not in _GROUPS or not all(_alive(g) for g in _GROUPS[key]):
             # (a group of a destroyed world is remade: a new default group may reuse the old one's id)
-            _GROUPS[key] = (dist.new_group(ranks, backend="gloo"), dist.new_group(ranks, backend="gloo"))
+            if ranks is None:
+                _GROUPS[key] = (dist.new_group(None, backend="gloo"), dist.new_group(None, backend="gloo"))
+            else:
+                _check_group_history(group, ranks)
+                members = list(ranks)
+                _GROUPS[key] = (
+                    dist.new_group(members, backend="gloo", use_local_synchronization=True),
+                    dist.new_group(members, backend="gloo", use_local_synchronization=True),
+                )
+            if not _HOOKED:
+                _HOOKED.append(True)
+                atexit.register(release_groups)
         return _GROUPS[key]
+
+
+def _check_group_history(group: Any, ranks: tuple[int, ...]) -> None:
+    """Refuse, rather than hang, when the members of ``group`` cannot make a group together.
+
+    torch names a group made by its members alone after its ranks and the number of
+    groups each member has made so far; members that made different numbers of groups
+    would wait for each other under different names until the rendezvous timeout.
+    """
+    made = getattr(getattr(dist.distributed_c10d, "_world", None), "pg_names", None)
+    if made is None:  # another torch: nothing to check with
+        return
+    counts: list[Any] = [None] * len(ranks)
+    dist.all_gather_object(counts, len(made), group=group)
+    if len(set(counts)) > 1:
+        detail = ", ".join(f"rank {r}: {c}" for r, c in zip(ranks, counts, strict=True))
+        raise CheckpointError(
+            f"the ranks of process_group have made different numbers of process groups ({detail}), so torch "
+            f"cannot name the checkpoint's gloo groups alike on all of them; make process groups in the same "
+            f"order on every member, or pass no process_group (the whole world)"
+        )
+
+
+def release_groups() -> None:
+    """Destroy the checkpoint process groups (at exit): their gloo threads end while Python is whole.
+
+    Runs after Python has joined every non-daemon thread (an asynchronous save's writer
+    included), so no checkpoint traffic is left. A group the user's
+    ``destroy_process_group()`` already shut down is only let go; one still registered
+    is destroyed. Later saves and loads make new groups.
+    """
+    with _GROUPS_LOCK:
+        groups = [g for pair in _GROUPS.values() for g in pair]
+        _GROUPS.clear()
+    while groups:
+        g = groups.pop()
+        if _alive(g):
+            with contextlib.suppress(ValueError, RuntimeError):  # gone with its world meanwhile
+                dist.destroy_process_group(g)
+        del g  # the last reference: the group's destructor joins its threads now
 
 
 def _alive(group: Any) -> bool:
@@ -108,10 +206,28 @@ def spec_from_dtensor(dt: Any) -> tuple[ShardingSpec, tuple[int, ...]]:
     Raises:
       LayoutError: for a ``Partial`` placement (unreduced values cannot be saved).
     """
-    mesh = dt.device_mesh
-    names = mesh.mesh_dim_names or tuple(f"axis{i}" for i in range(mesh.ndim))
-    spec = ShardingSpec(Mesh(tuple(mesh.shape), names), [_placement_of(p) for p in dt.placements])
-    return spec, tuple(int(r) for r in mesh.mesh.flatten().tolist())
+    mesh, ranks = _mesh_of(dt.device_mesh)
+    return ShardingSpec(mesh, [_placement_of(p) for p in dt.placements]), ranks
+
+
+_MESHES: weakref.WeakKeyDictionary[Any, tuple[Mesh, tuple[int, ...]]] = weakref.WeakKeyDictionary()
+
+
+def _mesh_of(device_mesh: Any) -> tuple[Mesh, tuple[int, ...]]:
+    """A DeviceMesh as a Mesh, and its global ranks in row-major order.
+
+    Remembered per mesh: torch rebuilds ``DeviceMesh.mesh`` at every access (0.1-1 ms),
+    which a state of thousands of DTensors on one mesh would pay for each.
+    """
+    try:
+        return _MESHES[device_mesh]
+    except (KeyError, TypeError):
+        pass
+    names = device_mesh.mesh_dim_names or tuple(f"axis{i}" for i in range(device_mesh.ndim))
+    found = (Mesh(tuple(device_mesh.shape), names), tuple(int(r) for r in device_mesh.mesh.flatten().tolist()))
+    with contextlib.suppress(TypeError):  # (a mesh that cannot be weakly referenced is not remembered)
+        _MESHES[device_mesh] = found
+    return found
 
 
 def placements_from_spec(spec: ShardingSpec) -> list[Any]:
@@ -137,16 +253,24 @@ def placements_from_spec(spec: ShardingSpec) -> list[Any]:
 
 
 def dtensor_layout(dt: Any, world: int, group: Any) -> tuple[ShardingSpec, tuple[tuple[Piece, ...], ...]]:
-    """A DTensor's spec and every rank's pieces, indexed by rank of ``group``."""
+    """A DTensor's spec and every rank's pieces, indexed by rank of ``group`` (None: this process alone)."""
     spec, mesh_ranks = spec_from_dtensor(dt)
     by_position = spec.rank_pieces(tuple(dt.shape))
     pieces: list[tuple[Piece, ...]] = [() for _ in range(world)]
     for pos, global_rank in enumerate(mesh_ranks):
-        pieces[_group_rank(group, global_rank)] = by_position[pos]
+        pieces[_group_rank(group, global_rank, mesh_ranks)] = by_position[pos]
     return spec, tuple(pieces)
 
 
-def _group_rank(group: Any, global_rank: int) -> int:
+def _group_rank(group: Any, global_rank: int, mesh_ranks: tuple[int, ...]) -> int:
+    if group is None:
+        me = this_rank()
+        if global_rank == me:
+            return 0
+        raise LayoutError(
+            f"its DTensor mesh holds ranks {list(mesh_ranks)}, but this save or load runs on rank {me} alone "
+            f"(a process group of one rank); pass a process_group holding the mesh's ranks, and call on each of them"
+        )
     r = dist.get_group_rank(group, global_rank)
     if r < 0:
         raise LayoutError(f"rank {global_rank} of a DTensor's mesh is not in the checkpoint process group")
@@ -188,14 +312,15 @@ class DistComm:
         return box[0]
 
     def agree(self, error: BaseException | None, what: str) -> None:
-        """Every rank raises if any rank failed; the message names the failed ranks."""
-        errors = self.all_gather(None if error is None else f"{type(error).__name__}: {error}")
-        failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+        """Every rank raises the same error if any rank failed; the message names the failed ranks.
+
+        The error is of the failed ranks' CheckpointError subclass when they share one;
+        on a rank that failed it is chained to that rank's own error.
+        """
+        gathered = self.all_gather(describe_failure(error))
+        failed = [(r, e) for r, e in enumerate(gathered) if e is not None]
         if failed:
-            detail = "; ".join(f"rank {r}: {e}" for r, e in failed)
-            if error is not None and isinstance(error, CheckpointError) and len(failed) == 1:
-                raise error
-            raise CheckpointError(f"{what} failed on {len(failed)} of {self.world} ranks: {detail}") from error
+            raise failure(what, failed, self.world) from error
 
     # ------------------------------------------------------------------ save
     def post_write_transfers(
@@ -353,3 +478,36 @@ class WriteTransfers:
 def layout_fingerprint(key: str, dtype: str, shape: tuple[int, ...], layout: Layout) -> tuple[Any, ...]:
     """What every rank must agree on for one array."""
     return (key, dtype, shape, repr(layout.to_json()))
+
+
+_ERRORS: dict[str, type[CheckpointError]] = {
+    c.__name__: c for c in (CheckpointError, NotCommittedError, MetadataError, TargetMismatchError, LayoutError)
+}
+
+
+def describe_failure(error: BaseException | None) -> tuple[str, str] | None:
+    """What a rank tells the others of its error: the type's name and the message."""
+    return None if error is None else (type(error).__name__, str(error))
+
+
+def failure(what: str, failed: Sequence[tuple[int, tuple[str, str]]], world: int) -> CheckpointError:
+    """The one error every rank raises when ``failed`` ranks (rank, (type name, message)) failed at ``what``.
+
+    >>> str(failure("writing", [(1, ("OSError", "disk full")), (3, ("OSError", "disk full"))], 4))
+    'writing failed on 2 of 4 ranks: ranks 1, 3: OSError: disk full'
+    """
+    by_error: dict[tuple[str, str], list[int]] = {}
+    for rank, (kind, message) in failed:
+        by_error.setdefault((kind, message), []).append(rank)
+    detail = "; ".join(f"{_ranks_text(ranks)}: {kind}: {message}" for (kind, message), ranks in by_error.items())
+    kinds = {kind for kind, _ in by_error}
+    cls = _ERRORS.get(kinds.pop(), CheckpointError) if len(kinds) == 1 else CheckpointError
+    return cls(f"{what} failed on {len(failed)} of {world} ranks: {detail}")
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"ranks {ranks[0]}-{ranks[-1]}"
+    return "ranks " + ", ".join(map(str, ranks))

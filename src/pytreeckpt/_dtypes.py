@@ -78,8 +78,9 @@ _STORAGE: dict[str, str] = {
 _TORCH: dict[str, torch.dtype] = {n: getattr(torch, n) for n in _STORAGE if hasattr(torch, n)}
 _BY_TORCH: dict[torch.dtype, DType] = {t: DType(n, _STORAGE[n], t.itemsize) for n, t in _TORCH.items()}
 _BY_NAME: dict[str, DType] = {d.name: d for d in _BY_TORCH.values()}
-# numpy-only dtypes torch does not have: stored under their own name.
-for _n in ("float8_e4m3b11fnuz", "int4", "uint4", "float4_e2m1fn"):
+# numpy-only dtypes torch does not have: stored under their own name (TensorStore's zarr v3
+# has no uint4, so ml_dtypes' uint4 is refused like any other dtype without a stored form).
+for _n in ("float8_e4m3b11fnuz", "int4", "float4_e2m1fn"):
     if hasattr(ml_dtypes, _n):
         _BY_NAME.setdefault(_n, DType(_n, _n, np.dtype(getattr(ml_dtypes, _n)).itemsize))
 

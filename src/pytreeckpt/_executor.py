@@ -16,12 +16,16 @@ import contextlib
 import errno
 import fcntl
 import hashlib
+import json
+import logging
 import math
 import os
+import secrets
 import shutil
 import stat
-import tempfile
+import sys
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -33,7 +37,17 @@ import tensorstore as ts
 
 from ._chunkio import LITTLE_ENDIAN, IOPool, chunk_crc, open_regular, read_chunk, write_chunk
 from ._errors import CheckpointError, MetadataError, NotCommittedError
-from ._format import ARRAYS_DIR, LOCK_FILE, METADATA_FILE, PACKED_DIR, ArrayMeta, chunk_count, zarr_metadata
+from ._format import (
+    ARRAYS_DIR,
+    LOCK_FILE,
+    METADATA_FILE,
+    PACKED_DIR,
+    STEP_DIR,
+    ArrayMeta,
+    chunk_count,
+    generation_of,
+    zarr_metadata,
+)
 from ._location import OBJECT_STORE_CHUNKING, OCDBT_CACHE, KvPrefix, Where, make_context, resolve
 from ._plan import ArrayLoadPlan, ArraySavePlan, ChunkingOptions, ReadOp, WriteOp
 from ._region import Region, chunk_region
@@ -46,8 +60,11 @@ __all__ = [
     "WriteItem",
     "assemble",
     "available_memory",
+    "remove_tree",
     "write_items",
 ]
+
+logger = logging.getLogger("pytreeckpt")
 
 PieceData = Callable[[int, int], tuple[np.ndarray, Region]]
 """``(rank, piece) -> (view, region)``: a numpy view of the local memory holding that
@@ -58,6 +75,9 @@ WriteItem = tuple[int, Region, np.ndarray, Callable[[], None] | None]
 
 MiB = 1 << 20
 OCDBT_INLINE_BYTES = 64 * 1024
+
+LOCK_WAIT = 1.0
+"""Seconds a save waits for a checkpoint's lock held by another process before refusing."""
 
 MAX_COMPRESSION_RATIO = 1 << 16
 """The most a compressed array's metadata may claim over its stored bytes (all-zero
@@ -86,6 +106,10 @@ class ExecutorOptions:
         into memory already mapped is several times faster); False frees it after each
         save. It is always freed after a failed save.
       progress: draw a progress bar on stderr for saves and loads.
+      exit_timeout: seconds an asynchronous save still running when the program's
+        main thread ends is waited for; past them it is cancelled and commits nothing
+        (a warning on the ``pytreeckpt`` logger says so). None waits however long it
+        takes.
     """
 
     max_inflight_bytes: int = 512 * MiB
@@ -95,6 +119,7 @@ class ExecutorOptions:
     staging_piece_bytes: int = 64 * MiB
     keep_staging: bool = True
     progress: bool = False
+    exit_timeout: float | None = 600.0
 
 
 class _Window:
@@ -154,6 +179,11 @@ class Storage:
         self._unsynced: set[Path] = set()
         self._unsynced_trees: set[str] = set()  # relative to the root
         self._made_dirs: set[Path] = set()
+        # The commit protocol's state for one save: what the committed document referenced
+        # when the save began (None: unreadable, so all is kept), and what the save made.
+        self._kept: frozenset[str] | None = None
+        self._prepared = False
+        self._made_root = False
         self._scanned: dict[str, tuple[int, int]] = {}  # place -> (bytes, chunk files): see scan()
         self._root_real: str | None = None
 
@@ -184,25 +214,68 @@ class Storage:
         """Take the directory's writer lock, or raise: one save at a time per checkpoint path.
 
         The lock is an ``flock`` on a file inside the directory, so the kernel releases it
-        when its holder dies: a crashed save never blocks the next one. A key-value store
-        has no such lock: there the lock is a no-op and one writer per prefix is the
-        caller's responsibility.
+        when its holder dies: a crashed save never blocks the next one. A lock held for a
+        moment only (a CheckpointManager removing the directory) is waited for, up to
+        ``LOCK_WAIT`` seconds; a lock file whose directory its holder removed is no lock,
+        and the directory is made again. A key-value store has no such lock: there the lock
+        is a no-op and one writer per prefix is the caller's responsibility.
         """
         if self.kv is not None:
             return _Lock(None)
+        deadline = time.monotonic() + LOCK_WAIT
+        while True:
+            self._make_root()
+            held = self.try_lock()
+            if held is not None:
+                return held
+            if time.monotonic() > deadline:
+                raise CheckpointError(
+                    f"another process is saving to {self.root} right now; two saves to one path cannot run at once"
+                )
+            time.sleep(0.01)
+
+    def try_lock(self) -> _Lock | None:
+        """The writer lock if it is free now; None if a writer holds it or the directory is gone.
+
+        It never makes the directory: it is how a directory is locked to be removed.
+        """
+        if self.kv is not None:
+            return _Lock(None)
+        path = self.root / LOCK_FILE
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.root / LOCK_FILE, os.O_CREAT | os.O_RDWR, 0o644)
+            fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o666)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
         except OSError as e:
             raise CheckpointError(f"cannot write a checkpoint at {self.root}: {e}") from e
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            raise CheckpointError(
-                f"another process is saving to {self.root} right now; two saves to one path cannot run at once"
-            ) from None
+            return None
+        # The holder before us may have removed the lock file with its directory; this lock
+        # then guards nothing (a new directory with a new lock file may exist by now).
+        try:
+            here, mine = os.stat(path), os.fstat(fd)
+            same = (here.st_dev, here.st_ino) == (mine.st_dev, mine.st_ino)
+        except OSError:
+            same = False
+        if not same:
+            os.close(fd)
+            return None
         return _Lock(fd)
+
+    def _make_root(self) -> None:
+        try:
+            self.root.parent.mkdir(parents=True, exist_ok=True)
+            os.mkdir(self.root)  # 0o777 less the umask, as any directory the user makes
+        except FileExistsError:
+            if not self.root.is_dir():
+                raise CheckpointError(f"{self.root} exists and is not a directory") from None
+            return
+        except OSError as e:
+            raise CheckpointError(f"cannot write a checkpoint at {self.root}: {e}") from e
+        self._made_root = True
 
     def check_writable(self, overwrite: bool) -> None:
         """Raise now, before any work, if a save here would be refused."""
@@ -235,65 +308,142 @@ class Storage:
                     f"refusing to write into it"
                 )
 
-    def prepare(self, overwrite: bool) -> None:
-        """Make the directory ready for a new checkpoint.
+    def prepare(self, overwrite: bool) -> int:
+        """Make the location ready for a new checkpoint; returns the generation its arrays are named with.
 
-        An uncommitted directory left by an interrupted save is cleared. A committed
-        checkpoint is replaced only with ``overwrite``; its commit is withdrawn first,
-        so a crash midway never leaves it loadable with half-new data.
+        A committed checkpoint is left whole and loadable: the new one is written beside
+        it, under names its metadata does not use (:func:`generation_name`), and replaces
+        it at the commit. What the committed metadata does not reference, the leftovers of
+        a save that failed or was killed, is removed first. Locally the caller holds the lock.
         """
         self.check_writable(overwrite)
-        if self.kv is not None:
-            self.kv.delete(METADATA_FILE)  # withdraw the commit before anything else
-            self.kv.delete_prefix("")
-            return
+        self._kept = self._committed_names()
+        self._prepared = True
         try:
-            if self.is_committed():
-                self.metadata_path.unlink()
-                _fsync(self.root)
-            if self.root.exists():
-                for p in self.root.iterdir():
-                    if p.name == LOCK_FILE:
-                        continue
-                    shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
-            self.root.mkdir(parents=True, exist_ok=True)
-            (self.root / ARRAYS_DIR).mkdir()
+            stored = self._stored_names()
+            if self._kept is not None:
+                self._delete(stored - self._kept)
+                stored &= self._kept
+            if self.kv is None:
+                self._remove_temporaries()
+                (self.root / ARRAYS_DIR).mkdir(exist_ok=True)
         except OSError as e:
-            raise CheckpointError(f"cannot prepare {self.root} for a new checkpoint: {e}") from e
+            raise CheckpointError(f"cannot prepare {self.url} for a new checkpoint: {e}") from e
+        return 1 + max(generation_of(name) for name in stored) if stored else 0
 
     def commit(self, document: bytes) -> None:
-        """Write the metadata document atomically.
+        """Write the metadata document atomically, then delete the arrays it does not reference.
 
-        Locally: temporary file, fsync, rename, fsync of the directory. On a key-value
-        store: one PUT of the whole document, after every array write has finished.
+        Locally: a temporary file (made with the mode the umask gives, as any file the user
+        makes), fsync, rename over the old document, fsync of the directory. On a
+        key-value store: one PUT of the whole document, after every array write has
+        finished. A checkpoint this one replaces stays whole and loadable until that
+        instant; then its arrays are deleted (a failure to delete them is logged, and the
+        next save reclaims them).
         """
         if self.kv is not None:
             self.kv.write(METADATA_FILE, document)
+        else:
+            try:
+                tmp = self.root / f".tmp-{os.getpid()}-{secrets.token_hex(8)}"
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+                try:
+                    with os.fdopen(fd, "wb") as f:
+                        f.write(document)
+                        f.flush()
+                        os.fsync(f.fileno())
+                    os.replace(tmp, self.metadata_path)
+                except BaseException:
+                    tmp.unlink(missing_ok=True)
+                    raise
+                _fsync(self.root)
+            except OSError as e:
+                raise CheckpointError(f"cannot commit the checkpoint at {self.root}: {e}") from e
+        try:
+            self._delete(self._unreferenced(_referenced(document)))
+        except Exception as e:  # committed all the same: the next save reclaims them
+            logger.warning("%s: committed, but the arrays it replaced could not all be deleted: %s", self.url, e)
+
+    def abandon(self) -> None:
+        """After a failed save: remove what it wrote, keeping all that a committed document references.
+
+        The checkpoint the save was to replace stays whole (and so does the new one, if
+        the failure came after its document was renamed into place). A directory the save
+        made is removed. Errors here are logged: the save's own failure is what is reported.
+        """
+        if not (self._prepared or self._made_root):
             return
         try:
-            fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=self.root)
-            try:
-                with os.fdopen(fd, "wb") as f:
-                    f.write(document)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, self.metadata_path)
-            except BaseException:
-                Path(tmp).unlink(missing_ok=True)
-                raise
-            _fsync(self.root)
-        except OSError as e:
-            raise CheckpointError(f"cannot commit the checkpoint at {self.root}: {e}") from e
+            now = self._committed_names()
+            keep = None if self._kept is None or now is None else self._kept | now
+            self._delete(self._unreferenced(keep))
+            if self.kv is None:
+                self._remove_temporaries()
+                if not self.is_committed():  # the directory is left as the save found it, or removed if it made it
+                    for top in (ARRAYS_DIR, PACKED_DIR):
+                        with contextlib.suppress(FileNotFoundError):
+                            (self.root / top).rmdir()
+                    (self.root / LOCK_FILE).unlink(missing_ok=True)  # a writer waiting on it sees it gone
+                    if self._made_root:
+                        self.root.rmdir()
+        except Exception as e:
+            logger.warning("%s: the save failed and what it wrote could not all be removed: %s", self.url, e)
 
     def remove(self) -> None:
-        """Delete the checkpoint: its commit first, so a crash midway leaves no half checkpoint."""
+        """Delete the checkpoint: its commit first, so a crash midway leaves no half checkpoint.
+
+        Parts already gone (another process removing it too) are no error.
+        """
         if self.kv is not None:
             self.kv.delete(METADATA_FILE)
             self.kv.delete_prefix("")
             return
-        if self.is_committed():
-            self.metadata_path.unlink()
-        shutil.rmtree(self.root)
+        self.metadata_path.unlink(missing_ok=True)
+        remove_tree(self.root)
+
+    def _committed_names(self) -> frozenset[str] | None:
+        """The arrays and databases the committed document uses; empty if none is committed, None if unreadable."""
+        if self.kv is not None:
+            raw = self.kv.read(METADATA_FILE)
+        else:
+            try:
+                raw = self.metadata_path.read_bytes()
+            except (FileNotFoundError, NotADirectoryError):
+                raw = None
+        return frozenset() if raw is None else _referenced(raw)
+
+    def _stored_names(self) -> set[str]:
+        """The arrays and databases present: ``arrays/<name>`` and ``ocdbt/<name>``."""
+        out: set[str] = set()
+        if self.kv is not None:
+            for key in self.kv.list():
+                parts = key.split("/")
+                if len(parts) > 1 and parts[0] in (ARRAYS_DIR, PACKED_DIR):
+                    out.add(f"{parts[0]}/{parts[1]}")
+            return out
+        for top in (ARRAYS_DIR, PACKED_DIR):
+            try:
+                out.update(f"{top}/{name}" for name in os.listdir(self.root / top))
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+        return out
+
+    def _unreferenced(self, keep: frozenset[str] | None) -> set[str]:
+        """What is stored and not in ``keep``; nothing when ``keep`` is unknown."""
+        return set() if keep is None else self._stored_names() - keep
+
+    def _delete(self, names: Iterable[str]) -> None:
+        for name in sorted(names):
+            if self.kv is not None:
+                self.kv.delete_prefix(name + "/")
+            else:
+                remove_tree(self.root / name)
+
+    def _remove_temporaries(self) -> None:
+        """Metadata documents a killed commit left half written (only under the lock)."""
+        for p in self.root.iterdir():
+            if p.name.startswith(".tmp-"):
+                p.unlink(missing_ok=True)
 
     def check_stored_sizes(self, metas: Sequence[ArrayMeta]) -> None:
         """Refuse metadata that claims more than is stored, before anything is allocated or looped over.
@@ -369,7 +519,8 @@ class Storage:
     def scan(self, where: str, key: str) -> tuple[int, int]:
         """Check the files of one stored array (or OCDBT database) before anything reads them.
 
-        Returns the bytes and the number of its chunk files (files but ``zarr.json``).
+        Returns the bytes and the number of its chunk files (files but ``zarr.json``, whose
+        bytes are not counted either).
         Refuses, with a CheckpointError naming the leaf and the path: a symbolic link that
         leads outside the checkpoint (links inside it are followed), anything but regular
         files and directories (a FIFO or a device would block or never end a read), a
@@ -412,8 +563,9 @@ class Storage:
                         seen.add((st.st_dev, st.st_ino))
                         todo.append(path)
                 elif stat.S_ISREG(st.st_mode):
-                    total += st.st_size
-                    files += entry.name != "zarr.json"
+                    if entry.name != "zarr.json":
+                        total += st.st_size
+                        files += 1
                 else:
                     raise CheckpointError(
                         f"leaf {key!r}: {entry.path} is not a regular file (a FIFO, device or socket); refused"
@@ -490,19 +642,12 @@ class Storage:
             raw = self.kv.read(METADATA_FILE)
             if raw is None:
                 self.kv.check_reachable()  # a missing bucket reads as a missing object: say which it is
-                raise NotCommittedError(
-                    f"{self.url} is not a committed checkpoint (no {METADATA_FILE}); "
-                    f"it may be a save that was interrupted, or nothing at all"
-                )
+                raise self._not_committed()
             return raw
         try:
             fd, st = open_regular(self.metadata_path, self._real_root(), "the metadata document")
-        except FileNotFoundError:
-            if not self.root.is_dir():
-                raise NotCommittedError(f"{self.root} does not exist or is not a directory") from None
-            raise NotCommittedError(
-                f"{self.root} is not a committed checkpoint (no {METADATA_FILE}); it may be a save that was interrupted"
-            ) from None
+        except (FileNotFoundError, NotADirectoryError) as e:  # also a checkpoint replaced or removed meanwhile
+            raise self._not_committed() from e
         try:
             if st.st_size > limit:
                 raise MetadataError(
@@ -529,6 +674,42 @@ class Storage:
             except OSError as e:
                 raise _os_failure(e, self.root, "the checkpoint directory", "resolve") from e
         return self._root_real
+
+    def _not_committed(self) -> NotCommittedError:
+        """Why there is no metadata document here, saying so when this is a CheckpointManager's directory."""
+        if self.kv is None and not self.root.is_dir():
+            return NotCommittedError(f"{self.root} does not exist or is not a directory")
+        steps: dict[int, bool] = {}  # step -> committed
+        if self.kv is not None:
+            for key in self.kv.list("step_"):
+                name, _, rest = key.partition("/")
+                m = STEP_DIR.match(name)
+                if m:
+                    steps[int(m.group(1))] = steps.get(int(m.group(1)), False) or rest == METADATA_FILE
+        else:
+            with contextlib.suppress(OSError):
+                for entry in os.scandir(self.root):
+                    m = STEP_DIR.match(entry.name)
+                    if m and entry.is_dir():
+                        steps[int(m.group(1))] = os.path.isfile(os.path.join(entry.path, METADATA_FILE))
+        committed = sorted(s for s, c in steps.items() if c)
+        if committed:
+            shown = committed if len(committed) <= 10 else [*committed[:3], "...", *committed[-3:]]
+            listed = ", ".join(map(str, shown))
+            return NotCommittedError(
+                f"{self.url} is a CheckpointManager directory, not a checkpoint: it holds the committed steps "
+                f"[{listed}]; load one with pytreeckpt.load('{self.url}/step_{committed[-1]}'), or the newest with "
+                f"pytreeckpt.CheckpointManager('{self.url}').restore()"
+            )
+        if steps:
+            return NotCommittedError(
+                f"{self.url} is a CheckpointManager directory with no committed step yet (steps left uncommitted "
+                f"by saves that failed or were interrupted: {sorted(steps)[:10]}), not a checkpoint"
+            )
+        return NotCommittedError(
+            f"{self.url} is not a committed checkpoint (no {METADATA_FILE}); it may be a save that was interrupted"
+            + ("" if self.kv is None else ", or nothing at all")
+        )
 
     def _check_inside(self, path: Path, key: str) -> Path:
         """The real path of ``path`` (missing components kept), which must lie inside the checkpoint."""
@@ -576,7 +757,20 @@ class Storage:
                 f"leaf {meta.key!r}: cannot {'create' if create else 'open'} stored array {meta.path!r}: {e}"
             )
 
-        futures = []
+        futures: list[Any] = []
+
+        def settle() -> list[Any]:
+            # Every open is waited for, so that none still makes files once this has raised.
+            stores, first = [], None
+            for meta, f in zip(metas, futures, strict=False):
+                try:
+                    stores.append(f.result())
+                except Exception as e:
+                    first = first or (meta, e)
+            if first is not None:
+                raise failed(*first) from first[1]
+            return stores
+
         checked: set[str] = set()
         for meta in metas:
             if not create and self.kv is None:
@@ -591,13 +785,10 @@ class Storage:
                 else:
                     futures.append(ts.open(spec, context=self.context, open=True))
             except Exception as e:
+                with contextlib.suppress(CheckpointError):
+                    settle()
                 raise failed(meta, e) from e
-        stores = []
-        for meta, f in zip(metas, futures, strict=True):
-            try:
-                stores.append(f.result())
-            except Exception as e:
-                raise failed(meta, e) from e
+        stores = settle()
         if create and self.kv is None:
             for meta in metas:
                 if meta.database is None:
@@ -1067,6 +1258,44 @@ def _os_failure(e: OSError, path: Path | str, what: str, action: str) -> Checkpo
     if e.errno == errno.ELOOP:
         return CheckpointError(f"{what}: cannot {action} {path}: too many levels of symbolic links (a loop?)")
     return CheckpointError(f"{what}: cannot {action} {path}: {e.strerror or e}")
+
+
+def _referenced(document: bytes) -> frozenset[str] | None:
+    """The arrays and databases a metadata document uses (``arrays/<name>``, ``ocdbt/<name>``); None if unreadable.
+
+    Read leniently (a document of a newer format still protects what it names), and
+    never trusted beyond naming what not to delete.
+    """
+    try:
+        leaves = json.loads(document)["leaves"]
+    except (ValueError, TypeError, KeyError, IndexError, RecursionError):
+        return None
+    if not isinstance(leaves, list):
+        return None
+    names: set[str] = set()
+    for leaf in leaves:
+        if isinstance(leaf, dict):
+            names.update(v for v in (leaf.get("path"), leaf.get("database")) if isinstance(v, str))
+    return frozenset(names)
+
+
+def remove_tree(path: Path) -> None:
+    """Delete a file or a directory tree; parts vanishing meanwhile (another process removing them) are no error."""
+
+    def vanished(_func: Any, _path: Any, exc: Any) -> None:
+        error = exc if isinstance(exc, BaseException) else exc[1]
+        if not isinstance(error, FileNotFoundError):
+            raise error
+
+    try:
+        if path.is_symlink() or not path.is_dir():
+            path.unlink(missing_ok=True)
+        elif sys.version_info >= (3, 12):
+            shutil.rmtree(path, onexc=vanished)
+        else:
+            shutil.rmtree(path, onerror=vanished)
+    except FileNotFoundError:
+        pass
 
 
 def _all_of(futures: list[Future[Any]]) -> Future[Any]:

@@ -38,6 +38,7 @@ __all__ = [
     "ARRAYS_DIR",
     "FORMAT_NAME",
     "FORMAT_VERSION",
+    "MAX_NDIM",
     "METADATA_FILE",
     "PACKED_DIR",
     "ArrayMeta",
@@ -46,8 +47,11 @@ __all__ = [
     "ValueMeta",
     "array_names",
     "chunk_count",
+    "generation_name",
+    "generation_of",
     "parse_document",
     "with_chunk_sums",
+    "with_generation",
     "zarr_metadata",
 ]
 
@@ -56,6 +60,8 @@ FORMAT_VERSION = 2
 """The newest version written: 2 when some array is packed in an OCDBT database, else 1."""
 METADATA_FILE = "pytreeckpt.json"
 LOCK_FILE = ".pytreeckpt.lock"
+STEP_DIR = re.compile(r"^step_(\d+)$")
+"""A CheckpointManager's step directory (or key prefix): ``step_<n>``."""
 ARRAYS_DIR = "arrays"
 PACKED_DIR = "ocdbt"
 CONTAINERS = ("torch", "numpy")
@@ -63,8 +69,11 @@ MAX_METADATA_BYTES = 256 << 20
 """The default cap on the metadata document's size (``StorageOptions.max_metadata_bytes``)."""
 MAX_PACKED_BYTES = 64 << 20
 """A packed array is small: a document claiming a bigger one is refused before any allocation."""
+MAX_NDIM = 32
+"""The most dims a saved array may have: TensorStore's limit (``kMaxRank``) for the arrays it opens."""
 
-_DATABASE = re.compile(r"^ocdbt/(0|[1-9][0-9]{0,8})$")
+_DATABASE = re.compile(r"^ocdbt/(0|[1-9][0-9]{0,8})(~g[1-9][0-9]{0,8})?$")
+_GENERATION = re.compile(r"~g([1-9][0-9]{0,8})$")
 
 _SAFE_COMPONENT = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.~-]{0,199}$")
 
@@ -259,6 +268,28 @@ def array_names(keys: Sequence[str]) -> list[str]:
     return out
 
 
+def generation_name(name: str, generation: int) -> str:
+    """The name an array or database ``name`` gets in the save of ``generation``.
+
+    The first save of a path writes generation 0, plain names; a save replacing a
+    committed checkpoint writes the next generation beside it, under names the committed
+    metadata does not use, and deletes the old arrays only once its own metadata is
+    committed. Array names never contain ``~g`` otherwise (see :func:`array_names`).
+
+    >>> generation_name("arrays/w", 0), generation_name("arrays/w", 3), generation_name("ocdbt/1", 2)
+    ('arrays/w', 'arrays/w~g3', 'ocdbt/1~g2')
+    >>> generation_of("arrays/w~1~g3"), generation_of("arrays/w~1")
+    (3, 0)
+    """
+    return name if generation == 0 else f"{name}~g{generation}"
+
+
+def generation_of(name: str) -> int:
+    """The generation of a stored array or database name (0 for a plain name)."""
+    m = _GENERATION.search(name)
+    return int(m.group(1)) if m else 0
+
+
 def check_relative_path(path: Any, key: str) -> str:
     """``path`` if it is a safe relative path below ``arrays/``; MetadataError otherwise."""
     if not isinstance(path, str):
@@ -314,7 +345,10 @@ def _parse_leaf(data: Any, index: int) -> ArrayMeta | ValueMeta:
     database = data.get("database")
     if database is not None:
         if not isinstance(database, str) or not _DATABASE.match(database):
-            raise MetadataError(f"leaf {key!r}: database must be 'ocdbt/<rank>', found {str(database)[:200]!r}")
+            raise MetadataError(
+                f"leaf {key!r}: database must be 'ocdbt/<rank>' or 'ocdbt/<rank>~g<generation>', "
+                f"found {str(database)[:200]!r}"
+            )
         nbytes = math.prod(shape) * dtype.itemsize
         if nbytes > MAX_PACKED_BYTES:
             raise MetadataError(
@@ -477,6 +511,18 @@ def with_chunk_sums(
             i += 1
         out.append(leaf)
     return out
+
+
+def with_generation(document: bytes, generation: int) -> bytes:
+    """The document with every array's stored name in ``generation``: its path, or its database's for a packed one."""
+    if generation == 0:
+        return document
+    doc = json.loads(document)
+    for leaf in doc["leaves"]:
+        if leaf["kind"] == "array":
+            field = "database" if leaf.get("database") is not None else "path"
+            leaf[field] = generation_name(leaf[field], generation)
+    return json.dumps(doc, allow_nan=False, separators=(",", ":")).encode()
 
 
 def build_document(tree: Node, leaves: Sequence[dict[str, Any]], user_metadata: dict[str, Any] | None) -> bytes:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import fnmatch
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from ._dtypes import dtype_of_numpy, dtype_of_torch, numpy_view
-from ._errors import CheckpointError, TargetMismatchError
+from ._errors import CheckpointError, LayoutError, MetadataError, NotCommittedError, TargetMismatchError
 from ._executor import ExecutorOptions, Storage, available_memory
 from ._format import (
     ArrayMeta,
@@ -30,6 +30,7 @@ from ._sharding import Layout, Mesh, Piece, Replicate, ShardingSpec
 from ._shared import (
     _SINGLE,
     PathLike,
+    _Carried,
     _comm,
     _exchange_layouts,
     _gather_spans,
@@ -40,7 +41,7 @@ from ._shared import (
     _wait_in_flight,
     _where,
 )
-from ._tree import KeyEntry, Node, flatten, keystr
+from ._tree import KeyEntry, Node, flatten, keystr, resolve_value, typed_keystr
 
 __all__ = ["CheckpointMetadata", "VerifyReport", "load", "load_slice", "metadata", "read_array", "verify"]
 
@@ -64,6 +65,8 @@ class CheckpointMetadata:
 
     @property
     def nbytes(self) -> int:
+        if isinstance(self.arrays, _Arrays):
+            return self.arrays.nbytes
         return sum(a.nbytes for a in self.arrays.values())
 
 
@@ -97,11 +100,61 @@ def _check_memory(where: PathLike, claims: Sequence[tuple[str, int]]) -> None:
 
 
 def metadata(path: PathLike, *, namespace: str = "") -> CheckpointMetadata:
-    """Read a committed checkpoint's metadata (no array data is read)."""
+    """Read a committed checkpoint's metadata (no array data is read).
+
+    A checkpoint written by an older pytreeckpt may hold two leaves of one key path
+    (``{"a.b": x, "a": {"b": y}}``); ``arrays[key]`` then raises a MetadataError naming
+    both, rather than pick one. The tree holds both.
+    """
     _, doc = _open(path, namespace, None)
     leaves = [leaf.value if isinstance(leaf, ValueMeta) else _abstract_of(leaf) for leaf in doc.leaves]
-    arrays = {leaf.key: leaf for leaf in doc.leaves if isinstance(leaf, ArrayMeta)}
+    arrays = _Arrays(path, doc)
     return CheckpointMetadata(doc.tree.unflatten(leaves), arrays, doc.user_metadata, doc.version)
+
+
+class _Arrays(Mapping[str, ArrayMeta]):
+    """The stored arrays by key path; a key path two leaves share raises instead of naming one of them."""
+
+    def __init__(self, path: PathLike, doc: CheckpointDoc) -> None:
+        self._where = describe(path)
+        self._ambiguous = _ambiguous_keys(doc)
+        self._metas = {leaf.key: leaf for leaf in doc.leaves if isinstance(leaf, ArrayMeta)}
+        self._all = tuple(leaf for leaf in doc.leaves if isinstance(leaf, ArrayMeta))
+
+    def __getitem__(self, key: str) -> ArrayMeta:
+        if key in self._ambiguous:
+            raise _ambiguity_error(key, self._ambiguous[key], self._where)
+        return self._metas[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._metas)
+
+    def __len__(self) -> int:
+        return len(self._metas)
+
+    def __repr__(self) -> str:
+        many = self._ambiguous
+        return repr({k: f"<{len(many[k])} leaves>" if k in many else v for k, v in self._metas.items()})
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self._all)
+
+
+def _ambiguous_keys(doc: CheckpointDoc) -> dict[str, list[tuple[KeyEntry, ...]]]:
+    """Key paths that name several leaves (documents of older versions), with their typed paths."""
+    by_key: dict[str, list[tuple[KeyEntry, ...]]] = {}
+    for p, leaf in zip(doc.tree.paths(), doc.leaves, strict=True):
+        by_key.setdefault(leaf.key, []).append(p)
+    return {k: ps for k, ps in by_key.items() if len(ps) > 1}
+
+
+def _ambiguity_error(key: str, paths: Sequence[tuple[KeyEntry, ...]], where: str) -> MetadataError:
+    return MetadataError(
+        f"key path {key!r} names {len(paths)} leaves of the checkpoint at {where} "
+        f"({' and '.join(typed_keystr(p) for p in paths)}; it was written by an older pytreeckpt, which allowed "
+        f"that): load it whole, with load(path) or a target tree, which tells them apart"
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -264,25 +317,34 @@ def load(
         what to load: a tensor or numpy array (full, same shape and dtype, on the
         tensor's device), a :class:`ShardedLeaf` (its spec and ranks: resharding), an
         :class:`Abstract` (a full tensor, or the shards of its spec), a DTensor (its
-        mesh and placements), or a plain Python value (replaced by the stored value).
-        Stored leaves the target lacks are not read.
+        mesh and placements), or a plain Python value (replaced by the stored value;
+        a stored enum member comes back as a member of the target leaf's enum type, or
+        of its own type if that type's module is imported). Stored leaves the target
+        lacks are not read. A tensor on the meta device holds no memory to load into
+        and is refused.
       namespace: the optree namespace of custom pytree nodes.
       executor: concurrency of the I/O.
       include: key-path globs (``fnmatch``, e.g. ``"model.layers.*.weight"``): load only
         the matching leaves, and return them as a flat dict from key path to leaf.
         Other leaves are not read. Only with ``target=None``.
-      process_group: when torch.distributed is initialised with several ranks, every
-        rank calls ``load`` and gets its own part: its DTensor shards, its shard of
+      process_group: the ranks that load together: those of ``process_group``, else
+        the whole world. When torch.distributed is initialised (at any world size) or
+        a group is given, each of them calls ``load`` and gets its own part: its
+        DTensor shards (nothing of a DTensor whose mesh it is not on), its shard of
         each ShardedLeaf or Abstract spec, and full copies of plain tensors. Each rank
         reads only its regions; a region several ranks want is read once and sent on.
+        With one rank it runs as a single process does (DTensors on a mesh of that
+        rank alone). If any rank fails, every rank raises the same error.
       monitor: a :class:`Monitor` that records the time and bytes of every phase
         (on rank 0, every rank's).
 
     Raises:
       NotCommittedError: ``path`` holds no committed checkpoint.
       TargetMismatchError: listing every target leaf that the checkpoint lacks or that
-        differs in shape, dtype or kind.
-      MetadataError: the metadata is malformed or unsafe.
+        differs in shape, dtype or kind, meta-device targets, and enum members whose
+        type is neither imported nor given by the target.
+      MetadataError: the metadata is malformed or unsafe, or ``include`` selects a key
+        path that names several leaves (documents of older versions).
     """
     # A save in flight may be running collectives on the checkpoint groups, and may be
     # writing the very checkpoint asked for: let it finish first.
@@ -290,10 +352,50 @@ def load(
     comm = _comm(process_group)
     spans = Monitor()
     try:
-        return _load(path, target, namespace, executor, include, comm, spans)
+        if comm is not None:
+            return _load(path, target, namespace, executor, include, comm, spans)
+        seen: list[bytes] = []
+        attempts = 0
+        while True:
+            seen.clear()
+            try:
+                return _load(path, target, namespace, executor, include, comm, spans, seen)
+            except (CheckpointError, OSError) as e:
+                if not seen or isinstance(e, (NotCommittedError, TargetMismatchError)):
+                    raise
+                _raise_unless_replaced(path, executor, seen[0], e)
+                attempts += 1
+                if attempts == LOAD_ATTEMPTS:
+                    raise NotCommittedError(
+                        f"{describe(path)} was replaced {attempts} times while it was being loaded (another process "
+                        f"saving there); the last failure: {e}"
+                    ) from e
     finally:
         if monitor is not None:
             monitor.extend(spans.spans)
+
+
+LOAD_ATTEMPTS = 4
+"""How many times a load starts again when the checkpoint is replaced under it (another process saving there)."""
+
+
+def _raise_unless_replaced(path: PathLike, executor: ExecutorOptions | None, document: bytes, error: Exception) -> None:
+    """Return if the load that read ``document`` and failed with ``error`` lost a race with a new save there.
+
+    Each save names its arrays anew and deletes the replaced ones only after its commit,
+    so a load that read the old document may find its arrays gone: the new document is
+    then loaded instead. When the document is unchanged the failure is the checkpoint's
+    own, and ``error`` is raised (as a CheckpointError); NotCommittedError when it is gone.
+    """
+    try:
+        now = Storage(path, executor).read_metadata()
+    except NotCommittedError:
+        raise NotCommittedError(f"{describe(path)} was removed while it was being loaded") from error
+    if now != document:
+        return
+    if isinstance(error, CheckpointError):
+        raise error
+    raise CheckpointError(f"loading {describe(path)}: {error}") from error
 
 
 def _load(
@@ -304,95 +406,103 @@ def _load(
     include: str | Sequence[str] | None,
     comm: Any,
     monitor: Monitor,
+    seen: list[bytes] | None = None,
 ) -> Any:
     me = 0 if comm is None else comm.rank
     t0 = time.time()
-    storage = Storage(path, executor)
-    if comm is None:
-        raw = storage.read_metadata()
-    else:
-        raw, error = None, None
-        if comm.rank == 0:
-            try:
-                raw = storage.read_metadata()
-            except Exception as e:
-                error = e
-        comm.agree(error, "reading the checkpoint metadata")
+    # In a distributed load, what a rank does before a collective is carried into it: a
+    # rank that raised alone would leave the others waiting for the collective's timeout.
+    carried = _Carried(comm)
+    raw = None
+    with carried.catch():
+        storage = Storage(path, executor)
+        if comm is None or comm.rank == 0:
+            raw = storage.read_metadata()
+            if seen is not None:
+                seen.append(raw)  # to tell, after a failure, whether the checkpoint was replaced meanwhile
+    if comm is not None:
+        carried.agree("reading the checkpoint metadata")
         raw = comm.broadcast(raw)
     assert raw is not None
-    doc = _parse(storage, raw, namespace)
-    stored_paths = doc.tree.paths()
-    by_path: dict[tuple[KeyEntry, ...], ArrayMeta | ValueMeta] = dict(zip(stored_paths, doc.leaves, strict=True))
-    if include is not None:
-        if target is not None:
-            raise TargetMismatchError("include= selects leaves of the stored tree; give it with target=None")
-        patterns = [include] if isinstance(include, str) else list(include)
-        chosen = [
-            (p, leaf)
-            for p, leaf in zip(stored_paths, doc.leaves, strict=True)
-            if any(fnmatch.fnmatchcase(leaf.key, pat) for pat in patterns)
-        ]
-        t_leaves: list[Any] = [None] * len(chosen)
-        t_paths = [p for p, _ in chosen]
-        structure: Node = Node(
-            "dict", [("s", leaf.key) for _, leaf in chosen], [Node("leaf", leaf=i) for i in range(len(chosen))]
-        )
-        target_given = False
-    elif target is None:
-        t_leaves = [None] * len(doc.leaves)
-        t_paths = stored_paths
-        structure = doc.tree
-        target_given = False
-    else:
-        target_given = True
-        t_leaves, t_paths, structure = flatten(target, _is_leaf, namespace=namespace)
-    # Before any destination is allocated: the stored bytes must back every claimed shape.
-    wanted = [m for m in (by_path.get(p) for p in t_paths) if isinstance(m, ArrayMeta)]
-    storage.check_stored_sizes(wanted)
-    if not target_given:  # whole arrays of the shapes the metadata claims (a target's shapes are the caller's)
-        _check_memory(path, [(m.key, m.nbytes) for m in wanted])
-    problems: list[str] = []
-    results: list[Any] = [None] * len(t_leaves)
+    results: list[Any] = []
     dests: list[tuple[int, _Dest]] = []
-    for i, (leaf, p) in enumerate(zip(t_leaves, t_paths, strict=True)):
-        key = keystr(p)
-        stored = by_path.get(p)
-        if stored is None:
-            problems.append(f"leaf {_where(key)} of the target is not in the checkpoint")
-            continue
-        if not target_given:
-            if isinstance(stored, ValueMeta):
-                results[i] = stored.value
-            else:
-                dests.append((i, _full_dest(stored, stored.container == "numpy", None, None, comm)))
-            continue
-        if _is_value(leaf):
-            if isinstance(stored, ValueMeta):
-                results[i] = stored.value
-            else:
-                problems.append(
-                    f"leaf {_where(key)}: the checkpoint has an array of shape {stored.shape} and dtype "
-                    f"{stored.dtype.name}, the target has a {type(leaf).__name__}"
-                )
-            continue
-        if isinstance(stored, ValueMeta):
-            problems.append(
-                f"leaf {_where(key)}: the checkpoint has the value {stored.value!r}, the target has an array"
+    with carried.catch():
+        doc = _parse(storage, raw, namespace)
+        stored_paths = doc.tree.paths()
+        by_path: dict[tuple[KeyEntry, ...], ArrayMeta | ValueMeta] = dict(zip(stored_paths, doc.leaves, strict=True))
+        if include is not None:
+            if target is not None:
+                raise TargetMismatchError("include= selects leaves of the stored tree; give it with target=None")
+            patterns = [include] if isinstance(include, str) else list(include)
+            chosen = [
+                (p, leaf)
+                for p, leaf in zip(stored_paths, doc.leaves, strict=True)
+                if any(fnmatch.fnmatchcase(leaf.key, pat) for pat in patterns)
+            ]
+            ambiguous = _ambiguous_keys(doc)
+            for _, leaf in chosen:
+                if leaf.key in ambiguous:
+                    raise _ambiguity_error(leaf.key, ambiguous[leaf.key], describe(path))
+            t_leaves: list[Any] = [None] * len(chosen)
+            t_paths = [p for p, _ in chosen]
+            structure: Node = Node(
+                "dict", [("s", leaf.key) for _, leaf in chosen], [Node("leaf", leaf=i) for i in range(len(chosen))]
             )
-            continue
-        problem, dest = _dest_for(key, stored, leaf, comm)
-        if problem is not None:
-            problems.append(problem)
-        elif dest is not None:
-            dests.append((i, dest))
-    if problems:
-        raise TargetMismatchError(
-            f"the target does not match the checkpoint at {describe(path)}:\n  " + "\n  ".join(problems)
-        )
+            target_given = False
+        elif target is None:
+            t_leaves = [None] * len(doc.leaves)
+            t_paths = stored_paths
+            structure = doc.tree
+            target_given = False
+        else:
+            target_given = True
+            t_leaves, t_paths, structure = flatten(target, _is_leaf, namespace=namespace)
+        # Before any destination is allocated: the stored bytes must back every claimed shape.
+        wanted = [m for m in (by_path.get(p) for p in t_paths) if isinstance(m, ArrayMeta)]
+        storage.check_stored_sizes(wanted)
+        if not target_given:  # whole arrays of the shapes the metadata claims (a target's shapes are the caller's)
+            _check_memory(path, [(m.key, m.nbytes) for m in wanted])
+        problems: list[str] = []
+        results = [None] * len(t_leaves)
+        for i, (leaf, p) in enumerate(zip(t_leaves, t_paths, strict=True)):
+            key = keystr(p)
+            stored = by_path.get(p)
+            if stored is None:
+                problems.append(f"leaf {_where(key)} of the target is not in the checkpoint")
+                continue
+            if not target_given:
+                if isinstance(stored, ValueMeta):
+                    results[i] = _value(key, stored.value, None, problems)
+                else:
+                    dests.append((i, _full_dest(stored, stored.container == "numpy", None, None, comm)))
+                continue
+            if _is_value(leaf):
+                if isinstance(stored, ValueMeta):
+                    results[i] = _value(key, stored.value, leaf, problems)
+                else:
+                    problems.append(
+                        f"leaf {_where(key)}: the checkpoint has an array of shape {stored.shape} and dtype "
+                        f"{stored.dtype.name}, the target has a {type(leaf).__name__}"
+                    )
+                continue
+            if isinstance(stored, ValueMeta):
+                problems.append(
+                    f"leaf {_where(key)}: the checkpoint has the value {stored.value!r}, the target has an array"
+                )
+                continue
+            with carried.catch(key):
+                problem, dest = _dest_for(key, stored, leaf, comm)
+                if problem is not None:
+                    problems.append(problem)
+                elif dest is not None:
+                    dests.append((i, dest))
+        if problems:
+            raise TargetMismatchError(
+                f"the target does not match the checkpoint at {describe(path)}:\n  " + "\n  ".join(problems)
+            )
     if comm is not None:
-        layouts = _exchange_layouts(
-            comm, [(d.meta.key, d.meta.dtype.name, d.meta.shape, d.pieces[comm.rank]) for _, d in dests], "load"
-        )
+        rank_arrays = [(d.meta.key, d.meta.dtype.name, d.meta.shape, d.pieces[comm.rank]) for _, d in dests]
+        layouts = _exchange_layouts(comm, rank_arrays, "load", carried.error)
         for (_, d), pieces in zip(dests, layouts, strict=True):
             d.pieces = pieces
         world = comm.world
@@ -438,9 +548,13 @@ def _load(
             finally:
                 with monitor.phase("load", "transfer", me):
                     forward()  # every posted transfer completes, even after a failed read
+            if error is None:
+                try:  # (a failure here too must reach the agreement, or the others would wait for this rank)
+                    for k in range(len(dests)):
+                        finish(k)
+                except Exception as e:
+                    error = e
             comm.agree(error, "loading the checkpoint")
-            for k in range(len(dests)):
-                finish(k)
     finally:
         progress.close()
     if h2d_bytes[0]:
@@ -451,13 +565,24 @@ def _load(
     return structure.unflatten(results)
 
 
+def _value(key: str, value: Any, like: Any, problems: list[str]) -> Any:
+    """A stored Python value as the target asks for it (enum members), or a problem noted."""
+    try:
+        return resolve_value(value, like)
+    except TypeError as e:
+        problems.append(f"leaf {_where(key)}: {e}")
+        return None
+
+
 def _dtensor_dest(meta: ArrayMeta, leaf: Any, comm: Any) -> _Dest:
     """This rank's local shard of a DTensor target, in the target's own mesh and placements."""
     from torch.distributed.tensor import DTensor
 
     from ._distributed import dtensor_layout
 
-    _, pieces = dtensor_layout(leaf, comm.world, comm.group)
+    # (in a single process, a process group of one rank, its mesh must be this rank alone)
+    _, pieces = dtensor_layout(leaf, 1, None) if comm is None else dtensor_layout(leaf, comm.world, comm.group)
+    me = 0 if comm is None else comm.rank
     local_target = leaf.to_local()
     on_device = local_target.device.type != "cpu"
     local = _host_buffer(tuple(local_target.shape), meta.dtype.torch, local_target.is_cuda)
@@ -472,7 +597,7 @@ def _dtensor_dest(meta: ArrayMeta, leaf: Any, comm: Any) -> _Dest:
             stride=leaf.stride(),
         )
 
-    return _Dest(meta, pieces, {comm.rank: local}, finish, local.numel() * local.element_size() if on_device else 0)
+    return _Dest(meta, pieces, {me: local}, finish, local.numel() * local.element_size() if on_device else 0)
 
 
 def read_array(
@@ -539,7 +664,21 @@ def load_slice(path: PathLike, key: str, index: Any = (), *, executor: ExecutorO
     return read_array(path, meta, _region_of(index, meta.shape, key), executor)
 
 
+def _meta_problem(key: str, leaf: Any) -> str | None:
+    """A target on the meta device has no memory to load into: refused, saying how to make some."""
+    tensors = list(leaf.shards.values()) if isinstance(leaf, ShardedLeaf) else [leaf]
+    if any(isinstance(t, torch.Tensor) and t.is_meta for t in tensors):
+        return (
+            f"leaf {_where(key)}: the target is a tensor on the meta device, which holds no data; materialise "
+            f"the module with module.to_empty(device=...) first, or pass Abstract(shape, dtype) to get a new tensor"
+        )
+    return None
+
+
 def _dest_for(key: str, stored: ArrayMeta, leaf: Any, comm: Any = None) -> tuple[str | None, _Dest | None]:
+    meta_problem = _meta_problem(key, leaf)
+    if meta_problem is not None:
+        return meta_problem, None
     if isinstance(leaf, ShardedLeaf):
         problem = _target_problem(key, stored, leaf.shape, dtype_of_torch(leaf.dtype).name)
         devices = {r: t.device for r, t in leaf.shards.items()}
@@ -556,9 +695,10 @@ def _dest_for(key: str, stored: ArrayMeta, leaf: Any, comm: Any = None) -> tuple
         if problem:
             return problem, None
         if _is_dtensor(leaf):
-            if comm is None:
-                return f"leaf {_where(key)}: a DTensor target needs torch.distributed initialised with its ranks", None
-            return None, _dtensor_dest(stored, leaf, comm)
+            try:
+                return None, _dtensor_dest(stored, leaf, comm)
+            except LayoutError as e:
+                return f"leaf {_where(key)}: {e}", None
         return None, _full_dest(stored, False, leaf.device, leaf, comm)
     arr = np.asarray(leaf)
     try:

@@ -166,10 +166,14 @@ def resolve(where: Where, options: StorageOptions | None = None) -> Resolved:
         if driver == "file":
             return _local(str(spec.get("path", "")), opts)
         spec["path"] = _prefix(str(spec.get("path", "")))
+        if "\0" in spec["path"]:
+            raise CheckpointError(f"{spec['path']!r}: a location's path may not hold a NUL character")
         if driver == "s3":
             spec = _s3_spec(spec, opts)
         return Resolved(None, spec, opts, _url_of(spec))
     text = os.fspath(where)
+    if "\0" in text:
+        raise CheckpointError(f"{text!r}: a location may not hold a NUL character (no file system can name it)")
     if "://" not in text:
         return _local(text, opts)
     scheme, rest = text.split("://", 1)
@@ -195,6 +199,8 @@ def resolve(where: Where, options: StorageOptions | None = None) -> Resolved:
 def _local(path: str, opts: StorageOptions) -> Resolved:
     if not path:
         raise CheckpointError("an empty path is not a checkpoint location")
+    if "\0" in path:
+        raise CheckpointError(f"{path!r}: a path may not hold a NUL character (no file system can name it)")
     p = Path(path).absolute()
     return Resolved(p, None, opts, str(p))
 

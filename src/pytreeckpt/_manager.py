@@ -2,38 +2,54 @@
 
 from __future__ import annotations
 
-import re
-import shutil
+import contextlib
+import os
+import time
+import uuid
 from collections.abc import Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+import numpy as np
+
 from ._api import SaveHandle, _comm, async_save, load, save
 from ._errors import CheckpointError, NotCommittedError
-from ._executor import Storage
-from ._format import METADATA_FILE
+from ._executor import LOCK_WAIT, Storage, remove_tree
+from ._format import METADATA_FILE, STEP_DIR
 from ._location import Location, Where, resolve
 from ._staging import staging_pool
 
 __all__ = ["CheckpointManager"]
 
-_STEP = re.compile(r"^step_(\d+)$")
+_TRASH = ".pytreeckpt-removing-"
+"""A step directory being deleted is first renamed to this prefix (atomically: it is never half there)."""
+_RESTORE_ATTEMPTS = 4
+
+
+def check_step(step: Any) -> int:
+    """``step`` as an int if it is a non-negative integer (numpy integers too), else a CheckpointError."""
+    if isinstance(step, (bool, np.bool_)) or not isinstance(step, (int, np.integer)) or step < 0:
+        raise CheckpointError(f"a step is a non-negative integer, found {step!r} ({type(step).__name__})")
+    return int(step)
 
 
 class CheckpointManager:
     """Saves numbered steps under one directory and keeps the ones worth keeping.
 
-    Each step is a checkpoint at ``directory/step_<n>``. Retention runs only once a save
-    has committed: the newest ``max_to_keep`` committed steps are kept, and so is every
-    step divisible by ``keep_every_n_steps``. With ``incremental=True`` each save writes
-    only the chunks that changed since the newest step and hard-links the others from it
-    (see ``base`` in :func:`pytreeckpt.save`), so retention may delete any step.
-    Directories of saves that never committed (a crash) are never listed or restored,
-    and are removed once no writer holds them. On an object store (``s3://bucket/run``,
-    or a :class:`Location`) there are no locks: an uncommitted step is removed only when
-    it is older than the newest committed one, and one manager (one writer) per
-    directory is the caller's responsibility.
+    Each step, a non-negative integer, is a checkpoint at ``directory/step_<n>``.
+    Retention runs only once a save has committed: the newest ``max_to_keep`` committed
+    steps are kept, and so is every step divisible by ``keep_every_n_steps``. With
+    ``incremental=True`` each save writes only the chunks that changed since the newest
+    step and hard-links the others from it (see ``base`` in :func:`pytreeckpt.save`), so
+    retention may delete any step. A failed save removes what it wrote; directories of
+    saves that never committed (a crash) are never listed or restored, and are removed,
+    once no writer holds them, by the next manager and by every save. Several managers
+    (processes) may share one local directory: a step is removed by renaming it away
+    under its lock, and steps another manager removes meanwhile are skipped. On an object
+    store (``s3://bucket/run``, or a :class:`Location`) there are no locks: an
+    uncommitted step is removed only when it is older than the newest committed one, and
+    one manager (one writer) per directory is the caller's responsibility.
     In a distributed program every rank makes the manager and calls its methods; rank 0
     lists and deletes, and the ranks agree on its answers.
 
@@ -88,9 +104,10 @@ class CheckpointManager:
 
     def step_path(self, step: int) -> Path | Location:
         """Where ``step`` is (or would be) stored: a directory, or a Location on a key-value store."""
+        step = check_step(step)
         if isinstance(self.directory, Path):
-            return self.directory / f"step_{int(step)}"
-        return self._location(f"step_{int(step)}")
+            return self.directory / f"step_{step}"
+        return self._location(f"step_{step}")
 
     def _location(self, name: str) -> Location:
         """A step's location with the directory's storage options (local or not)."""
@@ -103,13 +120,13 @@ class CheckpointManager:
             keys = set(self._kv.list())
             steps = {k.split("/", 1)[0] for k in keys if "/" in k}
             for name in steps:
-                m = _STEP.match(name)
+                m = STEP_DIR.match(name)
                 if m:
                     out.append((int(m.group(1)), self._location(name), f"{name}/{METADATA_FILE}" in keys))
             return sorted(out, key=lambda e: e[0])
         if isinstance(self.directory, Path) and self.directory.is_dir():
-            for p in self.directory.iterdir():
-                m = _STEP.match(p.name)
+            for p in self.directory.iterdir():  # entries vanishing meanwhile (another manager) read as absent
+                m = STEP_DIR.match(p.name)
                 if m and p.is_dir():
                     out.append((int(m.group(1)), p, Storage(p).is_committed()))
         return sorted(out, key=lambda e: (e[0], str(e[1])))
@@ -129,16 +146,22 @@ class CheckpointManager:
         """Save ``tree`` as ``step``; returns False (and saves nothing) off the save interval.
 
         ``force`` saves off the interval and replaces a committed step of the same
-        number; otherwise saving a step that exists is an error. Other keyword arguments
-        go to :func:`pytreeckpt.save`. With ``async_`` the call returns after the snapshot.
+        number (which stays loadable until the new one commits); otherwise saving a step
+        that exists is an error. Other keyword arguments go to :func:`pytreeckpt.save`.
+        With ``async_`` the call returns after the snapshot; a failure of that save (which
+        removes what it wrote) is raised by the next call that waits for it (``save``,
+        ``wait``, ``restore``, ``delete``, ``close``), and the manager carries on from there.
         """
         self._check_open()
+        step = check_step(step)
         if not force and step % self.save_interval_steps != 0:
             return False
         self._finish_in_flight()
         if not force and step in self.all_steps():
             raise CheckpointError(f"step {step} is already saved in {self.directory}; pass force=True to replace it")
-        path = self._location(f"step_{int(step)}")
+        if self._is_leader:
+            self._clean_uncommitted()  # a crashed save's leftovers take no room from this one
+        path = self._location(f"step_{step}")
         kwargs.setdefault("process_group", self._process_group)
         if self.incremental:
             # unchanged chunks are hard-linked from the newest step: each step stays whole on its own
@@ -176,20 +199,22 @@ class CheckpointManager:
             if s not in keep:
                 self._remove(s)
 
-    def _remove(self, step: int) -> None:
+    def _remove(self, step: int) -> bool:
+        """Remove a committed step; False if it was skipped (a save is replacing it, or it is gone already)."""
         path = self.step_path(step)
-        storage = Storage(path)
-        if storage.kv is not None:
-            storage.remove()
-            return
-        assert isinstance(path, Path)
-        lock = storage.lock()  # never under a writer's feet
-        try:
-            if storage.is_committed():  # uncommit first: a crash midway leaves no half checkpoint
-                storage.metadata_path.unlink()
-            shutil.rmtree(path)
-        finally:
-            lock.release()
+        if not isinstance(path, Path):
+            Storage(path).remove()
+            return True
+        return _discard(path, committed=True)
+
+    def _remove_soon(self, step: int) -> bool:
+        """Remove a committed step, waiting a moment for a lock held briefly (another manager removing a step)."""
+        deadline = time.monotonic() + LOCK_WAIT
+        while not self._remove(step):
+            if time.monotonic() > deadline or step not in [s for s, _, c in self._listed() if c]:
+                return False
+            time.sleep(0.01)
+        return True
 
     def _clean_uncommitted(self) -> None:
         listed = self._listed()
@@ -197,49 +222,61 @@ class CheckpointManager:
         for step, path, committed in listed:
             if committed:
                 continue
-            if self._kv is not None:
+            if not isinstance(path, Path):
                 # No lock tells a crashed save from one in progress: only steps older than
                 # the newest commit are taken as crashed.
                 if newest is not None and step < newest:
                     Storage(path).remove()
                 continue
-            assert isinstance(path, Path)
-            try:
-                lock = Storage(path).lock()
-            except CheckpointError:
-                continue  # a save is writing it right now
-            try:
-                shutil.rmtree(path)
-            finally:
-                lock.release()
+            _discard(path, committed=False)  # skipped while a save is writing it
+        if isinstance(self.directory, Path):  # removals a crash interrupted
+            with contextlib.suppress(FileNotFoundError):
+                for p in self.directory.iterdir():
+                    if p.name.startswith(_TRASH):
+                        remove_tree(p)
 
     def delete(self, step: int) -> None:
         """Delete a committed step."""
         self._check_open()
+        step = check_step(step)
         self._finish_in_flight()
         if step not in self.all_steps():
             raise NotCommittedError(f"step {step} is not a committed checkpoint in {self.directory}")
-        if self._is_leader:
-            self._remove(step)
-        self._agree(None)
+        removed = self._remove_soon(step) if self._is_leader else None
+        if not self._agree(removed) and step in self.all_steps():
+            raise CheckpointError(f"step {step} in {self.directory} is being written by a save right now")
 
     # ------------------------------------------------------------------ restore
     def restore(self, step: int | None = None, target: Any = None, **kwargs: Any) -> Any:
-        """Load ``step`` (the latest committed when None) into ``target`` (see :func:`pytreeckpt.load`)."""
+        """Load ``step`` (the latest committed when None) into ``target`` (see :func:`pytreeckpt.load`).
+
+        The latest step removed while it is being loaded (by another manager's retention)
+        gives way to the latest one then.
+        """
         self._check_open()
+        if step is not None:
+            step = check_step(step)
         self._finish_in_flight()
-        if step is None:
-            step = self.latest_step()
-            if step is None:
-                raise NotCommittedError(f"no committed checkpoint in {self.directory}")
         kwargs.setdefault("process_group", self._process_group)
-        return load(self._location(f"step_{int(step)}"), target, **kwargs)
+        if step is not None:
+            return load(self._location(f"step_{step}"), target, **kwargs)
+        attempts = 0
+        while True:
+            latest = self.latest_step()
+            if latest is None:
+                raise NotCommittedError(f"no committed checkpoint in {self.directory}")
+            try:
+                return load(self._location(f"step_{latest}"), target, **kwargs)
+            except NotCommittedError:
+                attempts += 1
+                if attempts == _RESTORE_ATTEMPTS or latest in self.all_steps():
+                    raise
 
     def metadata_of(self, step: int) -> Mapping[str, Any]:
         """The user metadata stored with ``step``."""
         from ._api import metadata
 
-        return metadata(self._location(f"step_{int(step)}")).user_metadata
+        return metadata(self._location(f"step_{check_step(step)}")).user_metadata
 
     # ------------------------------------------------------------------ lifetime
     def _check_open(self) -> None:
@@ -263,3 +300,29 @@ class CheckpointManager:
 
     def __repr__(self) -> str:
         return f"CheckpointManager({str(self.directory)!r}, max_to_keep={self.max_to_keep})"
+
+
+def _discard(path: Path, committed: bool) -> bool:
+    """Remove the step directory ``path`` if no save holds it and it is (un)committed as expected.
+
+    It is renamed away first, under its lock, so it vanishes at once and whole (a crash
+    midway leaves no half checkpoint), and the lock is held only for that instant; then
+    it is deleted. False if it was skipped: a save holds it, it is gone already, or it
+    changed meanwhile (another manager saved or removed it).
+    """
+    storage = Storage(path)
+    lock = storage.try_lock()
+    if lock is None:
+        return False
+    try:
+        if storage.is_committed() != committed:
+            return False
+        trash = path.parent / f"{_TRASH}{path.name}-{uuid.uuid4().hex[:12]}"
+        try:
+            os.rename(path, trash)
+        except FileNotFoundError:
+            return False
+    finally:
+        lock.release()
+    remove_tree(trash)
+    return True

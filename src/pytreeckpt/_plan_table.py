@@ -317,16 +317,35 @@ def _contained(table: PieceTable, chunk: tuple[int, ...], shape: tuple[int, ...]
 
 
 def _coverage(lo: np.ndarray, hi: np.ndarray, grid: tuple[int, ...]) -> np.ndarray:
-    """How many of the boxes ``[lo, hi)`` cover each cell of ``grid`` (a difference array, summed)."""
-    nd = len(grid)
-    diff = np.zeros(tuple(g + 1 for g in grid), dtype=_I64)
-    for corner in range(1 << nd):
-        idx = tuple(np.where((corner >> d) & 1, hi[:, d], lo[:, d]) for d in range(nd))
+    """How many of the boxes ``[lo, hi)`` cover each cell of ``grid`` (a difference array, summed).
+
+    The work is bounded by the number of cells, not by products over dims: dims of one
+    cell are set aside (a box holds that cell or is empty), so the ``2 ** k`` corners of
+    the ``k`` dims left number at most the cells, and the difference array has the
+    grid's own shape (corners past its end change no cell).
+    """
+    lo, hi = np.asarray(lo, dtype=_I64), np.asarray(hi, dtype=_I64)
+    if any(g == 0 for g in grid):
+        return np.zeros(grid, dtype=_I64)
+    wide = [d for d, g in enumerate(grid) if g > 1]
+    narrow = [d for d, g in enumerate(grid) if g == 1]
+    if narrow:  # keep the boxes holding the one cell of each such dim
+        keep = ((lo[:, narrow] <= 0) & (hi[:, narrow] >= 1)).all(axis=1)
+        lo, hi = lo[keep][:, wide], hi[keep][:, wide]
+    sub = tuple(grid[d] for d in wide)
+    if not sub:
+        return np.full(grid, len(lo), dtype=_I64)
+    diff = np.zeros(sub, dtype=_I64)
+    for corner in range(1 << len(sub)):
+        idx = [np.where((corner >> k) & 1, hi[:, k], lo[:, k]) for k in range(len(sub))]
+        inside = np.ones(len(lo), dtype=bool)
+        for k, n in enumerate(sub):
+            inside &= idx[k] < n
         sign = -1 if bin(corner).count("1") % 2 else 1
-        np.add.at(diff, idx, sign)
-    for d in range(nd):
-        diff = np.cumsum(diff, axis=d)
-    return diff[tuple(slice(0, g) for g in grid)]
+        np.add.at(diff, tuple(i[inside] for i in idx), sign)
+    for k in range(len(sub)):
+        diff = np.cumsum(diff, axis=k)
+    return diff.reshape(grid)
 
 
 def grid_info(layout: Layout, shape: tuple[int, ...], itemsize: int, options: ChunkingOptions) -> GridInfo:

@@ -4,6 +4,11 @@ The safetensors format is an 8-byte little-endian header length, a JSON header g
 each tensor's dtype, shape and byte range, then the tensors' raw bytes. It is simple
 enough to write and read here directly, which keeps memory bounded by one tensor on
 export (each is read from the checkpoint and written in turn) and needs no pickle.
+
+A checkpoint's plain Python leaves (step counters, learning rates, data positions) are
+not tensors: they travel in the header's ``__metadata__`` (whose values are strings),
+under :data:`VALUES_KEY`, as the JSON object of their inline encodings by key path, and
+come back on import under their key paths.
 """
 
 from __future__ import annotations
@@ -19,9 +24,10 @@ from typing import Any
 
 import torch
 
-from ._api import metadata, read_array, save
+from ._api import _is_leaf, _is_value, metadata, read_array, save
 from ._errors import CheckpointError
 from ._format import ArrayMeta
+from ._tree import decode_value, encode_value, flatten, keystr
 
 __all__ = ["export_safetensors", "import_safetensors"]
 
@@ -34,6 +40,8 @@ _TO_ST = {
 _FROM_ST = {v: getattr(torch, k) for k, v in _TO_ST.items()}
 INDEX = "model.safetensors.index.json"
 MAX_HEADER = 100 * 1024 * 1024
+VALUES_KEY = "pytreeckpt.values"
+"""The ``__metadata__`` entry holding a checkpoint's Python values: JSON, ``{key path: encoded value}``."""
 
 
 def _parse_size(text: str | int) -> int:
@@ -61,8 +69,9 @@ def export_safetensors(
     Up to ``max_shard_size`` they go to ``model.safetensors``; above it, to
     ``model-0000i-of-0000n.safetensors`` files with a ``model.safetensors.index.json``,
     as Hugging Face writes them. Memory is bounded by the largest tensor. Plain Python
-    leaves are not tensors and are left out. ``progress(done_bytes, total_bytes)`` is
-    called after each tensor.
+    leaves (step counters, learning rates) go in the first file's header metadata,
+    under ``"pytreeckpt.values"``, and :func:`import_safetensors` puts them back.
+    ``progress(done_bytes, total_bytes)`` is called after each tensor.
 
     Returns:
       The files written.
@@ -73,6 +82,7 @@ def export_safetensors(
     limit = _parse_size(max_shard_size)
     meta = metadata(path)
     arrays = list(meta.arrays.values())
+    values = _values_of(meta.tree)
     for a in arrays:
         if a.dtype.name not in _TO_ST:
             raise CheckpointError(f"leaf {a.key!r}: safetensors has no type for dtype {a.dtype.name}")
@@ -96,6 +106,8 @@ def export_safetensors(
     written = []
     for name, group in zip(names, shards, strict=True):
         header: dict[str, Any] = {"__metadata__": {"format": "pt", "source": "pytreeckpt"}}
+        if values and name == names[0]:
+            header["__metadata__"][VALUES_KEY] = json.dumps(values, allow_nan=False, separators=(",", ":"))
         offset = 0
         for a in group:
             header[a.key] = {
@@ -130,6 +142,23 @@ def export_safetensors(
     return written
 
 
+def _values_of(tree: Any) -> dict[str, Any]:
+    """The encoded Python values of a stored tree, by key path."""
+    leaves, paths, _ = flatten(tree, lambda x: _is_leaf(x) or isinstance(x, ArrayMeta))
+    out: dict[str, Any] = {}
+    for leaf, p in zip(leaves, paths, strict=True):
+        if not _is_value(leaf):
+            continue
+        key = keystr(p)
+        if key in out:
+            raise CheckpointError(
+                f"key path {key!r} names several values of the checkpoint (written by an older pytreeckpt); "
+                f"a safetensors file cannot tell them apart"
+            )
+        out[key] = encode_value(leaf)
+    return out
+
+
 def _read_header(f: Any, size: int, file: Path) -> dict[str, Any]:
     head = f.read(8)
     if len(head) != 8:
@@ -147,13 +176,13 @@ def _read_header(f: Any, size: int, file: Path) -> dict[str, Any]:
     return header
 
 
-def _tensors_of(file: Path) -> dict[str, torch.Tensor]:
-    """The tensors of one safetensors file, mapped copy-on-write (read lazily, never written back)."""
+def _tensors_of(file: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The tensors of one safetensors file, mapped copy-on-write (read lazily, never written back), and its values."""
     size = file.stat().st_size
     with open(file, "rb") as f:
         header = _read_header(f, size, file)
         start = header.pop("__start__")
-        header.pop("__metadata__", None)
+        values = _header_values(header.pop("__metadata__", None), file)
         buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size else b""
     out = {}
     for name, info in header.items():
@@ -173,7 +202,20 @@ def _tensors_of(file: Path) -> dict[str, torch.Tensor]:
             continue
         raw = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=start + lo)  # type: ignore[arg-type]
         out[name] = raw.view(dtype).reshape(shape)
-    return out
+    return out, values
+
+
+def _header_values(meta: Any, file: Path) -> dict[str, Any]:
+    """The Python values a header's ``__metadata__`` carries (see :func:`export_safetensors`)."""
+    if not isinstance(meta, dict) or VALUES_KEY not in meta:
+        return {}
+    try:
+        encoded = json.loads(meta[VALUES_KEY])
+        if not isinstance(encoded, dict):
+            raise ValueError(f"expected a JSON object, found {type(encoded).__name__}")
+        return {str(k): decode_value(v) for k, v in encoded.items()}
+    except (TypeError, ValueError, CheckpointError) as e:
+        raise CheckpointError(f"{file}: malformed {VALUES_KEY!r} in the header metadata: {e}") from None
 
 
 def import_safetensors(src: str | os.PathLike[str], out: str | os.PathLike[str], **save_kwargs: Any) -> list[str]:
@@ -181,7 +223,9 @@ def import_safetensors(src: str | os.PathLike[str], out: str | os.PathLike[str],
 
     ``src`` is a ``.safetensors`` file, a directory holding one, or a directory with a
     ``model.safetensors.index.json`` naming several. The checkpoint's tree is a flat
-    dict from tensor name to tensor. Returns the tensor names.
+    dict from tensor name to tensor, followed by the Python values the files carry (as
+    :func:`export_safetensors` writes them) under their key paths. Returns the tensor
+    names.
     """
     src = Path(src)
     if src.is_dir():
@@ -198,10 +242,19 @@ def import_safetensors(src: str | os.PathLike[str], out: str | os.PathLike[str],
     else:
         files = [src]
     tensors: dict[str, torch.Tensor] = {}
+    values: dict[str, Any] = {}
     for f in files:
-        for name, t in _tensors_of(f).items():
+        got, vals = _tensors_of(f)
+        for name, t in got.items():
             if name in tensors:
                 raise CheckpointError(f"tensor {name!r} appears in more than one file of {src}")
             tensors[name] = t
-    save(out, tensors, **save_kwargs)
+        for key, v in vals.items():
+            if key in values:
+                raise CheckpointError(f"value {key!r} appears in more than one file of {src}")
+            values[key] = v
+    clash = next((k for k in values if k in tensors), None)
+    if clash is not None:
+        raise CheckpointError(f"{src}: {clash!r} names both a tensor and a value")
+    save(out, {**tensors, **values}, **save_kwargs)
     return list(tensors)

@@ -2,22 +2,29 @@
 
 One process may hold the shards of every rank (ShardedLeaf.from_global makes such
 leaves), which is how layouts are resharded and tested without a process group.
+
+A program whose main thread ends with an asynchronous save in flight finishes it: the
+writer is not a daemon thread, and Python joins it before the interpreter finalises.
+That wait is bounded by ``ExecutorOptions.exit_timeout``: past it the save is cancelled
+(it stops writing, waits for the writes issued, and commits nothing).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
+import json
 import math
 import os
 import threading
 import time
 import traceback
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -33,11 +40,13 @@ from ._format import (
     array_names,
     build_document,
     chunk_count,
+    generation_name,
     with_chunk_sums,
+    with_generation,
 )
 from ._load import metadata
 from ._location import describe
-from ._monitor import Monitor, Progress, Span
+from ._monitor import Monitor, Progress, Span, logger
 from ._pipeline import Snapshot, staged_writes
 from ._plan import ArrayLayout, ChunkingOptions, SavePlan
 from ._plan_cache import cached_plan_save
@@ -45,6 +54,7 @@ from ._sharding import Layout
 from ._shared import (
     _IN_FLIGHT_LOCK,
     PathLike,
+    _Carried,
     _comm,
     _exchange_layouts,
     _gather_spans,
@@ -56,9 +66,11 @@ from ._shared import (
 )
 from ._sources import _array_in, _ArrayIn, _snapshot_merges
 from ._staging import PoolAborted, staging_pool
-from ._tree import broadcast_prefix, encode_value, flatten, keystr
+from ._tree import broadcast_prefix, check_unique_keys, encode_value, flatten, keystr
 
 __all__ = ["SaveHandle", "async_save", "save"]
+
+_T = TypeVar("_T")
 
 
 @dataclass(slots=True)
@@ -79,6 +91,14 @@ class _SaveJob:
     _lock: Any = None
     sums: ChunkSums | None = None
     parts: tuple[Any, list[dict[str, Any]], dict[str, Any]] | None = None  # the document's tree, leaves, user metadata
+    pending: BaseException | None = None  # this rank's error in a distributed save, not yet agreed on
+    cancelled: threading.Event = field(default_factory=threading.Event)  # set at exit: stop, commit nothing
+
+    def ready(self) -> None:
+        """In a distributed save, agree that every rank planned (and staged) its part: else all raise."""
+        if self.comm is not None:
+            pending, self.pending = self.pending, None
+            self.comm.agree(pending, "preparing the save")
 
     @property
     def rank(self) -> int:
@@ -139,9 +159,22 @@ class _SaveJob:
     def _items(self) -> Any:
         """This process's writes: staged pieces in an asynchronous save, else views of the caller's memory."""
         if self.snap is not None:
-            return self.snap.items()
+            return self._until_cancelled(self.snap.items())
         dtypes = [m.dtype.numpy for m in self.metas]
         return ((i, op.region, buf, None) for i, op, buf in write_items(self.plan.arrays, self.data, dtypes, None))
+
+    def _check_cancelled(self) -> None:
+        if self.cancelled.is_set():
+            raise CheckpointError(
+                f"the save to {self.storage.url} was cancelled: the program ended while it was still running "
+                f"(ExecutorOptions.exit_timeout); nothing is committed"
+            )
+
+    def _until_cancelled(self, items: Iterable[_T]) -> Iterator[_T]:
+        """``items``, raising before the next one once the save is cancelled (the writes issued are waited for)."""
+        for item in items:
+            self._check_cancelled()
+            yield item
 
     def persist(self) -> None:
         """Write and commit: the single-process path, or this rank's part of a distributed save."""
@@ -154,7 +187,7 @@ class _SaveJob:
         if self.comm is None:
             lock = self.storage.lock()
             try:
-                self.storage.prepare(self.overwrite)
+                self._name(self.storage.prepare(self.overwrite))
                 total = sum(op.region.size * ap.itemsize for ap in self.plan.arrays for op in ap.writes)
                 progress = self._progress("save", total)
                 try:
@@ -165,8 +198,12 @@ class _SaveJob:
                 finally:
                     progress.close()
                 t1 = time.perf_counter()
+                self._check_cancelled()
                 with self.monitor.phase("save", "commit", 0):
                     self.storage.commit(self._final_document(None))
+            except BaseException:
+                self.storage.abandon()  # what this save wrote goes before its failure is reported
+                raise
             finally:
                 lock.release()
         else:
@@ -185,6 +222,30 @@ class _SaveJob:
             self.sums = ChunkSums(self.metas)
         return self.sums
 
+    def _name(self, generation: int) -> None:
+        """Store this save's arrays under the names of ``generation`` (see :func:`generation_name`)."""
+        if generation == 0:
+            return
+        self.metas = [
+            dataclasses.replace(m, path=generation_name(m.path, generation))
+            if m.database is None
+            else dataclasses.replace(m, database=generation_name(m.database, generation))
+            for m in self.metas
+        ]
+        self.document = with_generation(self.document, generation)
+        if self.reuse is not None:
+            self.reuse.paths = [m.path for m in self.metas]
+
+    def _agree(self, error: BaseException | None, what: str) -> None:
+        """Every rank raises if any failed; rank 0 first removes what the save wrote, and all wait for that."""
+        try:
+            self.comm.agree(error, what)
+        except CheckpointError:
+            if self.comm.rank == 0:
+                self.storage.abandon()
+            self.comm.broadcast(None)
+            raise
+
     def _final_document(self, gathered: list[Any] | None) -> bytes:
         """The metadata document, with every array's chunk checksums (and chunk hashes when they were computed)."""
         sums = self._sums()
@@ -195,6 +256,8 @@ class _SaveJob:
         hashes = [sums.chunk_hashes(i) if self.reuse is not None else None for i in range(len(self.metas))]
         assert self.parts is not None
         tree, leaves, user = self.parts
+        arrays = iter(self.metas)  # under this save's generation's names (see _name)
+        leaves = [leaf if leaf["kind"] != "array" else next(arrays).to_json() for leaf in leaves]
         return build_document(tree, with_chunk_sums(leaves, crcs, hashes), user)
 
     def _persist_distributed(self) -> float:
@@ -202,19 +265,25 @@ class _SaveJob:
         comm = self.comm
         me = comm.rank
         error: BaseException | None = None
+        generation = 0
         if me == 0:
             try:
                 self._lock = self.storage.lock()
-                self.storage.prepare(self.overwrite)
+                generation = self.storage.prepare(self.overwrite)
+                self._name(generation)
                 self.storage.open_arrays([m for m in self.metas if m.database is None], create=True)
             except Exception as e:
                 error = e
-        comm.agree(error, "preparing the checkpoint directory")
+        self._agree(error, "preparing the checkpoint directory")
+        generation = comm.broadcast(generation)
+        if me != 0:
+            self._name(generation)
+        mine_db = generation_name(f"{PACKED_DIR}/{comm.rank}", generation)
         try:  # each rank alone writes its own OCDBT database of packed arrays
-            self.storage.open_arrays([m for m in self.metas if m.database == f"{PACKED_DIR}/{comm.rank}"], create=True)
+            self.storage.open_arrays([m for m in self.metas if m.database == mine_db], create=True)
         except Exception as e:
             error = e
-        comm.agree(error, "creating the packed arrays")
+        self._agree(error, "creating the packed arrays")
         dtypes = [m.dtype.numpy for m in self.metas]
         transfers = comm.post_write_transfers(self.plan.arrays, self.data, dtypes, direct=self.snap is None)
         mine = sum(op.region.size * ap.itemsize for ap in self.plan.arrays for op in ap.writes if op.writer == me)
@@ -222,7 +291,7 @@ class _SaveJob:
         try:
             with self.monitor.phase("save", "write", me) as box:
                 staged = self.snap.items() if self.snap is not None else iter(())
-                items = itertools.chain(staged, transfers.items())
+                items = self._until_cancelled(itertools.chain(staged, transfers.items()))
                 box[0] = self.storage.write(
                     self.metas, items, create=False, progress=progress.advance, reuse=self.reuse, sums=self._sums()
                 )
@@ -232,16 +301,17 @@ class _SaveJob:
             progress.close()
             with self.monitor.phase("save", "merge", me, transfers.received_bytes()):
                 transfers.wait_all()
-        comm.agree(error, "writing the checkpoint")
+        self._agree(error, "writing the checkpoint")
         t1 = time.perf_counter()
         gathered = comm.gather(self._sums().payload())  # the checksums (and hashes) of every rank's chunks
         if me == 0:
             try:
+                self._check_cancelled()
                 with self.monitor.phase("save", "commit", 0):
                     self.storage.commit(self._final_document(gathered))
             except Exception as e:
                 error = e
-        comm.agree(error, "committing the checkpoint")
+        self._agree(error, "committing the checkpoint")
         _gather_spans(comm, self.monitor)
         return t1
 
@@ -278,80 +348,139 @@ def _plan_job(
     chunk_hashes: bool = False,
 ) -> _SaveJob:
     t0 = time.perf_counter()
-    storage = Storage(path, executor)
-    leaves, paths, root = flatten(tree, _is_leaf, namespace=namespace)
-    specs = broadcast_prefix(spec, root, lambda x: isinstance(x, Layout), len(leaves), namespace=namespace)
-    keys = [keystr(p) for p in paths]
-    codecs = _compressions(compression, root, keys, len(leaves), namespace)
+    # In a distributed save, what a rank does before the layout exchange, and then before
+    # the first agreement, is carried into that collective: a rank that raised alone
+    # would never join it and would leave the others waiting for its timeout.
+    carried = _Carried(comm)
     arrays: list[_ArrayIn] = []
     entries: list[dict[str, Any] | None] = []
-    for key, leaf, sp in zip(keys, leaves, specs, strict=True):
-        if _is_value(leaf):
-            entries.append(ValueMeta(key, leaf).to_json(encode_value(leaf)))
-        else:
-            arrays.append(_array_in(key, leaf, sp, comm))
-            entries.append(None)
+    values: list[str] = []
+    user: dict[str, Any] = {}
+    with carried.catch():
+        storage = Storage(path, executor)
+        leaves, paths, root = flatten(tree, _is_leaf, namespace=namespace)
+        check_unique_keys(paths)
+        user = _user_metadata(user_metadata)
+        specs = broadcast_prefix(spec, root, lambda x: isinstance(x, Layout), len(leaves), namespace=namespace)
+        keys = [keystr(p) for p in paths]
+        codecs = _compressions(compression, root, keys, len(leaves), namespace)
+        for key, leaf, sp in zip(keys, leaves, specs, strict=True):
+            with carried.catch(key):
+                if _is_value(leaf):
+                    try:
+                        encoded = encode_value(leaf)
+                    except TypeError as e:
+                        raise CheckpointError(f"leaf {_where(key)}: {e}") from None
+                    entries.append(ValueMeta(key, leaf).to_json(encoded))
+                    values.append(key)
+                else:
+                    arrays.append(_array_in(key, leaf, sp, comm))
+                    entries.append(None)
+            if carried.error is not None:
+                break
     if comm is not None:
-        layouts = _exchange_layouts(comm, [(a.key, a.dtype.name, a.shape, a.pieces[comm.rank]) for a in arrays], "save")
+        rank_arrays = [(a.key, a.dtype.name, a.shape, a.pieces[comm.rank]) for a in arrays]
+        layouts = _exchange_layouts(comm, rank_arrays, "save", carried.error, values)
         for a, pieces in zip(arrays, layouts, strict=True):
             a.pieces = pieces
         world = comm.world
     else:
         world = max((a.layout.world_size for a in arrays), default=1)
-    plan = cached_plan_save(
-        [ArrayLayout(a.key, a.shape, a.dtype.itemsize, a.pieces) for a in arrays], world, chunking or storage.chunking
-    )
-    for a, ap in zip(arrays, plan.arrays, strict=True):
-        if a.present is not None:
-            for op in ap.writes:
-                for frag in op.sources:
-                    if frag.rank not in a.present and comm is None:
-                        raise CheckpointError(
-                            f"leaf {_where(a.key)}: elements {frag.region} live only on rank {frag.rank}, whose shard "
-                            f"is not in this ShardedLeaf (it holds ranks {sorted(a.present)})"
-                        )
-    names = array_names([a.key for a in arrays])
-    metas = [
-        ArrayMeta(
-            a.key,
-            a.container,
-            a.dtype,
-            a.shape,
-            ap.chunk_shape,
-            f"{ARRAYS_DIR}/{name}",
-            a.saved_layout,
-            codecs[a.key],
-            database=db,
+    job: _SaveJob | None = None
+    with carried.catch():
+        plan = cached_plan_save(
+            [ArrayLayout(a.key, a.shape, a.dtype.itemsize, a.pieces) for a in arrays],
+            world,
+            chunking or storage.chunking,
         )
-        for a, ap, name, db in zip(arrays, plan.arrays, names, _databases(storage, plan), strict=True)
-    ]
-    it = iter(metas)
-    leaf_json = [e if e is not None else next(it).to_json() for e in entries]
-    user = dict(user_metadata or {})
-    document = build_document(root, leaf_json, user)  # built now, so a bad user_metadata fails before any write
-    _check_document_size(document, metas, storage)
-    if comm is None or comm.rank == 0:
-        storage.check_writable(overwrite)
-    t1 = time.perf_counter()
-    monitor = Monitor()
-    rank = 0 if comm is None else comm.rank
-    monitor.add(Span("save", "plan", rank, time.time() - (t1 - t0), time.time(), 0, threading.current_thread().name))
-    reuse = _chunk_reuse(metas, base) if base is not None or chunk_hashes else None
-    return _SaveJob(
-        storage,
-        metas,
-        plan,
-        [a.get for a in arrays],
-        document,
-        overwrite,
-        {"plan": t1 - t0},
-        monitor,
-        comm,
-        [a.device for a in arrays],
-        [a.watch for a in arrays],
-        reuse,
-        parts=(root, leaf_json, user),
-    )
+        for a, ap in zip(arrays, plan.arrays, strict=True):
+            if a.present is not None:
+                for op in ap.writes:
+                    for frag in op.sources:
+                        if frag.rank not in a.present and comm is None:
+                            raise CheckpointError(
+                                f"leaf {_where(a.key)}: elements {frag.region} live only on rank {frag.rank}, "
+                                f"whose shard is not in this ShardedLeaf (it holds ranks {sorted(a.present)})"
+                            )
+        names = array_names([a.key for a in arrays])
+        metas = [
+            ArrayMeta(
+                a.key,
+                a.container,
+                a.dtype,
+                a.shape,
+                ap.chunk_shape,
+                f"{ARRAYS_DIR}/{name}",
+                a.saved_layout,
+                codecs[a.key],
+                database=db,
+            )
+            for a, ap, name, db in zip(arrays, plan.arrays, names, _databases(storage, plan), strict=True)
+        ]
+        it = iter(metas)
+        leaf_json = [e if e is not None else next(it).to_json() for e in entries]
+        document = build_document(root, leaf_json, user)
+        _check_document_size(document, metas, storage)
+        if comm is None or comm.rank == 0:
+            storage.check_writable(overwrite)
+        t1 = time.perf_counter()
+        monitor = Monitor()
+        rank = 0 if comm is None else comm.rank
+        monitor.add(
+            Span("save", "plan", rank, time.time() - (t1 - t0), time.time(), 0, threading.current_thread().name)
+        )
+        reuse = _chunk_reuse(metas, base) if base is not None or chunk_hashes else None
+        job = _SaveJob(
+            storage,
+            metas,
+            plan,
+            [a.get for a in arrays],
+            document,
+            overwrite,
+            {"plan": t1 - t0},
+            monitor,
+            comm,
+            [a.device for a in arrays],
+            [a.watch for a in arrays],
+            reuse,
+            parts=(root, leaf_json, user),
+        )
+    if job is None:  # planning failed on this rank: it raises with the others, at their agreement after planning
+        carried.fail("preparing the save")
+    return job
+
+
+def _user_metadata(user_metadata: Any) -> dict[str, Any]:
+    """``user_metadata`` as the JSON object it will be stored as; refused unless it comes back equal."""
+    if user_metadata is None:
+        return {}
+    if not isinstance(user_metadata, Mapping):
+        raise CheckpointError(
+            f"user_metadata must be a mapping from str to JSON values (a JSON object), found "
+            f"{type(user_metadata).__name__}"
+        )
+    user = dict(user_metadata)
+    try:
+        again = json.loads(json.dumps(user, allow_nan=False))
+    except (TypeError, ValueError, RecursionError) as e:
+        raise CheckpointError(f"user_metadata is not a JSON object: {e}") from None
+    if again != user or not _same_json_types(again, user):
+        raise CheckpointError(
+            "user_metadata would not come back equal: it must be a JSON object, with str keys and values that "
+            "are str, int, float, bool, None, lists and dicts of them (tuples come back as lists, other keys "
+            "as str)"
+        )
+    return user
+
+
+def _same_json_types(a: Any, b: Any) -> bool:
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(_same_json_types(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return all(_same_json_types(x, y) for x, y in zip(a, b, strict=True))
+    return True
 
 
 def _check_document_size(document: bytes, metas: list[ArrayMeta], storage: Storage) -> None:
@@ -374,7 +503,9 @@ def _chunk_reuse(metas: list[ArrayMeta], base: PathLike | None) -> ChunkReuse:
     if not isinstance(base, (str, os.PathLike)) or "://" in os.fspath(base):
         raise CheckpointError(f"an incremental base must be a local directory, found {describe(base)}")
     stored = metadata(base).arrays
-    if stored and all(b.chunk_hashes is None for b in stored.values()):
+    # Arrays of no chunks (a zero in their shape) have no hashes to record.
+    chunked = [b for b in stored.values() if chunk_count(b.shape, b.chunk_shape)]
+    if chunked and all(b.chunk_hashes is None for b in chunked):
         raise CheckpointError(
             f"the base checkpoint {describe(base)} records no chunk hashes: save it with chunk_hashes=True "
             f"(CheckpointManager(incremental=True) does) to use it as a base"
@@ -450,20 +581,27 @@ def save(
         :class:`Location` with its :class:`StorageOptions`. An interrupted, uncommitted save there is
         cleared; a committed checkpoint is replaced only with ``overwrite=True``.
       tree: a pytree whose leaves are tensors, numpy arrays, :class:`ShardedLeaf` or
-        plain Python values (int, float, bool, str, None).
+        plain Python values (int, float, bool, str, None, and enum members of those),
+        nested at most 100 levels, with arrays of at most 32 dims. Every leaf's dotted
+        key path must name it alone: ``{"a.b": x, "a": {"b": y}}`` is refused.
       spec: a pytree prefix of ``tree`` whose leaves are sharding specs or None. A
         tensor under a spec is the global tensor, laid out as the spec says: this
         decides the chunk grid and which rank writes what.
       overwrite: replace a committed checkpoint at ``path``.
-      user_metadata: a JSON object stored with the checkpoint.
+      user_metadata: a JSON object stored with the checkpoint (str keys; str, int,
+        float, bool, None, lists and dicts), refused unless it would come back equal.
       chunking: how stored arrays are chunked.
       executor: concurrency of the I/O, staging memory, progress bar.
       namespace: the optree namespace of custom pytree nodes in ``tree``.
-      process_group: when torch.distributed is initialised with several ranks, every
-        rank calls ``save`` with its own part of the state: DTensors, ShardedLeafs
-        holding its shard, and plain tensors and values that every rank holds whole
-        (written once in total). Checkpoint traffic runs on a gloo group of its own,
-        or on ``process_group`` if given.
+      process_group: the ranks that save together: those of ``process_group``, else
+        the whole world. When torch.distributed is initialised (at any world size) or
+        a group is given, each of them calls ``save`` with its own part of the state:
+        DTensors (on a mesh of all or some of the ranks: the others hold nothing of
+        them), ShardedLeafs holding its shard, and plain tensors and values that every
+        rank holds whole (written once in total). Checkpoint traffic runs on gloo
+        groups of its own with those ranks, made once, by those ranks alone. With one
+        rank (a world of one, a group of one) it runs as a single process does, with
+        no group and no collective; DTensors must then be on a mesh of that rank alone.
       monitor: a :class:`Monitor` that records the time and bytes of every phase
         (on rank 0, every rank's).
       compression: lossless compression of stored chunks, off by default: a
@@ -478,8 +616,11 @@ def save(
         a ``base``; implied by ``base``.
 
     Raises:
-      CheckpointError: naming the leaf, for anything that cannot be saved. In a
-        distributed save every rank raises if any rank failed, and nothing is committed.
+      CheckpointError: naming the leaf, for anything that cannot be saved (meta, sparse,
+        nested and quantized tensors, subclasses of int, float and str that are not
+        enums, colliding key paths), before anything is written. In a distributed save
+        every rank raises if any rank failed (the same error, naming the failed ranks and
+        what failed there), and nothing is committed.
 
     >>> import tempfile, torch, pytreeckpt
     >>> d = tempfile.mkdtemp()
@@ -505,6 +646,7 @@ def save(
     # The caller is blocked until the commit, so the state cannot change under the
     # writes: they read straight from the caller's memory, without a snapshot.
     try:
+        job.ready()
         job.persist()
     finally:
         if monitor is not None:
@@ -514,8 +656,19 @@ def save(
 class SaveHandle:
     """A save running in the background: ``wait()``, ``done()``, per-phase ``timings`` and its ``monitor``."""
 
-    def __init__(self, path: PathLike, timings: dict[str, float], monitor: Monitor, user: Monitor | None) -> None:
+    def __init__(
+        self,
+        path: PathLike,
+        timings: dict[str, float],
+        monitor: Monitor,
+        user: Monitor | None,
+        *,
+        cancel: threading.Event | None = None,
+        exit_timeout: float | None = None,
+    ) -> None:
         self.path = describe(path)
+        self._cancel = cancel or threading.Event()
+        self._exit_timeout = exit_timeout
         self._timings = timings
         self._monitor = monitor
         self._user = user
@@ -708,8 +861,22 @@ def async_save(
         base,
         chunk_hashes,
     )
-    snap, start, merged = job.stage()
-    handle = SaveHandle(path, job.timings, job.monitor, monitor)
+    try:
+        if job.pending is None:
+            snap, start, merged = job.stage()
+    except Exception as e:
+        if job.comm is None:
+            raise
+        job.pending = e
+    try:
+        job.ready()  # in a distributed save: every rank planned and staged its part, or all raise
+    except BaseException:
+        staging_pool().free()
+        raise
+    handle = SaveHandle(
+        path, job.timings, job.monitor, monitor, cancel=job.cancelled, exit_timeout=job.storage.options.exit_timeout
+    )
+    _settle_at_exit_once()
     thread = threading.Thread(target=handle._run, args=(job,), name="pytreeckpt-save", daemon=False)
     with _IN_FLIGHT_LOCK:
         _in_flight.append(handle)
@@ -728,6 +895,41 @@ def async_save(
         handle._reported = True
         raise
     return handle
+
+
+_EXIT_HOOKED: list[bool] = []  # _settle_at_exit is registered
+
+
+def _settle_at_exit_once() -> None:
+    """Register :func:`_settle_at_exit` to run when the main thread ends, before Python joins the other threads.
+
+    ``threading._register_atexit`` (what ``concurrent.futures`` uses) runs there; a hook
+    registered with :mod:`atexit` would run only after the writer has been joined, too
+    late to bound the wait. Where it is missing the writer is still joined, without a bound.
+    """
+    with _IN_FLIGHT_LOCK:
+        if _EXIT_HOOKED:
+            return
+        _EXIT_HOOKED.append(True)
+    register = getattr(threading, "_register_atexit", None)
+    if register is not None:
+        with contextlib.suppress(RuntimeError):  # the interpreter is exiting already
+            register(_settle_at_exit)
+
+
+def _settle_at_exit() -> None:
+    """Wait for the save in flight, at most its ``exit_timeout``; then cancel it (it commits nothing)."""
+    with _IN_FLIGHT_LOCK:
+        pending = list(_in_flight)
+    for h in pending:
+        if not h._done.wait(h._exit_timeout):
+            h._cancel.set()
+            logger.warning(
+                "the asynchronous save to %s was still running %s s after the program ended: cancelled, "
+                "nothing is committed there (ExecutorOptions.exit_timeout)",
+                h.path,
+                h._exit_timeout,
+            )
 
 
 def _quietly(fn: Any, *args: Any) -> None:

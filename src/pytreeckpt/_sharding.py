@@ -8,6 +8,7 @@ talks to other ranks.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -208,18 +209,14 @@ class ShardingSpec(Layout):
     placements: tuple[Placement, ...]
 
     def __init__(self, mesh: Mesh, placements: Sequence[Placement] | Placement) -> None:
+        # What depends on the tensor (the number of placements, their dims) is checked when
+        # the spec meets a shape, where save and load name the leaf.
         placements = (placements,) if isinstance(placements, Shard | StridedShard | Replicate) else tuple(placements)
-        if len(placements) != mesh.ndim:
-            raise LayoutError(
-                f"a mesh of {mesh.ndim} axes {mesh.axis_names} needs {mesh.ndim} placements, found {placements}"
-            )
         for p in placements:
             if not isinstance(p, Shard | StridedShard | Replicate):
                 raise LayoutError(
                     f"placements are Shard(dim), StridedShard(dim, split_factor) or Replicate(), found {p!r}"
                 )
-            if isinstance(p, Shard | StridedShard) and p.dim < 0:
-                raise LayoutError(f"Shard dims must be non-negative, found {p!r}")
             if isinstance(p, StridedShard) and p.split_factor < 1:
                 raise LayoutError(f"StridedShard split_factor must be >= 1, found {p!r}")
         object.__setattr__(self, "mesh", mesh)
@@ -230,7 +227,20 @@ class ShardingSpec(Layout):
         return self.mesh.size
 
     def _check(self, shape: Sequence[int]) -> None:
+        """Raise a LayoutError if this spec cannot lay out a tensor of ``shape``."""
+        if len(self.placements) != self.mesh.ndim:
+            raise LayoutError(
+                f"a mesh of {self.mesh.ndim} axes {self.mesh.axis_names} needs {self.mesh.ndim} placements (one "
+                f"per axis; Replicate() for an axis that does not split the tensor), found {self.placements}"
+            )
         for axis, p in enumerate(self.placements):
+            if isinstance(p, Shard | StridedShard) and p.dim < 0:
+                same = dataclasses.replace(p, dim=p.dim + len(shape))
+                fix = f"; for a tensor of shape {tuple(shape)} that is {same!r}" if same.dim >= 0 else ""
+                raise LayoutError(
+                    f"{p!r} on mesh axis {self.mesh.axis_names[axis]!r}: a spec counts dims from 0 (negative dims, "
+                    f"which DTensor counts from the end, are not taken){fix}"
+                )
             if isinstance(p, Shard | StridedShard) and p.dim >= len(shape):
                 raise LayoutError(
                     f"Shard({p.dim}) on mesh axis {self.mesh.axis_names[axis]!r} needs a tensor of more than "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -12,6 +13,7 @@ import torch
 from ._dtypes import DType, dtype_of_numpy, dtype_of_torch, numpy_view
 from ._errors import CheckpointError, LayoutError
 from ._executor import PieceData
+from ._format import MAX_NDIM
 from ._leaf import Abstract, ShardedLeaf, piece_view
 from ._region import Region
 from ._sharding import Layout, Mesh, Piece, Replicate, ShardingSpec
@@ -48,6 +50,64 @@ def _global_source(arr: np.ndarray, pieces: tuple[tuple[Piece, ...], ...]) -> Pi
     return get
 
 
+def _numpy_source(arr: np.ndarray, pieces: tuple[tuple[Piece, ...], ...]) -> PieceData:
+    """Getters of the pieces of a numpy array held whole, in the machine's byte order.
+
+    Every path after this one (the staging copy, chunk files, TensorStore, chunk hashes)
+    takes an array's elements as native integers or floats, so an array of the other
+    byte order (``>f4`` on a little-endian machine) is converted here, once, when its
+    data is first asked for.
+    """
+    if arr.dtype.isnative:
+        return _global_source(arr, pieces)
+    native: list[PieceData] = []
+    lock = threading.Lock()
+
+    def get(rank: int, pi: int) -> tuple[np.ndarray, Region]:
+        with lock:
+            if not native:
+                native.append(_global_source(arr.astype(arr.dtype.newbyteorder("=")), pieces))
+        return native[0](rank, pi)
+
+    return get
+
+
+def _resolved(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with its conjugate and negative bits applied (a copy only if one is set): what numpy can view."""
+    return t.resolve_conj().resolve_neg()
+
+
+def _check_tensor(key: str, t: torch.Tensor) -> None:
+    """Refuse, naming the leaf, a tensor whose elements cannot be stored as one dense array."""
+    where = _where(key)
+    if t.is_meta:
+        raise CheckpointError(
+            f"leaf {where} is a tensor on the meta device, which holds no data to save; materialise it first "
+            f"(module.to_empty(device=...) and initialise or load its values)"
+        )
+    if t.is_nested:
+        raise CheckpointError(f"leaf {where} is a nested tensor, which cannot be stored; save t.unbind()")
+    if t.layout != torch.strided:
+        raise CheckpointError(
+            f"leaf {where} is a tensor of layout {t.layout}, which cannot be stored; save t.to_dense(), or "
+            f"its indices and values as tensors of their own"
+        )
+    if t.is_quantized:
+        raise CheckpointError(
+            f"leaf {where} is a quantized tensor (dtype {t.dtype}), which cannot be stored; save "
+            f"t.dequantize(), or t.int_repr() with its scale and zero point"
+        )
+    _check_ndim(key, t.dim())
+
+
+def _check_ndim(key: str, ndim: int) -> None:
+    if ndim > MAX_NDIM:
+        raise CheckpointError(
+            f"leaf {_where(key)} has {ndim} dims; a stored array has at most {MAX_NDIM} (the zarr v3 arrays "
+            f"TensorStore opens); reshape it before saving"
+        )
+
+
 def _shard_sources(shards: Mapping[int, torch.Tensor], pieces: tuple[tuple[Piece, ...], ...]) -> tuple[PieceData, Any]:
     """Getters of the pieces of ranks' local tensors: numpy views of CPU memory, and for
     CUDA shards also views on the device (the CPU copy is then made only if asked for)."""
@@ -57,7 +117,7 @@ def _shard_sources(shards: Mapping[int, torch.Tensor], pieces: tuple[tuple[Piece
         if rank not in shards:
             raise CheckpointError(f"internal error: data of rank {rank} asked for, this process holds {sorted(shards)}")
         if rank not in cpu:
-            cpu[rank] = shards[rank].detach().cpu()
+            cpu[rank] = _resolved(shards[rank].detach().cpu())
         piece = pieces[rank][pi]
         return numpy_view(piece_view(cpu[rank], piece)), piece.region
 
@@ -74,12 +134,12 @@ def _shard_sources(shards: Mapping[int, torch.Tensor], pieces: tuple[tuple[Piece
 def _tensor_source(t: torch.Tensor, pieces: tuple[tuple[Piece, ...], ...]) -> tuple[PieceData, Any]:
     """Getters of the pieces of a global tensor held whole (every rank's piece is a box of it)."""
     if not t.is_cuda:
-        return _global_source(numpy_view(t.detach().cpu()), pieces), None
+        return _global_source(numpy_view(_resolved(t.detach().cpu())), pieces), None
     held: list[np.ndarray] = []
 
     def get(rank: int, pi: int) -> tuple[np.ndarray, Region]:
         if not held:
-            held.append(numpy_view(t.detach().cpu()))
+            held.append(numpy_view(_resolved(t.detach().cpu())))
         return _global_source(held[0], pieces)(rank, pi)
 
     def device(rank: int, pi: int) -> tuple[torch.Tensor, Region]:
@@ -99,16 +159,17 @@ def _array_in(key: str, leaf: Any, spec: Any, comm: Any = None) -> _ArrayIn:
         )
     try:
         if _is_dtensor(leaf):
-            if comm is None:
-                raise CheckpointError(
-                    f"leaf {_where(key)} is a DTensor but torch.distributed is not initialised with more than one "
-                    f"rank; convert it with .full_tensor() or to a ShardedLeaf"
-                )
+            # In a single process (a process group of one rank) its mesh must be this rank alone.
             from ._distributed import dtensor_layout
 
-            layout, pieces = dtensor_layout(leaf, comm.world, comm.group)
+            if comm is None:
+                layout, pieces = dtensor_layout(leaf, 1, None)
+            else:
+                layout, pieces = dtensor_layout(leaf, comm.world, comm.group)
             local = leaf.to_local()
-            get, device = _shard_sources({comm.rank: local}, pieces)
+            _check_tensor(key, local)
+            _check_ndim(key, leaf.dim())
+            get, device = _shard_sources({0 if comm is None else comm.rank: local}, pieces)
             dtype = dtype_of_torch(leaf.dtype)
             shape = tuple(leaf.shape)
             return _ArrayIn(key, "torch", dtype, shape, layout, layout, pieces, get, device=device, watch=(local,))
@@ -117,6 +178,9 @@ def _array_in(key: str, leaf: Any, spec: Any, comm: Any = None) -> _ArrayIn:
                 raise CheckpointError(
                     f"leaf {_where(key)} is a ShardedLeaf in layout {leaf.spec}, but the spec tree gives {spec}"
                 )
+            _check_ndim(key, len(leaf.shape))
+            for shard in leaf.shards.values():
+                _check_tensor(key, shard)
             pieces = leaf.spec.rank_pieces(leaf.shape)
             if comm is not None:
                 pieces = _pad(pieces, comm.world, key)
@@ -135,12 +199,19 @@ def _array_in(key: str, leaf: Any, spec: Any, comm: Any = None) -> _ArrayIn:
             return _ArrayIn(key, "torch", dtype, leaf.shape, leaf.spec, leaf.spec, pieces, get, present, device, watch)
         tensor: torch.Tensor | None = None
         if isinstance(leaf, torch.Tensor):
+            _check_tensor(key, leaf)
             tensor = leaf
             dtype = dtype_of_torch(leaf.dtype)
             local_shape = tuple(int(s) for s in leaf.shape)
             container = "torch"
         else:
+            if isinstance(leaf, np.ma.MaskedArray):
+                raise CheckpointError(
+                    f"leaf {_where(key)} is a numpy masked array, whose mask would be lost; save its data and "
+                    f"mask as two arrays (leaf.data, np.ma.getmaskarray(leaf))"
+                )
             arr = np.asarray(leaf)
+            _check_ndim(key, arr.ndim)
             dtype = dtype_of_numpy(arr.dtype)
             local_shape = tuple(int(s) for s in arr.shape)
             container = "numpy"
@@ -155,7 +226,7 @@ def _array_in(key: str, leaf: Any, spec: Any, comm: Any = None) -> _ArrayIn:
             if tensor is not None:
                 get, device = _tensor_source(tensor, pieces)
             else:
-                get, device = _global_source(arr, pieces), None
+                get, device = _numpy_source(arr, pieces), None
             watch = () if tensor is None else (tensor,)
             return _ArrayIn(key, container, dtype, local_shape, whole, spec, pieces, get, device=device, watch=watch)
         raise CheckpointError(

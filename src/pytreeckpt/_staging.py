@@ -153,7 +153,9 @@ def copy_into(dst: np.ndarray, src: np.ndarray) -> None:
     """
     bits = _BITS.get(dst.dtype.itemsize)
     reversed_ = any(s < 0 for s in (*src.strides, *dst.strides))
-    if bits is None or dst.size == 0 or not src.flags.writeable or reversed_:
-        np.copyto(dst, src, casting="no")  # torch takes no read-only or reversed numpy arrays
+    if bits is None or dst.size == 0 or not src.flags.writeable or reversed_ or src.dtype != dst.dtype:
+        # torch takes no read-only or reversed numpy arrays; and elements of another
+        # dtype (or byte order) are not copied as bits: numpy refuses them, loudly
+        np.copyto(dst, src, casting="no")
         return
     torch.from_numpy(dst.view(bits)).copy_(torch.from_numpy(src.view(bits)))

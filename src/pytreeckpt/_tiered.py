@@ -7,7 +7,7 @@ from typing import Any
 
 from ._errors import NotCommittedError
 from ._location import Where, describe
-from ._manager import CheckpointManager
+from ._manager import CheckpointManager, check_step
 
 __all__ = ["TwoTierManager"]
 
@@ -74,6 +74,7 @@ class TwoTierManager:
         ``force`` saves to the durable tier off its interval. Other arguments are those of
         :meth:`CheckpointManager.save`.
         """
+        step = check_step(step)
         if force or step % self.durable_interval_steps == 0:
             self.fast.wait()  # one save runs at a time; let the fast tier's retention run now
             self.durable.save(step, tree, spec, force=force, **kwargs)
@@ -95,6 +96,8 @@ class TwoTierManager:
 
     def restore(self, step: int | None = None, target: Any = None, **kwargs: Any) -> Any:
         """Load ``step`` (default: the newest committed of either tier; the fast tier first on a tie)."""
+        if step is not None:
+            step = check_step(step)
         self.wait()
         if step is None:
             step = self.latest_step()

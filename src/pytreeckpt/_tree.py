@@ -5,8 +5,12 @@ defaultdict, list, tuple, deque, namedtuple) and dataclasses are handled here, k
 dict insertion order; any other node is flattened one level by optree (structseqs and
 types registered with ``optree.register_pytree_node`` in the given namespace).
 
-Leaves are tensors, numpy arrays, pytreeckpt's sharded and abstract leaves, and the
-plain Python values int, float, bool, str and None.
+Leaves are tensors, numpy arrays, pytreeckpt's sharded and abstract leaves, the plain
+Python values int, float, bool, str and None, and enum members whose value is one of
+those (stored with their type's name, like namedtuple types).
+
+Every leaf's dotted key path must name it alone (``{"a.b": x, "a": {"b": y}}`` is
+refused), and a tree nests at most :data:`MAX_DEPTH` levels.
 
 The structure is recorded as JSON; nothing is ever pickled. Rebuilding a stored
 structure without a target never imports a module: a namedtuple or dataclass type is
@@ -18,6 +22,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import enum
 import math
 import sys
 from collections.abc import Callable, Sequence
@@ -29,31 +34,38 @@ import optree
 from ._errors import CheckpointError, MetadataError
 
 __all__ = [
+    "MAX_DEPTH",
     "PYTHON_LEAF_TYPES",
     "KeyEntry",
     "Node",
+    "StoredEnum",
     "broadcast_prefix",
+    "check_unique_keys",
     "decode_value",
     "encode_value",
     "flatten",
     "keystr",
+    "resolve_value",
+    "typed_keystr",
 ]
 
-PYTHON_LEAF_TYPES = (bool, int, float, str, type(None))
+MAX_DEPTH = 100
+"""The deepest a tree may nest: containers below the root, down to the leaves."""
 
 KeyEntry = tuple[Any, ...]
 """A typed path entry: ``("s", name)``, ``("i", 3)``, ``("b", True)``, ``("f", "1.5")``, ``("n",)``."""
 
 
 def _entry(key: Any) -> KeyEntry:
+    # Subclasses (IntEnum, str enums) are keyed, stored and rebuilt as their plain value.
     if isinstance(key, str):
-        return ("s", key)
+        return ("s", str.__str__(key))
     if isinstance(key, bool):
-        return ("b", key)
+        return ("b", bool(key))
     if isinstance(key, int):
-        return ("i", key)
+        return ("i", int(key))
     if isinstance(key, float):
-        return ("f", repr(key))
+        return ("f", repr(float(key)))
     if key is None:
         return ("n",)
     if isinstance(key, tuple):
@@ -111,6 +123,34 @@ def _entry_str(e: KeyEntry) -> str:
 def keystr(path: Sequence[KeyEntry]) -> str:
     """The dotted key path of a leaf, e.g. ``optim.state.3.exp_avg``; ``""`` for the root."""
     return ".".join(_entry_str(e) for e in path)
+
+
+def typed_keystr(path: Sequence[KeyEntry]) -> str:
+    """A leaf's path as Python subscripts, telling keys of every type apart.
+
+    >>> typed_keystr([("s", "a.b"), ("i", 0), ("t", ("i", 1), ("s", "x"))])
+    "['a.b'][0][(1, 'x')]"
+    """
+    return "".join(f"[{_entry_key(e)!r}]" for e in path) or "(root)"
+
+
+def check_unique_keys(paths: Sequence[Sequence[KeyEntry]]) -> None:
+    """Refuse a tree in which two leaves have the same dotted key path.
+
+    Raises:
+      CheckpointError: naming both leaves by their typed paths, and how to tell them apart.
+    """
+    seen: dict[str, Sequence[KeyEntry]] = {}
+    for path in paths:
+        key = keystr(path)
+        other = seen.setdefault(key, path)
+        if other is not path:
+            raise CheckpointError(
+                f"two leaves have the key path {key!r}: {typed_keystr(other)} and {typed_keystr(path)}; a "
+                f"checkpoint names every leaf by its dotted key path (load(include=...), load_slice, "
+                f"metadata().arrays, export), so rename one of them (for example a key without '.', or keys "
+                f"of one type in each dict)"
+            )
 
 
 @dataclass(slots=True)
@@ -288,20 +328,69 @@ def _resolve(name: str | None) -> Any:
 # --------------------------------------------------------------------------- values
 
 
+@dataclass(frozen=True, slots=True)
+class StoredEnum:
+    """An enum member read from a checkpoint whose type is not imported here.
+
+    ``type_name`` is ``module:qualname``; ``value`` the member's value. :func:`load`
+    turns it into the member (the target's type, or the type once its module is
+    imported); :func:`metadata` shows it as it is.
+    """
+
+    type_name: str
+    value: Any
+
+    def __repr__(self) -> str:
+        return f"<{self.type_name} member of value {self.value!r}, type not imported>"
+
+
+PYTHON_LEAF_TYPES = (bool, int, float, str, type(None), enum.Enum, StoredEnum)
+"""The types of leaves stored inline in the metadata (of int, float and str, only enum subclasses)."""
+
+
+def _plain_type_error(v: Any) -> TypeError:
+    t = type(v)
+    base = next((b.__name__ for b in (bool, int, float, str) if isinstance(v, b)), None)
+    if base is not None:
+        return TypeError(
+            f"a value of type {t.__module__}.{t.__qualname__}, a subclass of {base}, would come back as a plain "
+            f"{base}; convert it with {base}(...) before saving (enum members are stored with their type)"
+        )
+    return TypeError(f"cannot store {t.__module__}.{t.__qualname__} inline")
+
+
 def encode_value(v: Any) -> Any:
-    """JSON for a plain Python leaf value, exact for floats (NaN and infinities too)."""
-    if isinstance(v, float) and not isinstance(v, bool):
+    """JSON for a plain Python leaf value, exact for floats (NaN and infinities too).
+
+    Enum members are stored with their type's name; subclasses of int, float and str
+    that are not enums are refused (they would come back as plain values).
+
+    Raises:
+      TypeError: a value that would not come back equal.
+    """
+    if isinstance(v, enum.Enum):
+        try:
+            return {"enum": _type_name(type(v)), "value": encode_value(v.value)}
+        except TypeError:
+            raise TypeError(
+                f"enum member {v!r} has a value of type {type(v.value).__qualname__}, which cannot be stored inline"
+            ) from None
+    if isinstance(v, StoredEnum):
+        return {"enum": v.type_name, "value": encode_value(v.value)}
+    t = type(v)
+    if t is float:
         if math.isfinite(v):
             return v
         return {"float": repr(v)}
-    if v is None or isinstance(v, bool | int | str):
+    if v is None or t is bool or t is int or t is str:
         return v
-    if isinstance(v, list | tuple):
-        return {"seq": [encode_value(x) for x in v], "tuple": isinstance(v, tuple)}
-    raise TypeError(f"cannot store {type(v).__name__} inline")
+    if t is list or t is tuple:
+        return {"seq": [encode_value(x) for x in v], "tuple": t is tuple}
+    raise _plain_type_error(v)
 
 
 def decode_value(data: Any) -> Any:
+    """The value :func:`encode_value` encoded; an enum member only if its type is imported, else a StoredEnum."""
     if data is None or isinstance(data, bool | int | float | str):
         return data
     if isinstance(data, dict) and set(data) == {"float"} and data["float"] in ("nan", "inf", "-inf"):
@@ -309,7 +398,46 @@ def decode_value(data: Any) -> Any:
     if isinstance(data, dict) and set(data) == {"seq", "tuple"} and isinstance(data["seq"], list):
         seq = [decode_value(x) for x in data["seq"]]
         return tuple(seq) if data["tuple"] else seq
+    if isinstance(data, dict) and set(data) == {"enum", "value"} and isinstance(data["enum"], str):
+        stored = StoredEnum(data["enum"], decode_value(data["value"]))
+        with contextlib.suppress(TypeError):
+            return resolve_value(stored, None)
+        return stored
     raise MetadataError(f"malformed inline value {str(data)[:200]}")
+
+
+def resolve_value(value: Any, like: Any) -> Any:
+    """A stored value as the load target asks for it: an enum member of the target leaf's type.
+
+    ``like`` is the target's leaf (None without a target). An enum comes back as a
+    member of ``like``'s enum type if it is one, else of its stored type if that type's
+    module is imported (no module is ever imported here).
+
+    Raises:
+      TypeError: the enum's type is not imported and the target gives none, or the
+        value is no member of the type.
+    """
+    if not isinstance(value, enum.Enum | StoredEnum):
+        return value
+    raw = value.value
+    if isinstance(like, enum.Enum):
+        typ: Any = type(like)
+        name = _type_name(typ)
+    else:
+        name = _type_name(type(value)) if isinstance(value, enum.Enum) else value.type_name
+        typ = type(value) if isinstance(value, enum.Enum) else _resolve(name)
+        if not (isinstance(typ, type) and issubclass(typ, enum.Enum)):
+            raise TypeError(
+                f"the checkpoint holds a member of enum {name}, which is not an enum imported here (its module is "
+                f"not imported, or holds no such enum); import it before loading, or pass a target whose leaf is a "
+                f"member of that enum (pytreeckpt never imports modules named in a checkpoint)"
+            )
+    if isinstance(value, typ):
+        return value
+    try:
+        return typ(raw)
+    except (ValueError, TypeError, KeyError):
+        raise TypeError(f"the checkpoint holds the value {raw!r}, which is not a member of enum {name}") from None
 
 
 # --------------------------------------------------------------------------- flatten
@@ -321,7 +449,8 @@ def flatten(
     """Flatten ``tree`` into leaves, their typed key paths, and its structure.
 
     Raises:
-      CheckpointError: a leaf of a type pytreeckpt cannot store, naming its key path.
+      CheckpointError: a leaf of a type pytreeckpt cannot store, naming its key path, or
+        a tree nested deeper than :data:`MAX_DEPTH`.
     """
     leaves: list[Any] = []
     paths: list[tuple[KeyEntry, ...]] = []
@@ -331,6 +460,12 @@ def flatten(
             leaves.append(x)
             paths.append(path)
             return Node("leaf", leaf=len(leaves) - 1)
+        if len(path) >= MAX_DEPTH:
+            raise CheckpointError(
+                f"the tree nests deeper than {MAX_DEPTH} levels (below key path {keystr(path[:8])!r}...); "
+                f"pytreeckpt stores trees of at most {MAX_DEPTH} levels (a container that holds itself nests "
+                f"without end)"
+            )
         node = _one_level(x, path, namespace)
         node.children = [walk(c, (*path, e)) for e, c in zip(node.entries, node.extra.pop("_kids"), strict=True)]
         return node
@@ -376,7 +511,8 @@ def _one_level(x: Any, path: tuple[KeyEntry, ...], namespace: str) -> Node:
     except ValueError:
         raise CheckpointError(
             f"leaf at key path {keystr(path)!r} has type {t.__module__}.{t.__qualname__}, which pytreeckpt cannot "
-            f"store; leaves are tensors, numpy arrays, ShardedLeaf, Abstract, int, float, bool, str or None, and "
+            f"store; leaves are tensors, numpy arrays, ShardedLeaf, Abstract, int, float, bool, str, None or enum "
+            f"members, and "
             f"containers "
             f"must be builtin, dataclasses or registered with optree"
         ) from None

@@ -1,0 +1,244 @@
+"""The commit protocol: replacing a checkpoint beside the old one, file modes, loads that lose a race."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from crash_workers import replace_distributed
+from helpers import unpacked
+from multiproc import run_world
+
+import pytreeckpt
+from pytreeckpt import _executor
+from pytreeckpt._format import parse_document
+
+
+def doc(path: Path) -> dict:
+    return json.loads((path / "pytreeckpt.json").read_bytes())
+
+
+def stored(path: Path) -> list[str]:
+    return sorted(
+        f"{top}/{p.name}" for top in ("arrays", "ocdbt") if (path / top).is_dir() for p in (path / top).iterdir()
+    )
+
+
+def tree(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(64, 32, generator=g), "W": torch.randn(8, generator=g), "step": seed}
+
+
+def test_a_replacement_is_written_beside_the_old_checkpoint_under_new_names(tmp_path: Path) -> None:
+    path = tmp_path / "c"
+    pytreeckpt.save(unpacked(path), tree(1))
+    assert stored(path) == ["arrays/W~1", "arrays/w"]  # the first save keeps plain names
+    seen_during_write: list[list[str]] = []
+    real_write = _executor.Storage.write
+
+    def write(self: _executor.Storage, *args: object, **kwargs: object) -> int:
+        n = real_write(self, *args, **kwargs)  # type: ignore[arg-type]
+        seen_during_write.append(stored(path))
+        assert pytreeckpt.load(path)["step"] == 1  # the old checkpoint, still whole, until the commit
+        return n
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_executor.Storage, "write", write)
+        pytreeckpt.save(unpacked(path), tree(2), overwrite=True)
+    assert seen_during_write == [["arrays/W~1", "arrays/W~1~g1", "arrays/w", "arrays/w~g1"]]
+    assert stored(path) == ["arrays/W~1~g1", "arrays/w~g1"]  # the old arrays went after the commit
+    assert [leaf.get("path") for leaf in doc(path)["leaves"]] == ["arrays/w~g1", "arrays/W~1~g1", None]
+    got = pytreeckpt.load(path)
+    assert got["step"] == 2
+    assert torch.equal(got["w"], tree(2)["w"])
+    pytreeckpt.async_save(unpacked(path), tree(3), overwrite=True).wait()
+    assert stored(path) == ["arrays/W~1~g2", "arrays/w~g2"]
+    assert pytreeckpt.verify(path).ok
+
+
+def test_packed_arrays_are_replaced_with_their_database(tmp_path: Path) -> None:
+    path = tmp_path / "c"
+    pytreeckpt.save(path, tree(1))
+    assert stored(path) == ["ocdbt/0"]
+    pytreeckpt.save(path, tree(2), overwrite=True)
+    assert stored(path) == ["ocdbt/0~g1"]
+    assert {leaf.get("database") for leaf in doc(path)["leaves"]} == {"ocdbt/0~g1", None}
+    assert {leaf.get("path") for leaf in doc(path)["leaves"]} == {"arrays/w", "arrays/W~1", None}  # inside it
+    assert torch.equal(pytreeckpt.load(path)["W"], tree(2)["W"])
+    assert pytreeckpt.verify(path).ok
+
+
+def test_a_replacement_can_link_the_chunks_of_the_checkpoint_it_replaces(tmp_path: Path) -> None:
+    path = tmp_path / "c"
+    pytreeckpt.save(unpacked(path), tree(1), chunk_hashes=True)
+    pytreeckpt.save(unpacked(path), tree(1), overwrite=True, base=path)  # it was deleted first, before
+    assert stored(path) == ["arrays/W~1~g1", "arrays/w~g1"]
+    assert torch.equal(pytreeckpt.load(path)["w"], tree(1)["w"])
+
+
+def test_generation_names_pass_the_path_checks_and_others_do_not() -> None:
+    def leaf(**kw: object) -> bytes:
+        array = {"kind": "array", "key": "w", "container": "torch", "dtype": "float32", "storage_dtype": "float32"}
+        array |= {"shape": [2], "chunk_shape": [2], "path": "arrays/w", "layout": None, **kw}
+        return json.dumps({"format": "pytreeckpt", "version": 2, "tree": 0, "leaves": [array]}).encode()
+
+    assert parse_document(leaf(path="arrays/w~1~g12")).leaves[0].path == "arrays/w~1~g12"  # type: ignore[union-attr]
+    assert parse_document(leaf(database="ocdbt/3~g2")).leaves[0].database == "ocdbt/3~g2"  # type: ignore[union-attr]
+    for database in ("ocdbt/3~g0", "ocdbt/3~g", "ocdbt/3~x1", "ocdbt/3/~g1", "ocdbt/~g1"):
+        with pytest.raises(pytreeckpt.MetadataError, match="database must be"):
+            parse_document(leaf(database=database))
+
+
+def test_a_save_that_fails_removes_what_it_wrote_and_keeps_what_it_replaces(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def fail(self: object, *args: object, **kwargs: object) -> int:
+        raise pytreeckpt.CheckpointError("the disk is on fire")
+
+    path = tmp_path / "c"
+    new = {"w": torch.ones(64, 32), "W": torch.ones(8), "step": 2}
+    pytreeckpt.save(unpacked(path), tree(1))
+    real = _executor.Storage.sync
+    monkeypatch.setattr(_executor.Storage, "sync", fail)  # after every array is written, before the commit
+    for call in (pytreeckpt.save, lambda *a, **k: pytreeckpt.async_save(*a, **k).wait()):
+        with pytest.raises(pytreeckpt.CheckpointError, match="on fire"):
+            call(unpacked(path), new, overwrite=True)
+        assert stored(path) == ["arrays/W~1", "arrays/w"]
+        assert pytreeckpt.load(path)["step"] == 1
+        with pytest.raises(pytreeckpt.CheckpointError, match="on fire"):
+            call(unpacked(tmp_path / "fresh"), new)
+        assert not (tmp_path / "fresh").exists()  # a directory the save made goes with it
+    monkeypatch.setattr(_executor.Storage, "sync", real)
+    (tmp_path / "mine").mkdir()  # a directory the user made stays, empty
+    monkeypatch.setattr(_executor.Storage, "sync", fail)
+    with pytest.raises(pytreeckpt.CheckpointError, match="on fire"):
+        pytreeckpt.save(unpacked(tmp_path / "mine"), new)
+    assert os.listdir(tmp_path / "mine") == []
+
+
+# --------------------------------------------------------------------------- file modes
+
+
+@pytest.fixture(params=[0o022, 0o027, 0o002], ids=lambda u: f"umask{u:03o}")
+def umask(request: pytest.FixtureRequest) -> Iterator[int]:
+    old = os.umask(request.param)
+    try:
+        yield request.param
+    finally:
+        os.umask(old)
+
+
+def test_files_and_directories_get_the_modes_the_umask_gives(tmp_path: Path, umask: int) -> None:
+    """Like any file the user makes, so that others may load a checkpoint on a shared file system."""
+    big = pytreeckpt.ChunkingOptions(single_chunk_bytes=0, min_chunk_bytes=0, max_chunk_bytes=1 << 16)
+    state = {"big": torch.randn(256, 256), "small": torch.ones(3), "z": torch.zeros(64, 64), "step": 1}
+    pytreeckpt.save(
+        tmp_path / "c", state, chunking=big, compression={"big": None, "small": None, "z": "zstd", "step": None}
+    )
+    pytreeckpt.async_save(tmp_path / "c", state, overwrite=True).wait()
+    with pytreeckpt.CheckpointManager(tmp_path / "run") as m:
+        m.save(1, state)
+    modes: dict[str, set[str]] = {}
+    for dirpath, dirs, files in os.walk(tmp_path):
+        for name in dirs + files:
+            p = os.path.join(dirpath, name)
+            modes.setdefault(oct(stat.S_IMODE(os.lstat(p).st_mode)), set()).add(os.path.relpath(p, tmp_path))
+    want = {oct(0o777 & ~umask), oct(0o666 & ~umask)}
+    assert set(modes) == want, {m: sorted(ps)[:5] for m, ps in modes.items() if m not in want}
+    assert "c/pytreeckpt.json" in modes[oct(0o666 & ~umask)]
+    assert "run/step_1/ocdbt" in modes[oct(0o777 & ~umask)]
+
+
+# --------------------------------------------------------------------------- loads losing a race
+
+
+def _replace_during_the_first_read(monkeypatch: pytest.MonkeyPatch, replace: object) -> list[int]:
+    """Run ``replace()`` (another process, as it were) when the load starts reading arrays; the reads counted."""
+    real = _executor.Storage.read
+    calls: list[int] = []
+
+    def read(self: _executor.Storage, *args: object, **kwargs: object) -> int:
+        calls.append(1)
+        if len(calls) == 1:
+            replace()  # type: ignore[operator]
+        return real(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_executor.Storage, "read", read)
+    return calls
+
+
+def test_a_load_whose_checkpoint_is_replaced_meanwhile_loads_the_new_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "c"
+    pytreeckpt.save(unpacked(path), tree(1))
+    calls = _replace_during_the_first_read(
+        monkeypatch, lambda: pytreeckpt.save(unpacked(path), tree(2), overwrite=True)
+    )
+    got = pytreeckpt.load(path)
+    assert len(calls) == 2  # the first load found the old arrays gone, and started again
+    assert got["step"] == 2
+    assert torch.equal(got["w"], tree(2)["w"])
+
+
+def test_a_load_whose_checkpoint_is_removed_meanwhile_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "c"
+    pytreeckpt.save(unpacked(path), tree(1))
+    _replace_during_the_first_read(monkeypatch, lambda: _executor.Storage(path).remove())
+    with pytest.raises(pytreeckpt.NotCommittedError, match="removed while it was being loaded"):
+        pytreeckpt.load(path)
+
+
+def test_a_load_replaced_again_and_again_gives_up(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "c"
+    pytreeckpt.save(unpacked(path), tree(1))
+    real = _executor.Storage.read
+    seed = [1]
+
+    def read(self: _executor.Storage, *args: object, **kwargs: object) -> int:
+        seed[0] = 3 - seed[0]
+        pytreeckpt.save(unpacked(path), tree(seed[0]), overwrite=True)
+        return real(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_executor.Storage, "read", read)
+    with pytest.raises(pytreeckpt.NotCommittedError, match="was replaced 4 times while it was being loaded"):
+        pytreeckpt.load(path)
+
+
+def test_a_damaged_checkpoint_is_not_taken_for_a_replaced_one(tmp_path: Path) -> None:
+    path = tmp_path / "c"
+    pytreeckpt.save(unpacked(path), tree(1))
+    (path / "arrays" / "w" / "c" / "0" / "0").unlink()
+    with pytest.raises(pytreeckpt.CheckpointError, match="holds only 0 bytes") as raised:
+        pytreeckpt.load(path)
+    assert not isinstance(raised.value, pytreeckpt.NotCommittedError)
+
+
+# --------------------------------------------------------------------------- the writer's lock
+
+
+def test_a_lock_whose_directory_its_holder_removed_is_taken_anew(tmp_path: Path) -> None:
+    path = tmp_path / "c"
+    held = _executor.Storage(path).lock()
+    assert _executor.Storage(path).try_lock() is None  # held
+    os.rename(path, tmp_path / "gone")  # as a CheckpointManager removing it does, under the lock
+    held.release()
+    assert _executor.Storage(path).try_lock() is None  # no directory: nothing to lock
+    again = _executor.Storage(path).lock()  # makes the directory anew
+    assert (path / ".pytreeckpt.lock").is_file()
+    again.release()
+
+
+def test_a_distributed_save_replaces_a_checkpoint_beside_it(tmp_path: Path) -> None:
+    results = run_world(2, replace_distributed, str(tmp_path / "c"), timeout=180)
+    assert results[0] == results[1]
+    got = results[0]
+    assert got["first"] == ["arrays/big", "ocdbt/0", "ocdbt/1"]
+    assert got["second"] == ["arrays/big~g1", "ocdbt/0~g1", "ocdbt/1~g1"]
+    assert got["step"] == 2
+    assert got["whole"]
