@@ -139,6 +139,29 @@ def test_swapped_chunk_objects_in_a_key_value_store_are_caught() -> None:
     _fails_everywhere(where, NOT_RECORDED)
 
 
+@pytest.mark.parametrize("pack", [False, True])
+def test_a_replaced_checkpoints_arrays_record_their_checksums_under_their_new_names(tmp_path: Path, pack: bool) -> None:
+    where = Location(tmp_path / "c", StorageOptions(pack_small_leaves=pack))
+    _save(where)
+    _save(where, offset=100.0, overwrite=True)  # written beside the old arrays, under generation 1's names
+    (leaf,) = json.loads((tmp_path / "c" / "pytreeckpt.json").read_text())["leaves"]
+    assert leaf["database" if pack else "path"].endswith("~g1")
+    assert len(leaf["chunk_crc32c"]) == 24
+    assert torch.equal(pytreeckpt.load(tmp_path / "c")["w"], _tree(100.0)["w"])
+    assert pytreeckpt.verify(tmp_path / "c").ok
+    if pack:
+        db = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{tmp_path}/c/{leaf['database']}/"}).result()
+        one, two = db.read("arrays/w/c/1").result().value, db.read("arrays/w/c/2").result().value
+        db.write("arrays/w/c/1", two).result()
+        db.write("arrays/w/c/2", one).result()
+    else:
+        chunks = tmp_path / "c" / leaf["path"] / "c"
+        (chunks / "1").rename(tmp_path / "x")
+        (chunks / "2").rename(chunks / "1")
+        (tmp_path / "x").rename(chunks / "2")
+    _fails_everywhere(tmp_path / "c", NOT_RECORDED)
+
+
 def test_every_chunk_crc32c_is_recorded_compactly(tmp_path: Path) -> None:
     _save(unpacked(tmp_path / "c"))
     (leaf,) = json.loads((tmp_path / "c" / "pytreeckpt.json").read_text())["leaves"]

@@ -753,9 +753,11 @@ class Storage:
 
     def open_arrays(self, metas: Sequence[ArrayMeta], create: bool) -> list[Any]:
         def failed(meta: ArrayMeta, e: Exception) -> CheckpointError:
-            return CheckpointError(
-                f"leaf {meta.key!r}: cannot {'create' if create else 'open'} stored array {meta.path!r}: {e}"
-            )
+            where = repr(meta.path)
+            if meta.database is not None:
+                where += f" in the OCDBT database {meta.database!r}"
+            verb = "create" if create else "open"
+            return CheckpointError(f"leaf {meta.key!r}: cannot {verb} stored array {where}: {e}")
 
         futures: list[Any] = []
 
