@@ -56,8 +56,9 @@ class StorageOptions:
         OCDBT database per writing rank instead of as files / objects of their own.
       pack_max_bytes: the largest array packed.
       max_metadata_bytes: the largest metadata document read (checked before reading
-        it): a document past it is refused with a MetadataError. Parsing a document may
-        take up to about 25 times its size in memory.
+        it): a document past it is refused with a MetadataError, and a save whose document
+        would pass it refuses before writing. Parsing a document may take up to about 25
+        times its size in memory.
     """
 
     endpoint: str | None = None
