@@ -11,8 +11,8 @@ and rank count this measures
 
 - ``rank_plan_ms``: one rank computing its own part of the save plan, cold (no memo),
   median of 3 runs; the slowest of a few sampled ranks is ``rank_plan_max_ms``;
-- ``metadata_mb``: the size of the metadata document the coordinator writes (MB = 10^6
-  bytes), and ``coordinator_document_s`` the time to build it;
+- ``metadata_mb``: the size of the metadata document the coordinator writes, every
+  chunk's crc32c included (MB = 10^6 bytes), and ``coordinator_document_s`` the time to build it;
 - ``exchange_*``: what the layout agreement of a save or load sends per rank (a digest)
   and what a non-coordinator rank receives (rank 0's verdict);
 - ``cached_plan_ms``: a save in the same layouts as the last one, served by the plan cache;
@@ -43,7 +43,7 @@ from typing import Any
 from _llama import llama_state
 
 from pytreeckpt._dtypes import dtype_from_name
-from pytreeckpt._format import ARRAYS_DIR, ArrayMeta, array_names, build_document
+from pytreeckpt._format import ARRAYS_DIR, ArrayMeta, array_names, build_document, chunk_count
 from pytreeckpt._tree import Node
 from pytreeckpt.plan import (
     ArraySpec,
@@ -76,10 +76,20 @@ def _parallel(model: str, world: int, tp: int, pp: int) -> tuple[int, int]:
 
 
 def _document(specs: list[ArraySpec], chunk_shapes: list[tuple[int, ...]]) -> bytes:
+    """The metadata document a save writes, with every chunk's crc32c recorded (arbitrary values, same size)."""
     names = array_names([s.key for s in specs])
     dtypes = {2: dtype_from_name("bfloat16"), 4: dtype_from_name("float32")}
     metas = [
-        ArrayMeta(s.key, "torch", dtypes[s.itemsize], s.shape, c, f"{ARRAYS_DIR}/{n}", s.layout).to_json()
+        ArrayMeta(
+            s.key,
+            "torch",
+            dtypes[s.itemsize],
+            s.shape,
+            c,
+            f"{ARRAYS_DIR}/{n}",
+            s.layout,
+            chunk_crc32c=bytes(4 * chunk_count(s.shape, c)),
+        ).to_json()
         for s, c, n in zip(specs, chunk_shapes, names, strict=True)
     ]
     tree = Node("dict", [("s", s.key) for s in specs], [Node("leaf", leaf=i) for i in range(len(specs))])

@@ -1,9 +1,10 @@
 """The executor's own chunk files are TensorStore's, byte for byte, and it reads TensorStore's exactly.
 
 For any shape, chunk shape and element type, a chunk written by ``write_chunk`` is the
-file TensorStore writes for that chunk (edge padding and checksum included), and
-``read_chunk`` puts any box of a chunk TensorStore wrote into any destination view,
-contiguous or strided, bit for bit.
+file TensorStore writes for that chunk (edge padding and checksum included), its
+checksum is ``chunk_crc`` of the chunk's elements (what the metadata records, whatever
+the source's strides or byte order), and ``read_chunk`` puts any box of a chunk
+TensorStore wrote into any destination view, contiguous or strided, bit for bit.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import tensorstore as ts
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pytreeckpt._chunkio import read_chunk, write_chunk
+from pytreeckpt._chunkio import chunk_crc, read_chunk, write_chunk
 from pytreeckpt._dtypes import dtype_of_numpy
 from pytreeckpt._format import zarr_metadata
 from pytreeckpt._region import Region, chunk_region
@@ -66,8 +67,13 @@ def test_a_chunk_written_here_is_the_file_tensorstore_writes(case: tuple[np.ndar
             # a strided source: every chunk's box as a view of a bigger array
             wide = np.zeros((*box.shape[:-1], box.shape[-1] * 2), dtype=data.dtype)
             wide[..., ::2] = data[box.slices()]
-            write_chunk(mine, wide[..., ::2], chunk, fsync=False)
-            assert mine.read_bytes() == (Path(d) / "ts" / _key(index)).read_bytes(), index
+            crc = write_chunk(mine, wide[..., ::2], chunk, fsync=False)
+            theirs = (Path(d) / "ts" / _key(index)).read_bytes()
+            assert mine.read_bytes() == theirs, index
+            assert crc == int.from_bytes(theirs[-4:], "little") == chunk_crc(wide[..., ::2], chunk), index
+            if data.dtype.kind in "iufc" and data.dtype.itemsize > 1:  # big-endian sources: the stored bytes
+                swapped = data[box.slices()].astype(data.dtype.newbyteorder(">"))
+                assert chunk_crc(swapped, chunk) == crc == chunk_crc(swapped, chunk, data.dtype), index
 
 
 @settings(max_examples=60)

@@ -1,6 +1,8 @@
 """Hostile checkpoints: mutated metadata and damaged files end in a CheckpointError or a correct load.
 
-Nothing else: no other exception type, no crash, no read outside the checkpoint.
+Nothing else: no other exception type, no crash, no read outside the checkpoint. Where
+files are damaged, moved, swapped or replaced, ``load`` and ``verify`` agree: a load
+fails exactly when verify finds a problem.
 """
 
 from __future__ import annotations
@@ -8,13 +10,14 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import os
 import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
-from hypothesis import example, given
+from hypothesis import assume, example, given
 from hypothesis import strategies as st
 
 import pytreeckpt
@@ -35,6 +38,8 @@ pytreeckpt.save(
 )
 _DOC = json.loads((_ORIGINAL / "pytreeckpt.json").read_text())
 _FILES = sorted(str(p.relative_to(_ORIGINAL)) for p in _ORIGINAL.rglob("*") if p.is_file() and p.suffix != ".lock")
+_CHUNKS = [f for f in _FILES if "/c/" in f]  # chunk files of the arrays stored on their own
+assert len(_CHUNKS) > 4
 _TENSORS = sorted(
     bytes(t.contiguous().view(torch.uint8).numpy())
     for t in (_STATE["w"].to_global(), _STATE["b"], _STATE["h"], _STATE["opt"][0]["step"].reshape(1))
@@ -126,6 +131,24 @@ def _attempt(path: Path) -> None:
         pytreeckpt.verify(path)
 
 
+def _load_and_verify_agree(path: Path) -> None:
+    """Load gives the saved tensors or a CheckpointError, and verify finds a problem exactly when it fails."""
+    try:
+        got = pytreeckpt.load(path)
+    except pytreeckpt.CheckpointError:
+        loaded = False
+    else:
+        loaded = True
+        assert sorted(_tensor_bytes(got)) == _TENSORS
+    try:
+        report = pytreeckpt.verify(path)
+    except pytreeckpt.CheckpointError:
+        checked = False
+    else:
+        checked = report.ok
+    assert checked == loaded, ("load" if loaded else "load failed", report.problems if not checked else "verify ok")
+
+
 def _fresh_copy(name: str) -> Path:
     target = _ROOT / name
     shutil.rmtree(target, ignore_errors=True)
@@ -169,3 +192,41 @@ def test_damaged_files_are_a_checkpoint_error_or_a_correct_load(name: str, actio
     else:
         f.write_bytes(bytes((where * 7 + i) % 256 for i in range(64)))
     _attempt(path)
+    _load_and_verify_agree(path)
+
+
+@given(
+    st.sampled_from(_CHUNKS),
+    st.sampled_from(_CHUNKS),
+    st.sampled_from(["swap", "copy", "append", "link_out", "link_in"]),
+)
+@example(_CHUNKS[0], _CHUNKS[1], "swap")
+@example(_CHUNKS[0], _CHUNKS[1], "link_out")
+def test_misplaced_chunks_are_caught_by_load_and_verify_alike(a: str, b: str, action: str) -> None:
+    """Chunk files moved, swapped, copied over each other, extended or replaced by links."""
+    assume(a != b or action in ("append", "link_out"))
+    path = _fresh_copy("misplaced")
+    fa, fb = path / a, path / b
+    if action == "swap":
+        fa.rename(path / "tmp")
+        fb.rename(fa)
+        (path / "tmp").rename(fb)
+    elif action == "copy":
+        shutil.copyfile(fb, fa)
+    elif action == "append":
+        with open(fa, "ab") as f:
+            f.write(b"\0")
+    elif action == "link_out":  # to an identical copy of b outside the checkpoint: refused whatever it holds
+        outside = _ROOT / "outside-chunk"
+        shutil.copyfile(fb, outside)
+        fa.unlink()
+        os.symlink(outside, fa)
+    else:
+        fa.unlink()
+        os.symlink(os.path.relpath(fb, fa.parent), fa)
+    if action == "link_out":
+        with contextlib.suppress(pytreeckpt.CheckpointError):
+            pytreeckpt.load(path)
+            raise AssertionError("a chunk linked out of the checkpoint was read")
+    _attempt(path)
+    _load_and_verify_agree(path)

@@ -120,6 +120,27 @@ def test_a_single_file_export_and_bad_inputs(tmp_path: Path) -> None:
     assert "header" in bad.stderr
 
 
+def test_verify_says_when_the_metadata_records_no_chunk_checksums() -> None:
+    golden = Path(__file__).parent / "golden" / "v1"  # written before chunk checksums were recorded
+    done = run("verify", golden)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("ok:")
+    assert "records no chunk checksums" in done.stdout
+    assert json.loads(run("verify", golden, "--json").stdout)["unrecorded"]
+
+
+def test_verify_prints_a_status_when_nothing_can_be_checked(tmp_path: Path) -> None:
+    pytreeckpt.save(tmp_path / "c", {"w": torch.ones(3)})
+    (tmp_path / "c" / "pytreeckpt.json").write_text("{")
+    done = run("verify", tmp_path / "c")
+    assert done.returncode == 2
+    assert done.stdout.startswith("FAILED:")
+    assert "metadata is not valid JSON" in done.stderr
+    data = json.loads(run("verify", tmp_path / "c", "--json").stdout)
+    assert data["ok"] is False
+    assert "not valid JSON" in data["error"]
+
+
 def test_python_values_survive_export_and_import_on_the_command_line(tmp_path: Path) -> None:
     state = {"model": {"w": torch.randn(4, 4)}, "step": 900, "lr": 1e-4, "data": {"pos": 31337, "name": "c4"}}
     pytreeckpt.save(tmp_path / "c", state)

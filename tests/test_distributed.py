@@ -259,3 +259,25 @@ def test_what_a_rank_receives_in_save_and_load_does_not_grow_with_the_world(tmp_
         assert others[8] <= 1.5 * others[2], (what, others)
         document = got[2][0]["metadata"] if what == "load" else 0
         assert others[2] < document + 10_000, (what, others, document)  # a few small messages besides
+
+
+def test_every_ranks_chunk_checksums_reach_the_metadata(tmp_path: Path) -> None:
+    """Each rank records the crc32c of the chunks it writes (or links from a base); rank 0's document holds them all."""
+    run_world(2, w.incremental_saves, str(tmp_path))
+    for name in ("s1", "s2"):  # s2 links rank 1's unchanged chunks from s1
+        path = tmp_path / name
+        for meta in pytreeckpt.metadata(path).arrays.values():
+            assert meta.chunk_crc32c is not None
+            rows = meta.shape[0] // meta.chunk_shape[0]
+            assert rows == 16
+            assert meta.chunk_shape[1:] == meta.shape[1:]
+            for i in range(rows):  # written by rank 0 (the first half) and rank 1 (the second)
+                stored = (path / meta.path / "c" / str(i) / "0").read_bytes()[-4:]
+                assert meta.recorded_crc32c((i, 0)) == int.from_bytes(stored, "little")
+        assert pytreeckpt.verify(path).ok
+    first, last = (tmp_path / "s2" / "arrays" / "b" / "c" / str(i) / "0" for i in (0, 15))
+    first.rename(tmp_path / "x")
+    last.rename(first)
+    (tmp_path / "x").rename(last)
+    report = pytreeckpt.verify(tmp_path / "s2")
+    assert [(key, chunk) for key, chunk, _ in report.problems] == [("b", (0, 0)), ("b", (15, 0))]

@@ -14,6 +14,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 import seaweed
 import torch
@@ -99,15 +100,18 @@ def test_packed_arrays_are_few_files_and_damage_to_them_is_found(tmp_path: Path)
     assert sum(len(f) for _, _, f in os.walk(tmp_path / "c" / "ocdbt")) < 60  # not 600 files
     got = pytreeckpt.load(tmp_path / "c")
     assert all(torch.equal(got[k], v) for k, v in tree.items())
+    # Damage every 32nd byte of every data file. (One byte in the middle of each file was
+    # found or not depending on timing: OCDBT appends a b-tree node per commit, how the 300
+    # writes batch into commits sets the files' layout, and a byte of a superseded node is
+    # read by nobody. A damaged zstd-compressed node is also reported without DATA_LOSS.)
     for f in (tmp_path / "c" / "ocdbt" / "0" / "d").iterdir():
-        raw = bytearray(f.read_bytes())
-        raw[len(raw) // 2] ^= 0xFF
-        f.write_bytes(bytes(raw))
+        raw = np.frombuffer(f.read_bytes(), dtype=np.uint8).copy()
+        raw[::32] ^= 0xFF
+        f.write_bytes(raw.tobytes())
     report = pytreeckpt.verify(tmp_path / "c")
     assert not report.ok
-    assert "big" not in report.damaged_leaves
-    assert len(report.damaged_leaves) > 0
-    with pytest.raises(pytreeckpt.CheckpointError, match=r"(checksum|DATA_LOSS)"):
+    assert set(report.damaged_leaves) == set(tree) - {"big"}
+    with pytest.raises(pytreeckpt.CheckpointError, match=r"leaf 'b\d+': .* in the OCDBT database 'ocdbt/0'"):
         pytreeckpt.load(tmp_path / "c")
 
 

@@ -22,9 +22,11 @@ finalises.
 from __future__ import annotations
 
 import atexit
+import errno
 import math
 import os
 import queue
+import stat
 import sys
 import threading
 import time
@@ -38,7 +40,7 @@ import numpy as np
 
 from ._errors import CheckpointError
 
-__all__ = ["LITTLE_ENDIAN", "IOPool", "read_chunk", "write_chunk"]
+__all__ = ["LITTLE_ENDIAN", "IOPool", "chunk_crc", "open_regular", "read_chunk", "write_chunk"]
 
 LITTLE_ENDIAN = sys.byteorder == "little"
 _MAX_IO = 1 << 30  # bytes per system call (Linux moves at most about 2 GiB in one)
@@ -151,10 +153,11 @@ def _bytes_of(a: np.ndarray) -> np.ndarray:
     return a.reshape(-1).view(np.uint8)
 
 
-def write_chunk(path: Path, data: np.ndarray, chunk_shape: Sequence[int], fsync: bool) -> None:
+def write_chunk(path: Path, data: np.ndarray, chunk_shape: Sequence[int], fsync: bool) -> int:
     """Write one chunk file: ``data`` (the chunk's valid box, any strides), padding, checksum.
 
-    With ``fsync`` the file is made durable before this returns.
+    With ``fsync`` the file is made durable before this returns. Returns the checksum
+    written: the chunk's :func:`chunk_crc`, which the metadata records.
     """
     chunk = tuple(chunk_shape)
     if data.shape != chunk and not _padded_tail(data.shape, chunk):
@@ -177,6 +180,106 @@ def write_chunk(path: Path, data: np.ndarray, chunk_shape: Sequence[int], fsync:
             os.fsync(fd)
     finally:
         os.close(fd)
+    return int(crc)
+
+
+_ZEROS = np.zeros(1 << 20, dtype=np.uint8)
+
+
+def chunk_crc(data: np.ndarray, chunk_shape: Sequence[int], dtype: np.dtype | None = None) -> int:
+    """The crc32c of one chunk as zarr's ``bytes`` codec encodes it: what the metadata records per chunk.
+
+    ``data`` is the chunk's valid box (any strides); the encoded chunk is the whole chunk
+    shape, edge chunks padded with zero bits (the fill value), little endian, C order,
+    elements of ``dtype`` (the stored type; ``data``'s own when None). For an uncompressed
+    chunk file this is the checksum the file ends with.
+
+    >>> hex(chunk_crc(np.arange(3, dtype=np.uint8), (4,)))
+    '0xca63e957'
+    """
+    chunk = tuple(chunk_shape)
+    if dtype is not None and data.dtype != dtype:
+        data = data.astype(dtype)  # e.g. big-endian input: stored as little endian
+    data = _little_endian(data)
+    if data.shape != chunk and not _padded_tail(data.shape, chunk):
+        full = np.zeros(chunk, dtype=data.dtype)
+        full[tuple(slice(0, n) for n in data.shape)] = data
+        data = full
+    raw = _bytes_of(np.ascontiguousarray(data))
+    crc = google_crc32c.value(raw)
+    pad = math.prod(chunk) * data.dtype.itemsize - raw.nbytes
+    while pad > 0:
+        step = min(pad, _ZEROS.nbytes)
+        crc = google_crc32c.extend(crc, _ZEROS[:step])
+        pad -= step
+    return int(crc)
+
+
+def _little_endian(a: np.ndarray) -> np.ndarray:
+    """``a``, or a copy of its elements as raw little-endian bytes (of a void type) where they are big endian."""
+    order = a.dtype.byteorder
+    if order in ("|", "<") or (order == "=" and LITTLE_ENDIAN) or a.dtype.itemsize == 1:
+        return a
+    width = a.dtype.itemsize // (2 if a.dtype.kind == "c" else 1)
+    swapped = np.ascontiguousarray(a).reshape(-1).view(f"u{width}").byteswap()
+    return swapped.view(f"V{a.dtype.itemsize}").reshape(a.shape)
+
+
+def open_regular(path: Path | str, inside: str | None, what: str) -> tuple[int, os.stat_result]:
+    """Open a file of a checkpoint for reading; returns the descriptor and its ``fstat``.
+
+    Only a regular file is read: a FIFO, device or socket is refused (the open does not
+    block on a FIFO: ``O_NONBLOCK``). A symbolic link is followed only where it leads to a
+    place inside the directory ``inside`` (a real path; None: links are not followed):
+    the check costs a system call only for links (``O_NOFOLLOW`` fails on them).
+    FileNotFoundError and NotADirectoryError are raised as they are; every other failure is a CheckpointError naming
+    ``what`` and the path, with the OS error chained.
+    """
+    flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW)
+    except OSError as e:
+        if e.errno != errno.ELOOP or inside is None:
+            raise _os_error(e, path, what) from e
+        real = _real_inside(path, inside, what)
+        try:
+            fd = os.open(real, flags | os.O_NOFOLLOW)
+        except OSError as e2:
+            raise _os_error(e2, path, what) from e2
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CheckpointError(
+                f"{what}: {path} is not a regular file (a FIFO, device, socket or directory); refused"
+            )
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
+
+
+def _real_inside(path: Path | str, inside: str, what: str) -> str:
+    """The real path of ``path``, which must lie inside ``inside`` (a real path); CheckpointError otherwise."""
+    try:
+        real = os.path.realpath(path, strict=True)
+    except OSError as e:
+        raise _os_error(e, path, what) from e
+    if real != inside and not real.startswith(inside.rstrip(os.sep) + os.sep):
+        raise CheckpointError(
+            f"{what}: {path} leads outside the checkpoint {inside} (symbolic link to {real}); refused"
+        )
+    return real
+
+
+def _os_error(e: OSError, path: Path | str, what: str) -> BaseException:
+    """A CheckpointError for a failed open or stat (a missing file or directory stays itself, for callers to word)."""
+    if isinstance(e, (FileNotFoundError, NotADirectoryError)):
+        return e
+    if isinstance(e, PermissionError):
+        return CheckpointError(f"{what}: permission denied reading {path}")
+    if e.errno == errno.ELOOP:
+        return CheckpointError(f"{what}: cannot open {path}: too many levels of symbolic links (a loop?)")
+    return CheckpointError(f"{what}: cannot open {path}: {e.strerror or e}")
 
 
 def _write_all(fd: int, parts: list[np.ndarray]) -> None:
@@ -195,51 +298,84 @@ def read_chunk(
     valid: Sequence[int],
     targets: Sequence[tuple[tuple[slice, ...], np.ndarray]],
     what: str,
+    *,
+    dtype: np.dtype | None = None,
+    expected: int | None = None,
+    inside: str | None = None,
 ) -> None:
-    """Read one chunk file once, check its checksum, and put its elements ``box`` into ``dest``
-    for every ``(box, dest)`` of ``targets``.
+    """Read one chunk file once, check it, and put its elements ``box`` into ``dest``
+    for every ``(box, dest)`` of ``targets`` (none: only check it).
 
     ``valid`` is the part of the chunk inside the array (less than ``chunk_shape`` at an
-    edge). Where one target wants all of it, laid out as one prefix of the file, into
-    contiguous memory, the file is read straight into that memory; otherwise through a
-    scratch buffer. ``what`` names the chunk in errors.
+    edge); ``dtype`` the stored element type (the first target's when None). The file
+    must be a regular file of exactly the chunk's size, end with the crc32c of the rest,
+    and that crc32c must be ``expected``, the one the metadata records for this chunk
+    (when it records one): a chunk moved, swapped or taken from another checkpoint is
+    caught. A symbolic link is followed only inside the directory ``inside``. Where one
+    target wants all of the chunk, laid out as one prefix of the file, into contiguous
+    memory, the file is read straight into that memory; otherwise through a scratch
+    buffer. ``what`` names the chunk in errors.
     """
     chunk = tuple(chunk_shape)
-    box, dest = targets[0]
-    itemsize = dest.dtype.itemsize
-    stored = math.prod(chunk) * itemsize
+    if dtype is None:
+        dtype = targets[0][1].dtype
+    stored = math.prod(chunk) * dtype.itemsize
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
+        fd, st = open_regular(path, inside, what)
+    except (FileNotFoundError, NotADirectoryError):
         raise CheckpointError(f"{what} is missing: no file {path}") from None
     try:
-        size = os.fstat(fd).st_size
-        if size != stored + 4:
-            raise CheckpointError(f"{what} is damaged: {path} holds {size} bytes, expected {stored + 4}")
-        whole = tuple(b.start for b in box) == (0,) * len(chunk) and tuple(b.stop for b in box) == tuple(valid)
-        if len(targets) == 1 and whole and dest.flags.c_contiguous and _padded_tail(valid, chunk):
-            head = _bytes_of(dest)
-            tail = np.empty(stored + 4 - head.nbytes, dtype=np.uint8)
-            _read_all(fd, [head, tail])
-            _check(google_crc32c.extend(google_crc32c.value(head), tail[:-4]), tail, path, what)
-        else:
-            scratch = np.empty(stored + 4, dtype=np.uint8)
-            _read_all(fd, [scratch])
-            _check(google_crc32c.value(scratch[:stored]), scratch[stored:], path, what)
-            elements = scratch[:stored].view(dest.dtype).reshape(chunk)
-            for box, dest in targets:
-                dest[...] = elements[box]
+        if st.st_size != stored + 4:
+            raise CheckpointError(f"{what} is damaged: {path} holds {st.st_size} bytes, expected {stored + 4}")
+        try:
+            crc = _read_into(fd, chunk, valid, dtype, stored, targets, path, what)
+        except OSError as e:
+            raise CheckpointError(f"{what}: cannot read {path}: {e.strerror or e}") from e
+        if expected is not None and crc != expected:
+            raise CheckpointError(
+                f"{what} is not the chunk the metadata records: {path} holds a chunk with crc32c {crc:#010x}, "
+                f"the metadata records {expected:#010x} (a chunk moved, swapped or replaced)"
+            )
     finally:
         os.close(fd)
 
 
-def _check(crc: int, tail: np.ndarray, path: Path, what: str) -> None:
-    """Compare a computed crc32c with the one stored in the last 4 bytes of ``tail``."""
+def _read_into(
+    fd: int,
+    chunk: tuple[int, ...],
+    valid: Sequence[int],
+    dtype: np.dtype,
+    stored: int,
+    targets: Sequence[tuple[tuple[slice, ...], np.ndarray]],
+    path: Path,
+    what: str,
+) -> int:
+    """Read and check the file's bytes, and fill the targets; returns the chunk's crc32c."""
+    if len(targets) == 1:
+        box, dest = targets[0]
+        whole = tuple(b.start for b in box) == (0,) * len(chunk) and tuple(b.stop for b in box) == tuple(valid)
+        if whole and dest.dtype == dtype and dest.flags.c_contiguous and _padded_tail(valid, chunk):
+            head = _bytes_of(dest)
+            tail = np.empty(stored + 4 - head.nbytes, dtype=np.uint8)
+            _read_all(fd, [head, tail])
+            return _check(google_crc32c.extend(google_crc32c.value(head), tail[:-4]), tail, path, what)
+    scratch = np.empty(stored + 4, dtype=np.uint8)
+    _read_all(fd, [scratch])
+    crc = _check(google_crc32c.value(scratch[:stored]), scratch[stored:], path, what)
+    elements = scratch[:stored].view(dtype).reshape(chunk)
+    for box, dest in targets:
+        dest[...] = elements[box]
+    return int(crc)
+
+
+def _check(crc: int, tail: np.ndarray, path: Path, what: str) -> int:
+    """Compare a computed crc32c with the one stored in the last 4 bytes of ``tail``; returns it."""
     expected = int.from_bytes(tail[-4:].tobytes(), "little")
     if crc != expected:
         raise CheckpointError(
             f"{what} is damaged: {path} fails its checksum (crc32c stored {expected:#010x}, computed {crc:#010x})"
         )
+    return int(crc)
 
 
 def _read_all(fd: int, parts: list[np.ndarray]) -> None:

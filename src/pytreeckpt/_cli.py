@@ -193,7 +193,14 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    report = verify(args.path)
+    try:
+        report = verify(args.path)
+    except CheckpointError as e:  # nothing could be checked: say so where the status goes, then fail
+        if args.json:
+            print(json.dumps({"ok": False, "error": str(e), "problems": []}, indent=2))
+        else:
+            print(f"FAILED: {args.path} could not be verified")
+        raise
     if args.json:
         out = {
             "ok": report.ok,
@@ -203,10 +210,16 @@ def cmd_verify(args: argparse.Namespace) -> int:
             "problems": [
                 {"key": k, "chunk": None if c is None else list(c), "message": m} for k, c, m in report.problems
             ],
+            "unrecorded": list(report.unrecorded),
         }
         print(json.dumps(out, indent=2))
     elif report.ok:
         print(f"ok: {report.arrays} arrays, {report.chunks} chunks, {_size(report.nbytes)} read and checked")
+        if report.unrecorded:
+            print(
+                f"note: the metadata records no chunk checksums for {len(report.unrecorded)} arrays (an older "
+                f"checkpoint): their chunks' own checksums were checked, not that each is the chunk it should be"
+            )
     else:
         for key, chunk, message in report.problems:
             where = "whole array" if chunk is None else f"chunk {list(chunk)}"
@@ -285,6 +298,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         status: int = args.run(args)
     except CheckpointError as e:
+        print(f"pytreeckpt {args.command}: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a file the command itself could not reach (permission, a vanished path)
         print(f"pytreeckpt {args.command}: {e}", file=sys.stderr)
         return 2
     return status

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
@@ -21,6 +22,7 @@ import math
 import os
 import secrets
 import shutil
+import stat
 import sys
 import threading
 import time
@@ -33,7 +35,7 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from ._chunkio import LITTLE_ENDIAN, IOPool, read_chunk, write_chunk
+from ._chunkio import LITTLE_ENDIAN, IOPool, chunk_crc, open_regular, read_chunk, write_chunk
 from ._errors import CheckpointError, MetadataError, NotCommittedError
 from ._format import (
     ARRAYS_DIR,
@@ -42,6 +44,7 @@ from ._format import (
     PACKED_DIR,
     STEP_DIR,
     ArrayMeta,
+    chunk_count,
     generation_of,
     zarr_metadata,
 )
@@ -49,7 +52,17 @@ from ._location import OBJECT_STORE_CHUNKING, OCDBT_CACHE, KvPrefix, Where, make
 from ._region import Region, chunk_region
 from .plan import ArrayLoadPlan, ArraySavePlan, ChunkingOptions, ReadOp, WriteOp
 
-__all__ = ["ExecutorOptions", "PieceData", "Storage", "WriteItem", "assemble", "remove_tree", "write_items"]
+__all__ = [
+    "ChunkSums",
+    "ExecutorOptions",
+    "PieceData",
+    "Storage",
+    "WriteItem",
+    "assemble",
+    "available_memory",
+    "remove_tree",
+    "write_items",
+]
 
 logger = logging.getLogger("pytreeckpt")
 
@@ -69,6 +82,11 @@ LOCK_WAIT = 1.0
 MAX_COMPRESSION_RATIO = 1 << 16
 """The most a compressed array's metadata may claim over its stored bytes (all-zero
 chunks compress about 13,000 times with zstd)."""
+
+MISSING_CHUNKS = 4096
+"""How many more chunks than are present an array's grid may have before it is refused
+whole (fewer are reported chunk by chunk as they are read): loops over a grid stay
+bounded by the chunks actually stored."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -166,6 +184,8 @@ class Storage:
         self._kept: frozenset[str] | None = None
         self._prepared = False
         self._made_root = False
+        self._scanned: dict[str, tuple[int, int]] = {}  # place -> (bytes, chunk files): see scan()
+        self._root_real: str | None = None
 
     @property
     def root(self) -> Path:
@@ -426,22 +446,26 @@ class Storage:
                 p.unlink(missing_ok=True)
 
     def check_stored_sizes(self, metas: Sequence[ArrayMeta]) -> None:
-        """Refuse metadata that claims more bytes than are stored, before anything is allocated.
+        """Refuse metadata that claims more than is stored, before anything is allocated or looped over.
 
         Uncompressed chunks (raw bytes and a 4-byte checksum) hold at least the array's
         size; compressed ones at least ``1 / MAX_COMPRESSION_RATIO`` of it. A document
-        claiming a huge shape is caught here instead of by a huge allocation. Packed
-        arrays are small by definition (the metadata parser caps them). On a key-value
-        store, whose listings carry no sizes, every chunk object must be present; a chunk
-        shorter than claimed fails its read.
+        claiming a huge shape is caught here instead of by a huge allocation. The chunks
+        present bound the chunk grid (within ``MISSING_CHUNKS``, so a few missing chunks
+        are named one by one when read), so no loop runs over a grid the files do not
+        back. Packed arrays are small by definition (the metadata parser caps them); one of
+        several chunks has its keys counted in its database. On a key-value store, whose
+        listings carry no sizes, every chunk object must be present; a chunk shorter than
+        claimed fails its read. Every file is checked as :meth:`scan` says.
         """
         for meta in metas:
             if meta.database is not None:
+                self._check_packed_chunks(meta)
                 continue
             if self.kv is not None:
                 self._check_chunks_listed(meta)
                 continue
-            stored = self.stored_bytes(meta) or 0
+            stored, files = self.scan(meta.path, meta.key)
             ratio = 1 if meta.compression is None else MAX_COMPRESSION_RATIO
             if stored * ratio < meta.nbytes:
                 raise MetadataError(
@@ -449,18 +473,105 @@ class Storage:
                     f"({meta.nbytes} bytes) but {meta.path!r} holds only {stored} bytes of chunks"
                     + ("" if ratio == 1 else f", more than {ratio} times less than that")
                 )
+            self._check_chunk_count(meta, files, f"{meta.path!r} holds {files} chunk files")
+
+    def _check_chunk_count(self, meta: ArrayMeta, present: int, where: str) -> None:
+        expected = chunk_count(meta.shape, meta.chunk_shape)
+        if expected > present + MISSING_CHUNKS:
+            raise MetadataError(
+                f"leaf {meta.key!r}: the metadata claims a {meta.dtype.name} array of shape {meta.shape} in "
+                f"{expected} chunks of {list(meta.chunk_shape)} but {where}"
+            )
+
+    def _check_packed_chunks(self, meta: ArrayMeta) -> None:
+        """A packed array of several chunks: its chunk keys in the database bound its grid."""
+        assert meta.database is not None
+        if chunk_count(meta.shape, meta.chunk_shape) <= 1:
+            return
+        if self.kv is None:
+            self.scan(meta.database, meta.key)
+        prefix = f"{meta.path}/c"
+        try:
+            db = ts.KvStore.open(
+                {"driver": "ocdbt", "base": self.location.kvstore(meta.database + "/"), "cache_pool": OCDBT_CACHE},
+                context=self.context,
+            ).result()
+            keys = db.list(ts.KvStore.KeyRange(prefix + "/", prefix + "0")).result()
+        except Exception as e:
+            raise CheckpointError(
+                f"leaf {meta.key!r}: cannot list the chunks of {meta.path!r} in {meta.database!r}: {e}"
+            ) from e
+        self._check_chunk_count(meta, len(keys), f"{meta.database!r} holds {len(keys)} of its chunks")
 
     def stored_bytes(self, meta: ArrayMeta) -> int | None:
         """Bytes of the chunk files of one stored array; None where the store cannot tell (packed, key-value)."""
         if meta.database is not None or self.kv is not None:
             return None
-        folder = self._check_inside(self.root / meta.path, meta.key)
-        stored = 0
-        for dirpath, _dirs, files in os.walk(folder):
-            for name in files:
-                if name != "zarr.json":
-                    stored += os.stat(os.path.join(dirpath, name)).st_size
-        return stored
+        return self.scan(meta.path, meta.key)[0]
+
+    def check_files(self, metas: Sequence[ArrayMeta]) -> None:
+        """Before TensorStore or the executor opens anything of these arrays: every file of each
+        (``zarr.json`` and chunks), or of its OCDBT database, is checked by :meth:`scan`."""
+        if self.kv is None:
+            for meta in metas:
+                self.scan(meta.path if meta.database is None else meta.database, meta.key)
+
+    def scan(self, where: str, key: str) -> tuple[int, int]:
+        """Check the files of one stored array (or OCDBT database) before anything reads them.
+
+        Returns the bytes and the number of its chunk files (files but ``zarr.json``, whose
+        bytes are not counted either).
+        Refuses, with a CheckpointError naming the leaf and the path: a symbolic link that
+        leads outside the checkpoint (links inside it are followed), anything but regular
+        files and directories (a FIFO or a device would block or never end a read), a
+        directory that cannot be read (permission denied, said as such) and link loops.
+        Each place is walked once per Storage.
+        """
+        if where in self._scanned:
+            return self._scanned[where]
+        top = self._check_inside(self.root / where, key)
+        total = files = 0
+        seen: set[tuple[int, int]] = set()  # directories (device, inode): a link back up is walked once
+        with contextlib.suppress(OSError):
+            st = os.stat(top)
+            seen.add((st.st_dev, st.st_ino))
+        todo = [top]
+        while todo:
+            folder = todo.pop()
+            try:
+                with os.scandir(folder) as it:
+                    entries = list(it)
+            except FileNotFoundError:
+                continue  # a missing array: its size (0) says so
+            except OSError as e:
+                raise _os_failure(e, folder, f"leaf {key!r}", "list") from e
+            for entry in entries:
+                try:
+                    if entry.is_symlink():
+                        real = self._check_inside(Path(entry.path), key)
+                        st = os.stat(real)
+                        path = real
+                    else:
+                        st = entry.stat(follow_symlinks=False)
+                        path = Path(entry.path)
+                except FileNotFoundError:
+                    continue  # gone since it was listed
+                except OSError as e:
+                    raise _os_failure(e, Path(entry.path), f"leaf {key!r}", "stat") from e
+                if stat.S_ISDIR(st.st_mode):
+                    if (st.st_dev, st.st_ino) not in seen:
+                        seen.add((st.st_dev, st.st_ino))
+                        todo.append(path)
+                elif stat.S_ISREG(st.st_mode):
+                    if entry.name != "zarr.json":
+                        total += st.st_size
+                        files += 1
+                else:
+                    raise CheckpointError(
+                        f"leaf {key!r}: {entry.path} is not a regular file (a FIFO, device or socket); refused"
+                    )
+        self._scanned[where] = (total, files)
+        return total, files
 
     def _check_chunks_listed(self, meta: ArrayMeta) -> None:
         assert self.kv is not None
@@ -468,8 +579,7 @@ class Storage:
             return
         prefix = meta.path + "/"
         listed = set(self.kv.list(prefix))
-        grid = [-(-n // c) for n, c in zip(meta.shape, meta.chunk_shape, strict=True)]
-        expected = math.prod(grid)
+        expected = chunk_count(meta.shape, meta.chunk_shape)
         chunks = sum(1 for k in listed if k.startswith(prefix + "c"))
         if chunks < expected:
             raise MetadataError(
@@ -478,59 +588,92 @@ class Storage:
             )
 
     def verify(self, metas: Sequence[ArrayMeta]) -> tuple[list[tuple[str, tuple[int, ...] | None, str]], int, int]:
-        """Read every chunk of every array; returns ``(problems, chunks read, bytes read)``.
+        """Read every chunk of every array and check it as a load does; returns ``(problems, chunks read, bytes read)``.
 
-        A problem is ``(key, chunk index or None for the whole array, message)``.
-        Memory stays bounded: chunks are read a window at a time into scratch buffers.
+        A problem is ``(key, chunk index or None for the whole array, message)``. Each
+        chunk goes through the very checks of :meth:`read` (its own checksum, its size, the
+        checksum the metadata records for it, the files' kinds and places), so a load
+        fails exactly where this finds a problem. Memory stays bounded: chunks are read
+        a window at a time into scratch buffers.
         """
-        problems: list[tuple[str, tuple[int, ...] | None, str]] = []
+        problems: list[tuple[int, str, tuple[int, ...] | None, str]] = []  # (array, key, chunk, message)
         chunks = nbytes = 0
-        for meta in metas:
+        pending: collections.deque[tuple[int, str, tuple[int, ...], Future[Any], int]] = collections.deque()
+        inflight = 0
+
+        def settle() -> int:
+            at, key, idx, future, size = pending.popleft()
+            try:
+                future.result()
+            except Exception as e:
+                problems.append((at, key, idx, str(e)))
+            return size
+
+        for at, meta in enumerate(metas):
             try:
                 self.check_stored_sizes([meta])
+                self.check_files([meta])
                 (store,) = self.open_arrays([meta], create=False)
             except CheckpointError as e:
-                problems.append((meta.key, None, str(e)))
+                problems.append((at, meta.key, None, str(e)))
                 continue
-            pending: collections.deque[tuple[tuple[int, ...], Any, int]] = collections.deque()
-            inflight = 0
-
-            def settle(
-                pending: collections.deque[tuple[tuple[int, ...], Any, int]] = pending, meta: ArrayMeta = meta
-            ) -> int:
-                idx, future, size = pending.popleft()
-                try:
-                    future.result()
-                except Exception as e:
-                    problems.append((meta.key, idx, f"chunk {list(idx)} of {meta.path!r}: {e}"))
-                return size
-
             for idx in Region.full(meta.shape).chunk_indices(meta.chunk_shape):
-                region = chunk_region(idx, meta.chunk_shape, meta.shape)
-                size = region.size * meta.dtype.itemsize
-                pending.append((idx, store[region.slices()].read(), size))
+                size = chunk_region(idx, meta.chunk_shape, meta.shape).size * meta.dtype.itemsize
+                pending.append((at, meta.key, idx, self._chunk(meta, store, idx, []), size))
                 inflight += size
                 chunks += 1
                 nbytes += size
                 while pending and inflight > self.options.max_inflight_bytes:
                     inflight -= settle()
-            while pending:
-                settle()
-        return problems, chunks, nbytes
+        while pending:
+            settle()
+        problems.sort(key=lambda p: p[0])  # in the order of the arrays (stable: chunks in grid order)
+        return [p[1:] for p in problems], chunks, nbytes
 
     def read_metadata(self) -> bytes:
+        """The metadata document, read only if it is at most ``max_metadata_bytes`` (checked before reading)."""
+        limit = self.location.options.max_metadata_bytes
         if self.kv is not None:
+            if self.kv.longer_than(METADATA_FILE, limit):
+                raise MetadataError(
+                    f"{self.url}/{METADATA_FILE} holds more than {limit} bytes, the limit on a metadata document "
+                    f"(StorageOptions(max_metadata_bytes=...) raises it); refusing to read it"
+                )
             raw = self.kv.read(METADATA_FILE)
             if raw is None:
                 self.kv.check_reachable()  # a missing bucket reads as a missing object: say which it is
                 raise self._not_committed()
             return raw
-        self._check_inside(self.metadata_path, "metadata")
-        try:  # opened, not checked first: a checkpoint replaced or removed meanwhile is no OS error
-            with open(self.metadata_path, "rb") as f:
-                return f.read()
-        except (FileNotFoundError, NotADirectoryError, IsADirectoryError) as e:
+        try:
+            fd, st = open_regular(self.metadata_path, self._real_root(), "the metadata document")
+        except (FileNotFoundError, NotADirectoryError) as e:  # also a checkpoint replaced or removed meanwhile
             raise self._not_committed() from e
+        try:
+            if st.st_size > limit:
+                raise MetadataError(
+                    f"{self.metadata_path} holds {st.st_size} bytes, more than the limit of {limit} on a metadata "
+                    f"document (StorageOptions(max_metadata_bytes=...) raises it); refusing to read it"
+                )
+            with os.fdopen(os.dup(fd), "rb") as f:
+                raw = f.read(limit + 1)
+        except OSError as e:
+            raise _os_failure(e, self.metadata_path, "the metadata document", "read") from e
+        finally:
+            os.close(fd)
+        if len(raw) > limit:
+            raise MetadataError(f"{self.metadata_path} grew past the limit of {limit} bytes while it was read")
+        return raw
+
+    def _real_root(self) -> str:
+        """The real path of the checkpoint directory (links resolved), computed once."""
+        if self._root_real is None:
+            try:
+                self._root_real = os.path.realpath(self.root, strict=True)
+            except FileNotFoundError:
+                self._root_real = os.path.realpath(self.root)
+            except OSError as e:
+                raise _os_failure(e, self.root, "the checkpoint directory", "resolve") from e
+        return self._root_real
 
     def _not_committed(self) -> NotCommittedError:
         """Why there is no metadata document here, saying so when this is a CheckpointManager's directory."""
@@ -569,10 +712,19 @@ class Storage:
         )
 
     def _check_inside(self, path: Path, key: str) -> Path:
-        real = path.resolve()
-        if not real.is_relative_to(self.root.resolve()):
-            raise CheckpointError(f"leaf {key!r}: {path} leads outside the checkpoint {self.root} (symbolic link?)")
-        return real
+        """The real path of ``path`` (missing components kept), which must lie inside the checkpoint."""
+        try:
+            real = os.path.realpath(path, strict=True)
+        except FileNotFoundError:
+            real = os.path.realpath(path)
+        except OSError as e:
+            raise _os_failure(e, path, f"leaf {key!r}", "resolve") from e
+        root = self._real_root()
+        if real != root and not real.startswith(root.rstrip(os.sep) + os.sep):
+            raise CheckpointError(
+                f"leaf {key!r}: {path} leads outside the checkpoint {self.root} (symbolic link to {real}); refused"
+            )
+        return Path(real)
 
     # ------------------------------------------------------------------ arrays
     def _spec(self, meta: ArrayMeta, create: bool) -> dict[str, Any]:
@@ -601,9 +753,11 @@ class Storage:
 
     def open_arrays(self, metas: Sequence[ArrayMeta], create: bool) -> list[Any]:
         def failed(meta: ArrayMeta, e: Exception) -> CheckpointError:
-            return CheckpointError(
-                f"leaf {meta.key!r}: cannot {'create' if create else 'open'} stored array {meta.path!r}: {e}"
-            )
+            where = repr(meta.path)
+            if meta.database is not None:
+                where += f" in the OCDBT database {meta.database!r}"
+            verb = "create" if create else "open"
+            return CheckpointError(f"leaf {meta.key!r}: cannot {verb} stored array {where}: {e}")
 
         futures: list[Any] = []
 
@@ -711,6 +865,7 @@ class Storage:
         progress: Callable[[int], None] | None = None,
         reuse: ChunkReuse | None = None,
         only: Iterable[int] | None = None,
+        sums: ChunkSums | None = None,
     ) -> int:
         """Write ``(array index, region, data, done)`` items, a bounded number of bytes at a time.
 
@@ -723,7 +878,9 @@ class Storage:
         With ``create=False`` the arrays must exist already (another rank created them).
         ``progress(nbytes)`` is called as writes finish. With ``reuse`` every chunk's
         content is hashed, and a chunk equal to the base checkpoint's is hard-linked from
-        it instead of written. Returns the bytes written.
+        it instead of written. ``sums`` records every chunk's crc32c (and hash): chunk
+        files written here give theirs as they are written, other chunks are checksummed
+        from the data before TensorStore encodes it. Returns the bytes written.
         """
         wanted = range(len(metas)) if only is None else sorted(set(only))
         stores = dict(zip(wanted, self.open_arrays([metas[i] for i in wanted], create=create), strict=True))
@@ -731,7 +888,7 @@ class Storage:
         written = 0
         try:
             for i, region, buf, done in items:
-                parts = [(region, buf)] if reuse is None else reuse.keep(i, region, buf, self)
+                parts = [(region, buf)] if reuse is None else reuse.keep(i, region, buf, self, sums)
                 if not parts:  # every chunk linked from the base
                     if done is not None:
                         done()
@@ -744,8 +901,10 @@ class Storage:
                     written += nbytes
                     future: Any
                     if self._direct(metas[i], data):
-                        future = self._write_direct(metas[i], part, data)
+                        future = self._write_direct(metas[i], part, data, None if sums is None else sums.recorder(i))
                     else:
+                        if sums is not None:
+                            sums.add_region(i, metas[i], part, data)
                         future = stores[i][part.slices()].write(data)
                         self._note_chunks(metas[i], part)
                     if done_all is not None or progress is not None:
@@ -767,11 +926,20 @@ class Storage:
         directory on a little-endian host, where the memory has the stored element type;
         TensorStore does the rest. A write must cover whole chunks (every planned write does).
         """
-        local_plain = self.kv is None and LITTLE_ENDIAN and meta.compression is None and meta.database is None
-        return local_plain and meta.nbytes > 0 and len(meta.shape) > 0 and data.dtype == meta.dtype.numpy
+        return self._reads_files(meta) and data.dtype == meta.dtype.numpy
 
-    def _write_direct(self, meta: ArrayMeta, region: Region, data: np.ndarray) -> Future[Any]:
-        """Write ``region`` (whole chunks) chunk file by chunk file; each file is fsynced as it is written."""
+    def _reads_files(self, meta: ArrayMeta) -> bool:
+        """Whether this array's chunks are read as files by the executor (:func:`read_chunk`), not by TensorStore."""
+        local_plain = self.kv is None and LITTLE_ENDIAN and meta.compression is None and meta.database is None
+        return local_plain and meta.nbytes > 0 and len(meta.shape) > 0
+
+    def _write_direct(
+        self, meta: ArrayMeta, region: Region, data: np.ndarray, record: Callable[[tuple[int, ...], int], None] | None
+    ) -> Future[Any]:
+        """Write ``region`` (whole chunks) chunk file by chunk file; each file is fsynced as it is written.
+
+        ``record(index, crc32c)`` is called with each chunk's checksum as it is written.
+        """
         chunk = meta.chunk_shape
         bounds = zip(region.offset, region.stop, chunk, meta.shape, strict=True)
         if not all(o % c == 0 and (e % c == 0 or e == n) for o, e, c, n in bounds):
@@ -787,44 +955,111 @@ class Storage:
                 self._made_dirs.add(path.parent)
                 self._unsynced.add(path.parent)  # its new entries; the parents follow in :meth:`sync`
             box = chunk_region(index, chunk, meta.shape).relative_to(region).slices()
-            futures.append(_IO.submit(self.options.file_io_concurrency, write_chunk, path, data[box], chunk, True))
+            futures.append(
+                _IO.submit(self.options.file_io_concurrency, _write_recorded, path, data[box], chunk, index, record)
+            )
         return _all_of(futures)
 
-    def _read_direct(self, meta: ArrayMeta, wants: Sequence[tuple[Region, np.ndarray]]) -> list[Future[Any]]:
-        """Read each ``(region, dest)`` of one array chunk file by chunk file, checking checksums.
+    def _read_chunks(
+        self, meta: ArrayMeta, store: Any, wants: Sequence[tuple[Region, np.ndarray]]
+    ) -> list[Callable[[], Future[Any]]]:
+        """Read each ``(region, dest)`` of one array chunk by chunk, checking every chunk (see :meth:`_chunk`).
 
-        A chunk several regions want is read once for all of them. Every chunk is queued
-        at once; a chunk only partly wanted goes through a scratch buffer, so the memory
-        held is at most one chunk per I/O thread. Returns one future per region.
+        A chunk several regions want is read once for all of them. Returns one function
+        per region that starts the reads of its chunks (those not started yet) and returns
+        a future of them all: the caller starts each region when its window has room, so
+        the scratch memory of chunks only partly wanted stays bounded.
         """
         chunk = meta.chunk_shape
         targets: dict[tuple[int, ...], list[tuple[tuple[slice, ...], np.ndarray]]] = {}
-        valid: dict[tuple[int, ...], tuple[int, ...]] = {}
         needs: list[list[tuple[int, ...]]] = []
+        alone: dict[tuple[int, ...], bool] = {}  # every region wanting the chunk wants nothing else
         for region, dest in wants:
             needs.append([])
+            first = tuple(o // c for o, c in zip(region.offset, chunk, strict=True))
+            last = tuple((o + n - 1) // c for o, n, c in zip(region.offset, region.shape, chunk, strict=True))
+            if first == last:  # within one chunk (every planned read is): no Region arithmetic
+                box = tuple(
+                    slice(o - k * c, o - k * c + n)
+                    for o, n, k, c in zip(region.offset, region.shape, first, chunk, strict=True)
+                )
+                targets.setdefault(first, []).append((box, dest))
+                needs[-1].append(first)
+                alone[first] = alone.get(first, True)
+                continue
             for index in region.chunk_indices(chunk):
                 whole = chunk_region(index, chunk, meta.shape)
                 part = whole.intersect(region)
                 assert part is not None
-                valid[index] = whole.shape
                 box = part.relative_to(whole).slices()
                 targets.setdefault(index, []).append((box, dest[part.relative_to(region).slices()]))
                 needs[-1].append(index)
-        array = self.root / meta.path
-        futures = {
-            index: _IO.submit(
-                self.options.file_io_concurrency,
-                read_chunk,
-                array / _chunk_key(index),
-                chunk,
-                valid[index],
-                wanted,
-                f"chunk {list(index)}",
+                alone[index] = False
+        futures: dict[tuple[int, ...], Any] = {}
+
+        def starter(indices: list[tuple[int, ...]]) -> Callable[[], Future[Any]]:
+            def start() -> Future[Any]:
+                for index in indices:
+                    if index not in futures:
+                        futures[index] = self._chunk(meta, store, index, targets[index], lazy=alone[index])
+                if len(indices) == 1:
+                    return futures[indices[0]]  # type: ignore[no-any-return]
+                return _all_of([futures[index] for index in indices])
+
+            return start
+
+        return [starter(indices) for indices in needs]
+
+    def _chunk(
+        self,
+        meta: ArrayMeta,
+        store: Any,
+        index: tuple[int, ...],
+        targets: Sequence[tuple[tuple[slice, ...], np.ndarray]],
+        lazy: bool = True,
+    ) -> Any:
+        """Read chunk ``index`` once, check it, and fill ``targets`` (none: only check it); returns a future.
+
+        Every read of a chunk, by :meth:`read` and by :meth:`verify` alike, comes here. The
+        chunk must be the one the metadata records (its crc32c, see ``chunk_crc``), where
+        it records one: local uncompressed chunk files are read by :func:`read_chunk`,
+        which also checks the file's kind, place, size and own checksum; others are read
+        whole by TensorStore (which checks their codecs' checksum), and their crc32c is
+        computed once they have landed: for a small chunk, with ``lazy``, by the thread that
+        waits for its result (a :class:`_Landing`, which only has ``result()``: handing each
+        of 10,000 small packed arrays to another thread cost more than the check), else on
+        an I/O thread.
+        """
+        what = f"chunk {list(index)}"
+        expected = meta.recorded_crc32c(index)
+        workers = self.options.file_io_concurrency
+        whole = chunk_region(index, meta.chunk_shape, meta.shape)
+        if self._reads_files(meta):
+            path = self.root / meta.path / _chunk_key(index)
+            return _IO.submit(
+                workers, _read_file_chunk, path, meta, whole.shape, targets, what, expected, self._real_root()
             )
-            for index, wanted in targets.items()
-        }
-        return [_all_of([futures[index] for index in indices]) for indices in needs]
+        # One target wanting the whole chunk gets it straight in its memory; otherwise the
+        # chunk lands in scratch memory and the targets' boxes are copied from there.
+        straight = len(targets) == 1 and targets[0][1].shape == whole.shape and targets[0][1].dtype == meta.dtype.numpy
+        out: Future[Any] = Future()
+        try:
+            if straight:
+                landing = ts.array(targets[0][1]).write(store[whole.slices()])
+            else:
+                landing = store[whole.slices()].read()
+        except Exception as e:
+            out.set_exception(CheckpointError(f"{what}: {e}"))
+            return out
+
+        if lazy and whole.size * meta.dtype.itemsize <= _INLINE_CHECK_BYTES:
+            return _Landing(landing, meta, targets, straight, what, expected)
+
+        def landed(f: Any) -> None:  # on a TensorStore thread: the checks go to an I/O thread
+            _IO.submit(workers, _settle_stored_chunk, f, out, meta, targets, straight, what, expected)
+
+        landing.add_done_callback(landed)
+        return out
 
     def link_chunk(self, base: Path, base_path: str, path: str, index: tuple[int, ...]) -> bool:
         """Hard-link chunk ``index`` of the base checkpoint's array into this one; False where links fail.
@@ -862,6 +1097,7 @@ class Storage:
         has landed (while later arrays are still being read), ``progress(nbytes)`` as
         reads land. Returns the bytes read.
         """
+        self.check_files(metas)
         stores = self.open_arrays(metas, create=False)
         window = _Window(self.options.max_inflight_bytes)
         read = 0
@@ -877,17 +1113,13 @@ class Storage:
                         view, where = get(t.rank, t.piece)
                         outs.append(view[t.region.relative_to(where).slices()])
                 landing.append(outs)
-            direct: list[Future[Any]] | None = None
-            if mine and all(self._direct(meta, outs[0]) for outs in landing):
-                direct = self._read_direct(meta, [(op.region, outs[0]) for op, outs in zip(mine, landing, strict=True)])
+            starts = self._read_chunks(
+                meta, store, [(op.region, outs[0]) for op, outs in zip(mine, landing, strict=True)]
+            )
             for n, (op, outs) in enumerate(zip(mine, landing, strict=True)):
                 first = outs[0]
                 nbytes = op.region.size * plan.itemsize
-                future: Any
-                if direct is not None:
-                    future = direct[n]
-                else:
-                    future = ts.array(first).write(store[op.region.slices()])
+                future = starts[n]()
 
                 def fan_out(
                     first: np.ndarray = first,
@@ -913,6 +1145,126 @@ class Storage:
 
 
 _IO = IOPool()
+_INLINE_CHECK_BYTES = 1 << 20
+
+
+def _read_file_chunk(
+    path: Path,
+    meta: ArrayMeta,
+    valid: tuple[int, ...],
+    targets: Sequence[tuple[tuple[slice, ...], np.ndarray]],
+    what: str,
+    expected: int | None,
+    inside: str,
+) -> None:
+    read_chunk(path, meta.chunk_shape, valid, targets, what, dtype=meta.dtype.numpy, expected=expected, inside=inside)
+
+
+def _check_stored_chunk(
+    landed: Any,
+    meta: ArrayMeta,
+    targets: Sequence[tuple[tuple[slice, ...], np.ndarray]],
+    straight: bool,
+    what: str,
+    expected: int | None,
+) -> None:
+    """A whole chunk TensorStore read (``landed``): check its crc32c against ``expected``, fill ``targets``."""
+    try:
+        data = targets[0][1] if straight else landed.result()
+        if straight:
+            landed.result()
+    except Exception as e:
+        raise CheckpointError(f"{what}: {e}") from e
+    if expected is not None:
+        crc = chunk_crc(data, meta.chunk_shape, meta.dtype.numpy)
+        if crc != expected:
+            raise CheckpointError(
+                f"{what} is not the chunk the metadata records: it has crc32c {crc:#010x}, the metadata "
+                f"records {expected:#010x} (a chunk moved, swapped or replaced)"
+            )
+    if not straight:
+        for box, dest in targets:
+            dest[...] = data[box]
+
+
+def _settle_stored_chunk(landed: Any, out: Future[Any], *args: Any) -> None:
+    """:func:`_check_stored_chunk`, settling ``out`` with its outcome."""
+    try:
+        _check_stored_chunk(landed, *args)
+    except BaseException as e:
+        out.set_exception(e)
+    else:
+        out.set_result(None)
+
+
+class _Landing:
+    """A small chunk's TensorStore read, checked (:func:`_check_stored_chunk`) by the thread asking ``result()``."""
+
+    def __init__(self, landed: Any, *args: Any) -> None:
+        self._landed = landed
+        self._args: tuple[Any, ...] = args
+        self._lock = threading.Lock()
+        self._error: BaseException | None = None
+        self._checked = False
+
+    def result(self) -> None:
+        with self._lock:
+            if not self._checked:
+                self._checked = True
+                try:
+                    _check_stored_chunk(self._landed, *self._args)
+                except BaseException as e:
+                    self._error = e
+                self._landed, self._args = None, ()  # the buffers are not kept alive
+        if self._error is not None:
+            raise self._error
+
+
+def _write_recorded(
+    path: Path,
+    data: np.ndarray,
+    chunk: tuple[int, ...],
+    index: tuple[int, ...],
+    record: Callable[[tuple[int, ...], int], None] | None,
+) -> None:
+    crc = write_chunk(path, data, chunk, True)
+    if record is not None:
+        record(index, crc)
+
+
+def available_memory() -> int | None:
+    """Bytes this process may still allocate: MemAvailable plus free swap, at most its cgroup's limit.
+
+    None where the system does not say (no ``/proc/meminfo``).
+    """
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            info = {line.split(b":")[0]: int(line.split()[1]) * 1024 for line in f if line.split()[1:2]}
+    except (OSError, ValueError, IndexError):
+        try:
+            return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, ValueError):
+            return None
+    if b"MemAvailable" not in info:
+        return None
+    free = info[b"MemAvailable"] + info.get(b"SwapFree", 0)
+    try:  # a container's whole memory limit (cgroup v2; its usage counts reclaimable page cache, so not that)
+        with open("/sys/fs/cgroup/memory.max", "rb") as f:
+            limit = f.read().strip()
+        if limit != b"max":
+            free = min(free, int(limit))
+    except (OSError, ValueError):
+        pass
+    return free
+
+
+def _os_failure(e: OSError, path: Path | str, what: str, action: str) -> CheckpointError:
+    """A CheckpointError for a failed file-system call, naming ``what`` and the path; permission said as such."""
+    if isinstance(e, PermissionError):
+        return CheckpointError(f"{what}: permission denied: cannot {action} {path}")
+    if e.errno == errno.ELOOP:
+        return CheckpointError(f"{what}: cannot {action} {path}: too many levels of symbolic links (a loop?)")
+    return CheckpointError(f"{what}: cannot {action} {path}: {e.strerror or e}")
 
 
 def _referenced(document: bytes) -> frozenset[str] | None:
@@ -1005,12 +1357,117 @@ def chunk_hash(data: np.ndarray) -> str:
     return hashlib.blake2b(raw.data, digest_size=16).hexdigest()
 
 
+class ChunkSums:
+    """What a save records of every chunk it writes: its crc32c, and its content hash for incremental saves.
+
+    Kept by array index and flat chunk index (C order of the grid). In a distributed save
+    each rank records the chunks it writes and sends :meth:`payload` to rank 0, which
+    :meth:`merge` s them; both kinds travel in that one message.
+    """
+
+    def __init__(self, metas: Sequence[ArrayMeta]) -> None:
+        self.grids = [tuple(-(-n // c) for n, c in zip(m.shape, m.chunk_shape, strict=True)) for m in metas]
+        self.keys = [m.key for m in metas]
+        self.crcs: dict[int, tuple[list[int], list[int]]] = {}  # array -> (flat indices, crc32c values)
+        self.hashes: dict[int, dict[int, str]] = {}
+        self._received: list[dict[int, tuple[np.ndarray, np.ndarray]]] = []
+        self._lock = threading.Lock()
+
+    def flat(self, i: int, index: Sequence[int]) -> int:
+        flat = 0
+        for k, g in zip(index, self.grids[i], strict=True):
+            flat = flat * g + k
+        return flat
+
+    def add_crc(self, i: int, index: Sequence[int], crc: int) -> None:
+        flat = self.flat(i, index)
+        with self._lock:
+            flats, values = self.crcs.setdefault(i, ([], []))
+            flats.append(flat)
+            values.append(crc)
+
+    def recorder(self, i: int) -> Callable[[tuple[int, ...], int], None]:
+        """``record(index, crc32c)`` for the chunks of array ``i``."""
+
+        def record(index: tuple[int, ...], crc: int) -> None:
+            self.add_crc(i, index, crc)
+
+        return record
+
+    def add_region(self, i: int, meta: ArrayMeta, region: Region, data: np.ndarray) -> None:
+        """Record the crc32c of every chunk of ``region`` (whole chunks; ``data`` its elements)."""
+        chunk, shape, offset = meta.chunk_shape, meta.shape, region.offset
+        if not all(
+            o % c == 0 and (e % c == 0 or e == n) for o, e, c, n in zip(offset, region.stop, chunk, shape, strict=True)
+        ):
+            raise CheckpointError(
+                f"leaf {meta.key!r}: {region} is not whole chunks of {list(chunk)} (a planning error)"
+            )
+        for index in region.chunk_indices(chunk):
+            box = tuple(
+                slice(k * c - o, min(k * c + c, n) - o) for k, c, o, n in zip(index, chunk, offset, shape, strict=True)
+            )
+            self.add_crc(i, index, chunk_crc(data[box], chunk, meta.dtype.numpy))
+
+    def add_hash(self, i: int, flat: int, digest: str) -> None:
+        with self._lock:
+            self.hashes.setdefault(i, {})[flat] = digest
+
+    def payload(self) -> tuple[dict[int, tuple[np.ndarray, np.ndarray]], dict[int, dict[int, str]]]:
+        """This rank's records, compact (numpy arrays of indices and checksums), for rank 0."""
+        with self._lock:
+            crcs = {
+                i: (
+                    np.asarray(f, dtype=np.uint32 if math.prod(self.grids[i]) <= 1 << 32 else np.int64),
+                    np.asarray(v, dtype=np.uint32),
+                )
+                for i, (f, v) in self.crcs.items()
+            }
+            return crcs, {i: dict(h) for i, h in self.hashes.items()}
+
+    def merge(self, payload: tuple[dict[int, tuple[np.ndarray, np.ndarray]], dict[int, dict[int, str]]]) -> None:
+        """Add another rank's :meth:`payload`."""
+        crcs, hashes = payload
+        with self._lock:
+            self._received.append(crcs)
+            for i, got in hashes.items():
+                self.hashes.setdefault(i, {}).update(got)
+
+    def crc32c(self, i: int) -> bytes:
+        """Every chunk's crc32c of array ``i``: little-endian uint32 in C order of the grid (the metadata's field)."""
+        n = math.prod(self.grids[i])
+        flats, values = self.crcs.get(i, ([], []))
+        if n == 1 and flats == [0] and not any(i in r for r in self._received):  # most small arrays
+            return values[0].to_bytes(4, "little")
+        out = np.zeros(n, dtype="<u4")
+        seen = np.zeros(n, dtype=bool)
+        parts = [(np.asarray(flats, dtype=np.int64), np.asarray(values, dtype=np.uint32))]
+        parts += [r[i] for r in self._received if i in r]
+        for where, got in parts:
+            out[where] = got
+            seen[where] = True
+        if not seen.all():
+            missing = int(np.flatnonzero(~seen)[0])
+            raise CheckpointError(
+                f"leaf {self.keys[i]!r}: no checksum was recorded for chunk {missing} (flat index) of "
+                f"{n}: a chunk was not written (an internal error)"
+            )
+        return out.tobytes()
+
+    def chunk_hashes(self, i: int) -> tuple[str, ...]:
+        """Every chunk's content hash of array ``i`` in C order, or () where some chunk has none."""
+        got = self.hashes.get(i, {})
+        n = math.prod(self.grids[i])
+        return tuple(got[k] for k in range(n)) if len(got) == n else ()
+
+
 @dataclass(slots=True)
 class ChunkReuse:
     """Hashes the chunks of a save, and links those equal to the base checkpoint's instead of writing them.
 
     ``base_chunks[i]`` is the base's array path and chunk hashes for array ``i`` when the
     base stores that leaf the same way (shape, dtype, chunk grid, codecs), else None.
+    Hashes (and the crc32c of linked chunks) go to the save's :class:`ChunkSums`.
     """
 
     chunk_shapes: list[tuple[int, ...]]
@@ -1018,11 +1475,12 @@ class ChunkReuse:
     paths: list[str]
     base: Path | None = None
     base_chunks: list[tuple[str, tuple[str, ...]] | None] = field(default_factory=list)
-    hashes: dict[int, dict[int, str]] = field(default_factory=dict)
     linked_bytes: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def keep(self, i: int, region: Region, buf: np.ndarray, storage: Storage) -> list[tuple[Region, np.ndarray]]:
+    def keep(
+        self, i: int, region: Region, buf: np.ndarray, storage: Storage, sums: ChunkSums | None
+    ) -> list[tuple[Region, np.ndarray]]:
         """Hash every chunk of this write; link the unchanged ones; return the boxes still to write."""
         chunk_shape, shape = self.chunk_shapes[i], self.shapes[i]
         grid = [-(-s // c) for s, c in zip(shape, chunk_shape, strict=True)]
@@ -1034,8 +1492,8 @@ class ChunkReuse:
             data = buf[box.relative_to(region).slices()]
             digest = chunk_hash(data)
             flat = int(np.ravel_multi_index(index, grid)) if grid else 0
-            with self._lock:
-                self.hashes.setdefault(i, {})[flat] = digest
+            if sums is not None:
+                sums.add_hash(i, flat, digest)
             if (
                 base is not None
                 and self.base is not None
@@ -1044,17 +1502,14 @@ class ChunkReuse:
             ):
                 with self._lock:
                     self.linked_bytes += data.nbytes
+                if sums is not None:  # the same elements as the base's chunk file: the same checksum
+                    sums.add_crc(i, index, chunk_crc(data, chunk_shape))
                 linked_any = True
                 continue
             rest.append((box, data))
         if not linked_any:
             return [(region, buf)]
         return rest
-
-    def chunk_hashes(self, i: int) -> tuple[str, ...]:
-        got = self.hashes.get(i, {})
-        n = math.prod(-(-s // c) for s, c in zip(self.shapes[i], self.chunk_shapes[i], strict=True))
-        return tuple(got[k] for k in range(n)) if len(got) == n else ()
 
 
 def _finished(

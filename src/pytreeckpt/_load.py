@@ -15,7 +15,7 @@ import torch
 
 from ._dtypes import dtype_of_numpy, dtype_of_torch, numpy_view
 from ._errors import CheckpointError, LayoutError, MetadataError, NotCommittedError, TargetMismatchError
-from ._executor import ExecutorOptions, Storage
+from ._executor import ExecutorOptions, Storage, available_memory
 from ._format import (
     ArrayMeta,
     CheckpointDoc,
@@ -72,8 +72,31 @@ class CheckpointMetadata:
 
 def _open(path: PathLike, namespace: str, executor: ExecutorOptions | None) -> tuple[Storage, Any]:
     storage = Storage(path, executor)
-    doc = parse_document(storage.read_metadata(), namespace=namespace)
-    return storage, doc
+    return storage, _parse(storage, storage.read_metadata(), namespace)
+
+
+def _parse(storage: Storage, raw: bytes, namespace: str) -> CheckpointDoc:
+    """The metadata document, within the location's size limit and this machine's memory."""
+    limit = storage.location.options.max_metadata_bytes
+    return parse_document(raw, namespace=namespace, max_bytes=limit, available=available_memory())
+
+
+def _check_memory(where: PathLike, claims: Sequence[tuple[str, int]]) -> None:
+    """Refuse, before allocating, what the metadata claims beyond this machine's memory.
+
+    ``claims`` are ``(key, bytes)`` of the buffers a load makes from the metadata's own
+    shapes (a target's shapes are the caller's).
+    """
+    total = sum(n for _, n in claims)
+    available = available_memory()
+    if available is None or total <= available:
+        return
+    key, largest = max(claims, key=lambda c: c[1])
+    raise CheckpointError(
+        f"loading {describe(where)} would allocate {total} bytes for {len(claims)} arrays as the metadata claims "
+        f"them (the largest, leaf {key!r}, {largest} bytes), more than the {available} bytes this machine has "
+        f"available (MemAvailable and free swap); load part of it (include=, a target tree, load_slice)"
+    )
 
 
 def metadata(path: PathLike, *, namespace: str = "") -> CheckpointMetadata:
@@ -145,6 +168,9 @@ class VerifyReport:
       arrays: arrays checked.
       chunks: chunks read.
       nbytes: bytes read.
+      unrecorded: arrays whose metadata records no chunk checksums (checkpoints written
+        before it did): each chunk's own checksum was checked, not that it is the chunk
+        the metadata describes.
     """
 
     path: str
@@ -152,6 +178,7 @@ class VerifyReport:
     arrays: int
     chunks: int
     nbytes: int
+    unrecorded: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -163,7 +190,11 @@ class VerifyReport:
 
 
 def verify(path: PathLike, *, executor: ExecutorOptions | None = None) -> VerifyReport:
-    """Read every chunk of every array of a checkpoint and check it (checksums, sizes, presence).
+    """Read every chunk of every array of a checkpoint and check it as a load would.
+
+    Each chunk is checked against the checksum the metadata records for it (so a chunk
+    moved, swapped or taken from another checkpoint is found), and its own checksum,
+    size, presence, file kind and place are checked; a load fails on exactly these.
 
     Raises:
       NotCommittedError: ``path`` holds no committed checkpoint.
@@ -178,7 +209,8 @@ def verify(path: PathLike, *, executor: ExecutorOptions | None = None) -> Verify
     storage, doc = _open(path, "", executor)
     metas = [leaf for leaf in doc.leaves if isinstance(leaf, ArrayMeta)]
     problems, chunks, nbytes = storage.verify(metas)
-    return VerifyReport(describe(path), tuple(problems), len(metas), chunks, nbytes)
+    unrecorded = tuple(m.key for m in metas if m.chunk_crc32c is None)
+    return VerifyReport(describe(path), tuple(problems), len(metas), chunks, nbytes, unrecorded)
 
 
 def _abstract_of(meta: ArrayMeta) -> Any:
@@ -425,7 +457,7 @@ def _load(
     results: list[Any] = []
     dests: list[tuple[int, _Dest]] = []
     with carried.catch():
-        doc = parse_document(raw, namespace=namespace)
+        doc = _parse(storage, raw, namespace)
         stored_paths = doc.tree.paths()
         by_path: dict[tuple[KeyEntry, ...], ArrayMeta | ValueMeta] = dict(zip(stored_paths, doc.leaves, strict=True))
         if include is not None:
@@ -456,8 +488,10 @@ def _load(
             target_given = True
             t_leaves, t_paths, structure = flatten(target, _is_leaf, namespace=namespace)
         # Before any destination is allocated: the stored bytes must back every claimed shape.
-        wanted = [by_path[p] for p in t_paths if isinstance(by_path.get(p), ArrayMeta)]
-        storage.check_stored_sizes([m for m in wanted if isinstance(m, ArrayMeta)])
+        wanted = [m for m in (by_path.get(p) for p in t_paths) if isinstance(m, ArrayMeta)]
+        storage.check_stored_sizes(wanted)
+        if not target_given:  # whole arrays of the shapes the metadata claims (a target's shapes are the caller's)
+            _check_memory(path, [(m.key, m.nbytes) for m in wanted])
         problems: list[str] = []
         results = [None] * len(t_leaves)
         for i, (leaf, p) in enumerate(zip(t_leaves, t_paths, strict=True)):
@@ -632,6 +666,7 @@ def read_array(
     storage = Storage(path, executor)
     storage.check_stored_sizes([meta])
     region = Region.full(meta.shape) if region is None else region
+    _check_memory(path, [(meta.key, region.size * meta.dtype.itemsize)])
     out = torch.empty(region.shape, dtype=meta.dtype.torch)
 
     def get(rank: int, pi: int) -> tuple[np.ndarray, Region]:

@@ -55,6 +55,10 @@ class StorageOptions:
       pack_small_leaves: store arrays of one chunk and at most ``pack_max_bytes`` in an
         OCDBT database per writing rank instead of as files / objects of their own.
       pack_max_bytes: the largest array packed.
+      max_metadata_bytes: the largest metadata document read (checked before reading
+        it): a document past it is refused with a MetadataError, and a save whose document
+        would pass it refuses before writing. Parsing a document may take up to about 25
+        times its size in memory.
     """
 
     endpoint: str | None = None
@@ -69,6 +73,7 @@ class StorageOptions:
     chunking: ChunkingOptions | None = None
     pack_small_leaves: bool = True
     pack_max_bytes: int = 1 * MiB
+    max_metadata_bytes: int = 256 * MiB
 
 
 OCDBT_CACHE = "cache_pool#ocdbt"
@@ -328,6 +333,16 @@ class KvPrefix:
         """The object ``key``, or None if it does not exist."""
         result = self._run(lambda: self.store.read(key).result(), f"read {key!r}")
         return None if result.state == "missing" else bytes(result.value)
+
+    def longer_than(self, key: str, n: int) -> bool:
+        """Whether the object ``key`` holds more than ``n`` bytes (one byte is read, not the object)."""
+        try:
+            got = self.store.read(key, byte_range=slice(n, n + 1)).result()
+        except Exception as e:
+            if "OUT_OF_RANGE" in str(e):  # the object ends at or before byte n
+                return False
+            raise CheckpointError(f"{self.url}: cannot read {key!r}: {_short(e)}") from e
+        return got.state != "missing" and len(got.value) > 0
 
     def write(self, key: str, data: bytes) -> None:
         self._run(lambda: self.store.write(key, data).result(), f"write {key!r}")

@@ -113,6 +113,8 @@ class Region:
 
     def chunk_indices(self, chunk_shape: Sequence[int]) -> Iterator[tuple[int, ...]]:
         """Grid indices of the chunks of a regular grid that this region touches."""
+        if 0 in self.shape:  # an empty region touches no chunk, however long its other dims
+            return
         ranges = [
             range(o // c, (o + s - 1) // c + 1) if s > 0 else range(0)
             for o, s, c in zip(self.offset, self.shape, chunk_shape, strict=True)

@@ -28,8 +28,8 @@ from typing import Any, TypeVar
 
 import torch
 
-from ._errors import CheckpointError
-from ._executor import ChunkReuse, ExecutorOptions, PieceData, Storage, write_items
+from ._errors import CheckpointError, MetadataError
+from ._executor import ChunkReuse, ChunkSums, ExecutorOptions, PieceData, Storage, write_items
 from ._format import (
     ARRAYS_DIR,
     MAX_PACKED_BYTES,
@@ -41,8 +41,7 @@ from ._format import (
     build_document,
     chunk_count,
     generation_name,
-    with_chunk_hashes,
-    with_databases,
+    with_chunk_sums,
     with_generation,
 )
 from ._load import metadata
@@ -89,6 +88,8 @@ class _SaveJob:
     reuse: ChunkReuse | None = None
     snap: Snapshot | None = None
     _lock: Any = None
+    sums: ChunkSums | None = None
+    parts: tuple[Any, list[dict[str, Any]], dict[str, Any]] | None = None  # the document's tree, leaves, user metadata
     pending: BaseException | None = None  # this rank's error in a distributed save, not yet agreed on
     cancelled: threading.Event = field(default_factory=threading.Event)  # set at exit: stop, commit nothing
     generation: int = 0  # of the stored names (see generation_name)
@@ -192,7 +193,7 @@ class _SaveJob:
                 try:
                     with self.monitor.phase("save", "write", 0) as box:
                         box[0] = self.storage.write(
-                            self.metas, self._items(), progress=progress.advance, reuse=self.reuse
+                            self.metas, self._items(), progress=progress.advance, reuse=self.reuse, sums=self._sums()
                         )
                 finally:
                     progress.close()
@@ -214,6 +215,12 @@ class _SaveJob:
                     self._lock = None
         self.timings["write"] = t1 - t0
         self.timings["commit"] = time.perf_counter() - t1
+
+    def _sums(self) -> ChunkSums:
+        """The record of every chunk this process writes (its crc32c; its hash when ``reuse``)."""
+        if self.sums is None:
+            self.sums = ChunkSums(self.metas)
+        return self.sums
 
     def _name(self, generation: int) -> None:
         """Store this save's arrays under the names of ``generation`` (see :func:`generation_name`)."""
@@ -247,27 +254,43 @@ class _SaveJob:
         return generation_name(PACKED_DIR, generation) if generation else PACKED_DIR
 
     def _final_document(self, gathered: list[Any] | None) -> bytes:
-        """The metadata document, with every packed array's database and every array's chunk hashes."""
-        document = self.document
-        if gathered is not None:  # every rank's packed arrays and hashes, on rank 0
-            databases: dict[str, str] = {}
+        """The metadata document: every packed array in its writer's database, every array's chunk checksums
+        (and chunk hashes when they were computed)."""
+        sums = self._sums()
+        if gathered is not None:  # every rank's packed arrays and records, on rank 0 (its own among them)
             for packed, _ in gathered:
                 for i, db in packed.items():
                     self.metas[i] = dataclasses.replace(self.metas[i], database=db)
-                    databases[self.metas[i].key] = db
-            missing = [m.key for m in self.metas if m.database == self._placeholder]
-            if missing:
-                raise CheckpointError(f"internal error: no rank wrote the packed arrays {missing[:5]}")
-            document = with_databases(document, databases)
-        reuse = self.reuse
-        if reuse is None:
-            return document
-        if gathered is not None:
-            for _, other in gathered:
-                for i, got in (other or {}).items():
-                    reuse.hashes.setdefault(i, {}).update(got)
-        hashes = {m.key: reuse.chunk_hashes(i) for i, m in enumerate(self.metas)}
-        return with_chunk_hashes(document, {k: v for k, v in hashes.items() if v})
+            for _, other in gathered[1:]:
+                sums.merge(other)
+        missing = [m.key for m in self.metas if m.database == self._placeholder]
+        if missing:
+            raise CheckpointError(f"internal error: no rank wrote the packed arrays {missing[:5]}")
+        crcs = [sums.crc32c(i) for i in range(len(self.metas))]
+        hashes = [sums.chunk_hashes(i) if self.reuse is not None else None for i in range(len(self.metas))]
+        assert self.parts is not None
+        tree, leaves, user = self.parts
+        arrays = iter(self.metas)  # under this save's generation's names (see _name), in their databases
+        leaves = [leaf if leaf["kind"] != "array" else next(arrays).to_json() for leaf in leaves]
+        return build_document(tree, with_chunk_sums(leaves, crcs, hashes), user)
+
+    def _settle_packing(self) -> None:
+        """Which small arrays no single rank writes whole: they are not packed (a collective).
+
+        Each rank knows the small arrays it alone writes (packed in its own database); rank
+        0 gathers them and tells every rank the small arrays nobody writes whole, which
+        are stored as arrays of their own.
+        """
+        comm = self.comm
+        whole = [i for i, m in enumerate(self.metas) if m.database == f"{PACKED_DIR}/{comm.rank}"]
+        gathered = comm.gather(whole)
+        unpacked = None
+        if comm.rank == 0:
+            packed = {i for got in gathered for i in got}
+            unpacked = [i for i, m in enumerate(self.metas) if m.database is not None and i not in packed]
+            unpacked = [i for i in unpacked if self.metas[i].database == PACKED_DIR]
+        for i in comm.broadcast(unpacked):
+            self.metas[i] = dataclasses.replace(self.metas[i], database=None)
 
     def _persist_distributed(self) -> float:
         """Rank 0 prepares the directory (holding its lock), every rank writes, rank 0 commits."""
@@ -275,6 +298,7 @@ class _SaveJob:
         me = comm.rank
         error: BaseException | None = None
         generation = 0
+        self._settle_packing()
         if me == 0:
             try:
                 self._lock = self.storage.lock()
@@ -303,7 +327,13 @@ class _SaveJob:
                 items = self._until_cancelled(itertools.chain(staged, transfers.items()))
                 writes = [i for i, ap in enumerate(self.plan.arrays) if any(op.writer == me for op in ap.writes)]
                 box[0] = self.storage.write(
-                    self.metas, items, create=False, progress=progress.advance, reuse=self.reuse, only=writes
+                    self.metas,
+                    items,
+                    create=False,
+                    progress=progress.advance,
+                    reuse=self.reuse,
+                    sums=self._sums(),
+                    only=writes,
                 )
         except Exception as e:
             error = e
@@ -313,9 +343,9 @@ class _SaveJob:
                 transfers.wait_all()
         self._agree(error, "writing the checkpoint")
         t1 = time.perf_counter()
-        # What only the writers know goes to the coordinator: where each packed array went, and chunk hashes.
+        # What only the writers know goes to rank 0: where each packed array went, and the chunks' checksums.
         packed = {i: m.database for i, m in enumerate(self.metas) if m.database not in (None, self._placeholder)}
-        gathered = comm.gather((packed, self.reuse.hashes if self.reuse is not None else None))
+        gathered = comm.gather((packed, self._sums().payload()))
         if me == 0:
             try:
                 self._check_cancelled()
@@ -475,6 +505,7 @@ def _plan_job(
         it = iter(metas)
         leaf_json = [e if e is not None else next(it).to_json() for e in planned.entries]
         document = build_document(planned.root, leaf_json, planned.user)
+        _check_document_size(document, metas, storage)
         if comm is None or comm.rank == 0:
             storage.check_writable(overwrite)
         t1 = time.perf_counter()
@@ -495,6 +526,7 @@ def _plan_job(
             [a.device for a in arrays],
             [a.watch for a in arrays],
             reuse,
+            parts=(planned.root, leaf_json, planned.user),
         )
     if job is None:  # planning failed on this rank: it raises with the others, at their agreement after planning
         carried.fail("preparing the save")
@@ -564,6 +596,18 @@ def _same_json_types(a: Any, b: Any) -> bool:
     return True
 
 
+def _check_document_size(document: bytes, metas: list[ArrayMeta], storage: Storage) -> None:
+    """Refuse, before writing, a checkpoint whose metadata document its location would refuse to read."""
+    limit = storage.location.options.max_metadata_bytes
+    size = len(document) + sum(6 * chunk_count(m.shape, m.chunk_shape) + 20 for m in metas)  # and the checksums
+    if size > limit:
+        raise MetadataError(
+            f"the metadata document of this checkpoint would hold about {size} bytes, more than the {limit} "
+            f"bytes a load reads (StorageOptions.max_metadata_bytes); save it, and load it, through a Location "
+            f"with a larger max_metadata_bytes"
+        )
+
+
 def _chunk_reuse(metas: list[ArrayMeta], base: PathLike | None) -> ChunkReuse:
     """Hash this save's chunks; with a base checkpoint, link its chunks that are unchanged."""
     reuse = ChunkReuse([m.chunk_shape for m in metas], [m.shape for m in metas], [m.path for m in metas])
@@ -588,7 +632,7 @@ def _chunk_reuse(metas: list[ArrayMeta], base: PathLike | None) -> ChunkReuse:
             b is not None
             and b.chunk_hashes is not None
             and b.database is None
-            and m.database is None
+            and m.database in (None, PACKED_DIR)  # (PACKED_DIR: packed by another rank, or not; see _databases)
             and (b.shape, b.dtype.name, b.chunk_shape, b.compression)
             == (m.shape, m.dtype.name, m.chunk_shape, m.compression)
         )
@@ -618,22 +662,26 @@ _SAVE_PLANS = PlanCache(4)  # the plans of the last few saves: a save in the lay
 
 
 def _databases(storage: Storage, plan: SavePlan, rank: int | None) -> list[str | None]:
-    """Where each array goes: the OCDBT database of its writer if it is small and one chunk, and packing is on.
+    """Where each array goes: the OCDBT database of its writer if it is small, has one writer and packing is on.
 
-    A rank planning its own part (``rank``) knows the writer of the arrays it writes;
-    the others' packed arrays get a placeholder database (``PACKED_DIR`` alone), which
-    the coordinator replaces by the writer's, gathered after the writes.
+    A rank planning its own part (``rank``) knows whether it alone writes an array: its
+    writes cover it. A small array it writes only part of, or nothing of, gets the
+    placeholder ``PACKED_DIR``: whether one other rank writes it whole is settled with the
+    other ranks before the writes (:meth:`_SaveJob._settle_packing`), and its database
+    reaches the coordinator after them.
     """
     opts = storage.location.options
     out: list[str | None] = []
     for ap in plan.arrays:
-        nbytes = math.prod(ap.shape) * ap.itemsize
-        one_chunk = tuple(ap.chunk_shape) == tuple(ap.shape)
-        packed = opts.pack_small_leaves and one_chunk and 0 < nbytes <= min(opts.pack_max_bytes, MAX_PACKED_BYTES)
-        if not packed:
+        size = math.prod(ap.shape)
+        small = opts.pack_small_leaves and 0 < size * ap.itemsize <= min(opts.pack_max_bytes, MAX_PACKED_BYTES)
+        writers = {op.writer for op in ap.writes}
+        if not small:
             out.append(None)
-        elif ap.writes and (rank is None or ap.writes[0].writer == rank):
-            out.append(f"{PACKED_DIR}/{ap.writes[0].writer}")
+        elif rank is None:  # every write planned
+            out.append(f"{PACKED_DIR}/{writers.pop()}" if len(writers) == 1 else None)
+        elif writers == {rank} and sum(op.region.size for op in ap.writes) == size:
+            out.append(f"{PACKED_DIR}/{rank}")
         else:
             out.append(PACKED_DIR)
     return out

@@ -1,0 +1,472 @@
+"""Checkpoints whose files were moved, swapped, replaced or made hostile: every read says so, none hangs.
+
+Each chunk's crc32c is recorded in the metadata, so a chunk that is not the one the
+metadata describes (moved, swapped, taken from another checkpoint, truncated, extended)
+is an error on `load`, `load_slice` and `verify` alike, for every kind of stored array.
+Files that lead outside the checkpoint, special files, shapes no stored chunk backs,
+oversized metadata documents and files the user may not read are refused with a
+CheckpointError naming what is wrong.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import tensorstore as ts
+import torch
+from helpers import unpacked
+
+import pytreeckpt
+from pytreeckpt import ChunkingOptions, Location, StorageOptions
+from pytreeckpt._executor import Storage
+
+SRC = Path(pytreeckpt.__file__).parent.parent
+TINY = ChunkingOptions(single_chunk_bytes=0, min_chunk_bytes=0, max_chunk_bytes=16)  # 4 float32 per chunk
+
+
+def _tree(offset: float = 0.0) -> dict[str, torch.Tensor]:
+    return {"w": torch.arange(16.0) + offset}
+
+
+def _save(where: Any, offset: float = 0.0, **kwargs: Any) -> None:
+    pytreeckpt.save(where, _tree(offset), chunking=TINY, **kwargs)
+
+
+def _chunk(path: Path, i: int) -> Path:
+    return path / "arrays" / "w" / "c" / str(i)
+
+
+def _fails_everywhere(where: Any, pattern: str) -> None:
+    """load, load_slice of the damaged chunk and verify all report it (verify naming chunk 1 or its file)."""
+    with pytest.raises(pytreeckpt.CheckpointError, match=pattern):
+        pytreeckpt.load(where)
+    with pytest.raises(pytreeckpt.CheckpointError, match=pattern):
+        pytreeckpt.load_slice(where, "w", slice(4, 6))
+    report = pytreeckpt.verify(where)
+    assert not report.ok
+    assert report.damaged_leaves == ("w",)
+    assert any(chunk == (1,) or "c/1" in message for _, chunk, message in report.problems), report.problems
+
+
+NOT_RECORDED = r"leaf 'w'.*chunk \[1\] is not the chunk the metadata records"
+
+
+# --------------------------------------------------------------------------- chunks bound to their place
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_swapped_chunk_files_are_caught(tmp_path: Path, compression: str | None) -> None:
+    path = tmp_path / "c"
+    _save(unpacked(path), compression=compression)
+    a, b = _chunk(path, 1), _chunk(path, 2)
+    a.rename(tmp_path / "x")
+    b.rename(a)
+    (tmp_path / "x").rename(b)
+    _fails_everywhere(path, NOT_RECORDED)
+
+
+def test_a_chunk_copied_from_another_checkpoint_is_caught(tmp_path: Path) -> None:
+    _save(unpacked(tmp_path / "a"))
+    _save(unpacked(tmp_path / "b"), offset=100.0)
+    shutil.copyfile(_chunk(tmp_path / "b", 1), _chunk(tmp_path / "a", 1))  # same position, valid crc of its own
+    _fails_everywhere(tmp_path / "a", NOT_RECORDED)
+
+
+def test_a_symlink_to_another_checkpoints_chunk_is_refused(tmp_path: Path) -> None:
+    _save(unpacked(tmp_path / "a"))
+    _save(unpacked(tmp_path / "b"), offset=100.0)
+    _chunk(tmp_path / "a", 1).unlink()
+    os.symlink(_chunk(tmp_path / "b", 1), _chunk(tmp_path / "a", 1))
+    _fails_everywhere(tmp_path / "a", r"leaf 'w'.*c/1 leads outside the checkpoint")
+
+
+def test_a_chunk_moved_to_another_place_is_caught(tmp_path: Path) -> None:
+    path = tmp_path / "c"
+    _save(unpacked(path))
+    _chunk(path, 1).rename(tmp_path / "moved")
+    _chunk(path, 3).rename(_chunk(path, 1))  # the last chunk fills the hole; the grid now misses chunk 3
+    with pytest.raises(pytreeckpt.CheckpointError, match=NOT_RECORDED):
+        pytreeckpt.load_slice(path, "w", slice(4, 6))
+    report = pytreeckpt.verify(path)
+    assert [chunk for _, chunk, _ in report.problems] == [(1,), (3,)]
+    assert "is missing" in report.problems[1][2]
+
+
+@pytest.mark.parametrize("change", ["extend", "truncate"])
+def test_load_and_verify_agree_on_a_chunk_of_the_wrong_size(tmp_path: Path, change: str) -> None:
+    """Appending one byte made load fail but verify say OK."""
+    path = tmp_path / "c"
+    _save(unpacked(path))
+    raw = _chunk(path, 1).read_bytes()
+    _chunk(path, 1).write_bytes(raw + b"x" if change == "extend" else raw[:-1])
+    _fails_everywhere(path, r"leaf 'w'.*chunk \[1\] is damaged: .* holds \d+ bytes, expected 20")
+
+
+def test_swapped_chunks_of_a_packed_array_are_caught(tmp_path: Path) -> None:
+    path = tmp_path / "c"
+    _save(path)  # 64 bytes: packed in the OCDBT database of rank 0
+    (leaf,) = json.loads((path / "pytreeckpt.json").read_text())["leaves"]
+    assert leaf["database"] == "ocdbt/0"
+    db = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{path}/ocdbt/0/"}).result()
+    one, two = db.read("arrays/w/c/1").result().value, db.read("arrays/w/c/2").result().value
+    db.write("arrays/w/c/1", two).result()
+    db.write("arrays/w/c/2", one).result()
+    _fails_everywhere(path, NOT_RECORDED)
+
+
+def test_swapped_chunk_objects_in_a_key_value_store_are_caught() -> None:
+    where = f"memory://{uuid.uuid4().hex}/c"
+    _save(Location(where, StorageOptions(pack_small_leaves=False)))
+    kv = Storage(where).kv
+    assert kv is not None
+    one, two = kv.read("arrays/w/c/1"), kv.read("arrays/w/c/2")
+    assert one is not None
+    assert two is not None
+    kv.write("arrays/w/c/1", two)
+    kv.write("arrays/w/c/2", one)
+    _fails_everywhere(where, NOT_RECORDED)
+
+
+@pytest.mark.parametrize("pack", [False, True])
+def test_a_replaced_checkpoints_arrays_record_their_checksums_under_their_new_names(tmp_path: Path, pack: bool) -> None:
+    where = Location(tmp_path / "c", StorageOptions(pack_small_leaves=pack))
+    _save(where)
+    _save(where, offset=100.0, overwrite=True)  # written beside the old arrays, under generation 1's names
+    (leaf,) = json.loads((tmp_path / "c" / "pytreeckpt.json").read_text())["leaves"]
+    assert leaf["database" if pack else "path"].endswith("~g1")
+    assert len(leaf["chunk_crc32c"]) == 24
+    assert torch.equal(pytreeckpt.load(tmp_path / "c")["w"], _tree(100.0)["w"])
+    assert pytreeckpt.verify(tmp_path / "c").ok
+    if pack:
+        db = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{tmp_path}/c/{leaf['database']}/"}).result()
+        one, two = db.read("arrays/w/c/1").result().value, db.read("arrays/w/c/2").result().value
+        db.write("arrays/w/c/1", two).result()
+        db.write("arrays/w/c/2", one).result()
+    else:
+        chunks = tmp_path / "c" / leaf["path"] / "c"
+        (chunks / "1").rename(tmp_path / "x")
+        (chunks / "2").rename(chunks / "1")
+        (tmp_path / "x").rename(chunks / "2")
+    _fails_everywhere(tmp_path / "c", NOT_RECORDED)
+
+
+def test_every_chunk_crc32c_is_recorded_compactly(tmp_path: Path) -> None:
+    _save(unpacked(tmp_path / "c"))
+    (leaf,) = json.loads((tmp_path / "c" / "pytreeckpt.json").read_text())["leaves"]
+    assert len(leaf["chunk_crc32c"]) == 24  # 4 chunks: 16 bytes in base64
+    meta = pytreeckpt.metadata(tmp_path / "c").arrays["w"]
+    for i in range(4):
+        stored = int.from_bytes(_chunk(tmp_path / "c", i).read_bytes()[-4:], "little")
+        assert meta.recorded_crc32c((i,)) == stored  # the checksum each chunk file ends with
+
+
+def test_checkpoints_without_recorded_checksums_still_load_and_verify(tmp_path: Path) -> None:
+    path = tmp_path / "c"
+    _save(unpacked(path))
+    doc = json.loads((path / "pytreeckpt.json").read_text())
+    del doc["leaves"][0]["chunk_crc32c"]  # as written before checksums were recorded
+    (path / "pytreeckpt.json").write_text(json.dumps(doc))
+    assert torch.equal(pytreeckpt.load(path)["w"], _tree()["w"])
+    report = pytreeckpt.verify(path)
+    assert report.ok
+    assert report.unrecorded == ("w",)
+    golden = pytreeckpt.verify(Path(__file__).parent / "golden" / "v1")
+    assert golden.ok
+    assert golden.unrecorded
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("AAAA", r"chunk_crc32c must be the base64 of 4 little-endian uint32"),
+        (12, r"chunk_crc32c must be the base64 of 4 .* found int"),
+        ("*" * 24, r"chunk_crc32c is not valid base64"),
+    ],
+)
+def test_a_malformed_checksum_field_is_a_metadata_error(tmp_path: Path, value: Any, message: str) -> None:
+    path = tmp_path / "c"
+    _save(unpacked(path))
+    doc = json.loads((path / "pytreeckpt.json").read_text())
+    doc["leaves"][0]["chunk_crc32c"] = value
+    (path / "pytreeckpt.json").write_text(json.dumps(doc))
+    with pytest.raises(pytreeckpt.MetadataError, match=message):
+        pytreeckpt.load(path)
+
+
+# --------------------------------------------------------------------------- links and special files
+
+
+@pytest.mark.parametrize("name", ["c/1", "zarr.json"])
+def test_array_files_linking_outside_the_checkpoint_are_refused(tmp_path: Path, name: str) -> None:
+    path = tmp_path / "c"
+    _save(unpacked(path))
+    target = path / "arrays" / "w" / name
+    outside = tmp_path / "outside"
+    target.rename(outside)
+    os.symlink(outside, target)
+    for op in (lambda: pytreeckpt.load(path), lambda: pytreeckpt.load_slice(path, "w", slice(0, 2))):
+        with pytest.raises(pytreeckpt.CheckpointError, match=r"leaf 'w'.*leads outside the checkpoint"):
+            op()
+    assert not pytreeckpt.verify(path).ok
+
+
+def test_an_ocdbt_file_linking_outside_the_checkpoint_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "c"
+    _save(path)
+    victim = next(p for p in (path / "ocdbt" / "0").rglob("*") if p.is_file())
+    victim.rename(tmp_path / "outside")
+    os.symlink(tmp_path / "outside", victim)
+    with pytest.raises(pytreeckpt.CheckpointError, match=r"leaf 'w'.*leads outside the checkpoint"):
+        pytreeckpt.load(path)
+    assert not pytreeckpt.verify(path).ok
+
+
+def test_links_inside_the_checkpoint_are_followed(tmp_path: Path) -> None:
+    path = tmp_path / "c"
+    _save(unpacked(path))
+    _chunk(path, 1).rename(path / "arrays" / "w" / "kept")
+    os.symlink("../kept", _chunk(path, 1))
+    assert torch.equal(pytreeckpt.load(path)["w"], _tree()["w"])
+    assert pytreeckpt.verify(path).ok
+
+
+@pytest.mark.parametrize("where", ["chunk", "array"])
+def test_symbolic_link_loops_are_checkpoint_errors(tmp_path: Path, where: str) -> None:
+    path = tmp_path / "c"
+    _save(unpacked(path))
+    loop = _chunk(path, 1) if where == "chunk" else path / "arrays" / "w"
+    shutil.rmtree(loop) if loop.is_dir() else loop.unlink()
+    os.symlink(loop.name, loop)  # a link to itself
+    with pytest.raises(pytreeckpt.CheckpointError, match=r"leaf 'w'.*symbolic links"):
+        pytreeckpt.load(path)
+    assert not pytreeckpt.verify(path).ok
+
+
+def _run(code: str, timeout: float = 60, **env: str) -> subprocess.CompletedProcess[str]:
+    """``code`` in a fresh interpreter (a hang is a failure, not a stuck test run)."""
+    script = "import pytreeckpt, torch, json, sys\n" + textwrap.dedent(code)
+    environ = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", **env}
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout, env=environ)
+
+
+ATTEMPT = """
+for name, op in [("load", lambda: pytreeckpt.load(PATH)), ("verify", lambda: pytreeckpt.verify(PATH))]:
+    try:
+        out = op()
+        print(name, "ok" if name == "load" or out.ok else "PROBLEMS " + str(out.problems))
+    except pytreeckpt.CheckpointError as e:
+        print(name, type(e).__name__, e)
+"""
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device"])
+@pytest.mark.parametrize("name", ["arrays/w/c/1", "arrays/w/zarr.json", "pytreeckpt.json"])
+def test_special_files_are_refused_not_waited_on(tmp_path: Path, kind: str, name: str) -> None:
+    path = tmp_path / "c"
+    _save(unpacked(path))
+    (path / name).unlink()
+    if kind == "fifo":
+        os.mkfifo(path / name)
+    else:
+        try:
+            os.mknod(path / name, 0o644 | 0o020000, os.makedev(1, 5))  # a character device: /dev/zero's
+        except PermissionError:
+            pytest.skip("this process may not make device nodes")
+    done = _run(f"PATH = {str(path)!r}" + ATTEMPT)
+    assert done.returncode == 0, done.stderr
+    load, verify = done.stdout.splitlines()
+    assert re.match(r"load CheckpointError .*not a regular file", load), load
+    assert "not a regular file" in verify, verify
+    assert not verify.startswith("verify ok"), verify
+
+
+# --------------------------------------------------------------------------- shapes and sizes
+
+
+def test_a_zero_size_array_with_a_huge_dimension_loads_at_once(tmp_path: Path) -> None:
+    path = tmp_path / "c"
+    pytreeckpt.save(unpacked(path), {"e": torch.empty(4, 0), "w": torch.ones(2)})
+    doc = json.loads((path / "pytreeckpt.json").read_text())
+    doc["leaves"][0]["shape"] = [10**15, 0]
+    (path / "pytreeckpt.json").write_text(json.dumps(doc))
+    zarr = json.loads((path / "arrays" / "e" / "zarr.json").read_text())
+    zarr["shape"] = [10**15, 0]
+    (path / "arrays" / "e" / "zarr.json").write_text(json.dumps(zarr))
+    done = _run(f"""
+        got = pytreeckpt.load({str(path)!r})
+        print(tuple(got["e"].shape), pytreeckpt.verify({str(path)!r}).ok)
+    """)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["(1000000000000000,", "0)", "True"]
+
+
+def _claiming(tmp_path: Path, nbytes: int) -> Path:
+    """A checkpoint whose one uint8 array claims ``nbytes`` in one chunk, backed by a sparse chunk file."""
+    path = tmp_path / "c"
+    pytreeckpt.save(unpacked(path), {"w": torch.zeros(4, dtype=torch.uint8)})
+    doc = json.loads((path / "pytreeckpt.json").read_text())
+    doc["leaves"][0].update(shape=[nbytes], chunk_shape=[nbytes])
+    del doc["leaves"][0]["chunk_crc32c"]
+    (path / "pytreeckpt.json").write_text(json.dumps(doc))
+    zarr = json.loads((path / "arrays" / "w" / "zarr.json").read_text())
+    zarr["shape"] = [nbytes]
+    zarr["chunk_grid"]["configuration"]["chunk_shape"] = [nbytes]
+    (path / "arrays" / "w" / "zarr.json").write_text(json.dumps(zarr))
+    os.truncate(path / "arrays" / "w" / "c" / "0", nbytes + 4)  # sparse: the stored size backs the claim
+    return path
+
+
+def test_a_claim_beyond_this_machines_memory_is_refused_before_allocating(tmp_path: Path) -> None:
+    path = _claiming(tmp_path, 1 << 40)  # 1 TiB
+    claim = r"would allocate 1099511627776 bytes .* leaf 'w'.* more than the \d+ bytes this machine has available"
+    with pytest.raises(pytreeckpt.CheckpointError, match=claim):
+        pytreeckpt.load(path)
+    with pytest.raises(pytreeckpt.CheckpointError, match=claim):
+        pytreeckpt.load_slice(path, "w")
+    with pytest.raises(pytreeckpt.CheckpointError, match="allocate"):  # its chunk is read whole, to check it
+        pytreeckpt.load_slice(path, "w", slice(0, 4))
+    assert not pytreeckpt.verify(path).ok
+
+
+def test_a_grid_no_chunk_files_back_is_refused_before_looping(tmp_path: Path) -> None:
+    """A compressed leaf may claim 65,536 times its bytes; its chunk grid must still be backed by files."""
+    path = tmp_path / "c"
+    pytreeckpt.save(unpacked(path), {"w": torch.zeros(1 << 16, dtype=torch.bool)}, compression="zstd")
+    doc = json.loads((path / "pytreeckpt.json").read_text())
+    doc["leaves"][0].update(shape=[1 << 30], chunk_shape=[1])
+    del doc["leaves"][0]["chunk_crc32c"]
+    (path / "pytreeckpt.json").write_text(json.dumps(doc))
+    stored = sum(f.stat().st_size for f in (path / "arrays" / "w" / "c").rglob("*"))
+    (path / "arrays" / "w" / "c" / "0").write_bytes(bytes((1 << 30) // 65536 - stored + 64))  # enough bytes
+    done = _run(f"PATH = {str(path)!r}" + ATTEMPT)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("load MetadataError")
+    assert "in 1073741824 chunks of [1] but 'arrays/w' holds 1 chunk files" in done.stdout
+
+
+@pytest.mark.parametrize("size", [500_000_000, 8 << 30])
+def test_an_oversized_metadata_document_is_refused_without_reading_it(tmp_path: Path, size: int) -> None:
+    path = tmp_path / "c"
+    _save(unpacked(path))
+    os.truncate(path / "pytreeckpt.json", size)  # sparse
+    done = _run(f"""
+        import resource
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        try:
+            pytreeckpt.load({str(path)!r})
+        except pytreeckpt.MetadataError as e:
+            print("MetadataError", e)
+        print("grew", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before)
+    """)
+    assert done.returncode == 0, done.stderr
+    assert f"holds {size} bytes, more than the limit of 268435456" in done.stdout
+    assert int(done.stdout.split("grew")[-1]) < size // 4  # the document was not read
+
+
+def test_the_metadata_size_limit_is_an_option(tmp_path: Path) -> None:
+    path = tmp_path / "c"
+    _save(unpacked(path))
+    size = (path / "pytreeckpt.json").stat().st_size
+    small = Location(path, StorageOptions(max_metadata_bytes=size - 1))
+    for op in (pytreeckpt.load, pytreeckpt.metadata, pytreeckpt.verify):
+        with pytest.raises(pytreeckpt.MetadataError, match=f"holds {size} bytes, more than the limit of {size - 1}"):
+            op(small)
+    assert pytreeckpt.verify(Location(path, StorageOptions(max_metadata_bytes=size))).ok
+    where = f"memory://{uuid.uuid4().hex}/c"
+    _save(where)
+    with pytest.raises(pytreeckpt.MetadataError, match="holds more than 100 bytes"):
+        pytreeckpt.load(Location(where, StorageOptions(max_metadata_bytes=100)))
+    assert torch.equal(pytreeckpt.load(where)["w"], _tree()["w"])
+    with pytest.raises(pytreeckpt.MetadataError, match=r"would hold about .* more than the 200 bytes a load reads"):
+        _save(Location(tmp_path / "small", StorageOptions(max_metadata_bytes=200)))  # never saved unreadable
+    assert not (tmp_path / "small").exists()
+
+
+# --------------------------------------------------------------------------- permissions
+
+
+@pytest.fixture
+def shared() -> Iterator[Path]:
+    """A directory other users can reach (pytest's own temporary directories are private to root)."""
+    d = Path(tempfile.mkdtemp(prefix="pytreeckpt-perm-"))
+    d.chmod(0o755)
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+NOBODY = 65534
+
+
+def _as_nobody(code: str) -> subprocess.CompletedProcess[str]:
+    """``code`` run by another user: the interpreter starts as this user, imports, then drops to ``nobody``.
+
+    Permissions are not enforced for root, and the interpreter lives where ``nobody``
+    cannot read it, so privileges are dropped after everything is imported (a warm-up
+    load imports what loading needs).
+    """
+    prologue = f"""
+        import os, tempfile
+        warm = pytreeckpt.Location(tempfile.mkdtemp() + "/w", pytreeckpt.StorageOptions(pack_small_leaves=False))
+        pytreeckpt.save(warm, {{"w": torch.ones(2)}})
+        pytreeckpt.load(warm); pytreeckpt.verify(warm)
+        from pytreeckpt import _cli
+        os.setgroups([]); os.setgid({NOBODY}); os.setuid({NOBODY})
+    """
+    return _run(textwrap.dedent(prologue) + textwrap.dedent(code))
+
+
+def _readable(path: Path) -> None:
+    for p in [path, *path.rglob("*")]:
+        p.chmod(0o755 if p.is_dir() else 0o644)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="switching to another user needs root")
+@pytest.mark.parametrize(
+    ("target", "mode", "message"),
+    [
+        ("arrays/w", 0o700, r"leaf 'w': permission denied: cannot list .*arrays/w"),
+        ("arrays/w/c/1", 0o600, r"chunk \[1\]: permission denied reading .*arrays/w/c/1"),
+        ("pytreeckpt.json", 0o600, r"the metadata document: permission denied reading .*pytreeckpt.json"),
+        (".", 0o700, r"the metadata document: permission denied reading .*pytreeckpt.json"),
+    ],
+)
+def test_permission_denied_is_said_naming_the_path(shared: Path, target: str, mode: int, message: str) -> None:
+    path = shared / "c"
+    _save(unpacked(path))
+    _readable(path)
+    (path / target).chmod(mode)
+    done = _as_nobody(f"""
+        PATH = {str(path)!r}
+        for name, op in [("load", lambda: pytreeckpt.load(PATH)), ("metadata", lambda: pytreeckpt.metadata(PATH)),
+                         ("verify", lambda: pytreeckpt.verify(PATH))]:
+            try:
+                out = op()
+                print(name, "ok", *(out.problems if name == "verify" else ()))
+            except pytreeckpt.CheckpointError as e:
+                print(name, type(e).__name__, e)
+        print("cli", _cli.main(["verify", PATH]))
+    """)
+    assert done.returncode == 0, done.stderr
+    lines = dict(line.split(" ", 1) for line in done.stdout.splitlines() if line.split(" ", 1)[0] != "FAILED:")
+    assert re.search(message, lines["load"]), lines["load"]
+    assert re.search(message, lines["verify"]), lines["verify"]
+    assert "holds only" not in done.stdout  # not mistaken for damage
+    assert lines["cli"] in ("1", "2")
+    if target in ("pytreeckpt.json", "."):
+        assert re.search(message, lines["metadata"]), lines["metadata"]
+        assert "FAILED:" in done.stdout  # the command line printed a status
+        assert "permission denied" in done.stderr
