@@ -22,6 +22,8 @@ taken from globals.
 
 from __future__ import annotations
 
+import operator
+from bisect import bisect_left
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -62,11 +64,12 @@ class _Group:
             got = self.scopes[placement] = scope_key(ranks[list(self.holders)])
         return got
 
-    def fill(self, loads: np.ndarray) -> list[int]:
+    def fill(self, loads: np.ndarray) -> tuple[bytes, list[int]]:
         """Each chunk's holder index given the holders' loads, which it updates in place (memoised).
 
         The filling depends on the loads' differences only, so equal patterns of loads
-        (layer after layer of a model) share one computation.
+        (layer after layer of a model) share one computation; that pattern is returned
+        with the filling, as the key of the decision.
         """
         rel = loads - loads.min()
         key = rel.tobytes()
@@ -76,7 +79,7 @@ class _Group:
             assign = water_fill(self.sizes, after)
             got = self.memo[key] = (assign, np.asarray(after, dtype=np.int64) - rel)
         loads += got[1]
-        return got[0]
+        return key, got[0]
 
 
 Part = tuple[int, int, tuple[int, ...], tuple[int, ...]]
@@ -104,10 +107,12 @@ class _Merge:
     box: np.ndarray  # per part, its distinct box
     base: np.ndarray  # each distinct box once, from its first part in the shared order: part indices
     is_grid: bool  # the distinct boxes are the cells of a grid over the chunk
+    nbytes: int  # bytes of the chunk
     _sources: dict[int, list[Part]] = field(default_factory=dict)
     _scopes: dict[Any, bytes] = field(default_factory=dict)
     _tied: np.ndarray | None = None
-    _base_by_pos: tuple[np.ndarray, np.ndarray] | None = None
+    _sent: dict[int, list[tuple[int, Part]]] = field(default_factory=dict)
+    _ptr: list[int] | None = None
 
     def scope_key(self, ranks: np.ndarray, placement: Any) -> bytes:
         got = self._scopes.get(placement)
@@ -165,15 +170,18 @@ class _Merge:
         """The fragments position ``pos`` (not the writer) sends to ``writer``."""
         if not self.is_grid:
             return [p for p in self.sources(key, writer) if p[0] == pos]
-        if self._base_by_pos is None:
-            order = np.argsort(self.pos[self.base], kind="stable")
-            self._base_by_pos = (self.pos[self.base][order], self.base[order])
-        keys, parts = self._base_by_pos
-        a, b = np.searchsorted(keys, [pos, pos + 1])
-        if a == b:
+        mine = self._sent.get(pos)
+        if mine is None:
+            # pos's parts among the distinct boxes, in the shared order, with their boxes
+            idx = self.base[self.pos[self.base] == pos]
+            mine = self._sent[pos] = list(zip(self.box[idx].tolist(), self._parts(idx), strict=True))
+        if not mine:
             return []
-        held = set(self.box[self._of(writer)].tolist())
-        return self._parts(np.asarray([i for i in parts[a:b].tolist() if self.box[i] not in held], dtype=_I64))
+        if self._ptr is None:
+            self._ptr = np.searchsorted(self.pos, np.asarray((*self.feeders, self.feeders[-1] + 1))).tolist()
+        k = bisect_left(self.feeders, writer)
+        held = set(self.box[self._ptr[k] : self._ptr[k + 1]].tolist())  # the boxes the writer holds itself
+        return [part for box, part in mine if box not in held]
 
 
 def _cover(key: str, chunk: Region, order: list[Part]) -> list[Part]:
@@ -291,7 +299,19 @@ class _Structure:
         shared = np.lexsort((piece, pos, -overlap[inverse]))
         _, first = np.unique(box[shared], return_index=True)
         base = shared[np.sort(first)]
-        return _Merge(chunk, tuple(feeders.tolist()), overlap, pos, piece, lo, hi, box, base, _tile_grid(ubox, chunk))
+        return _Merge(
+            chunk,
+            tuple(feeders.tolist()),
+            overlap,
+            pos,
+            piece,
+            lo,
+            hi,
+            box,
+            base,
+            _tile_grid(ubox, chunk),
+            chunk.size * self.itemsize,
+        )
 
 
 class _PartIndex:
@@ -473,38 +493,102 @@ def _disjoint(lo: np.ndarray, hi: np.ndarray) -> bool:
 
 def _array_writes(
     spec: ArraySpec, opts: ChunkingOptions, scopes: Scopes, rank: int | None
-) -> tuple[tuple[int, ...], list[WriteOp]]:
+) -> tuple[tuple[int, ...], tuple[WriteOp, ...]]:
     """One array's chunk shape, and its writes involving ``rank`` (every write when None)."""
     p = placed(spec)
-    ranks, place = p.ranks, p.place
     s = _structure(p, spec.itemsize, opts)
-    grid = s.grid
-    pos: int | None = None
-    if rank is not None:
-        at = int(np.searchsorted(ranks, rank))
-        if at == len(ranks) or ranks[at] != rank:
-            return grid.chunk, []
-        pos = at
+    if rank is None:
+        singles: Sequence[int] = range(len(s.single_pos))
+        groups, merges = s.groups, s.uncovered.tolist()
+        assigns, writers, _ = _decide(spec.key, s, p, scopes, groups, merges)
+        return s.grid.chunk, _writes(spec.key, s, p, None, singles, groups, assigns, merges, writers)
+    pos = p.position(rank)
+    if pos is None:
+        return s.grid.chunk, ()
+    singles_a, groups, merges = s.involving(pos)
+    assigns, writers, decided = _decide(spec.key, s, p, scopes, groups, merges)
+    # The writes follow from the decisions alone: arrays of one placed layout deciding
+    # alike (a model's layers, mostly) share them. The direct writes are kept apart
+    # from the merged ones, whose writers vary more.
+    memo = p.derived.get(("writes", spec.itemsize, opts))
+    if memo is None:
+        memo = p.derived[("writes", spec.itemsize, opts)] = {}
+    key = (pos, decided[: len(groups)])
+    direct: tuple[WriteOp, ...] | None = memo.get(key)
+    if direct is None:
+        direct = memo[key] = _writes(spec.key, s, p, pos, singles_a.tolist(), groups, assigns, (), ())
+    if not merges:
+        return s.grid.chunk, direct
+    merged = []
+    for flat, at in zip(merges, writers, strict=True):
+        mkey = (pos, flat, at)
+        try:
+            op = memo[mkey]
+        except KeyError:
+            op = memo[mkey] = _merged_write(spec.key, s, p, pos, flat, at)
+        if op is not None:
+            merged.append(op)
+    if not direct and len(merged) < 2:
+        return s.grid.chunk, tuple(merged)
+    return s.grid.chunk, tuple(sorted((*direct, *merged), key=_OFFSET))
+
+
+_OFFSET = operator.attrgetter("region.offset")
+
+
+def _decide(
+    key: str, s: _Structure, p: Placed, scopes: Scopes, groups: Sequence[_Group], merges: Sequence[int]
+) -> tuple[list[list[int]], list[int], tuple[Any, ...]]:
+    """Hand out ``groups`` and the writers of ``merges`` by their scopes' loads, which it updates.
+
+    Returns each group's holder per chunk, each merge's writer (an index into its
+    feeders), and the decisions as a key (what the writes depend on besides the layout).
+    """
+    ranks, place = p.ranks, p.place
+    assigns = []
+    writers = []
+    decided: list[Any] = []
+    for g in groups:
+        rel, assign = g.fill(scope_loads(scopes, g.scope_key(ranks, place), len(g.holders)))
+        assigns.append(assign)
+        decided.append(rel)
+    for flat in merges:
+        m = s.merge(flat)
+        if not m.feeders:
+            raise LayoutError(f"leaf {key!r}: elements {m.chunk} are held by no rank, so they cannot be saved")
+        loads = scope_loads(scopes, m.scope_key(ranks, place), len(m.feeders))
+        at = m.writer_at(loads)
+        loads[at] += m.nbytes
+        writers.append(at)
+        decided.append(at)
+    return assigns, writers, tuple(decided)
+
+
+def _writes(
+    key: str,
+    s: _Structure,
+    p: Placed,
+    pos: int | None,
+    singles: Sequence[int],
+    groups: Sequence[_Group],
+    assigns: Sequence[list[int]],
+    merges: Sequence[int],
+    writers: Sequence[int],
+) -> tuple[WriteOp, ...]:
+    """The writes involving position ``pos`` (every write when None) given the decisions of :func:`_decide`."""
+    grid, ranks = s.grid, p.ranks
     # (writer position, piece) -> its whole boxes, and its chunks to coalesce
     boxes: dict[tuple[int, int], list[Box]] = defaultdict(list)
     loose: dict[tuple[int, int], list[tuple[int, ...]]] = defaultdict(list)
-    if pos is None:
-        singles: Sequence[int] = range(len(s.single_pos))
-        groups = s.groups
-        merges: Sequence[int] = s.uncovered.tolist()
-    else:
-        singles_a, groups, merges = s.involving(pos)
-        singles = singles_a.tolist()
     if len(singles):
         sp, spi = s.single_pos[singles].tolist(), s.single_piece[singles].tolist()
         slo, shi = s.single_lo[singles].tolist(), s.single_hi[singles].tolist()
-        for p, pi, lo, hi in zip(sp, spi, slo, shi, strict=True):
+        for q, pi, lo, hi in zip(sp, spi, slo, shi, strict=True):
             if s.single_box:
-                boxes[(p, pi)].append((tuple(lo), tuple(hi)))
+                boxes[(q, pi)].append((tuple(lo), tuple(hi)))
             else:
-                loose[(p, pi)].append(tuple(lo))
-    for g in groups:
-        assign = g.fill(scope_loads(scopes, g.scope_key(ranks, place), len(g.holders)))
+                loose[(q, pi)].append(tuple(lo))
+    for g, assign in zip(groups, assigns, strict=True):
         mine = None if pos is None else g.holders.index(pos)
         for c, k, pis in zip(g.chunks, assign, g.pieces, strict=True):
             if mine is None or k == mine:
@@ -518,27 +602,40 @@ def _array_writes(
     for (q, pi), idxs in loose.items():
         for box in coalesce(idxs):
             writes.append(_direct(grid, box, int(ranks[q]), pi))
-    for flat in merges:
-        m = s.merge(flat)
-        if not m.feeders:
-            raise LayoutError(f"leaf {spec.key!r}: elements {m.chunk} are held by no rank, so they cannot be saved")
-        loads = scope_loads(scopes, m.scope_key(ranks, place), len(m.feeders))
-        at = m.writer_at(loads)
-        loads[at] += m.chunk.size * spec.itemsize
-        writer_pos = m.feeders[at]
-        if pos is None or pos == writer_pos:
-            sources = m.sources(spec.key, writer_pos)
-        else:
-            sources = m.sources_from(spec.key, writer_pos, pos)
-            if not sources:
-                continue
-        frags = tuple(
-            Fragment(int(ranks[p]), pi, Region(lo, tuple(h - a for a, h in zip(lo, hi, strict=True))))
-            for p, pi, lo, hi in sources
+    for flat, at in zip(merges, writers, strict=True):
+        op = _merged_write(key, s, p, pos, flat, at)
+        if op is not None:
+            writes.append(op)
+    writes.sort(key=_OFFSET)
+    return tuple(writes)
+
+
+def _merged_write(key: str, s: _Structure, p: Placed, pos: int | None, flat: int, at: int) -> WriteOp | None:
+    """The merged write of chunk ``flat`` by its feeder ``at``, as position ``pos`` takes part in it (None: whole).
+
+    None when ``pos`` neither writes it nor sends it anything.
+    """
+    m = s.merge(flat)
+    ranks = p.ranks
+    writer_pos = m.feeders[at]
+    if pos is None or pos == writer_pos:
+        sources = m.sources(key, writer_pos)
+    else:
+        sources = m.sources_from(key, writer_pos, pos)
+        if not sources:
+            return None
+    # what a feeder sends is mostly the same whoever writes: its fragments are shared
+    frag_memo = p.derived.get("fragments")
+    if frag_memo is None:
+        frag_memo = p.derived["fragments"] = {}
+    fkey = tuple(sources)
+    frags = frag_memo.get(fkey)
+    if frags is None:
+        frags = frag_memo[fkey] = tuple(
+            Fragment(int(ranks[q]), pi, Region(lo, tuple(h - a for a, h in zip(lo, hi, strict=True))))
+            for q, pi, lo, hi in sources
         )
-        writes.append(WriteOp(m.chunk, int(ranks[writer_pos]), frags))
-    writes.sort(key=lambda w: w.region.offset)
-    return grid.chunk, writes
+    return WriteOp(m.chunk, int(ranks[writer_pos]), frags)
 
 
 def _direct(grid: ChunkGrid, box: Box, writer: int, piece: int) -> WriteOp:
@@ -578,7 +675,7 @@ def plan_save(
     for spec in specs:
         check_placement(spec, world, checked, "layout")
         chunk, writes = _array_writes(spec, opts, scopes, rank)
-        out.append(ArraySavePlan(spec.key, spec.shape, spec.itemsize, chunk, tuple(writes)))
+        out.append(ArraySavePlan(spec.key, spec.shape, spec.itemsize, chunk, writes))
     return SavePlan(world, tuple(out))
 
 

@@ -10,7 +10,7 @@ the layers of a model share a few. Nothing here does I/O.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import numpy as np
@@ -143,16 +143,18 @@ def _mesh_table(spec: ShardingSpec, shape: tuple[int, ...]) -> PieceTable:
 
 
 def _run_count(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
-    """Non-empty runs per row after merging adjacent ones."""
+    """Non-empty runs per row after merging adjacent ones (as :func:`_merged_runs` merges them)."""
     nonempty = lens > 0
     count = nonempty.sum(axis=1)
     if starts.shape[1] == 1:
         return np.asarray(count, dtype=_I64)
-    # a non-empty run continuing the previous non-empty run is not counted
-    out = count.copy()
-    for p in np.flatnonzero(count > 1).tolist():
-        out[p] = len(_merged_runs(starts[p], lens[p]))
-    return np.asarray(out, dtype=_I64)
+    # a non-empty run starting where the last non-empty run before it ends is not counted
+    cols = np.arange(starts.shape[1], dtype=_I64)
+    last = np.maximum.accumulate(np.where(nonempty, cols, -1), axis=1)
+    before = np.concatenate([np.full((len(last), 1), -1, dtype=_I64), last[:, :-1]], axis=1)
+    end_before = np.take_along_axis(starts + lens, np.maximum(before, 0), axis=1)
+    joins = nonempty & (before >= 0) & (end_before == starts)
+    return np.asarray(count - joins.sum(axis=1), dtype=_I64)
 
 
 def _first_run(starts: np.ndarray, lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -292,6 +294,16 @@ class Placed:
     table_key: Any
     place: Any
     derived: dict[Any, Any]
+    _positions: dict[int, int | None] = field(default_factory=dict)
+
+    def position(self, rank: int) -> int | None:
+        """The position of world rank ``rank`` in ``table``, or None when the layout does not place it (memoised)."""
+        try:
+            return self._positions[rank]
+        except KeyError:
+            at = int(np.searchsorted(self.ranks, rank))
+            got = self._positions[rank] = at if at < len(self.ranks) and int(self.ranks[at]) == rank else None
+            return got
 
 
 _PLACED = _Memo(4096)
