@@ -126,3 +126,16 @@ def test_a_ranks_part_is_built_once_per_layout_and_shared_by_its_layers() -> Non
     sent = [f for a in merged.arrays for op in a.writes if op.writer != 1 for f in op.sources]
     assert sent
     assert len({id(f) for f in sent}) < len(sent)
+
+
+def test_a_ranks_load_part_is_built_once_per_layout_and_shared_by_its_layers() -> None:
+    sharded = ShardingSpec(Mesh(4), [Shard(0)])
+    layers = [layout(f"layers.{i}.w", (1024, 512), sharded) for i in range(6)]
+    part = plan_load([(64, 512)] * 6, layers, 4, rank=2)
+    assert len({id(a.reads) for a in part.arrays}) == 1
+    # replicated targets: the reader rotates, the ranks receiving each region do not
+    replicated = ShardingSpec(Mesh((2, 2)), [Replicate(), Shard(0)])
+    part = plan_load([(64, 512)] * 6, [layout(f"r{i}", (1024, 512), replicated) for i in range(6)], 4, rank=2)
+    targets = [op.targets for a in part.arrays for op in a.reads]
+    assert len({id(t) for t in targets}) < len(targets)
+    assert part == plan_load([(64, 512)] * 6, [layout(f"r{i}", (1024, 512), replicated) for i in range(6)], 4, rank=2)
