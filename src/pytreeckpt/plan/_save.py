@@ -281,7 +281,9 @@ class _Structure:
     def _make_merge(self, flat: int) -> _Merge:
         chunk = self.grid.region(self.grid.unflat(flat))
         if self._index is None:
-            self._index = _PartIndex(self.table)
+            self._index = _PART_INDEXES.get_or(id(self.table), lambda: _PartIndex(self.table))
+            if self._index.table is not self.table:  # an id reused after its table was dropped
+                self._index = _PART_INDEXES[id(self.table)] = _PartIndex(self.table)
         t = self.table
         rows = self._index.intersecting(chunk)
         nd = self.grid.ndim
@@ -327,7 +329,7 @@ class _PartIndex:
             return
         # sweep along the dim where the boxes start at the most distinct places
         lo = table.lo[nonempty]
-        self.dim = int(np.argmax([len(np.unique(lo[:, d])) for d in range(nd)]))
+        self.dim = _sweep_dim(lo)
         order = np.argsort(lo[:, self.dim], kind="stable")
         self.rows = nonempty[order]
         self.start = table.lo[self.rows, self.dim]
@@ -350,6 +352,7 @@ class _PartIndex:
 
 
 _STRUCTURES = _Memo(4096)
+_PART_INDEXES = _Memo(4096)  # id of a table -> its index (which keeps the table alive), shared by its structures
 
 
 def clear_caches() -> None:
@@ -360,6 +363,7 @@ def clear_caches() -> None:
     _TABLES.clear()
     _CUTS.clear()
     _STRUCTURES.clear()
+    _PART_INDEXES.clear()
     clear_placed()
 
 
@@ -460,6 +464,15 @@ def _make_structure(table: PieceTable, shape: tuple[int, ...], itemsize: int, op
     )
 
 
+def _sweep_dim(lo: np.ndarray) -> int:
+    """The dim along which boxes starting at ``lo`` start at the most distinct places (judged on a sample).
+
+    Sweeps along it find the boxes meeting a box quickly; any dim gives the same answers.
+    """
+    sample = lo[:: max(1, len(lo) // 1024)]
+    return int(np.argmax([len(np.unique(sample[:, d])) for d in range(lo.shape[1])]))
+
+
 def _disjoint(lo: np.ndarray, hi: np.ndarray) -> bool:
     """True when no two of the boxes ``[lo, hi)`` share a cell (bounded work for tiled boxes)."""
     n = len(lo)
@@ -468,7 +481,7 @@ def _disjoint(lo: np.ndarray, hi: np.ndarray) -> bool:
     nd = lo.shape[1]
     if nd == 0:
         return False
-    d = int(np.argmax([len(np.unique(lo[:, k])) for k in range(nd)]))
+    d = _sweep_dim(lo)
     order = np.argsort(lo[:, d], kind="stable")
     lo, hi = lo[order], hi[order]
     # candidates of box i: the boxes after it (in start order) starting before it ends
@@ -492,45 +505,91 @@ def _disjoint(lo: np.ndarray, hi: np.ndarray) -> bool:
 
 
 def _array_writes(
-    spec: ArraySpec, opts: ChunkingOptions, scopes: Scopes, rank: int | None
+    spec: ArraySpec, opts: ChunkingOptions, scopes: Scopes
 ) -> tuple[tuple[int, ...], tuple[WriteOp, ...]]:
-    """One array's chunk shape, and its writes involving ``rank`` (every write when None)."""
+    """One array's chunk shape and every write."""
     p = placed(spec)
     s = _structure(p, spec.itemsize, opts)
-    if rank is None:
-        singles: Sequence[int] = range(len(s.single_pos))
-        groups, merges = s.groups, s.uncovered.tolist()
-        assigns, writers, _ = _decide(spec.key, s, p, scopes, groups, merges)
-        return s.grid.chunk, _writes(spec.key, s, p, None, singles, groups, assigns, merges, writers)
+    singles: Sequence[int] = range(len(s.single_pos))
+    groups, merges = s.groups, s.uncovered.tolist()
+    assigns, writers, _ = _decide(spec.key, s, p, scopes, groups, merges)
+    return s.grid.chunk, _writes(spec.key, s, p, None, singles, groups, assigns, merges, writers)
+
+
+@dataclass(eq=False)
+class _RankPart:
+    """What one position takes part in of a placed layout's plan, and its writes per decision (memoised).
+
+    The writes follow from the balancing decisions alone, so arrays of one placed layout
+    deciding alike (a model's layers, mostly) share them. The direct writes are kept
+    apart from the merged ones, whose writers vary more.
+    """
+
+    p: Placed
+    s: _Structure
+    pos: int
+    singles: list[int]
+    groups: list[tuple[_Group, bytes]]  # each with the key of its scope
+    merges: list[tuple[int, _Merge, bytes]]  # (flat chunk, merge, scope key)
+    direct: dict[tuple[bytes, ...], tuple[WriteOp, ...]] = field(default_factory=dict)
+    merged: dict[tuple[int, int], WriteOp | None] = field(default_factory=dict)
+
+    def writes(self, key: str, scopes: Scopes) -> tuple[WriteOp, ...]:
+        """This position's writes of the array ``key``, handing out work by ``scopes``' loads, which it updates."""
+        rels = []
+        assigns = []
+        for g, skey in self.groups:
+            loads = scopes.get(skey)
+            if loads is None:
+                loads = scopes[skey] = np.zeros(len(g.holders), dtype=np.int64)
+            rel, assign = g.fill(loads)
+            rels.append(rel)
+            assigns.append(assign)
+        decided = tuple(rels)
+        direct = self.direct.get(decided)
+        if direct is None:
+            groups = [g for g, _ in self.groups]
+            direct = self.direct[decided] = _writes(
+                key, self.s, self.p, self.pos, self.singles, groups, assigns, (), ()
+            )
+        if not self.merges:
+            return direct
+        merged = []
+        for flat, m, skey in self.merges:
+            loads = scopes.get(skey)
+            if loads is None:
+                loads = scopes[skey] = np.zeros(len(m.feeders), dtype=np.int64)
+            at = m.writer_at(loads)
+            loads[at] += m.nbytes
+            try:
+                op = self.merged[(flat, at)]
+            except KeyError:
+                op = self.merged[(flat, at)] = _merged_write(key, self.s, self.p, self.pos, flat, at)
+            if op is not None:
+                merged.append(op)
+        if not direct and len(merged) < 2:
+            return tuple(merged)
+        return tuple(sorted((*direct, *merged), key=_OFFSET))
+
+
+def _rank_part(spec: ArraySpec, opts: ChunkingOptions, rank: int) -> tuple[tuple[int, ...], _RankPart | None]:
+    """The chunk shape of ``spec``'s array and what ``rank`` takes part in (None: nothing), memoised per placement."""
+    p = placed(spec)
+    s = _structure(p, spec.itemsize, opts)
     pos = p.position(rank)
     if pos is None:
-        return s.grid.chunk, ()
-    singles_a, groups, merges = s.involving(pos)
-    assigns, writers, decided = _decide(spec.key, s, p, scopes, groups, merges)
-    # The writes follow from the decisions alone: arrays of one placed layout deciding
-    # alike (a model's layers, mostly) share them. The direct writes are kept apart
-    # from the merged ones, whose writers vary more.
-    memo = p.derived.get(("writes", spec.itemsize, opts))
-    if memo is None:
-        memo = p.derived[("writes", spec.itemsize, opts)] = {}
-    key = (pos, decided[: len(groups)])
-    direct: tuple[WriteOp, ...] | None = memo.get(key)
-    if direct is None:
-        direct = memo[key] = _writes(spec.key, s, p, pos, singles_a.tolist(), groups, assigns, (), ())
-    if not merges:
-        return s.grid.chunk, direct
-    merged = []
-    for flat, at in zip(merges, writers, strict=True):
-        mkey = (pos, flat, at)
-        try:
-            op = memo[mkey]
-        except KeyError:
-            op = memo[mkey] = _merged_write(spec.key, s, p, pos, flat, at)
-        if op is not None:
-            merged.append(op)
-    if not direct and len(merged) < 2:
-        return s.grid.chunk, tuple(merged)
-    return s.grid.chunk, tuple(sorted((*direct, *merged), key=_OFFSET))
+        return s.grid.chunk, None
+    key = ("rank", spec.itemsize, opts, pos)
+    got = p.derived.get(key)
+    if got is None:
+        singles, groups, merges = s.involving(pos)
+        ms = []
+        for flat in merges:
+            m = s.merge(flat)
+            ms.append((flat, m, m.scope_key(p.ranks, p.place)))
+        gs = [(g, g.scope_key(p.ranks, p.place)) for g in groups]
+        got = p.derived[key] = _RankPart(p, s, pos, singles.tolist(), gs, ms)
+    return s.grid.chunk, got
 
 
 _OFFSET = operator.attrgetter("region.offset")
@@ -672,9 +731,29 @@ def plan_save(
     scopes: Scopes = {}
     out = []
     checked: set[tuple[int, Any]] = set()
+    if rank is None:
+        for spec in specs:
+            check_placement(spec, world, checked, "layout")
+            chunk, writes = _array_writes(spec, opts, scopes)
+            out.append(ArraySavePlan(spec.key, spec.shape, spec.itemsize, chunk, writes))
+        return SavePlan(world, tuple(out))
+    # A rank's part: arrays of one (layout, shape, element size, placement) object, as a
+    # model's layers are, are looked up once per plan (the objects live as long as the call).
+    parts: dict[tuple[Any, ...], tuple[tuple[int, ...], _RankPart | None]] = {}
     for spec in specs:
-        check_placement(spec, world, checked, "layout")
-        chunk, writes = _array_writes(spec, opts, scopes, rank)
+        ranks = spec.ranks
+        where = (
+            id(spec.layout),
+            spec.shape,
+            spec.itemsize,
+            ranks if ranks is None or type(ranks) is range else id(ranks),
+        )
+        got = parts.get(where)
+        if got is None:
+            check_placement(spec, world, checked, "layout")
+            got = parts[where] = _rank_part(spec, opts, rank)
+        chunk, part = got
+        writes = () if part is None else part.writes(spec.key, scopes)
         out.append(ArraySavePlan(spec.key, spec.shape, spec.itemsize, chunk, writes))
     return SavePlan(world, tuple(out))
 
