@@ -678,11 +678,10 @@ def _merged_write(key: str, s: _Structure, p: Placed, pos: int | None, flat: int
     ranks = p.ranks
     writer_pos = m.feeders[at]
     if pos is None or pos == writer_pos:
-        sources = m.sources(key, writer_pos)
-    else:
-        sources = m.sources_from(key, writer_pos, pos)
-        if not sources:
-            return None
+        return WriteOp(m.chunk, int(ranks[writer_pos]), _fragments(ranks, m.sources(key, writer_pos)))
+    sources = m.sources_from(key, writer_pos, pos)
+    if not sources:
+        return None
     # what a feeder sends is mostly the same whoever writes: its fragments are shared
     frag_memo = p.derived.get("fragments")
     if frag_memo is None:
@@ -690,11 +689,21 @@ def _merged_write(key: str, s: _Structure, p: Placed, pos: int | None, flat: int
     fkey = tuple(sources)
     frags = frag_memo.get(fkey)
     if frags is None:
-        frags = frag_memo[fkey] = tuple(
-            Fragment(int(ranks[q]), pi, Region(lo, tuple(h - a for a, h in zip(lo, hi, strict=True))))
-            for q, pi, lo, hi in sources
-        )
+        frags = frag_memo[fkey] = _fragments(ranks, sources)
     return WriteOp(m.chunk, int(ranks[writer_pos]), frags)
+
+
+def _fragments(ranks: np.ndarray, parts: Sequence[Part]) -> tuple[Fragment, ...]:
+    """The parts ``(position, piece, lo, hi)`` as fragments of world ranks."""
+    if len(parts) < 16:
+        return tuple(
+            Fragment(int(ranks[q]), pi, Region(lo, tuple(h - a for a, h in zip(lo, hi, strict=True))))
+            for q, pi, lo, hi in parts
+        )
+    q, pi, lo, hi = zip(*parts, strict=True)
+    world = ranks[list(q)].tolist()
+    ext = (np.asarray(hi, dtype=_I64) - np.asarray(lo, dtype=_I64)).tolist()
+    return tuple(Fragment(r, i, Region(a, tuple(e))) for r, i, a, e in zip(world, pi, lo, ext, strict=True))
 
 
 def _direct(grid: ChunkGrid, box: Box, writer: int, piece: int) -> WriteOp:
