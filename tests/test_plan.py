@@ -107,3 +107,35 @@ def test_chunk_shape_choice() -> None:
     assert chunk_shape((64, 32), four, opts) == (16, 32)  # aligned, 2 KiB
     big = ShardingSpec(Mesh(2), [Shard(0)])
     assert chunk_shape((64, 64), big, opts) == (16, 64)  # shards of 8 KiB split to 4 KiB, still aligned
+
+
+def test_a_ranks_part_is_built_once_per_layout_and_shared_by_its_layers() -> None:
+    # A model's layers share a few layouts: a rank's writes follow from the layout and the
+    # balancing decisions, so layers deciding alike share one tuple of writes (planning
+    # 16,384 ranks' parts stays at the cost of a few layouts, not of every array).
+    sharded = ShardingSpec(Mesh(4), [Shard(0)])
+    layers = [layout(f"layers.{i}.w", (1024, 512), sharded) for i in range(6)]
+    opts = ChunkingOptions(single_chunk_bytes=0)
+    part = plan_save(layers, 4, rank=1, options=opts)
+    assert len({id(a.writes) for a in part.arrays}) == 1
+    assert part == plan_save(layers, 4, rank=1, options=opts)  # memoised and cold agree
+    # merged chunks: what a rank sends is the same fragments whoever writes them
+    flat = FlatRanges([(0, 7), (7, 20), (20, 30)])
+    tiny = ChunkingOptions(single_chunk_bytes=0, min_chunk_bytes=1000, max_chunk_bytes=40)
+    merged = plan_save([layout(f"m{i}", (5, 6), flat) for i in range(6)], 3, rank=1, options=tiny)
+    sent = [f for a in merged.arrays for op in a.writes if op.writer != 1 for f in op.sources]
+    assert sent
+    assert len({id(f) for f in sent}) < len(sent)
+
+
+def test_a_ranks_load_part_is_built_once_per_layout_and_shared_by_its_layers() -> None:
+    sharded = ShardingSpec(Mesh(4), [Shard(0)])
+    layers = [layout(f"layers.{i}.w", (1024, 512), sharded) for i in range(6)]
+    part = plan_load([(64, 512)] * 6, layers, 4, rank=2)
+    assert len({id(a.reads) for a in part.arrays}) == 1
+    # replicated targets: the reader rotates, the ranks receiving each region do not
+    replicated = ShardingSpec(Mesh((2, 2)), [Replicate(), Shard(0)])
+    part = plan_load([(64, 512)] * 6, [layout(f"r{i}", (1024, 512), replicated) for i in range(6)], 4, rank=2)
+    targets = [op.targets for a in part.arrays for op in a.reads]
+    assert len({id(t) for t in targets}) < len(targets)
+    assert part == plan_load([(64, 512)] * 6, [layout(f"r{i}", (1024, 512), replicated) for i in range(6)], 4, rank=2)

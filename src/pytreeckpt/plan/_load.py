@@ -148,9 +148,37 @@ def _make_cuts(table: PieceTable, shape: tuple[int, ...], chunk: tuple[int, ...]
     return _Cuts(lo, ext, nbytes, ptr, wpos, wpiece, single.astype(_I64))
 
 
-def _array_reads(spec: ArraySpec, chunk: tuple[int, ...], scopes: Scopes, rank: int | None) -> list[ReadOp]:
+@dataclass(eq=False)
+class _RankReads:
+    """A placed target layout's regions as one position wants them, and its reads per decision (memoised).
+
+    ``choices`` lists the regions others want too, in order: each is read by the least
+    loaded rank of its scope, the only thing the reads depend on besides the layout.
+    """
+
+    rows: list[int]
+    choices: list[tuple[bytes, int, int]]  # per shared region: scope key, ranks in it, bytes
+    reads: dict[tuple[int, ...], tuple[ReadOp, ...]] = field(default_factory=dict)
+
+
+def _rank_reads(p: Placed, cuts: _Cuts, pos: int, chunk: tuple[int, ...], itemsize: int) -> _RankReads:
+    key = ("load-rank", chunk, itemsize, pos)
+    got = p.derived.get(key)
+    if got is None:
+        rows = cuts.regions_of(pos).tolist()
+        single, nbytes = cuts.single[rows].tolist(), cuts.nbytes[rows].tolist()
+        choices = []
+        for r, s, nb in zip(rows, single, nbytes, strict=True):
+            if s < 0:
+                held, skey = cuts.scope(r, p.ranks, p.place)
+                choices.append((skey, len(held), nb))
+        got = p.derived[key] = _RankReads(rows, choices)
+    return got  # type: ignore[no-any-return]
+
+
+def _array_reads(spec: ArraySpec, chunk: tuple[int, ...], scopes: Scopes, rank: int | None) -> tuple[ReadOp, ...]:
     p = placed(spec)
-    table, ranks, place = p.table, p.ranks, p.place
+    table, ranks = p.table, p.ranks
     cuts = _cuts(p, chunk, spec.itemsize)
     if cuts.outside >= 0:
         bad = cuts.outside
@@ -161,30 +189,77 @@ def _array_reads(spec: ArraySpec, chunk: tuple[int, ...], scopes: Scopes, rank: 
         )
     if rank is None:
         rows: Sequence[int] = range(len(cuts.lo))
-    else:
-        at = int(np.searchsorted(ranks, rank))
-        if at == len(ranks) or ranks[at] != rank:
-            return []
-        rows = cuts.regions_of(at).tolist()
-    reads = []
-    single, nbytes = cuts.single, cuts.nbytes
-    lo, ext = cuts.lo, cuts.ext
+        return tuple(_reads(p, cuts, _targets(p, chunk, spec.itemsize), rows, _choose(p, cuts, rows, scopes)))
+    pos = p.position(rank)
+    if pos is None:
+        return ()
+    mine = _rank_reads(p, cuts, pos, chunk, spec.itemsize)
+    decided = []
+    for skey, n, nb in mine.choices:
+        loads = scopes.get(skey)
+        if loads is None:
+            loads = scopes[skey] = np.zeros(n, dtype=_I64)
+        at = int(loads.argmin())
+        loads[at] += nb
+        decided.append(at)
+    key = tuple(decided)
+    got = mine.reads.get(key)
+    if got is None:
+        got = mine.reads[key] = tuple(_reads(p, cuts, _targets(p, chunk, spec.itemsize), mine.rows, key))
+    return got
+
+
+def _targets(p: Placed, chunk: tuple[int, ...], itemsize: int) -> dict[int, tuple[Region, tuple[Fragment, ...]]]:
+    """Per region of the placed layout cut along ``chunk``, its region and target fragments, once built."""
+    key = ("targets", chunk, itemsize)
+    got = p.derived.get(key)
+    if got is None:
+        got = p.derived[key] = {}
+    return got  # type: ignore[no-any-return]
+
+
+def _choose(p: Placed, cuts: _Cuts, rows: Sequence[int], scopes: Scopes) -> tuple[int, ...]:
+    """The reader (an index into its scope) of each of ``rows`` wanted by several positions, in order."""
+    decided = []
     for r in rows:
-        region = Region(tuple(lo[r].tolist()), tuple(ext[r].tolist()))
+        if cuts.single[r] < 0:
+            held, key = cuts.scope(r, p.ranks, p.place)
+            loads = scope_loads(scopes, key, len(held))
+            at = int(np.argmin(loads))
+            loads[at] += cuts.nbytes[r]
+            decided.append(at)
+    return tuple(decided)
+
+
+def _reads(
+    p: Placed,
+    cuts: _Cuts,
+    memo: dict[int, tuple[Region, tuple[Fragment, ...]]],
+    rows: Sequence[int],
+    decided: Sequence[int],
+) -> list[ReadOp]:
+    """The reads of ``rows`` given the readers :func:`_choose` picked; ``memo`` keeps each region's targets."""
+    ranks = p.ranks
+    reads = []
+    choice = iter(decided)
+    single = cuts.single
+    for r in rows:
+        got = memo.get(r)
+        if got is None:
+            region = Region(tuple(cuts.lo[r].tolist()), tuple(cuts.ext[r].tolist()))
+            a, b = cuts.wanted_ptr[r], cuts.wanted_ptr[r + 1]
+            targets = tuple(
+                Fragment(int(ranks[q]), pi, region)
+                for q, pi in zip(cuts.want_pos[a:b].tolist(), cuts.want_piece[a:b].tolist(), strict=True)
+            )
+            got = memo[r] = (region, targets)
+        region, targets = got
         s = int(single[r])
         if s >= 0:
             reader = int(ranks[s])
         else:
-            held, key = cuts.scope(r, ranks, place)
-            loads = scope_loads(scopes, key, len(held))
-            at_min = int(np.argmin(loads))
-            loads[at_min] += nbytes[r]
-            reader = int(ranks[held[at_min]])
-        a, b = cuts.wanted_ptr[r], cuts.wanted_ptr[r + 1]
-        targets = tuple(
-            Fragment(int(ranks[p]), pi, region)
-            for p, pi in zip(cuts.want_pos[a:b].tolist(), cuts.want_piece[a:b].tolist(), strict=True)
-        )
+            held, _ = cuts.scope(r, ranks, p.place)
+            reader = int(ranks[held[next(choice)]])
         reads.append(ReadOp(region, reader, targets))
     return reads
 
@@ -217,5 +292,5 @@ def plan_load(
     for spec, chunk in zip(specs, chunk_shapes, strict=True):
         check_placement(spec, world, checked, "target")
         reads = _array_reads(spec, tuple(chunk), scopes, rank)
-        out.append(ArrayLoadPlan(spec.key, spec.shape, spec.itemsize, tuple(reads)))
+        out.append(ArrayLoadPlan(spec.key, spec.shape, spec.itemsize, reads))
     return LoadPlan(world, tuple(out))

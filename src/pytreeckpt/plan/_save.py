@@ -22,6 +22,8 @@ taken from globals.
 
 from __future__ import annotations
 
+import operator
+from bisect import bisect_left
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -62,11 +64,12 @@ class _Group:
             got = self.scopes[placement] = scope_key(ranks[list(self.holders)])
         return got
 
-    def fill(self, loads: np.ndarray) -> list[int]:
+    def fill(self, loads: np.ndarray) -> tuple[bytes, list[int]]:
         """Each chunk's holder index given the holders' loads, which it updates in place (memoised).
 
         The filling depends on the loads' differences only, so equal patterns of loads
-        (layer after layer of a model) share one computation.
+        (layer after layer of a model) share one computation; that pattern is returned
+        with the filling, as the key of the decision.
         """
         rel = loads - loads.min()
         key = rel.tobytes()
@@ -76,7 +79,7 @@ class _Group:
             assign = water_fill(self.sizes, after)
             got = self.memo[key] = (assign, np.asarray(after, dtype=np.int64) - rel)
         loads += got[1]
-        return got[0]
+        return key, got[0]
 
 
 Part = tuple[int, int, tuple[int, ...], tuple[int, ...]]
@@ -104,10 +107,12 @@ class _Merge:
     box: np.ndarray  # per part, its distinct box
     base: np.ndarray  # each distinct box once, from its first part in the shared order: part indices
     is_grid: bool  # the distinct boxes are the cells of a grid over the chunk
+    nbytes: int  # bytes of the chunk
     _sources: dict[int, list[Part]] = field(default_factory=dict)
     _scopes: dict[Any, bytes] = field(default_factory=dict)
     _tied: np.ndarray | None = None
-    _base_by_pos: tuple[np.ndarray, np.ndarray] | None = None
+    _sent: dict[int, list[tuple[int, Part]]] = field(default_factory=dict)
+    _ptr: list[int] | None = None
 
     def scope_key(self, ranks: np.ndarray, placement: Any) -> bytes:
         got = self._scopes.get(placement)
@@ -165,15 +170,18 @@ class _Merge:
         """The fragments position ``pos`` (not the writer) sends to ``writer``."""
         if not self.is_grid:
             return [p for p in self.sources(key, writer) if p[0] == pos]
-        if self._base_by_pos is None:
-            order = np.argsort(self.pos[self.base], kind="stable")
-            self._base_by_pos = (self.pos[self.base][order], self.base[order])
-        keys, parts = self._base_by_pos
-        a, b = np.searchsorted(keys, [pos, pos + 1])
-        if a == b:
+        mine = self._sent.get(pos)
+        if mine is None:
+            # pos's parts among the distinct boxes, in the shared order, with their boxes
+            idx = self.base[self.pos[self.base] == pos]
+            mine = self._sent[pos] = list(zip(self.box[idx].tolist(), self._parts(idx), strict=True))
+        if not mine:
             return []
-        held = set(self.box[self._of(writer)].tolist())
-        return self._parts(np.asarray([i for i in parts[a:b].tolist() if self.box[i] not in held], dtype=_I64))
+        if self._ptr is None:
+            self._ptr = np.searchsorted(self.pos, np.asarray((*self.feeders, self.feeders[-1] + 1))).tolist()
+        k = bisect_left(self.feeders, writer)
+        held = set(self.box[self._ptr[k] : self._ptr[k + 1]].tolist())  # the boxes the writer holds itself
+        return [part for box, part in mine if box not in held]
 
 
 def _cover(key: str, chunk: Region, order: list[Part]) -> list[Part]:
@@ -273,7 +281,9 @@ class _Structure:
     def _make_merge(self, flat: int) -> _Merge:
         chunk = self.grid.region(self.grid.unflat(flat))
         if self._index is None:
-            self._index = _PartIndex(self.table)
+            self._index = _PART_INDEXES.get_or(id(self.table), lambda: _PartIndex(self.table))
+            if self._index.table is not self.table:  # an id reused after its table was dropped
+                self._index = _PART_INDEXES[id(self.table)] = _PartIndex(self.table)
         t = self.table
         rows = self._index.intersecting(chunk)
         nd = self.grid.ndim
@@ -291,7 +301,19 @@ class _Structure:
         shared = np.lexsort((piece, pos, -overlap[inverse]))
         _, first = np.unique(box[shared], return_index=True)
         base = shared[np.sort(first)]
-        return _Merge(chunk, tuple(feeders.tolist()), overlap, pos, piece, lo, hi, box, base, _tile_grid(ubox, chunk))
+        return _Merge(
+            chunk,
+            tuple(feeders.tolist()),
+            overlap,
+            pos,
+            piece,
+            lo,
+            hi,
+            box,
+            base,
+            _tile_grid(ubox, chunk),
+            chunk.size * self.itemsize,
+        )
 
 
 class _PartIndex:
@@ -307,7 +329,7 @@ class _PartIndex:
             return
         # sweep along the dim where the boxes start at the most distinct places
         lo = table.lo[nonempty]
-        self.dim = int(np.argmax([len(np.unique(lo[:, d])) for d in range(nd)]))
+        self.dim = _sweep_dim(lo)
         order = np.argsort(lo[:, self.dim], kind="stable")
         self.rows = nonempty[order]
         self.start = table.lo[self.rows, self.dim]
@@ -330,6 +352,7 @@ class _PartIndex:
 
 
 _STRUCTURES = _Memo(4096)
+_PART_INDEXES = _Memo(4096)  # id of a table -> its index (which keeps the table alive), shared by its structures
 
 
 def clear_caches() -> None:
@@ -340,6 +363,7 @@ def clear_caches() -> None:
     _TABLES.clear()
     _CUTS.clear()
     _STRUCTURES.clear()
+    _PART_INDEXES.clear()
     clear_placed()
 
 
@@ -440,6 +464,15 @@ def _make_structure(table: PieceTable, shape: tuple[int, ...], itemsize: int, op
     )
 
 
+def _sweep_dim(lo: np.ndarray) -> int:
+    """The dim along which boxes starting at ``lo`` start at the most distinct places (judged on a sample).
+
+    Sweeps along it find the boxes meeting a box quickly; any dim gives the same answers.
+    """
+    sample = lo[:: max(1, len(lo) // 1024)]
+    return int(np.argmax([len(np.unique(sample[:, d])) for d in range(lo.shape[1])]))
+
+
 def _disjoint(lo: np.ndarray, hi: np.ndarray) -> bool:
     """True when no two of the boxes ``[lo, hi)`` share a cell (bounded work for tiled boxes)."""
     n = len(lo)
@@ -448,7 +481,7 @@ def _disjoint(lo: np.ndarray, hi: np.ndarray) -> bool:
     nd = lo.shape[1]
     if nd == 0:
         return False
-    d = int(np.argmax([len(np.unique(lo[:, k])) for k in range(nd)]))
+    d = _sweep_dim(lo)
     order = np.argsort(lo[:, d], kind="stable")
     lo, hi = lo[order], hi[order]
     # candidates of box i: the boxes after it (in start order) starting before it ends
@@ -472,39 +505,149 @@ def _disjoint(lo: np.ndarray, hi: np.ndarray) -> bool:
 
 
 def _array_writes(
-    spec: ArraySpec, opts: ChunkingOptions, scopes: Scopes, rank: int | None
-) -> tuple[tuple[int, ...], list[WriteOp]]:
-    """One array's chunk shape, and its writes involving ``rank`` (every write when None)."""
+    spec: ArraySpec, opts: ChunkingOptions, scopes: Scopes
+) -> tuple[tuple[int, ...], tuple[WriteOp, ...]]:
+    """One array's chunk shape and every write."""
     p = placed(spec)
-    ranks, place = p.ranks, p.place
     s = _structure(p, spec.itemsize, opts)
-    grid = s.grid
-    pos: int | None = None
-    if rank is not None:
-        at = int(np.searchsorted(ranks, rank))
-        if at == len(ranks) or ranks[at] != rank:
-            return grid.chunk, []
-        pos = at
+    singles: Sequence[int] = range(len(s.single_pos))
+    groups, merges = s.groups, s.uncovered.tolist()
+    assigns, writers, _ = _decide(spec.key, s, p, scopes, groups, merges)
+    return s.grid.chunk, _writes(spec.key, s, p, None, singles, groups, assigns, merges, writers)
+
+
+@dataclass(eq=False)
+class _RankPart:
+    """What one position takes part in of a placed layout's plan, and its writes per decision (memoised).
+
+    The writes follow from the balancing decisions alone, so arrays of one placed layout
+    deciding alike (a model's layers, mostly) share them. The direct writes are kept
+    apart from the merged ones, whose writers vary more.
+    """
+
+    p: Placed
+    s: _Structure
+    pos: int
+    singles: list[int]
+    groups: list[tuple[_Group, bytes]]  # each with the key of its scope
+    merges: list[tuple[int, _Merge, bytes]]  # (flat chunk, merge, scope key)
+    direct: dict[tuple[bytes, ...], tuple[WriteOp, ...]] = field(default_factory=dict)
+    merged: dict[tuple[int, int], WriteOp | None] = field(default_factory=dict)
+
+    def writes(self, key: str, scopes: Scopes) -> tuple[WriteOp, ...]:
+        """This position's writes of the array ``key``, handing out work by ``scopes``' loads, which it updates."""
+        rels = []
+        assigns = []
+        for g, skey in self.groups:
+            loads = scopes.get(skey)
+            if loads is None:
+                loads = scopes[skey] = np.zeros(len(g.holders), dtype=np.int64)
+            rel, assign = g.fill(loads)
+            rels.append(rel)
+            assigns.append(assign)
+        decided = tuple(rels)
+        direct = self.direct.get(decided)
+        if direct is None:
+            groups = [g for g, _ in self.groups]
+            direct = self.direct[decided] = _writes(
+                key, self.s, self.p, self.pos, self.singles, groups, assigns, (), ()
+            )
+        if not self.merges:
+            return direct
+        merged = []
+        for flat, m, skey in self.merges:
+            loads = scopes.get(skey)
+            if loads is None:
+                loads = scopes[skey] = np.zeros(len(m.feeders), dtype=np.int64)
+            at = m.writer_at(loads)
+            loads[at] += m.nbytes
+            try:
+                op = self.merged[(flat, at)]
+            except KeyError:
+                op = self.merged[(flat, at)] = _merged_write(key, self.s, self.p, self.pos, flat, at)
+            if op is not None:
+                merged.append(op)
+        if not direct and len(merged) < 2:
+            return tuple(merged)
+        return tuple(sorted((*direct, *merged), key=_OFFSET))
+
+
+def _rank_part(spec: ArraySpec, opts: ChunkingOptions, rank: int) -> tuple[tuple[int, ...], _RankPart | None]:
+    """The chunk shape of ``spec``'s array and what ``rank`` takes part in (None: nothing), memoised per placement."""
+    p = placed(spec)
+    s = _structure(p, spec.itemsize, opts)
+    pos = p.position(rank)
+    if pos is None:
+        return s.grid.chunk, None
+    key = ("rank", spec.itemsize, opts, pos)
+    got = p.derived.get(key)
+    if got is None:
+        singles, groups, merges = s.involving(pos)
+        ms = []
+        for flat in merges:
+            m = s.merge(flat)
+            ms.append((flat, m, m.scope_key(p.ranks, p.place)))
+        gs = [(g, g.scope_key(p.ranks, p.place)) for g in groups]
+        got = p.derived[key] = _RankPart(p, s, pos, singles.tolist(), gs, ms)
+    return s.grid.chunk, got
+
+
+_OFFSET = operator.attrgetter("region.offset")
+
+
+def _decide(
+    key: str, s: _Structure, p: Placed, scopes: Scopes, groups: Sequence[_Group], merges: Sequence[int]
+) -> tuple[list[list[int]], list[int], tuple[Any, ...]]:
+    """Hand out ``groups`` and the writers of ``merges`` by their scopes' loads, which it updates.
+
+    Returns each group's holder per chunk, each merge's writer (an index into its
+    feeders), and the decisions as a key (what the writes depend on besides the layout).
+    """
+    ranks, place = p.ranks, p.place
+    assigns = []
+    writers = []
+    decided: list[Any] = []
+    for g in groups:
+        rel, assign = g.fill(scope_loads(scopes, g.scope_key(ranks, place), len(g.holders)))
+        assigns.append(assign)
+        decided.append(rel)
+    for flat in merges:
+        m = s.merge(flat)
+        if not m.feeders:
+            raise LayoutError(f"leaf {key!r}: elements {m.chunk} are held by no rank, so they cannot be saved")
+        loads = scope_loads(scopes, m.scope_key(ranks, place), len(m.feeders))
+        at = m.writer_at(loads)
+        loads[at] += m.nbytes
+        writers.append(at)
+        decided.append(at)
+    return assigns, writers, tuple(decided)
+
+
+def _writes(
+    key: str,
+    s: _Structure,
+    p: Placed,
+    pos: int | None,
+    singles: Sequence[int],
+    groups: Sequence[_Group],
+    assigns: Sequence[list[int]],
+    merges: Sequence[int],
+    writers: Sequence[int],
+) -> tuple[WriteOp, ...]:
+    """The writes involving position ``pos`` (every write when None) given the decisions of :func:`_decide`."""
+    grid, ranks = s.grid, p.ranks
     # (writer position, piece) -> its whole boxes, and its chunks to coalesce
     boxes: dict[tuple[int, int], list[Box]] = defaultdict(list)
     loose: dict[tuple[int, int], list[tuple[int, ...]]] = defaultdict(list)
-    if pos is None:
-        singles: Sequence[int] = range(len(s.single_pos))
-        groups = s.groups
-        merges: Sequence[int] = s.uncovered.tolist()
-    else:
-        singles_a, groups, merges = s.involving(pos)
-        singles = singles_a.tolist()
     if len(singles):
         sp, spi = s.single_pos[singles].tolist(), s.single_piece[singles].tolist()
         slo, shi = s.single_lo[singles].tolist(), s.single_hi[singles].tolist()
-        for p, pi, lo, hi in zip(sp, spi, slo, shi, strict=True):
+        for q, pi, lo, hi in zip(sp, spi, slo, shi, strict=True):
             if s.single_box:
-                boxes[(p, pi)].append((tuple(lo), tuple(hi)))
+                boxes[(q, pi)].append((tuple(lo), tuple(hi)))
             else:
-                loose[(p, pi)].append(tuple(lo))
-    for g in groups:
-        assign = g.fill(scope_loads(scopes, g.scope_key(ranks, place), len(g.holders)))
+                loose[(q, pi)].append(tuple(lo))
+    for g, assign in zip(groups, assigns, strict=True):
         mine = None if pos is None else g.holders.index(pos)
         for c, k, pis in zip(g.chunks, assign, g.pieces, strict=True):
             if mine is None or k == mine:
@@ -518,27 +661,49 @@ def _array_writes(
     for (q, pi), idxs in loose.items():
         for box in coalesce(idxs):
             writes.append(_direct(grid, box, int(ranks[q]), pi))
-    for flat in merges:
-        m = s.merge(flat)
-        if not m.feeders:
-            raise LayoutError(f"leaf {spec.key!r}: elements {m.chunk} are held by no rank, so they cannot be saved")
-        loads = scope_loads(scopes, m.scope_key(ranks, place), len(m.feeders))
-        at = m.writer_at(loads)
-        loads[at] += m.chunk.size * spec.itemsize
-        writer_pos = m.feeders[at]
-        if pos is None or pos == writer_pos:
-            sources = m.sources(spec.key, writer_pos)
-        else:
-            sources = m.sources_from(spec.key, writer_pos, pos)
-            if not sources:
-                continue
-        frags = tuple(
-            Fragment(int(ranks[p]), pi, Region(lo, tuple(h - a for a, h in zip(lo, hi, strict=True))))
-            for p, pi, lo, hi in sources
+    for flat, at in zip(merges, writers, strict=True):
+        op = _merged_write(key, s, p, pos, flat, at)
+        if op is not None:
+            writes.append(op)
+    writes.sort(key=_OFFSET)
+    return tuple(writes)
+
+
+def _merged_write(key: str, s: _Structure, p: Placed, pos: int | None, flat: int, at: int) -> WriteOp | None:
+    """The merged write of chunk ``flat`` by its feeder ``at``, as position ``pos`` takes part in it (None: whole).
+
+    None when ``pos`` neither writes it nor sends it anything.
+    """
+    m = s.merge(flat)
+    ranks = p.ranks
+    writer_pos = m.feeders[at]
+    if pos is None or pos == writer_pos:
+        return WriteOp(m.chunk, int(ranks[writer_pos]), _fragments(ranks, m.sources(key, writer_pos)))
+    sources = m.sources_from(key, writer_pos, pos)
+    if not sources:
+        return None
+    # what a feeder sends is mostly the same whoever writes: its fragments are shared
+    frag_memo = p.derived.get("fragments")
+    if frag_memo is None:
+        frag_memo = p.derived["fragments"] = {}
+    fkey = tuple(sources)
+    frags = frag_memo.get(fkey)
+    if frags is None:
+        frags = frag_memo[fkey] = _fragments(ranks, sources)
+    return WriteOp(m.chunk, int(ranks[writer_pos]), frags)
+
+
+def _fragments(ranks: np.ndarray, parts: Sequence[Part]) -> tuple[Fragment, ...]:
+    """The parts ``(position, piece, lo, hi)`` as fragments of world ranks."""
+    if len(parts) < 16:
+        return tuple(
+            Fragment(int(ranks[q]), pi, Region(lo, tuple(h - a for a, h in zip(lo, hi, strict=True))))
+            for q, pi, lo, hi in parts
         )
-        writes.append(WriteOp(m.chunk, int(ranks[writer_pos]), frags))
-    writes.sort(key=lambda w: w.region.offset)
-    return grid.chunk, writes
+    q, pi, lo, hi = zip(*parts, strict=True)
+    world = ranks[list(q)].tolist()
+    ext = (np.asarray(hi, dtype=_I64) - np.asarray(lo, dtype=_I64)).tolist()
+    return tuple(Fragment(r, i, Region(a, tuple(e))) for r, i, a, e in zip(world, pi, lo, ext, strict=True))
 
 
 def _direct(grid: ChunkGrid, box: Box, writer: int, piece: int) -> WriteOp:
@@ -575,10 +740,30 @@ def plan_save(
     scopes: Scopes = {}
     out = []
     checked: set[tuple[int, Any]] = set()
+    if rank is None:
+        for spec in specs:
+            check_placement(spec, world, checked, "layout")
+            chunk, writes = _array_writes(spec, opts, scopes)
+            out.append(ArraySavePlan(spec.key, spec.shape, spec.itemsize, chunk, writes))
+        return SavePlan(world, tuple(out))
+    # A rank's part: arrays of one (layout, shape, element size, placement) object, as a
+    # model's layers are, are looked up once per plan (the objects live as long as the call).
+    parts: dict[tuple[Any, ...], tuple[tuple[int, ...], _RankPart | None]] = {}
     for spec in specs:
-        check_placement(spec, world, checked, "layout")
-        chunk, writes = _array_writes(spec, opts, scopes, rank)
-        out.append(ArraySavePlan(spec.key, spec.shape, spec.itemsize, chunk, tuple(writes)))
+        ranks = spec.ranks
+        where = (
+            id(spec.layout),
+            spec.shape,
+            spec.itemsize,
+            ranks if ranks is None or type(ranks) is range else id(ranks),
+        )
+        got = parts.get(where)
+        if got is None:
+            check_placement(spec, world, checked, "layout")
+            got = parts[where] = _rank_part(spec, opts, rank)
+        chunk, part = got
+        writes = () if part is None else part.writes(spec.key, scopes)
+        out.append(ArraySavePlan(spec.key, spec.shape, spec.itemsize, chunk, writes))
     return SavePlan(world, tuple(out))
 
 

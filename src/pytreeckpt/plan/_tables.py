@@ -10,7 +10,7 @@ the layers of a model share a few. Nothing here does I/O.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import numpy as np
@@ -68,11 +68,19 @@ def _chunk_split(size: np.ndarray, parts: int, index: np.ndarray) -> tuple[np.nd
 
 def _take(starts: np.ndarray, lens: np.ndarray, off: np.ndarray, size: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Positions ``[off, off + size)`` of the concatenation of each row's runs, as runs (empty ones kept)."""
-    before = np.cumsum(lens, axis=1) - lens
-    lo = np.maximum(off[:, None], before)
-    hi = np.minimum((off + size)[:, None], before + lens)
-    n = np.maximum(hi - lo, 0)
-    return np.where(n > 0, starts + lo - before, 0), n
+    stop = off + size
+    out_starts = np.empty(starts.shape, dtype=_I64)
+    out_lens = np.empty(lens.shape, dtype=_I64)
+    before = np.zeros(len(off), dtype=_I64)
+    for j in range(lens.shape[1]):  # column by column: a few runs, many rows
+        run = lens[:, j]
+        lo = np.maximum(off, before)
+        n = np.minimum(stop, before + run) - lo
+        np.maximum(n, 0, out=n)
+        out_lens[:, j] = n
+        out_starts[:, j] = np.where(n > 0, starts[:, j] + lo - before, 0)
+        before += run
+    return out_starts, out_lens
 
 
 def _mesh_table(spec: ShardingSpec, shape: tuple[int, ...]) -> PieceTable:
@@ -81,14 +89,21 @@ def _mesh_table(spec: ShardingSpec, shape: tuple[int, ...]) -> PieceTable:
     mesh = spec.mesh
     positions = mesh.size
     coords = np.stack(np.unravel_index(np.arange(positions), mesh.shape), axis=1).astype(_I64)
-    runs: list[tuple[np.ndarray, np.ndarray]] = []
+    # Per dim, the runs depend only on the coordinates along the mesh axes sharding that
+    # dim: they are computed once per combination of those (rows, the first axis major),
+    # and each position reads its row.
+    runs: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
     for d, n in enumerate(shape):
-        starts = np.zeros((positions, 1), dtype=_I64)
-        lens = np.full((positions, 1), n, dtype=_I64)
+        starts = np.zeros((1, 1), dtype=_I64)
+        lens = np.full((1, 1), n, dtype=_I64)
+        row = np.zeros(positions, dtype=_I64)
         for axis, p in enumerate(spec.placements):
             if isinstance(p, Replicate) or p.dim != d:
                 continue
-            parts, c = mesh.shape[axis], coords[:, axis]
+            parts = mesh.shape[axis]
+            c = np.tile(np.arange(parts, dtype=_I64), len(starts))
+            starts, lens = np.repeat(starts, parts, axis=0), np.repeat(lens, parts, axis=0)
+            row = row * parts + coords[:, axis]
             local = lens.sum(axis=1)
             if isinstance(p, StridedShard):
                 taken = []
@@ -101,9 +116,11 @@ def _mesh_table(spec: ShardingSpec, shape: tuple[int, ...]) -> PieceTable:
             else:
                 size, off = _chunk_split(local, parts, c)
                 starts, lens = _take(starts, lens, off, size)
-        runs.append((starts, lens))
+        runs.append((starts, lens, row))
     # Runs per position and dim: merge adjacent ones, as ShardingSpec.intervals does.
-    counts = np.stack([_run_count(s, ln) for s, ln in runs], axis=1) if shape else np.ones((positions, 0), _I64)
+    counts = (
+        np.stack([_run_count(s, ln)[row] for s, ln, row in runs], axis=1) if shape else np.ones((positions, 0), _I64)
+    )
     holds = (counts > 0).all(axis=1)
     simple = holds & (counts == 1).all(axis=1)
     pos_l: list[np.ndarray] = []
@@ -112,8 +129,9 @@ def _mesh_table(spec: ShardingSpec, shape: tuple[int, ...]) -> PieceTable:
     idx_l: list[np.ndarray] = []
     sel = np.flatnonzero(simple)
     if shape:
-        lo = np.stack([_first_run(s, ln)[0][sel] for s, ln in runs], axis=1)
-        ext = np.stack([_first_run(s, ln)[1][sel] for s, ln in runs], axis=1)
+        firsts = [_first_run(s, ln) for s, ln, _ in runs]
+        lo = np.stack([f[0][row[sel]] for f, (_, _, row) in zip(firsts, runs, strict=True)], axis=1)
+        ext = np.stack([f[1][row[sel]] for f, (_, _, row) in zip(firsts, runs, strict=True)], axis=1)
     else:
         lo = ext = np.zeros((len(sel), 0), dtype=_I64)
     pos_l.append(sel)
@@ -121,7 +139,7 @@ def _mesh_table(spec: ShardingSpec, shape: tuple[int, ...]) -> PieceTable:
     ext_l.append(ext)
     idx_l.append(np.zeros(len(sel), dtype=_I64))
     for q in np.flatnonzero(holds & ~simple).tolist():
-        per_dim = [_merged_runs(s[q], ln[q]) for s, ln in runs]
+        per_dim = [_merged_runs(s[row[q]], ln[row[q]]) for s, ln, row in runs]
         combos: list[tuple[int, ...]] = [()]
         for rs in per_dim:
             combos = [(*t, k) for t in combos for k in range(len(rs))]
@@ -132,7 +150,7 @@ def _mesh_table(spec: ShardingSpec, shape: tuple[int, ...]) -> PieceTable:
             ext_l.append(np.array([[per_dim[d][k][1] for d, k in enumerate(combo)]], dtype=_I64).reshape(1, -1))
     pos_a = np.concatenate(pos_l)
     idx_a = np.concatenate(idx_l)
-    order = np.lexsort((idx_a, pos_a))
+    order = np.lexsort((idx_a, pos_a)) if len(pos_l) > 1 else np.arange(len(pos_a))  # one run each: in order
     return PieceTable(
         positions,
         pos_a[order],
@@ -143,16 +161,15 @@ def _mesh_table(spec: ShardingSpec, shape: tuple[int, ...]) -> PieceTable:
 
 
 def _run_count(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
-    """Non-empty runs per row after merging adjacent ones."""
-    nonempty = lens > 0
-    count = nonempty.sum(axis=1)
-    if starts.shape[1] == 1:
-        return np.asarray(count, dtype=_I64)
-    # a non-empty run continuing the previous non-empty run is not counted
-    out = count.copy()
-    for p in np.flatnonzero(count > 1).tolist():
-        out[p] = len(_merged_runs(starts[p], lens[p]))
-    return np.asarray(out, dtype=_I64)
+    """Non-empty runs per row after merging adjacent ones (as :func:`_merged_runs` merges them)."""
+    count = np.zeros(len(starts), dtype=_I64)
+    end = np.full(len(starts), -1, dtype=_I64)  # where the last non-empty run so far ends
+    for j in range(starts.shape[1]):  # column by column: a few runs, many rows
+        run_start, run = starts[:, j], lens[:, j]
+        nonempty = run > 0
+        count += nonempty & (end != run_start)  # a run starting where the last one ends continues it
+        end = np.where(nonempty, run_start + run, end)
+    return count
 
 
 def _first_run(starts: np.ndarray, lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -292,6 +309,16 @@ class Placed:
     table_key: Any
     place: Any
     derived: dict[Any, Any]
+    _positions: dict[int, int | None] = field(default_factory=dict)
+
+    def position(self, rank: int) -> int | None:
+        """The position of world rank ``rank`` in ``table``, or None when the layout does not place it (memoised)."""
+        try:
+            return self._positions[rank]
+        except KeyError:
+            at = int(np.searchsorted(self.ranks, rank))
+            got = self._positions[rank] = at if at < len(self.ranks) and int(self.ranks[at]) == rank else None
+            return got
 
 
 _PLACED = _Memo(4096)

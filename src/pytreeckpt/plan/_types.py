@@ -249,6 +249,11 @@ class ArraySpec:
 
     def check_world(self, world: int) -> None:
         """Raise unless every position of the layout sits on a rank of a world of ``world`` ranks."""
+        if self.ranks is None or (isinstance(self.ranks, range) and len(self.ranks) == self.layout.world_size):
+            span = range(self.layout.world_size) if self.ranks is None else self.ranks  # distinct ranks
+            if len(span) and (min(span[0], span[-1]) < 0 or max(span[0], span[-1]) >= world):
+                raise LayoutError(f"leaf {self.key!r}: its layout spans ranks beyond the world of {world}")
+            return
         ranks = self.rank_array()
         if len(ranks) and (int(ranks.min()) < 0 or int(ranks.max()) >= world):
             raise LayoutError(f"leaf {self.key!r}: its layout spans ranks beyond the world of {world}")
