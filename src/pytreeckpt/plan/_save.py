@@ -730,10 +730,11 @@ def plan_save(
 
     >>> from pytreeckpt import Mesh, Replicate, Shard, ShardingSpec
     >>> w = ArraySpec("w", (1024, 1024), 4, ShardingSpec(Mesh((2, 2)), [Replicate(), Shard(0)]))
-    >>> plan = plan_save([w], 4)
+    >>> options = ChunkingOptions(max_chunk_bytes=1 << 20)  # 1 MiB chunks: two per shard, each held by two ranks
+    >>> plan = plan_save([w], 4, options=options)
     >>> [(op.writer, op.region.offset) for op in plan.arrays[0].writes]
     [(0, (0, 0)), (2, (256, 0)), (1, (512, 0)), (3, (768, 0))]
-    >>> [op.writer for op in plan_save([w], 4, rank=2).arrays[0].writes]
+    >>> [op.writer for op in plan_save([w], 4, rank=2, options=options).arrays[0].writes]
     [2]
     """
     opts = options or ChunkingOptions()
