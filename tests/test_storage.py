@@ -344,3 +344,27 @@ def _closed_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def test_the_credentials_file_of_a_process_that_ended_without_its_exit_handlers_is_removed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A forked rank ends with os._exit and a killed one runs nothing: their files were left in /tmp.
+    import stat
+    import tempfile
+
+    from pytreeckpt import _location
+
+    code = "import os, pytreeckpt._location as L; print(L._credentials_file('id', 'secret'), flush=True); os._exit(0)"
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    orphan = Path(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True).stdout.strip())
+    assert orphan.is_file()
+    assert orphan.parent.parent == tmp_path
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setitem(_location._SHARED, "credentials", {})
+    mine = Path(_location._credentials_file("id2", "secret2"))
+    assert not orphan.exists()  # removed by the next process that made one
+    assert mine.parent == orphan.parent
+    assert stat.S_IMODE(mine.parent.stat().st_mode) == 0o700
+    assert stat.S_IMODE(mine.stat().st_mode) == 0o600
+    assert "secret2" in mine.read_text()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import stat
 import tempfile
 import threading
 from collections.abc import Mapping
@@ -239,16 +240,57 @@ def _shared_parent() -> Any:
 
 
 def _credentials_file(key_id: str, secret: str) -> str:
-    """A private AWS credentials file holding one profile, removed at exit."""
+    """A private AWS credentials file holding one profile, removed at exit.
+
+    A process that never reaches its exit handlers (killed, or ended by ``os._exit`` as
+    forked workers are) cannot remove its file; the files live in a private directory of
+    this user, named after their process, and the next process that makes one removes
+    those of processes that are gone.
+    """
     with _SHARED_LOCK:
         files: dict[tuple[str, str], str] = _SHARED.setdefault("credentials", {})
         if (key_id, secret) not in files:
-            fd, name = tempfile.mkstemp(prefix="pytreeckpt-aws-", suffix=".ini")
+            where = _private_dir()
+            if where is not None:
+                _remove_orphans(where)
+            fd, name = tempfile.mkstemp(prefix=f"aws-{os.getpid()}-", suffix=".ini", dir=where)
             with os.fdopen(fd, "w") as f:  # mkstemp makes it 0600
                 f.write(f"[pytreeckpt]\naws_access_key_id = {key_id}\naws_secret_access_key = {secret}\n")
             atexit.register(_remove_quietly, name)
             files[(key_id, secret)] = name
         return files[(key_id, secret)]
+
+
+def _private_dir() -> str | None:
+    """``<tmp>/pytreeckpt-<uid>``, a directory only this user can enter, or None if it cannot be trusted."""
+    path = os.path.join(tempfile.gettempdir(), f"pytreeckpt-{os.getuid()}")
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path, 0o700)
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    # another user's directory, a link, or one others can enter: not a place for secrets
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        return None
+    return path
+
+
+def _remove_orphans(where: str) -> None:
+    """Remove the credentials files of processes that ended without removing theirs."""
+    for name in os.listdir(where):
+        parts = name.split("-")
+        if len(parts) < 3 or parts[0] != "aws" or not parts[1].isdigit():
+            continue
+        pid = int(parts[1])
+        if pid == os.getpid():
+            continue
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            _remove_quietly(os.path.join(where, name))
+        except PermissionError:  # alive, another user's (cannot happen in a 0700 directory of ours)
+            continue
 
 
 def _remove_quietly(name: str) -> None:
