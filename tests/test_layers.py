@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 PURE = [
     "pytreeckpt._region",
@@ -51,3 +52,61 @@ def test_only_the_executor_imports_tensorstore_and_only_the_adapter_torch_distri
         if f.name != "_dcp.py":  # DCP's own format is pickled: read there by allowlist-only unpicklers
             assert "import pickle" not in text, f.name
             assert "torch.load" not in text, f.name
+
+
+def _imports(path: Path, module: str, modules: set[str]) -> set[str]:
+    """The pytreeckpt modules ``module`` imports at run time (anywhere in it, ``if TYPE_CHECKING:`` blocks aside)."""
+    import ast
+
+    package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+    tree = ast.parse(path.read_text())
+    skipped = {
+        id(n)
+        for block in ast.walk(tree)
+        if isinstance(block, ast.If) and "TYPE_CHECKING" in ast.unparse(block.test)
+        for n in ast.walk(block)
+    }
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else []))
+            else:
+                base = node.module or ""
+            found.update(t for t in [base, *(f"{base}.{a.name}" for a in node.names)] if t in modules)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name in modules)
+    return found - {module, "pytreeckpt"}  # (the package root re-exports everything: it is the top)
+
+
+def test_no_module_imports_itself_back_through_others() -> None:
+    import pytreeckpt
+
+    src = Path(pytreeckpt.__file__).parent
+    paths = {}
+    for f in src.rglob("*.py"):
+        parts = f.relative_to(src.parent).with_suffix("").parts
+        paths[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = f
+    graph = {m: _imports(f, m, set(paths)) for m, f in paths.items()}
+    cycles: list[list[str]] = []
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        stack.append(m)
+        for n in sorted(graph[m]):
+            if state.get(n) == 1:
+                cycles.append([*stack[stack.index(n) :], n])
+            elif n not in state:
+                visit(n)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+    assert not cycles, "\n".join(" -> ".join(c) for c in cycles)

@@ -14,7 +14,6 @@ from ._cache import spec_digest as spec_digest
 from ._cache import spec_plan_key as spec_plan_key
 from ._load import plan_load as plan_load
 from ._save import check_complete as check_complete
-from ._save import clear_caches as clear_caches
 from ._save import plan_save as plan_save
 from ._types import ArrayLoadPlan as ArrayLoadPlan
 from ._types import ArraySavePlan as ArraySavePlan
@@ -44,3 +43,14 @@ __all__ = [
     "spec_digest",
     "spec_plan_key",
 ]
+
+
+def clear_caches() -> None:
+    """Forget the memoised tables and structures (benchmarks time cold planning with this)."""
+    from . import _load, _save, _tables
+
+    _tables._TABLES.clear()
+    _load._CUTS.clear()
+    _save._STRUCTURES.clear()
+    _save._PART_INDEXES.clear()
+    _tables.clear_placed()

@@ -21,9 +21,8 @@ from pytreeckpt._region import Region
 from pytreeckpt.core._grid import ChunkGrid
 
 from ._balance import Scopes, scope_key, scope_loads
-from ._save import check_placement
 from ._tables import _I64, PieceTable, Placed, _Memo, first_of_runs, placed, unique_rows
-from ._types import ArrayLoadPlan, ArraySpec, Fragment, LoadPlan, ReadOp
+from ._types import ArrayLoadPlan, ArraySpec, Fragment, LoadPlan, ReadOp, check_placement
 
 __all__ = ["plan_load"]
 

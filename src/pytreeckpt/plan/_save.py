@@ -37,10 +37,10 @@ from pytreeckpt.core._grid import ChunkGrid
 
 from ._balance import Box, Scopes, coalesce, scope_key, scope_loads, subtract_box, water_fill
 from ._chunking import chunk_shape_of_table
-from ._tables import _I64, PieceTable, Placed, _Memo, clear_placed, first_of_runs, placed, unique_rows
-from ._types import ArraySavePlan, ArraySpec, ChunkingOptions, Fragment, SavePlan, WriteOp
+from ._tables import _I64, PieceTable, Placed, _Memo, first_of_runs, placed, unique_rows
+from ._types import ArraySavePlan, ArraySpec, ChunkingOptions, Fragment, SavePlan, WriteOp, check_placement
 
-__all__ = ["check_complete", "clear_caches", "plan_save"]
+__all__ = ["check_complete", "plan_save"]
 
 
 # --------------------------------------------------------------------------- structure
@@ -353,18 +353,6 @@ class _PartIndex:
 
 _STRUCTURES = _Memo(4096)
 _PART_INDEXES = _Memo(4096)  # id of a table -> its index (which keeps the table alive), shared by its structures
-
-
-def clear_caches() -> None:
-    """Forget the memoised tables and structures (benchmarks time cold planning with this)."""
-    from ._load import _CUTS
-    from ._tables import _TABLES
-
-    _TABLES.clear()
-    _CUTS.clear()
-    _STRUCTURES.clear()
-    _PART_INDEXES.clear()
-    clear_placed()
 
 
 def _structure(p: Placed, itemsize: int, opts: ChunkingOptions) -> _Structure:
@@ -766,19 +754,6 @@ def plan_save(
         writes = () if part is None else part.writes(spec.key, scopes)
         out.append(ArraySavePlan(spec.key, spec.shape, spec.itemsize, chunk, writes))
     return SavePlan(world, tuple(out))
-
-
-def check_placement(spec: ArraySpec, world: int, checked: set[tuple[int, Any]], what: str) -> None:
-    """Raise unless ``spec``'s layout sits on ranks of the world; each placement is checked once."""
-    where = (id(spec.layout), spec.ranks if spec.ranks is None or isinstance(spec.ranks, range) else id(spec.ranks))
-    if where in checked:
-        return
-    if spec.layout.world_size > world:
-        raise LayoutError(
-            f"leaf {spec.key!r}: its {what} spans {spec.layout.world_size} ranks but the world has {world}"
-        )
-    spec.check_world(world)
-    checked.add(where)
 
 
 def check_complete(spec: ArraySpec, options: ChunkingOptions | None = None) -> None:

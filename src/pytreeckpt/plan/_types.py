@@ -29,6 +29,7 @@ __all__ = [
     "ReadOp",
     "SavePlan",
     "WriteOp",
+    "check_placement",
 ]
 
 MiB = 1 << 20
@@ -259,3 +260,16 @@ class ArraySpec:
             raise LayoutError(f"leaf {self.key!r}: its layout spans ranks beyond the world of {world}")
         if len(np.unique(ranks)) != len(ranks):
             raise LayoutError(f"leaf {self.key!r}: its layout places two positions on one rank: {self.ranks}")
+
+
+def check_placement(spec: ArraySpec, world: int, checked: set[tuple[int, Any]], what: str) -> None:
+    """Raise unless ``spec``'s layout sits on ranks of the world; each placement is checked once."""
+    where = (id(spec.layout), spec.ranks if spec.ranks is None or isinstance(spec.ranks, range) else id(spec.ranks))
+    if where in checked:
+        return
+    if spec.layout.world_size > world:
+        raise LayoutError(
+            f"leaf {spec.key!r}: its {what} spans {spec.layout.world_size} ranks but the world has {world}"
+        )
+    spec.check_world(world)
+    checked.add(where)
