@@ -28,7 +28,7 @@ import torch.distributed as dist
 from ._errors import CheckpointError, LayoutError, MetadataError, NotCommittedError, TargetMismatchError
 from ._executor import PieceData, WriteItem
 from ._region import Region
-from ._sharding import Layout, Mesh, Placement, Replicate, Shard, ShardingSpec, StridedShard
+from ._sharding import Mesh, Placement, Replicate, Shard, ShardingSpec, StridedShard
 from .plan import ArrayLoadPlan, ArraySavePlan, ReadOp
 
 __all__ = [
@@ -375,11 +375,6 @@ class DistComm:
     def global_rank(self, rank: int) -> int:
         return int(dist.get_global_rank(self.group, rank))
 
-    def all_gather(self, obj: Any) -> list[Any]:
-        out: list[Any] = [None] * self.world
-        dist.all_gather_object(out, obj, group=self.group)
-        return out
-
     def gather(self, obj: Any) -> list[Any]:
         """Every rank's ``obj`` on rank 0 (other ranks get an empty list)."""
         out: list[Any] | None = [None] * self.world if self.rank == 0 else None
@@ -569,11 +564,6 @@ class WriteTransfers:
                 pending.pop(0)[0].wait()
         while self.sends:
             self.sends.pop(0)[0].wait()
-
-
-def layout_fingerprint(key: str, dtype: str, shape: tuple[int, ...], layout: Layout) -> tuple[Any, ...]:
-    """What every rank must agree on for one array."""
-    return (key, dtype, shape, repr(layout.to_json()))
 
 
 _ERRORS: dict[str, type[CheckpointError]] = {

@@ -51,7 +51,6 @@ __all__ = [
     "generation_of",
     "parse_document",
     "with_chunk_sums",
-    "with_generation",
     "zarr_metadata",
 ]
 
@@ -516,18 +515,6 @@ def with_chunk_sums(
             i += 1
         out.append(leaf)
     return out
-
-
-def with_generation(document: bytes, generation: int) -> bytes:
-    """The document with every array's stored name in ``generation``: its path, or its database's for a packed one."""
-    if generation == 0:
-        return document
-    doc = json.loads(document)
-    for leaf in doc["leaves"]:
-        if leaf["kind"] == "array":
-            field = "database" if leaf.get("database") is not None else "path"
-            leaf[field] = generation_name(leaf[field], generation)
-    return json.dumps(doc, allow_nan=False, separators=(",", ":")).encode()
 
 
 def build_document(tree: Node, leaves: Sequence[dict[str, Any]], user_metadata: dict[str, Any] | None) -> bytes:

@@ -42,7 +42,6 @@ from ._format import (
     chunk_count,
     generation_name,
     with_chunk_sums,
-    with_generation,
 )
 from ._load import metadata
 from ._location import describe
@@ -78,7 +77,7 @@ class _SaveJob:
     metas: list[ArrayMeta]
     plan: SavePlan
     data: list[PieceData]
-    document: bytes
+    parts: tuple[Any, list[dict[str, Any]], dict[str, Any]]  # the metadata document's tree, leaves, user metadata
     overwrite: bool
     timings: dict[str, float]
     monitor: Monitor
@@ -89,7 +88,6 @@ class _SaveJob:
     snap: Snapshot | None = None
     _lock: Any = None
     sums: ChunkSums | None = None
-    parts: tuple[Any, list[dict[str, Any]], dict[str, Any]] | None = None  # the document's tree, leaves, user metadata
     pending: BaseException | None = None  # this rank's error in a distributed save, not yet agreed on
     cancelled: threading.Event = field(default_factory=threading.Event)  # set at exit: stop, commit nothing
     generation: int = 0  # of the stored names (see generation_name)
@@ -233,7 +231,6 @@ class _SaveJob:
             else dataclasses.replace(m, database=generation_name(m.database, generation))
             for m in self.metas
         ]
-        self.document = with_generation(self.document, generation)
         if self.reuse is not None:
             self.reuse.paths = [m.path for m in self.metas]
 
@@ -268,7 +265,6 @@ class _SaveJob:
             raise CheckpointError(f"internal error: no rank wrote the packed arrays {missing[:5]}")
         crcs = [sums.crc32c(i) for i in range(len(self.metas))]
         hashes = [sums.chunk_hashes(i) if self.reuse is not None else None for i in range(len(self.metas))]
-        assert self.parts is not None
         tree, leaves, user = self.parts
         arrays = iter(self.metas)  # under this save's generation's names (see _name), in their databases
         leaves = [leaf if leaf["kind"] != "array" else next(arrays).to_json() for leaf in leaves]
@@ -518,7 +514,7 @@ def _plan_job(
             metas,
             plan,
             [a.get for a in arrays],
-            document,
+            (planned.root, leaf_json, planned.user),
             overwrite,
             {"plan": t1 - t0},
             monitor,
@@ -526,7 +522,6 @@ def _plan_job(
             [a.device for a in arrays],
             [a.watch for a in arrays],
             reuse,
-            parts=(planned.root, leaf_json, planned.user),
         )
     if job is None:  # planning failed on this rank: it raises with the others, at their agreement after planning
         carried.fail("preparing the save")

@@ -143,10 +143,6 @@ class SimComm:
         if error is not None:
             raise error
 
-    def all_gather(self, obj: Any) -> list[Any]:
-        self.received.extend([obj] * (self.world - 1))
-        return [obj] * self.world
-
 
 # --------------------------------------------------------------------------- meshes and placements
 
