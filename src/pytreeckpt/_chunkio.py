@@ -153,6 +153,19 @@ def _bytes_of(a: np.ndarray) -> np.ndarray:
     return a.reshape(-1).view(np.uint8)
 
 
+def _encoded_prefix(data: np.ndarray, chunk: tuple[int, ...]) -> np.ndarray:
+    """The bytes of a chunk whose valid box is ``data``, in C order, up to where only zero padding is left.
+
+    Where the valid box is a C-order prefix of the chunk (only its last rows missing) those
+    are ``data``'s own bytes; otherwise the box is placed in a zero chunk first.
+    """
+    if data.shape != chunk and not _padded_tail(data.shape, chunk):
+        full = np.zeros(chunk, dtype=data.dtype)
+        full[tuple(slice(0, n) for n in data.shape)] = data
+        data = full
+    return _bytes_of(np.ascontiguousarray(data))
+
+
 def write_chunk(path: Path, data: np.ndarray, chunk_shape: Sequence[int], fsync: bool) -> int:
     """Write one chunk file: ``data`` (the chunk's valid box, any strides), padding, checksum.
 
@@ -160,11 +173,7 @@ def write_chunk(path: Path, data: np.ndarray, chunk_shape: Sequence[int], fsync:
     written: the chunk's :func:`chunk_crc`, which the metadata records.
     """
     chunk = tuple(chunk_shape)
-    if data.shape != chunk and not _padded_tail(data.shape, chunk):
-        full = np.zeros(chunk, dtype=data.dtype)
-        full[tuple(slice(0, n) for n in data.shape)] = data
-        data = full
-    raw = _bytes_of(np.ascontiguousarray(data))
+    raw = _encoded_prefix(data, chunk)
     pad = math.prod(chunk) * data.dtype.itemsize - raw.nbytes
     crc = google_crc32c.value(raw)
     parts = [raw]
@@ -201,11 +210,7 @@ def chunk_crc(data: np.ndarray, chunk_shape: Sequence[int], dtype: np.dtype | No
     if dtype is not None and data.dtype != dtype:
         data = data.astype(dtype)  # e.g. big-endian input: stored as little endian
     data = _little_endian(data)
-    if data.shape != chunk and not _padded_tail(data.shape, chunk):
-        full = np.zeros(chunk, dtype=data.dtype)
-        full[tuple(slice(0, n) for n in data.shape)] = data
-        data = full
-    raw = _bytes_of(np.ascontiguousarray(data))
+    raw = _encoded_prefix(data, chunk)
     crc = google_crc32c.value(raw)
     pad = math.prod(chunk) * data.dtype.itemsize - raw.nbytes
     while pad > 0:
