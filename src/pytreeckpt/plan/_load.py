@@ -73,13 +73,7 @@ _CUTS = _Memo(4096)
 
 def _cuts(p: Placed, chunk: tuple[int, ...], itemsize: int) -> _Cuts:
     """A placed target layout cut along ``chunk`` (memoised on it, and shared by placements of one table)."""
-    key = ("load", chunk, itemsize)
-    got = p.derived.get(key)
-    if got is None:
-        got = p.derived[key] = _CUTS.get_or(
-            (p.table_key, chunk, itemsize), lambda: _make_cuts(p.table, p.shape, chunk, itemsize)
-        )
-    return got  # type: ignore[no-any-return]
+    return p.per_table(("load", chunk, itemsize), _CUTS, lambda: _make_cuts(p.table, p.shape, chunk, itemsize))
 
 
 def _make_cuts(table: PieceTable, shape: tuple[int, ...], chunk: tuple[int, ...], itemsize: int) -> _Cuts:

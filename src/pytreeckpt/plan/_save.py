@@ -357,13 +357,7 @@ _PART_INDEXES = _Memo(4096)  # id of a table -> its index (which keeps the table
 
 def _structure(p: Placed, itemsize: int, opts: ChunkingOptions) -> _Structure:
     """The save structure of a placed layout (memoised on it, and shared by placements of one table)."""
-    key = ("save", itemsize, opts)
-    got = p.derived.get(key)
-    if got is None:
-        got = p.derived[key] = _STRUCTURES.get_or(
-            (p.table_key, itemsize, opts), lambda: _make_structure(p.table, p.shape, itemsize, opts)
-        )
-    return got  # type: ignore[no-any-return]
+    return p.per_table(("save", itemsize, opts), _STRUCTURES, lambda: _make_structure(p.table, p.shape, itemsize, opts))
 
 
 def _make_structure(table: PieceTable, shape: tuple[int, ...], itemsize: int, opts: ChunkingOptions) -> _Structure:

@@ -311,6 +311,19 @@ class Placed:
     derived: dict[Any, Any]
     _positions: dict[int, int | None] = field(default_factory=dict)
 
+    def per_table(self, kind: Hashable, shared: _Memo, make: Callable[[], V]) -> V:
+        """What planning derives from this layout's table alone (``kind``: what and with which parameters).
+
+        Memoised on this placement, and in ``shared`` by table, so the placements of one
+        table (the pipeline stages of a model) compute it once.
+        """
+        try:
+            return self.derived[kind]  # type: ignore[no-any-return]
+        except KeyError:
+            got: V = shared.get_or((self.table_key, kind), make)
+            self.derived[kind] = got
+            return got
+
     def position(self, rank: int) -> int | None:
         """The position of world rank ``rank`` in ``table``, or None when the layout does not place it (memoised)."""
         try:
