@@ -8,6 +8,7 @@ talks to other ranks.
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import math
 from collections.abc import Sequence
@@ -171,29 +172,31 @@ def chunk_size_and_offset(size: int, parts: int, index: int) -> tuple[int, int]:
     return min(full, size - start), start
 
 
-class Layout:
+class Layout(abc.ABC):
     """Base of every spec: how a tensor of a given global shape sits on ranks."""
 
     kind: ClassVar[str]
 
     @property
+    @abc.abstractmethod
     def world_size(self) -> int:
-        raise NotImplementedError
+        """The number of ranks (positions) the layout places pieces on."""
 
+    @abc.abstractmethod
     def rank_pieces(self, shape: Sequence[int]) -> tuple[tuple[Piece, ...], ...]:
         """For each rank, the non-empty boxes it holds, in local order."""
-        raise NotImplementedError
 
     def pieces_of(self, rank: int, shape: Sequence[int]) -> tuple[Piece, ...]:
         """The non-empty boxes ``rank`` holds, in local order: ``rank_pieces(shape)[rank]``, for one rank."""
         return self.rank_pieces(shape)[rank]
 
+    @abc.abstractmethod
     def local_shape(self, rank: int, shape: Sequence[int]) -> tuple[int, ...]:
         """Shape of ``rank``'s local tensor for a global tensor of ``shape``."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def to_json(self) -> dict[str, Any]:
-        raise NotImplementedError
+        """The layout as JSON, as the metadata records it."""
 
 
 @dataclass(frozen=True, slots=True, init=False)
