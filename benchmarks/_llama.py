@@ -30,8 +30,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pytreeckpt._errors import LayoutError
-from pytreeckpt._sharding import FlatRanges, Layout, Mesh, Placement, Replicate, Shard, ShardingSpec, StridedShard
+from pytreeckpt.core._errors import LayoutError
+from pytreeckpt.core._sharding import FlatRanges, Layout, Mesh, Placement, Replicate, Shard, ShardingSpec, StridedShard
 from pytreeckpt.plan import ArraySpec
 
 __all__ = ["MODELS", "LlamaConfig", "llama_params", "llama_state"]

@@ -42,9 +42,9 @@ from typing import Any
 
 from _llama import llama_state
 
-from pytreeckpt._dtypes import dtype_from_name
-from pytreeckpt._format import ARRAYS_DIR, ArrayMeta, array_names, build_document, chunk_count
-from pytreeckpt._tree import Node
+from pytreeckpt.core._dtypes import dtype_from_name
+from pytreeckpt.core._tree import Node
+from pytreeckpt.format._document import ARRAYS_DIR, ArrayMeta, array_names, build_document, chunk_count
 from pytreeckpt.plan import (
     ArraySpec,
     ChunkingOptions,

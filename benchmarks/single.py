@@ -110,7 +110,7 @@ def run(size: int, leaves: int, repeat: int, workdir: Path, cold: bool) -> dict[
     shapes = {k: torch.empty_like(v, device="meta") for k, v in state.items()}
     del state  # with it goes the staged copy DCP keeps as long as the state lives
     gc.collect()
-    pytreeckpt._staging.staging_pool().free()
+    pytreeckpt.execute._staging.staging_pool().free()
     raw, tpath, dpath, ppath = paths
 
     def dcp_load() -> None:

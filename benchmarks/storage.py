@@ -112,7 +112,7 @@ def bench_s3(state: Any, server: Any, pack: bool, repeat: int) -> dict[str, Any]
         loads.append(time.perf_counter() - t0)
         after_load = server.request_counts()
         n_packed = sum(1 for a in pytreeckpt.metadata(loc).arrays.values() if a.database is not None)
-        kv = pytreeckpt._executor.Storage(loc).kv
+        kv = pytreeckpt.storage.Storage(loc).kv
         assert kv is not None
         objects = len(kv.list())
         kv.delete_prefix("")

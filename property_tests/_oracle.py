@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from pytreeckpt import LayoutError, Region
-from pytreeckpt._sharding import Piece
+from pytreeckpt.core._sharding import Piece
 from pytreeckpt.plan import (
     ArrayLoadPlan,
     ArraySavePlan,

@@ -18,10 +18,10 @@ import tensorstore as ts
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pytreeckpt._chunkio import chunk_crc, read_chunk, write_chunk
-from pytreeckpt._dtypes import dtype_of_numpy
-from pytreeckpt._format import zarr_metadata
-from pytreeckpt._region import Region, chunk_region
+from pytreeckpt.core._dtypes import dtype_of_numpy
+from pytreeckpt.core._region import Region, chunk_region
+from pytreeckpt.format._document import zarr_metadata
+from pytreeckpt.storage._chunkfiles import chunk_crc, read_chunk, write_chunk
 
 DTYPES = [np.dtype(t) for t in (np.float32, ml_dtypes.bfloat16, np.int8, np.bool_, np.complex64)]
 

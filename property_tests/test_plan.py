@@ -11,8 +11,8 @@ from hypothesis import event, given
 from hypothesis import strategies as st
 
 from pytreeckpt import ChunkingOptions, ExplicitRegions, FlatRanges, Layout, Mesh, Replicate, ShardingSpec
-from pytreeckpt._region import Region, chunk_region
-from pytreeckpt._sharding import Piece
+from pytreeckpt.core._region import Region, chunk_region
+from pytreeckpt.core._sharding import Piece
 from pytreeckpt.plan import ArraySavePlan, LoadPlan, SavePlan
 from pytreeckpt.testing import chunking_options, shapes, specs
 

@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pytreeckpt import FlatRanges, Layout, Mesh, Replicate, Shard, ShardedLeaf, ShardingSpec
-from pytreeckpt._sharding import flat_range_regions, layout_from_json
+from pytreeckpt.core._sharding import flat_range_regions, layout_from_json
 from pytreeckpt.testing import meshes, placements, shapes, specs
 
 

@@ -15,7 +15,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pytreeckpt._staging import copy_into
+from pytreeckpt.execute._staging import copy_into
 
 DTYPES = [
     np.dtype(t)

@@ -10,7 +10,7 @@ from typing import Any
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pytreeckpt._tree import Node, decode_value, encode_value, flatten, keystr
+from pytreeckpt.core._tree import Node, decode_value, encode_value, flatten, keystr
 
 Point = collections.namedtuple("Point", "x y")
 Triple = collections.namedtuple("Triple", ["first", "second", "third"])

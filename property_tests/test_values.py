@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 import pytreeckpt
 from pytreeckpt import ChunkingOptions, ExecutorOptions, Location, Mesh, Shard, ShardedLeaf, ShardingSpec
 from pytreeckpt import StorageOptions as Storage
-from pytreeckpt._dtypes import _BY_NAME, _BY_TORCH
+from pytreeckpt.core._dtypes import _BY_NAME, _BY_TORCH
 
 CHUNKING = ChunkingOptions(single_chunk_bytes=48, min_chunk_bytes=16, max_chunk_bytes=48)
 EXECUTOR = ExecutorOptions(staging_bytes=256, staging_piece_bytes=64)

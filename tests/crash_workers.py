@@ -88,7 +88,7 @@ def overwrite_repeatedly(path: str, saves: int, ready: Any, go: Any, stop: Any, 
 
 def load_repeatedly(path: str, ready: Any, go: Any, stop: Any, out: Any) -> None:
     """Load ``path`` until told to stop; every load must be one of the two states, whole."""
-    from pytreeckpt import _load
+    from pytreeckpt.api import _load
 
     retried = [0]
     real = getattr(_load, "_raise_unless_replaced", None)

@@ -142,11 +142,11 @@ class _Counter:
     """Counts the bytes this rank hands to TensorStore, by wrapping the executor's entry points."""
 
     def __init__(self) -> None:
-        from pytreeckpt import _executor
+        from pytreeckpt.api import _load, _save
 
         self.written = 0
         self.read = 0
-        orig_write, orig_read = _executor.Storage.write, _executor.Storage.read
+        orig_write, orig_read = _save.write_arrays, _load.read_arrays
         counter = self
 
         def write(self: Any, *args: Any, **kwargs: Any) -> int:
@@ -159,8 +159,8 @@ class _Counter:
             counter.read += n
             return n
 
-        _executor.Storage.write = write  # type: ignore[method-assign]
-        _executor.Storage.read = read  # type: ignore[method-assign]
+        _save.write_arrays = write  # type: ignore[assignment]
+        _load.read_arrays = read  # type: ignore[assignment]
 
 
 def count_bytes(rank: int, world: int, path: str) -> dict[str, Any]:
@@ -256,14 +256,14 @@ def failing_save(rank: int, world: int, path: str, bad_rank: int) -> str:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from pytreeckpt import _executor
+    from pytreeckpt.api import _save
 
     if rank == bad_rank:
 
         def broken(self: Any, *args: Any, **kwargs: Any) -> int:
             raise OSError(28, "No space left on device (injected)")
 
-        _executor.Storage.write = broken  # type: ignore[method-assign]
+        _save.write_arrays = broken  # type: ignore[assignment]
     mesh = init_device_mesh("cpu", (world,))
     state = {"w": distribute_tensor(torch.randn(16, 8), mesh, [Shard(0)]), "step": 1}
     try:
@@ -394,7 +394,7 @@ def async_monitored_save(rank: int, world: int, path: str) -> dict[str, Any]:
         "ranks": sorted({s.rank for s in monitor.spans}),
         "phases": sorted({s.phase for s in monitor.spans}),
         "written": sum(s.nbytes for s in monitor.spans if s.phase == "write"),
-        "peak": pytreeckpt._staging.staging_pool().peak_bytes,
+        "peak": pytreeckpt.execute._staging.staging_pool().peak_bytes,
     }
 
 

@@ -173,12 +173,12 @@ def test_async_save_holds_the_state_at_the_call(tmp_path: Path) -> None:
 
 
 def _fail_writes(monkeypatch: pytest.MonkeyPatch) -> None:
-    from pytreeckpt import _executor
+    from pytreeckpt.api import _save
 
     def broken(self: object, *args: object, **kwargs: object) -> int:
         raise OSError(28, "No space left on device (injected)")
 
-    monkeypatch.setattr(_executor.Storage, "write", broken)
+    monkeypatch.setattr(_save, "write_arrays", broken)
 
 
 def test_async_failure_surfaces_on_wait(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -291,17 +291,17 @@ def test_files_are_where_the_metadata_says(tmp_path: Path) -> None:
 
 
 def _count_reads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    from pytreeckpt import _executor
+    from pytreeckpt.api import _load
 
     counted: list[int] = []
-    original = _executor.Storage.read
+    original = _load.read_arrays
 
     def read(self: object, *args: object, **kwargs: object) -> int:
         n = original(self, *args, **kwargs)  # type: ignore[arg-type]
         counted.append(n)
         return n
 
-    monkeypatch.setattr(_executor.Storage, "read", read)
+    monkeypatch.setattr(_load, "read_arrays", read)
     return counted
 
 

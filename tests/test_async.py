@@ -11,8 +11,8 @@ import torch
 
 import pytreeckpt
 from pytreeckpt import ChunkingOptions, ExecutorOptions, Mesh, Monitor, Shard, ShardedLeaf, ShardingSpec
-from pytreeckpt._region import Region, split_aligned
-from pytreeckpt._staging import PoolAborted, StagingPool, staging_pool
+from pytreeckpt.core._region import Region, split_aligned
+from pytreeckpt.execute._staging import PoolAborted, StagingPool, staging_pool
 
 MiB = 1 << 20
 
@@ -114,7 +114,7 @@ def test_a_copy_that_fails_raises_from_async_save_and_commits_nothing(tmp_path: 
     class Boom(RuntimeError):
         pass
 
-    from pytreeckpt import _pipeline
+    from pytreeckpt.execute import _pipeline
 
     original = _pipeline.copy_into
     calls = [0]

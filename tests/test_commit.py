@@ -15,8 +15,9 @@ from helpers import unpacked
 from multiproc import run_world
 
 import pytreeckpt
-from pytreeckpt import _executor
-from pytreeckpt._format import parse_document
+from pytreeckpt.api import _load, _save
+from pytreeckpt.format._document import parse_document
+from pytreeckpt.storage import Storage
 
 
 def doc(path: Path) -> dict:
@@ -39,16 +40,16 @@ def test_a_replacement_is_written_beside_the_old_checkpoint_under_new_names(tmp_
     pytreeckpt.save(unpacked(path), tree(1))
     assert stored(path) == ["arrays/W~1", "arrays/w"]  # the first save keeps plain names
     seen_during_write: list[list[str]] = []
-    real_write = _executor.Storage.write
+    real_write = _save.write_arrays
 
-    def write(self: _executor.Storage, *args: object, **kwargs: object) -> int:
+    def write(self: Storage, *args: object, **kwargs: object) -> int:
         n = real_write(self, *args, **kwargs)  # type: ignore[arg-type]
         seen_during_write.append(stored(path))
         assert pytreeckpt.load(path)["step"] == 1  # the old checkpoint, still whole, until the commit
         return n
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(_executor.Storage, "write", write)
+        mp.setattr(_save, "write_arrays", write)
         pytreeckpt.save(unpacked(path), tree(2), overwrite=True)
     assert seen_during_write == [["arrays/W~1", "arrays/W~1~g1", "arrays/w", "arrays/w~g1"]]
     assert stored(path) == ["arrays/W~1~g1", "arrays/w~g1"]  # the old arrays went after the commit
@@ -103,8 +104,8 @@ def test_a_save_that_fails_removes_what_it_wrote_and_keeps_what_it_replaces(
     path = tmp_path / "c"
     new = {"w": torch.ones(64, 32), "W": torch.ones(8), "step": 2}
     pytreeckpt.save(unpacked(path), tree(1))
-    real = _executor.Storage.sync
-    monkeypatch.setattr(_executor.Storage, "sync", fail)  # after every array is written, before the commit
+    real = Storage.sync
+    monkeypatch.setattr(Storage, "sync", fail)  # after every array is written, before the commit
     for call in (pytreeckpt.save, lambda *a, **k: pytreeckpt.async_save(*a, **k).wait()):
         with pytest.raises(pytreeckpt.CheckpointError, match="on fire"):
             call(unpacked(path), new, overwrite=True)
@@ -113,9 +114,9 @@ def test_a_save_that_fails_removes_what_it_wrote_and_keeps_what_it_replaces(
         with pytest.raises(pytreeckpt.CheckpointError, match="on fire"):
             call(unpacked(tmp_path / "fresh"), new)
         assert not (tmp_path / "fresh").exists()  # a directory the save made goes with it
-    monkeypatch.setattr(_executor.Storage, "sync", real)
+    monkeypatch.setattr(Storage, "sync", real)
     (tmp_path / "mine").mkdir()  # a directory the user made stays, empty
-    monkeypatch.setattr(_executor.Storage, "sync", fail)
+    monkeypatch.setattr(Storage, "sync", fail)
     with pytest.raises(pytreeckpt.CheckpointError, match="on fire"):
         pytreeckpt.save(unpacked(tmp_path / "mine"), new)
     assert os.listdir(tmp_path / "mine") == []
@@ -159,16 +160,16 @@ def test_files_and_directories_get_the_modes_the_umask_gives(tmp_path: Path, uma
 
 def _replace_during_the_first_read(monkeypatch: pytest.MonkeyPatch, replace: object) -> list[int]:
     """Run ``replace()`` (another process, as it were) when the load starts reading arrays; the reads counted."""
-    real = _executor.Storage.read
+    real = _load.read_arrays
     calls: list[int] = []
 
-    def read(self: _executor.Storage, *args: object, **kwargs: object) -> int:
+    def read(self: Storage, *args: object, **kwargs: object) -> int:
         calls.append(1)
         if len(calls) == 1:
             replace()  # type: ignore[operator]
         return real(self, *args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(_executor.Storage, "read", read)
+    monkeypatch.setattr(_load, "read_arrays", read)
     return calls
 
 
@@ -189,7 +190,7 @@ def test_a_load_whose_checkpoint_is_replaced_meanwhile_loads_the_new_one(
 def test_a_load_whose_checkpoint_is_removed_meanwhile_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "c"
     pytreeckpt.save(unpacked(path), tree(1))
-    _replace_during_the_first_read(monkeypatch, lambda: _executor.Storage(path).remove())
+    _replace_during_the_first_read(monkeypatch, lambda: Storage(path).remove())
     with pytest.raises(pytreeckpt.NotCommittedError, match="removed while it was being loaded"):
         pytreeckpt.load(path)
 
@@ -197,15 +198,15 @@ def test_a_load_whose_checkpoint_is_removed_meanwhile_says_so(tmp_path: Path, mo
 def test_a_load_replaced_again_and_again_gives_up(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "c"
     pytreeckpt.save(unpacked(path), tree(1))
-    real = _executor.Storage.read
+    real = _load.read_arrays
     seed = [1]
 
-    def read(self: _executor.Storage, *args: object, **kwargs: object) -> int:
+    def read(self: Storage, *args: object, **kwargs: object) -> int:
         seed[0] = 3 - seed[0]
         pytreeckpt.save(unpacked(path), tree(seed[0]), overwrite=True)
         return real(self, *args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(_executor.Storage, "read", read)
+    monkeypatch.setattr(_load, "read_arrays", read)
     with pytest.raises(pytreeckpt.NotCommittedError, match="was replaced 4 times while it was being loaded"):
         pytreeckpt.load(path)
 
@@ -224,12 +225,12 @@ def test_a_damaged_checkpoint_is_not_taken_for_a_replaced_one(tmp_path: Path) ->
 
 def test_a_lock_whose_directory_its_holder_removed_is_taken_anew(tmp_path: Path) -> None:
     path = tmp_path / "c"
-    held = _executor.Storage(path).lock()
-    assert _executor.Storage(path).try_lock() is None  # held
+    held = Storage(path).lock()
+    assert Storage(path).try_lock() is None  # held
     os.rename(path, tmp_path / "gone")  # as a CheckpointManager removing it does, under the lock
     held.release()
-    assert _executor.Storage(path).try_lock() is None  # no directory: nothing to lock
-    again = _executor.Storage(path).lock()  # makes the directory anew
+    assert Storage(path).try_lock() is None  # no directory: nothing to lock
+    again = Storage(path).lock()  # makes the directory anew
     assert (path / ".pytreeckpt.lock").is_file()
     again.release()
 

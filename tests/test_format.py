@@ -12,7 +12,7 @@ import torch
 from helpers import unpacked
 
 import pytreeckpt
-from pytreeckpt._format import array_names, parse_document
+from pytreeckpt.format._document import array_names, parse_document
 
 
 def saved(tmp_path: Path) -> tuple[Path, dict[str, Any]]:

@@ -30,7 +30,7 @@ from helpers import unpacked
 
 import pytreeckpt
 from pytreeckpt import ChunkingOptions, Location, StorageOptions
-from pytreeckpt._executor import Storage
+from pytreeckpt.storage import Storage
 
 SRC = Path(pytreeckpt.__file__).parent.parent
 TINY = ChunkingOptions(single_chunk_bytes=0, min_chunk_bytes=0, max_chunk_bytes=16)  # 4 float32 per chunk

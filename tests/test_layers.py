@@ -7,12 +7,15 @@ import sys
 from pathlib import Path
 
 PURE = [
-    "pytreeckpt._region",
-    "pytreeckpt._sharding",
+    "pytreeckpt.core._region",
+    "pytreeckpt.core._sharding",
     "pytreeckpt.core._grid",
+    "pytreeckpt.core._tree",
     "pytreeckpt.plan",
-    "pytreeckpt._tree",
 ]
+
+# The layers of the design (shared/DESIGN.md), bottom first: a module imports only from its own layer and those below.
+LAYERS = ["core", "plan", "format", "storage", "execute", "distributed", "api", "manager", "interop", "testing"]
 
 
 def test_pure_modules_import_neither_torch_nor_tensorstore() -> None:
@@ -37,7 +40,7 @@ def test_importing_pytreeckpt_does_not_import_hypothesis() -> None:
     assert out.stdout.strip() == "False"
 
 
-def test_only_the_executor_imports_tensorstore_and_only_the_adapter_torch_distributed() -> None:
+def test_only_storage_and_execute_import_tensorstore_and_only_distributed_torch_distributed() -> None:
     import pathlib
 
     import pytreeckpt
@@ -45,13 +48,14 @@ def test_only_the_executor_imports_tensorstore_and_only_the_adapter_torch_distri
     src = pathlib.Path(pytreeckpt.__file__).parent
     for f in src.rglob("*.py"):
         text = f.read_text()
-        if f.name not in ("_executor.py", "_location.py"):  # storage: the executor and its locations
-            assert "import tensorstore" not in text, f.name
-        if f.name != "_distributed.py":
-            assert "import torch.distributed" not in text, f.name
+        layer = f.relative_to(src).parts[0]
+        if layer not in ("storage", "execute"):
+            assert "import tensorstore" not in text, f
+        if layer != "distributed":
+            assert "import torch.distributed" not in text, f
         if f.name != "_dcp.py":  # DCP's own format is pickled: read there by allowlist-only unpicklers
-            assert "import pickle" not in text, f.name
-            assert "torch.load" not in text, f.name
+            assert "import pickle" not in text, f
+            assert "torch.load" not in text, f
 
 
 def _imports(path: Path, module: str, modules: set[str]) -> set[str]:
@@ -110,3 +114,44 @@ def test_no_module_imports_itself_back_through_others() -> None:
         if m not in state:
             visit(m)
     assert not cycles, "\n".join(" -> ".join(c) for c in cycles)
+
+
+def _graph() -> dict[str, set[str]]:
+    import pytreeckpt
+
+    src = Path(pytreeckpt.__file__).parent
+    paths = {}
+    for f in src.rglob("*.py"):
+        parts = f.relative_to(src.parent).with_suffix("").parts
+        paths[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = f
+    return {m: _imports(f, m, set(paths)) for m, f in paths.items()}
+
+
+def _layer(module: str) -> int | None:
+    """The layer of a module (None: the package's top, ``pytreeckpt``, ``_cli``, ``__main__``)."""
+    parts = module.split(".")
+    return LAYERS.index(parts[1]) if len(parts) > 1 and parts[1] in LAYERS else None
+
+
+def test_every_module_lives_in_a_layer_with_a_docstring_saying_what_it_owns() -> None:
+    import ast
+
+    import pytreeckpt
+
+    src = Path(pytreeckpt.__file__).parent
+    top = sorted(f.name for f in src.glob("*.py"))
+    assert top == ["__init__.py", "__main__.py", "_cli.py"], top  # everything else is in a layer
+    for layer in LAYERS:
+        init = src / layer / "__init__.py"
+        doc = ast.get_docstring(ast.parse(init.read_text()))
+        assert doc is not None and len(doc) > 60, f"{layer}/__init__.py says what the layer owns"
+
+
+def test_imports_point_down_the_layers() -> None:
+    wrong = [
+        f"{m} ({LAYERS[lm]}) imports {n} ({LAYERS[ln]})"
+        for m, targets in _graph().items()
+        for n in targets
+        if (lm := _layer(m)) is not None and (ln := _layer(n)) is not None and ln > lm
+    ]
+    assert not wrong, "\n".join(sorted(wrong))

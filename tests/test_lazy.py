@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import pytreeckpt
-from pytreeckpt import _pipeline
+from pytreeckpt.execute import _pipeline
 
 
 def _model() -> tuple[nn.Module, torch.optim.Optimizer]:

@@ -12,7 +12,7 @@ from multiproc import run_world
 
 import pytreeckpt
 from pytreeckpt import CheckpointManager
-from pytreeckpt._executor import Storage
+from pytreeckpt.storage import Storage
 
 
 def state(step: int) -> dict:

@@ -228,7 +228,7 @@ def test_two_managers_in_two_processes_share_one_directory(tmp_path: Path, async
 
 
 def test_a_second_writer_gets_a_clear_error_while_the_first_holds_the_path(tmp_path: Path) -> None:
-    from pytreeckpt._executor import Storage
+    from pytreeckpt.storage import Storage
 
     lock = Storage(tmp_path / "c").lock()
     try:
@@ -241,7 +241,7 @@ def test_a_second_writer_gets_a_clear_error_while_the_first_holds_the_path(tmp_p
 
 def _spy_on_staging(monkeypatch: pytest.MonkeyPatch) -> list[weakref.ref]:
     """Weak references to the staging memory an async save takes."""
-    from pytreeckpt import _staging
+    from pytreeckpt.execute import _staging
 
     refs: list[weakref.ref] = []
     pool = _staging.staging_pool()
@@ -290,7 +290,7 @@ def test_a_disk_that_fills_fails_cleanly(small_disk: Path, use_async: bool, monk
         gc.collect()
         assert staged
         assert all(ref() is None for ref in staged)  # the staging memory is released
-        assert pytreeckpt._staging.staging_pool().capacity == 0
+        assert pytreeckpt.execute._staging.staging_pool().capacity == 0
     else:
         with pytest.raises(pytreeckpt.CheckpointError, match=FULL):
             pytreeckpt.save(small_disk / "step_2", big)

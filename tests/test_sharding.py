@@ -16,7 +16,7 @@ from pytreeckpt import (
     ShardingSpec,
     StridedShard,
 )
-from pytreeckpt._sharding import chunk_size_and_offset, flat_range_regions, layout_from_json
+from pytreeckpt.core._sharding import chunk_size_and_offset, flat_range_regions, layout_from_json
 
 
 @pytest.mark.parametrize("size", range(13))

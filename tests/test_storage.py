@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 
 import pytreeckpt
 from pytreeckpt import Abstract, Location, Mesh, Replicate, Shard, ShardedLeaf, ShardingSpec, StorageOptions
-from pytreeckpt._location import resolve
+from pytreeckpt.storage._location import resolve
 
 
 def assert_state(got: dict, seed: int) -> None:
@@ -209,7 +209,7 @@ def test_s3_manager_retention_and_restore(s3: seaweed.Server) -> None:
     # an interrupted step older than the newest commit is cleaned up by the next manager
     crashed = directory.child("step_2")
     pytreeckpt.save(crashed, {"w": torch.ones(1)})
-    kv = pytreeckpt._executor.Storage(crashed).kv
+    kv = pytreeckpt.storage.Storage(crashed).kv
     assert kv is not None
     kv.delete("pytreeckpt.json")  # as a save killed before its commit leaves it
     with pytreeckpt.CheckpointManager(directory) as m:
@@ -222,7 +222,7 @@ def test_s3_command_line(s3: seaweed.Server, tmp_path: Path) -> None:
     w = torch.arange(40.0).reshape(8, 5)
     pytreeckpt.save(s3.location(f"{run}/step_1"), {"model": {"w": w}, "step": 1})
     pytreeckpt.save(s3.location(f"{run}/step_2"), {"model": {"w": w + 1}, "step": 2})
-    kv = pytreeckpt._executor.Storage(s3.location(f"{run}/step_3")).kv
+    kv = pytreeckpt.storage.Storage(s3.location(f"{run}/step_3")).kv
     assert kv is not None
     kv.write("arrays/w/zarr.json", b"{}")  # a save that never committed
 
@@ -263,7 +263,7 @@ def test_a_save_to_s3_killed_midway_leaves_the_previous_checkpoint_whole(s3: sea
     old, new = s3.location(f"{run}/step_1"), s3.location(f"{run}/step_2")
     pytreeckpt.save(old, state(1))
     target = old if replacing else new
-    kv = pytreeckpt._executor.Storage(target).kv
+    kv = pytreeckpt.storage.Storage(target).kv
     assert kv is not None
 
     def save_in_child(seed: int, kill_after: float | None) -> float:
@@ -353,9 +353,12 @@ def test_the_credentials_file_of_a_process_that_ended_without_its_exit_handlers_
     import stat
     import tempfile
 
-    from pytreeckpt import _location
+    from pytreeckpt.storage import _location
 
-    code = "import os, pytreeckpt._location as L; print(L._credentials_file('id', 'secret'), flush=True); os._exit(0)"
+    code = (
+        "import os, pytreeckpt.storage._location as L; "
+        "print(L._credentials_file('id', 'secret'), flush=True); os._exit(0)"
+    )
     env = {**os.environ, "TMPDIR": str(tmp_path)}
     orphan = Path(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True).stdout.strip())
     assert orphan.is_file()

@@ -11,14 +11,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ._api import metadata, verify
-from ._dcp import import_dcp
-from ._errors import CheckpointError
-from ._executor import Storage
-from ._format import ARRAYS_DIR, LOCK_FILE, METADATA_FILE, PACKED_DIR, ArrayMeta
-from ._location import resolve
-from ._safetensors import export_safetensors, import_safetensors
-from ._tree import decode_value, encode_value
+from pytreeckpt.api import metadata, verify
+from pytreeckpt.core._errors import CheckpointError
+from pytreeckpt.core._tree import decode_value, encode_value
+from pytreeckpt.format._document import ARRAYS_DIR, LOCK_FILE, METADATA_FILE, PACKED_DIR, ArrayMeta
+from pytreeckpt.interop._dcp import import_dcp
+from pytreeckpt.interop._safetensors import export_safetensors, import_safetensors
+from pytreeckpt.storage import Storage
+from pytreeckpt.storage._location import resolve
 
 __all__ = ["main"]
 

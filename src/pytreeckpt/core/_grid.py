@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pytreeckpt._region import Region
+from pytreeckpt.core._region import Region
 
 __all__ = ["ChunkGrid"]
 

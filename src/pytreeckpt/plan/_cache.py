@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from pytreeckpt._sharding import Layout
+from pytreeckpt.core._sharding import Layout
 
 from ._tables import _I64, unique_rows
 from ._types import ArraySpec

@@ -16,9 +16,9 @@ from typing import Any
 
 import numpy as np
 
-from pytreeckpt._errors import LayoutError
-from pytreeckpt._region import Region
+from pytreeckpt.core._errors import LayoutError
 from pytreeckpt.core._grid import ChunkGrid
+from pytreeckpt.core._region import Region
 
 from ._balance import Scopes, scope_key, scope_loads
 from ._tables import _I64, PieceTable, Placed, _Memo, first_of_runs, placed, unique_rows

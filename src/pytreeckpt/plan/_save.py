@@ -31,9 +31,9 @@ from typing import Any
 
 import numpy as np
 
-from pytreeckpt._errors import LayoutError
-from pytreeckpt._region import Region
+from pytreeckpt.core._errors import LayoutError
 from pytreeckpt.core._grid import ChunkGrid
+from pytreeckpt.core._region import Region
 
 from ._balance import Box, Scopes, coalesce, scope_key, scope_loads, subtract_box, water_fill
 from ._chunking import chunk_shape_of_table

@@ -15,8 +15,16 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from pytreeckpt._region import Region
-from pytreeckpt._sharding import FlatRanges, Layout, Piece, Replicate, ShardingSpec, StridedShard, flat_range_regions
+from pytreeckpt.core._region import Region
+from pytreeckpt.core._sharding import (
+    FlatRanges,
+    Layout,
+    Piece,
+    Replicate,
+    ShardingSpec,
+    StridedShard,
+    flat_range_regions,
+)
 
 __all__ = ["PieceTable", "piece_table", "unique_rows"]
 

@@ -15,9 +15,9 @@ from typing import Any
 
 import numpy as np
 
-from pytreeckpt._errors import LayoutError
-from pytreeckpt._region import Region
-from pytreeckpt._sharding import Layout
+from pytreeckpt.core._errors import LayoutError
+from pytreeckpt.core._region import Region
+from pytreeckpt.core._sharding import Layout
 
 __all__ = [
     "ArrayLoadPlan",

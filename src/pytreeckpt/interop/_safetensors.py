@@ -24,10 +24,10 @@ from typing import Any
 
 import torch
 
-from ._api import _is_leaf, _is_value, metadata, read_array, save
-from ._errors import CheckpointError
-from ._format import ArrayMeta
-from ._tree import decode_value, encode_value, flatten, keystr
+from pytreeckpt.api import _is_leaf, _is_value, metadata, read_array, save
+from pytreeckpt.core._errors import CheckpointError
+from pytreeckpt.core._tree import decode_value, encode_value, flatten, keystr
+from pytreeckpt.format._document import ArrayMeta
 
 __all__ = ["export_safetensors", "import_safetensors"]
 

@@ -24,11 +24,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._errors import CheckpointError
+from pytreeckpt.core._errors import CheckpointError
+from pytreeckpt.core._region import Region, split_aligned
+from pytreeckpt.plan import ArraySavePlan, Fragment
+
 from ._executor import PieceData
-from ._region import Region, split_aligned
 from ._staging import Stage, StagingPool, copy_into
-from .plan import ArraySavePlan, Fragment
 
 __all__ = ["DeviceData", "Snapshot", "StagedWrite", "staged_writes"]
 

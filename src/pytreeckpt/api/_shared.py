@@ -10,15 +10,17 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import numpy as np
 import torch
 
-from ._errors import CheckpointError
-from ._leaf import Abstract, ShardedLeaf
-from ._location import Where
-from ._monitor import Monitor, Span
-from ._sharding import Mesh, Replicate, ShardingSpec
-from ._tree import PYTHON_LEAF_TYPES
-from .plan import ArraySpec, spec_digest, spec_plan_key
+from pytreeckpt.core._errors import CheckpointError
+from pytreeckpt.core._leaf import Abstract, ShardedLeaf
+from pytreeckpt.core._sharding import Mesh, Replicate, ShardingSpec
+from pytreeckpt.core._tree import PYTHON_LEAF_TYPES
+from pytreeckpt.execute._monitor import Monitor, Span
+from pytreeckpt.plan import ArraySpec, spec_digest, spec_plan_key
+from pytreeckpt.storage._location import Where
 
 if TYPE_CHECKING:
+    from pytreeckpt.distributed._comm import Comm
+
     from ._save import SaveHandle
 
 PathLike = Where  # a local path, a URL (file://, memory://, s3://, gs://), a kvstore spec or a Location
@@ -43,9 +45,9 @@ def _is_dtensor(x: Any) -> bool:
     return type(x).__name__ == "DTensor" and type(x).__module__.startswith("torch.distributed")
 
 
-def _comm(process_group: Any) -> Any:
+def _comm(process_group: Any) -> Comm | None:
     """The DistComm of a distributed save or load, or None in a single process (or a group of one rank)."""
-    from ._distributed import distributed_comm
+    from pytreeckpt.distributed._comm import distributed_comm
 
     return distributed_comm(process_group)
 
@@ -59,7 +61,7 @@ class _Carried:
     kept here and given to the collective (``comm.agree`` or the layout exchange).
     """
 
-    def __init__(self, comm: Any) -> None:
+    def __init__(self, comm: Comm | None) -> None:
         self.comm = comm
         self.error: BaseException | None = None
 
@@ -93,7 +95,7 @@ class _Carried:
         raise error  # (a single process; in a distributed one the agreement raised)
 
 
-def _gather_spans(comm: Any, monitor: Monitor) -> None:
+def _gather_spans(comm: Comm, monitor: Monitor) -> None:
     """Bring every rank's spans of this call to rank 0's monitor (the other ranks keep their own)."""
     mine = [s.to_json() for s in monitor.spans if s.rank == comm.rank]
     gathered = comm.gather(mine)
@@ -110,7 +112,7 @@ def _describe(specs: Sequence[ArraySpec], dtypes: Sequence[str]) -> list[Any]:
 
 
 def _agree_on_specs(
-    comm: Any,
+    comm: Comm,
     specs: Sequence[ArraySpec],
     dtypes: Sequence[str],
     what: str,
@@ -128,7 +130,7 @@ def _agree_on_specs(
     differ. A rank that failed before (``error``) sends its error instead, and every
     rank raises the same error.
     """
-    from ._distributed import describe_failure, failure
+    from pytreeckpt.distributed._comm import describe_failure, failure
 
     mine: Any = None
     if error is None:

@@ -5,24 +5,28 @@ from __future__ import annotations
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from ._dtypes import DType, dtype_of_numpy, dtype_of_torch, numpy_view
-from ._errors import CheckpointError, LayoutError
-from ._executor import PieceData
-from ._format import MAX_NDIM
-from ._leaf import Abstract, ShardedLeaf, piece_view
-from ._region import Region
-from ._sharding import Layout, Mesh, Piece, Replicate, ShardingSpec
+from pytreeckpt.core._dtypes import DType, dtype_of_numpy, dtype_of_torch, numpy_view
+from pytreeckpt.core._errors import CheckpointError, LayoutError
+from pytreeckpt.core._leaf import Abstract, ShardedLeaf, piece_view
+from pytreeckpt.core._region import Region
+from pytreeckpt.core._sharding import Layout, Mesh, Piece, Replicate, ShardingSpec
+from pytreeckpt.execute._executor import PieceData
+from pytreeckpt.format._document import MAX_NDIM
+from pytreeckpt.plan import ArraySpec
+
 from ._shared import (
     _SINGLE,
     _is_dtensor,
     _where,
 )
-from .plan import ArraySpec
+
+if TYPE_CHECKING:
+    from pytreeckpt.distributed._comm import Comm
 
 
 @dataclass(slots=True)
@@ -156,7 +160,7 @@ def _tensor_source(t: torch.Tensor, pieces: Mapping[int, tuple[Piece, ...]]) -> 
     return get, device
 
 
-def _array_in(key: str, leaf: Any, spec: Any, comm: Any = None) -> _ArrayIn:
+def _array_in(key: str, leaf: Any, spec: Any, comm: Comm | None = None) -> _ArrayIn:
     """Describe one tensor leaf for planning; ``comm`` is the DistComm in a distributed save."""
     if isinstance(leaf, Abstract):
         raise CheckpointError(f"leaf {_where(key)} is an Abstract placeholder, which has no data to save")
@@ -167,7 +171,7 @@ def _array_in(key: str, leaf: Any, spec: Any, comm: Any = None) -> _ArrayIn:
     try:
         if _is_dtensor(leaf):
             # In a single process (a process group of one rank) its mesh must be this rank alone.
-            from ._distributed import dtensor_layout
+            from pytreeckpt.distributed._comm import dtensor_layout
 
             layout, ranks, position, own = dtensor_layout(leaf, comm)
             local = leaf.to_local()

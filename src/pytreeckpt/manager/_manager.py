@@ -13,12 +13,12 @@ from typing import Any
 
 import numpy as np
 
-from ._api import SaveHandle, _comm, async_save, load, save
-from ._errors import CheckpointError, NotCommittedError
-from ._executor import LOCK_WAIT, Storage, remove_tree
-from ._format import METADATA_FILE, STEP_DIR
-from ._location import Location, Where, resolve
-from ._staging import staging_pool
+from pytreeckpt.api import SaveHandle, _comm, async_save, load, save
+from pytreeckpt.core._errors import CheckpointError, NotCommittedError
+from pytreeckpt.execute._staging import staging_pool
+from pytreeckpt.format._document import METADATA_FILE, STEP_DIR
+from pytreeckpt.storage import LOCK_WAIT, Storage, remove_tree
+from pytreeckpt.storage._location import Location, Where, resolve
 
 __all__ = ["CheckpointManager"]
 
@@ -274,7 +274,7 @@ class CheckpointManager:
 
     def metadata_of(self, step: int) -> Mapping[str, Any]:
         """The user metadata stored with ``step``."""
-        from ._api import metadata
+        from pytreeckpt.api import metadata
 
         return metadata(self._location(f"step_{check_step(step)}")).user_metadata
 

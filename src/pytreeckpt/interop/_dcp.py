@@ -19,11 +19,11 @@ from typing import Any
 
 import torch
 
-from ._api import save
-from ._errors import CheckpointError
-from ._leaf import ShardedLeaf
-from ._region import Region
-from ._sharding import ExplicitRegions
+from pytreeckpt.api import save
+from pytreeckpt.core._errors import CheckpointError
+from pytreeckpt.core._leaf import ShardedLeaf
+from pytreeckpt.core._region import Region
+from pytreeckpt.core._sharding import ExplicitRegions
 
 __all__ = ["import_dcp"]
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 from types import TracebackType
 from typing import Any
 
-from ._errors import NotCommittedError
-from ._location import Where, describe
+from pytreeckpt.core._errors import NotCommittedError
+from pytreeckpt.storage._location import Where, describe
+
 from ._manager import CheckpointManager, check_step
 
 __all__ = ["TwoTierManager"]

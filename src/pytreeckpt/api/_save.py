@@ -24,13 +24,19 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
-from ._errors import CheckpointError, MetadataError
-from ._executor import ChunkReuse, ChunkSums, ExecutorOptions, PieceData, Storage, write_items
-from ._format import (
+from pytreeckpt.core._errors import CheckpointError, MetadataError
+from pytreeckpt.core._sharding import Layout
+from pytreeckpt.core._tree import broadcast_prefix, check_unique_keys, encode_value, flatten, keystr
+from pytreeckpt.distributed._comm import data_comm
+from pytreeckpt.execute._executor import ChunkReuse, PieceData, write_arrays, write_items
+from pytreeckpt.execute._monitor import Monitor, Progress, Span, logger
+from pytreeckpt.execute._pipeline import Snapshot, staged_writes
+from pytreeckpt.execute._staging import PoolAborted, staging_pool
+from pytreeckpt.format._document import (
     ARRAYS_DIR,
     MAX_PACKED_BYTES,
     PACKED_DIR,
@@ -43,11 +49,11 @@ from ._format import (
     generation_name,
     with_chunk_sums,
 )
+from pytreeckpt.plan import ArraySpec, ChunkingOptions, PlanCache, SavePlan, plan_save, spec_plan_key
+from pytreeckpt.storage import ChunkSums, ExecutorOptions, Storage
+from pytreeckpt.storage._location import describe
+
 from ._load import metadata
-from ._location import describe
-from ._monitor import Monitor, Progress, Span, logger
-from ._pipeline import Snapshot, staged_writes
-from ._sharding import Layout
 from ._shared import (
     _IN_FLIGHT_LOCK,
     PathLike,
@@ -62,9 +68,9 @@ from ._shared import (
     _where,
 )
 from ._sources import _array_in, _ArrayIn, _snapshot_merges
-from ._staging import PoolAborted, staging_pool
-from ._tree import broadcast_prefix, check_unique_keys, encode_value, flatten, keystr
-from .plan import ArraySpec, ChunkingOptions, PlanCache, SavePlan, plan_save, spec_plan_key
+
+if TYPE_CHECKING:
+    from pytreeckpt.distributed._comm import Comm
 
 __all__ = ["SaveHandle", "async_save", "save"]
 
@@ -81,7 +87,7 @@ class _SaveJob:
     overwrite: bool
     timings: dict[str, float]
     monitor: Monitor
-    comm: Any = None
+    comm: Comm | None = None
     device: list[Any] = field(default_factory=list)
     watch: list[tuple[torch.Tensor, ...]] = field(default_factory=list)
     reuse: ChunkReuse | None = None
@@ -190,8 +196,13 @@ class _SaveJob:
                 progress = self._progress("save", total)
                 try:
                     with self.monitor.phase("save", "write", 0) as box:
-                        box[0] = self.storage.write(
-                            self.metas, self._items(), progress=progress.advance, reuse=self.reuse, sums=self._sums()
+                        box[0] = write_arrays(
+                            self.storage,
+                            self.metas,
+                            self._items(),
+                            progress=progress.advance,
+                            reuse=self.reuse,
+                            sums=self._sums(),
                         )
                 finally:
                     progress.close()
@@ -234,14 +245,20 @@ class _SaveJob:
         if self.reuse is not None:
             self.reuse.paths = [m.path for m in self.metas]
 
+    @property
+    def _ranks(self) -> Comm:
+        """The ranks of a distributed save (the methods that use them run only in one)."""
+        assert self.comm is not None, "a single-process save has no other ranks"
+        return self.comm
+
     def _agree(self, error: BaseException | None, what: str) -> None:
         """Every rank raises if any failed; rank 0 first removes what the save wrote, and all wait for that."""
         try:
-            self.comm.agree(error, what)
+            self._ranks.agree(error, what)
         except CheckpointError:
-            if self.comm.rank == 0:
+            if self._ranks.rank == 0:
                 self.storage.abandon()
-            self.comm.broadcast(None)
+            self._ranks.broadcast(None)
             raise
 
     @property
@@ -277,7 +294,7 @@ class _SaveJob:
         0 gathers them and tells every rank the small arrays nobody writes whole, which
         are stored as arrays of their own.
         """
-        comm = self.comm
+        comm = self._ranks
         whole = [i for i, m in enumerate(self.metas) if m.database == f"{PACKED_DIR}/{comm.rank}"]
         gathered = comm.gather(whole)
         unpacked = None
@@ -290,7 +307,7 @@ class _SaveJob:
 
     def _persist_distributed(self) -> float:
         """Rank 0 prepares the directory (holding its lock), every rank writes, rank 0 commits."""
-        comm = self.comm
+        comm = self._ranks
         me = comm.rank
         error: BaseException | None = None
         generation = 0
@@ -314,7 +331,9 @@ class _SaveJob:
             error = e
         self._agree(error, "creating the packed arrays")
         dtypes = [m.dtype.numpy for m in self.metas]
-        transfers = comm.post_write_transfers(self.plan.arrays, self.data, dtypes, direct=self.snap is None)
+        transfers = data_comm(comm, "writing").post_write_transfers(
+            self.plan.arrays, self.data, dtypes, direct=self.snap is None
+        )
         mine = sum(op.region.size * ap.itemsize for ap in self.plan.arrays for op in ap.writes if op.writer == me)
         progress = self._progress("save", mine)
         try:
@@ -322,7 +341,8 @@ class _SaveJob:
                 staged = self.snap.items() if self.snap is not None else iter(())
                 items = self._until_cancelled(itertools.chain(staged, transfers.items()))
                 writes = [i for i, ap in enumerate(self.plan.arrays) if any(op.writer == me for op in ap.writes)]
-                box[0] = self.storage.write(
+                box[0] = write_arrays(
+                    self.storage,
                     self.metas,
                     items,
                     create=False,
@@ -391,7 +411,7 @@ def _plan_state(
     user_metadata: Mapping[str, Any] | None,
     chunking: ChunkingOptions | None,
     namespace: str,
-    comm: Any,
+    comm: Comm | None,
     compression: Any,
     carried: _Carried,
 ) -> _Planned | None:
@@ -467,7 +487,7 @@ def _plan_job(
     chunking: ChunkingOptions | None,
     executor: ExecutorOptions | None,
     namespace: str,
-    comm: Any = None,
+    comm: Comm | None = None,
     compression: Any = None,
     base: PathLike | None = None,
     chunk_hashes: bool = False,

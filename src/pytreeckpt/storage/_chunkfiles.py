@@ -38,7 +38,7 @@ from typing import Any
 import google_crc32c
 import numpy as np
 
-from ._errors import CheckpointError
+from pytreeckpt.core._errors import CheckpointError
 
 __all__ = ["LITTLE_ENDIAN", "IOPool", "chunk_crc", "open_regular", "read_chunk", "write_chunk"]
 

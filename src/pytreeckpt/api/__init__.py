@@ -1,6 +1,13 @@
-"""The functional API, re-exported: ``save``/``async_save`` live in ``_save``, ``load`` and friends in ``_load``."""
+"""The functional entry points: ``save``, ``async_save``, ``load``, ``load_slice``, ``metadata``, ``verify``.
 
-from __future__ import annotations
+Each call flattens the user's tree (:mod:`pytreeckpt.core`), describes every leaf by its
+spec, agrees on those specs with the other ranks (:mod:`pytreeckpt.distributed`), plans
+this rank's part (:mod:`pytreeckpt.plan`), snapshots the leaves (``_sources``) and runs the
+plan (:mod:`pytreeckpt.execute`) against a location (:mod:`pytreeckpt.storage`); rank 0
+assembles and commits the metadata document (:mod:`pytreeckpt.format`). ``save`` and
+``async_save`` live in ``_save``, ``load`` and the read-only calls in ``_load``, what
+both share across ranks in ``_shared``.
+"""
 
 from ._load import CheckpointMetadata as CheckpointMetadata
 from ._load import VerifyReport as VerifyReport

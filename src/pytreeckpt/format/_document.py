@@ -29,10 +29,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ._dtypes import DType, dtype_from_name
-from ._errors import MetadataError
-from ._sharding import Layout, layout_from_json
-from ._tree import Node, decode_value
+from pytreeckpt.core._dtypes import DType, dtype_from_name
+from pytreeckpt.core._errors import MetadataError
+from pytreeckpt.core._sharding import Layout, layout_from_json
+from pytreeckpt.core._tree import Node, decode_value
 
 __all__ = [
     "ARRAYS_DIR",

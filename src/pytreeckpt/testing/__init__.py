@@ -49,11 +49,11 @@ try:
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("pytreeckpt.testing needs hypothesis; install it with `pip install 'pytreeckpt[test]'`") from e
 
-from ._api import _is_leaf, _is_value, async_save, load, save
-from ._dtypes import dtype_of_torch
-from ._leaf import Abstract, ShardedLeaf
-from ._region import Region
-from ._sharding import (
+from pytreeckpt.api import _is_leaf, _is_value, async_save, load, save
+from pytreeckpt.core._dtypes import dtype_of_torch
+from pytreeckpt.core._leaf import Abstract, ShardedLeaf
+from pytreeckpt.core._region import Region
+from pytreeckpt.core._sharding import (
     ExplicitRegions,
     FlatRanges,
     Layout,
@@ -64,8 +64,8 @@ from ._sharding import (
     ShardingSpec,
     StridedShard,
 )
-from ._tree import broadcast_prefix, flatten, keystr
-from .plan import ChunkingOptions
+from pytreeckpt.core._tree import broadcast_prefix, flatten, keystr
+from pytreeckpt.plan import ChunkingOptions
 
 __all__ = [
     "SimComm",

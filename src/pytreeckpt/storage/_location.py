@@ -24,8 +24,8 @@ from typing import Any
 
 import tensorstore as ts
 
-from ._errors import CheckpointError
-from .plan import ChunkingOptions
+from pytreeckpt.core._errors import CheckpointError
+from pytreeckpt.plan import ChunkingOptions
 
 __all__ = ["KvPrefix", "Location", "Resolved", "StorageOptions", "describe", "resolve"]
 

@@ -8,25 +8,30 @@ import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from ._dtypes import dtype_of_numpy, dtype_of_torch, numpy_view
-from ._errors import CheckpointError, LayoutError, MetadataError, NotCommittedError, TargetMismatchError
-from ._executor import ExecutorOptions, Storage, available_memory
-from ._format import (
+from pytreeckpt.core._dtypes import dtype_of_numpy, dtype_of_torch, numpy_view
+from pytreeckpt.core._errors import CheckpointError, LayoutError, MetadataError, NotCommittedError, TargetMismatchError
+from pytreeckpt.core._leaf import Abstract, ShardedLeaf, piece_view
+from pytreeckpt.core._region import Region
+from pytreeckpt.core._sharding import ExplicitRegions, Layout, Mesh, Piece, Replicate, ShardingSpec
+from pytreeckpt.core._tree import KeyEntry, Node, flatten, keystr, resolve_value, typed_keystr
+from pytreeckpt.distributed._comm import data_comm
+from pytreeckpt.execute._executor import read_arrays
+from pytreeckpt.execute._monitor import Monitor, Progress, Span
+from pytreeckpt.format._document import (
     ArrayMeta,
     CheckpointDoc,
     ValueMeta,
     parse_document,
 )
-from ._leaf import Abstract, ShardedLeaf, piece_view
-from ._location import describe
-from ._monitor import Monitor, Progress, Span
-from ._region import Region
-from ._sharding import ExplicitRegions, Layout, Mesh, Piece, Replicate, ShardingSpec
+from pytreeckpt.plan import ArraySpec, LoadPlan, PlanCache, plan_load, spec_plan_key
+from pytreeckpt.storage import ExecutorOptions, Storage, available_memory
+from pytreeckpt.storage._location import describe
+
 from ._shared import (
     _SINGLE,
     PathLike,
@@ -40,8 +45,9 @@ from ._shared import (
     _wait_in_flight,
     _where,
 )
-from ._tree import KeyEntry, Node, flatten, keystr, resolve_value, typed_keystr
-from .plan import ArraySpec, LoadPlan, PlanCache, plan_load, spec_plan_key
+
+if TYPE_CHECKING:
+    from pytreeckpt.distributed._comm import Comm
 
 __all__ = ["CheckpointMetadata", "VerifyReport", "load", "load_slice", "metadata", "read_array", "verify"]
 
@@ -245,7 +251,7 @@ class _Dest:
 
 
 def _full_dest(
-    meta: ArrayMeta, as_numpy: bool, device: torch.device | None, param: torch.Tensor | None, comm: Any = None
+    meta: ArrayMeta, as_numpy: bool, device: torch.device | None, param: torch.Tensor | None, comm: Comm | None = None
 ) -> _Dest:
     """A whole tensor: held by the one rank of a single process, or by every rank of a group."""
     me = 0 if comm is None else comm.rank
@@ -272,7 +278,7 @@ def _host_buffer(shape: tuple[int, ...], dtype: torch.dtype, pinned: bool) -> to
 
 
 def _sharded_dest(
-    meta: ArrayMeta, spec: Layout, ranks: list[int], devices: dict[int, torch.device], comm: Any = None
+    meta: ArrayMeta, spec: Layout, ranks: list[int], devices: dict[int, torch.device], comm: Comm | None = None
 ) -> _Dest:
     """The shards of ``ranks`` in ``spec``; in a distributed load every rank's pieces count, this rank's are filled."""
     if comm is not None:
@@ -433,7 +439,7 @@ def _load(
     namespace: str,
     executor: ExecutorOptions | None,
     include: str | Sequence[str] | None,
-    comm: Any,
+    comm: Comm | None,
     monitor: Monitor,
     seen: list[bytes] | None = None,
     plan_only: bool = False,
@@ -571,14 +577,18 @@ def _load(
         if comm is None:
             # each array's host-to-device copy starts as soon as it is read, overlapping later reads
             with monitor.phase("load", "read", me) as box:
-                box[0] = storage.read(metas, plan.arrays, getters, None, array_done=finish, progress=progress.advance)
+                box[0] = read_arrays(
+                    storage, metas, plan.arrays, getters, None, array_done=finish, progress=progress.advance
+                )
         else:
             error = None
-            after, forward = comm.read_forwarding(plan.arrays, getters, [m.dtype.numpy for m in metas])
+            after, forward = data_comm(comm, "reading").read_forwarding(
+                plan.arrays, getters, [m.dtype.numpy for m in metas]
+            )
             try:
                 with monitor.phase("load", "read", me) as box:
-                    box[0] = storage.read(
-                        metas, plan.arrays, getters, comm.rank, after=after, progress=progress.advance
+                    box[0] = read_arrays(
+                        storage, metas, plan.arrays, getters, comm.rank, after=after, progress=progress.advance
                     )
             except Exception as e:
                 error = e
@@ -627,11 +637,11 @@ def _value(key: str, value: Any, like: Any, problems: list[str]) -> Any:
         return None
 
 
-def _dtensor_dest(meta: ArrayMeta, leaf: Any, comm: Any) -> _Dest:
+def _dtensor_dest(meta: ArrayMeta, leaf: Any, comm: Comm | None) -> _Dest:
     """This rank's local shard of a DTensor target, in the target's own mesh and placements."""
     from torch.distributed.tensor import DTensor
 
-    from ._distributed import dtensor_layout
+    from pytreeckpt.distributed._comm import dtensor_layout
 
     # (in a single process, a process group of one rank, its mesh must be this rank alone)
     layout, ranks, position, _ = dtensor_layout(leaf, comm)
@@ -675,7 +685,7 @@ def read_array(
     plan = plan_load(
         [meta.chunk_shape], [ArraySpec(meta.key, meta.shape, meta.dtype.itemsize, ExplicitRegions([[region]]))], 1
     )
-    storage.read([meta], plan.arrays, [get], rank=None)
+    read_arrays(storage, [meta], plan.arrays, [get], rank=None)
     return out
 
 
@@ -732,7 +742,7 @@ def _meta_problem(key: str, leaf: Any) -> str | None:
     return None
 
 
-def _dest_for(key: str, stored: ArrayMeta, leaf: Any, comm: Any = None) -> tuple[str | None, _Dest | None]:
+def _dest_for(key: str, stored: ArrayMeta, leaf: Any, comm: Comm | None = None) -> tuple[str | None, _Dest | None]:
     meta_problem = _meta_problem(key, leaf)
     if meta_problem is not None:
         return meta_problem, None

@@ -25,11 +25,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ._errors import CheckpointError, LayoutError, MetadataError, NotCommittedError, TargetMismatchError
-from ._executor import PieceData, WriteItem
-from ._region import Region
-from ._sharding import Mesh, Placement, Replicate, Shard, ShardingSpec, StridedShard
-from .plan import ArrayLoadPlan, ArraySavePlan, ReadOp
+from pytreeckpt.core._errors import CheckpointError, LayoutError, MetadataError, NotCommittedError, TargetMismatchError
+from pytreeckpt.core._region import Region
+from pytreeckpt.core._sharding import Mesh, Placement, Replicate, Shard, ShardingSpec, StridedShard
+from pytreeckpt.execute._executor import PieceData, WriteItem
+from pytreeckpt.plan import ArrayLoadPlan, ArraySavePlan, ReadOp
 
 __all__ = [
     "DistComm",
@@ -71,7 +71,24 @@ class Comm(Protocol):
     def agree(self, error: BaseException | None, what: str) -> None: ...
 
 
-def distributed_comm(group: Any = None) -> Any:
+def data_comm(comm: Comm, what: str) -> DistComm:
+    """``comm`` as the torch.distributed communicator that moves data and maps meshes to ranks.
+
+    Another :class:`Comm` (a simulated world) plans only the leaves every rank describes
+    by a spec (``ShardedLeaf``, ``Abstract``), and moves no data.
+
+    Raises:
+      CheckpointError: ``comm`` is not a :class:`DistComm`.
+    """
+    if not isinstance(comm, DistComm):
+        raise CheckpointError(
+            f"{what} needs a torch.distributed process group; {type(comm).__name__} only plans leaves described "
+            f"by a spec (ShardedLeaf, Abstract) and moves no data"
+        )
+    return comm
+
+
+def distributed_comm(group: Any = None) -> Comm | None:
     """The DistComm of a save or load, or None when it runs as a single process.
 
     A save or load is distributed when torch.distributed is initialised (at any world
@@ -273,7 +290,7 @@ def placements_from_spec(spec: ShardingSpec) -> list[Any]:
     return out
 
 
-def dtensor_layout(dt: Any, comm: DistComm | None) -> tuple[ShardingSpec, tuple[int, ...], int | None, ShardingSpec]:
+def dtensor_layout(dt: Any, comm: Comm | None) -> tuple[ShardingSpec, tuple[int, ...], int | None, ShardingSpec]:
     """A DTensor's layout for planning, the rank in ``comm``'s group of each of its positions, this process's
     position (None off the mesh), and the DTensor's own spec (its mesh and placements).
 
@@ -283,6 +300,7 @@ def dtensor_layout(dt: Any, comm: DistComm | None) -> tuple[ShardingSpec, tuple[
     spec, mesh_ranks = spec_from_dtensor(dt)
     own = spec
     if comm is not None:
+        comm = data_comm(comm, "a DTensor leaf")
         # A mesh sliced from a larger one (the "dp" axis of a dp x tp mesh) has replicas
         # (the other tp ranks' "dp" meshes) holding the same tensor: its layout is the
         # spec replicated over them. Every rank finds them from the root mesh alone.

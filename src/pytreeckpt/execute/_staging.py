@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ._errors import CheckpointError
+from pytreeckpt.core._errors import CheckpointError
 
 __all__ = ["PoolAborted", "Stage", "StagingPool", "copy_into", "staging_pool"]
 

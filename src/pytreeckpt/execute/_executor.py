@@ -1,0 +1,272 @@
+"""Runs this rank's part of a plan against a :class:`~pytreeckpt.storage.Storage`.
+
+The writes of a :class:`~pytreeckpt.plan.SavePlan` and the reads of a
+:class:`~pytreeckpt.plan.LoadPlan` go out as futures with a bound on the bytes in flight.
+Data comes and goes through callbacks that map ``(rank, piece)`` to numpy views of
+rank-local memory, so the same executor serves one process holding every rank and (with
+transfers done by the distributed adapter) one rank among many."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pytreeckpt.core._region import Region, chunk_region
+from pytreeckpt.format._document import (
+    ArrayMeta,
+)
+from pytreeckpt.plan import ArrayLoadPlan, ArraySavePlan, ReadOp, WriteOp
+from pytreeckpt.storage import Storage
+from pytreeckpt.storage._base import Window
+from pytreeckpt.storage._chunkfiles import chunk_crc
+from pytreeckpt.storage._integrity import ChunkSums, chunk_hash
+
+__all__ = ["ChunkReuse", "PieceData", "WriteItem", "assemble", "read_arrays", "write_arrays", "write_items"]
+
+logger = logging.getLogger("pytreeckpt")
+
+
+PieceData = Callable[[int, int], tuple[np.ndarray, Region]]
+"""``(rank, piece) -> (view, region)``: a numpy view of the local memory holding that
+piece, and the global region it covers."""
+
+
+WriteItem = tuple[int, Region, np.ndarray, Callable[[], None] | None]
+"""``(array index, region, data, done)``: one write; ``done`` runs when it has finished."""
+
+
+def write_arrays(
+    storage: Storage,
+    metas: Sequence[ArrayMeta],
+    items: Iterable[WriteItem],
+    create: bool = True,
+    progress: Callable[[int], None] | None = None,
+    reuse: ChunkReuse | None = None,
+    only: Iterable[int] | None = None,
+    sums: ChunkSums | None = None,
+) -> int:
+    """Write ``(array index, region, data, done)`` items, a bounded number of bytes at a time.
+
+    ``only`` gives the indices of the arrays the items write (None: any of ``metas``);
+    only those are opened.
+
+    ``items`` may be a generator that assembles each buffer when asked, so memory
+    stays bounded by ``max_inflight_bytes``; ``done`` (or None) is called once the
+    write of that buffer has finished, well or not, so its memory may be reused.
+    With ``create=False`` the arrays must exist already (another rank created them).
+    ``progress(nbytes)`` is called as writes finish. With ``reuse`` every chunk's
+    content is hashed, and a chunk equal to the base checkpoint's is hard-linked from
+    it instead of written. ``sums`` records every chunk's crc32c (and hash): chunk
+    files written here give theirs as they are written, other chunks are checksummed
+    from the data before TensorStore encodes it. Returns the bytes written.
+    """
+    wanted = range(len(metas)) if only is None else sorted(set(only))
+    stores = dict(zip(wanted, storage.open_arrays([metas[i] for i in wanted], create=create), strict=True))
+    window = Window(storage.options.max_inflight_bytes)
+    written = 0
+    try:
+        for i, region, buf, done in items:
+            parts = [(region, buf)] if reuse is None else reuse.keep(i, region, buf, storage, sums)
+            if not parts:  # every chunk linked from the base
+                if done is not None:
+                    done()
+                if progress is not None:
+                    progress(buf.nbytes)
+                continue
+            done_all = done if len(parts) == 1 else _after_all(len(parts), done)
+            for part, data in parts:
+                nbytes = data.nbytes
+                written += nbytes
+                future: Any
+                if storage._direct(metas[i], data):
+                    future = storage._write_direct(metas[i], part, data, None if sums is None else sums.recorder(i))
+                else:
+                    if sums is not None:
+                        sums.add_region(i, metas[i], part, data)
+                    future = stores[i][part.slices()].write(data)
+                    storage._note_chunks(metas[i], part)
+                if done_all is not None or progress is not None:
+                    future.add_done_callback(_finished(done_all, progress, nbytes))
+                window.add(future, nbytes, f"leaf {metas[i].key!r}: writing {part}")
+    except BaseException:
+        # The items failed (a copy, a transfer): let the writes already issued finish
+        # before the failure is reported, so nothing writes into the directory after it.
+        window.drain_quietly()
+        raise
+    window.drain()
+    storage.sync()
+    return written
+
+
+def read_arrays(
+    storage: Storage,
+    metas: Sequence[ArrayMeta],
+    plans: Sequence[ArrayLoadPlan],
+    dest: Sequence[PieceData],
+    rank: int | None,
+    after: Callable[[int, ReadOp, np.ndarray], None] | None = None,
+    array_done: Callable[[int], None] | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> int:
+    """Run the reads of ``rank`` (every rank when None) straight into destination memory.
+
+    Each region lands in the reader's own target and is copied to the other targets
+    in this process; ``after(array index, op, data)`` then runs, e.g. to send it on
+    to targets on other ranks. ``array_done(i)`` runs once every read of array ``i``
+    has landed (while later arrays are still being read), ``progress(nbytes)`` as
+    reads land. Returns the bytes read.
+    """
+    storage.check_files(metas)
+    stores = storage.open_arrays(metas, create=False)
+    window = Window(storage.options.max_inflight_bytes)
+    read = 0
+    for i, (meta, plan, store, get) in enumerate(zip(metas, plans, stores, dest, strict=True)):
+        mine = [op for op in plan.reads if rank is None or op.reader == rank]
+        if not mine and array_done is not None:
+            array_done(i)
+        landing: list[list[np.ndarray]] = []  # per read: its reader's target first, then the others here
+        for op in mine:
+            outs = []
+            for t in sorted(op.targets, key=lambda t: t.rank != op.reader):
+                if rank is None or t.rank == rank:
+                    view, where = get(t.rank, t.piece)
+                    outs.append(view[t.region.relative_to(where).slices()])
+            landing.append(outs)
+        starts = storage._read_chunks(
+            meta, store, [(op.region, outs[0]) for op, outs in zip(mine, landing, strict=True)]
+        )
+        for n, (op, outs) in enumerate(zip(mine, landing, strict=True)):
+            first = outs[0]
+            nbytes = op.region.size * plan.itemsize
+            future = starts[n]()
+
+            def fan_out(
+                first: np.ndarray = first,
+                rest: list[np.ndarray] = outs[1:],
+                i: int = i,
+                op: ReadOp = op,
+                last: bool = n == len(mine) - 1,
+                nbytes: int = nbytes,
+            ) -> None:
+                for o in rest:
+                    o[...] = first
+                if after is not None:
+                    after(i, op, first)
+                if progress is not None:
+                    progress(nbytes)
+                if last and array_done is not None:
+                    array_done(i)
+
+            read += nbytes
+            window.add(future, nbytes, f"leaf {meta.key!r}: reading {op.region} of {meta.path!r}", fan_out)
+    window.drain()
+    return read
+
+
+def _after_all(n: int, done: Callable[[], None] | None) -> Callable[[], None] | None:
+    """A callback that calls ``done`` on its ``n``-th call."""
+    if done is None:
+        return None
+    left = [n]
+    lock = threading.Lock()
+
+    def one() -> None:
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            done()
+
+    return one
+
+
+def _finished(
+    done: Callable[[], None] | None, progress: Callable[[int], None] | None, nbytes: int
+) -> Callable[[Any], None]:
+    def callback(_future: Any) -> None:
+        if done is not None:
+            done()
+        if progress is not None:
+            progress(nbytes)
+
+    return callback
+
+
+@dataclass(slots=True)
+class ChunkReuse:
+    """Hashes the chunks of a save, and links those equal to the base checkpoint's instead of writing them.
+
+    ``base_chunks[i]`` is the base's array path and chunk hashes for array ``i`` when the
+    base stores that leaf the same way (shape, dtype, chunk grid, codecs), else None.
+    Hashes (and the crc32c of linked chunks) go to the save's :class:`ChunkSums`.
+    """
+
+    chunk_shapes: list[tuple[int, ...]]
+    shapes: list[tuple[int, ...]]
+    paths: list[str]
+    base: Path | None = None
+    base_chunks: list[tuple[str, tuple[str, ...]] | None] = field(default_factory=list)
+    linked_bytes: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def keep(
+        self, i: int, region: Region, buf: np.ndarray, storage: Storage, sums: ChunkSums | None
+    ) -> list[tuple[Region, np.ndarray]]:
+        """Hash every chunk of this write; link the unchanged ones; return the boxes still to write."""
+        chunk_shape, shape = self.chunk_shapes[i], self.shapes[i]
+        grid = [-(-s // c) for s, c in zip(shape, chunk_shape, strict=True)]
+        base = self.base_chunks[i] if self.base_chunks else None
+        rest: list[tuple[Region, np.ndarray]] = []
+        linked_any = False
+        for index in region.chunk_indices(chunk_shape):
+            box = chunk_region(index, chunk_shape, shape)
+            data = buf[box.relative_to(region).slices()]
+            digest = chunk_hash(data)
+            flat = int(np.ravel_multi_index(index, grid)) if grid else 0
+            if sums is not None:
+                sums.add_hash(i, flat, digest)
+            if (
+                base is not None
+                and self.base is not None
+                and base[1][flat] == digest
+                and storage.link_chunk(self.base, base[0], self.paths[i], index)
+            ):
+                with self._lock:
+                    self.linked_bytes += data.nbytes
+                if sums is not None:  # the same elements as the base's chunk file: the same checksum
+                    sums.add_crc(i, index, chunk_crc(data, chunk_shape))
+                linked_any = True
+                continue
+            rest.append((box, data))
+        if not linked_any:
+            return [(region, buf)]
+        return rest
+
+
+def assemble(op: WriteOp, get: PieceData, dtype: np.dtype) -> np.ndarray:
+    """The data of a write: a view of the writer's memory, or a buffer merged from fragments."""
+    if op.is_direct:
+        src, where = get(op.writer, op.sources[0].piece)
+        view: np.ndarray = src[op.region.relative_to(where).slices()]
+        return view
+    buf = np.empty(op.region.shape, dtype=dtype)
+    for frag in op.sources:
+        src, where = get(frag.rank, frag.piece)
+        buf[frag.region.relative_to(op.region).slices()] = src[frag.region.relative_to(where).slices()]
+    return buf
+
+
+def write_items(
+    plans: Sequence[ArraySavePlan], data: Sequence[PieceData], dtypes: Sequence[np.dtype], rank: int | None
+) -> Iterator[tuple[int, WriteOp, np.ndarray]]:
+    """The writes of ``rank`` (every rank when None), each assembled when reached."""
+    for i, (plan, get, dtype) in enumerate(zip(plans, data, dtypes, strict=True)):
+        for op in plan.writes:
+            if rank is None or op.writer == rank:
+                yield i, op, assemble(op, get, dtype)

@@ -1,0 +1,18 @@
+"""Where bytes live, and the rules for changing them.
+
+Locations (local directories, ``memory://``, S3-compatible and GCS buckets), the commit
+protocol (one writer, the metadata document written last and atomically, leftovers of
+failed saves removed), stored arrays and their chunk files and OCDBT databases,
+durability (fsync) and integrity (every chunk checked against the crc32c the metadata
+records). :class:`Storage` is one checkpoint location with all of these parts; only this
+package and :mod:`pytreeckpt.execute` do I/O.
+"""
+
+from pytreeckpt.storage._commit import LOCK_WAIT as LOCK_WAIT
+from pytreeckpt.storage._commit import remove_tree as remove_tree
+from pytreeckpt.storage._integrity import ChunkSums as ChunkSums
+from pytreeckpt.storage._integrity import available_memory as available_memory
+from pytreeckpt.storage._options import ExecutorOptions as ExecutorOptions
+from pytreeckpt.storage._storage import Storage as Storage
+
+__all__ = ["LOCK_WAIT", "ChunkSums", "ExecutorOptions", "Storage", "available_memory", "remove_tree"]

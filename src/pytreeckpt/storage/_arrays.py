@@ -1,0 +1,312 @@
+"""Stored arrays: opening them (TensorStore specs), and reading and writing their chunks.
+
+Local uncompressed arrays are read and written chunk file by chunk file here (see
+:mod:`pytreeckpt.storage._chunkfiles`); the rest through TensorStore. Every chunk read goes
+through :meth:`ArrayIO._chunk`, which checks it."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import tensorstore as ts
+
+from pytreeckpt.core._errors import CheckpointError
+from pytreeckpt.core._region import Region, chunk_region
+from pytreeckpt.format._document import (
+    ArrayMeta,
+    zarr_metadata,
+)
+from pytreeckpt.storage._base import _IO, OCDBT_INLINE_BYTES, _all_of, _chunk_key
+from pytreeckpt.storage._chunkfiles import LITTLE_ENDIAN, write_chunk
+from pytreeckpt.storage._durability import Durability
+from pytreeckpt.storage._integrity import (
+    _INLINE_CHECK_BYTES,
+    FileChecks,
+    _Landing,
+    _read_file_chunk,
+    _settle_stored_chunk,
+)
+from pytreeckpt.storage._location import OCDBT_CACHE
+
+logger = logging.getLogger("pytreeckpt")
+
+
+class ArrayIO(FileChecks, Durability):
+    """Opens stored arrays and moves their chunks, every chunk read checked."""
+
+    # ------------------------------------------------------------------ arrays
+    def _spec(self, meta: ArrayMeta, create: bool) -> dict[str, Any]:
+        if meta.database is None:
+            kvstore = self.location.kvstore(meta.path + "/")
+        else:  # packed: the array's keys inside its writer's OCDBT database
+            kvstore = {
+                "driver": "ocdbt",
+                "base": self.location.kvstore(meta.database + "/"),
+                "path": meta.path + "/",
+                "cache_pool": OCDBT_CACHE,  # its b-tree nodes are read once, not once per array
+            }
+            if create:  # small values live inside the b-tree nodes: one read serves many arrays
+                kvstore["config"] = {"max_inline_value_bytes": OCDBT_INLINE_BYTES}
+        spec: dict[str, Any] = {
+            "driver": "zarr3",
+            "kvstore": kvstore,
+            "metadata": zarr_metadata(meta.dtype, meta.shape, meta.chunk_shape, meta.compression),
+            # Every chunk is stored, even one equal to the fill value (so -0.0 and NaN
+            # payloads survive and a missing chunk is an error), and a missing chunk
+            # fails a read instead of reading as zeros.
+            "store_data_equal_to_fill_value": True,
+            "fill_missing_data_reads": False,
+        }
+        return spec
+
+    def open_arrays(self, metas: Sequence[ArrayMeta], create: bool) -> list[Any]:
+        def failed(meta: ArrayMeta, e: Exception) -> CheckpointError:
+            where = repr(meta.path)
+            if meta.database is not None:
+                where += f" in the OCDBT database {meta.database!r}"
+            verb = "create" if create else "open"
+            return CheckpointError(f"leaf {meta.key!r}: cannot {verb} stored array {where}: {e}")
+
+        futures: list[Any] = []
+
+        def settle() -> list[Any]:
+            # Every open is waited for, so that none still makes files once this has raised.
+            stores, first = [], None
+            for meta, f in zip(metas, futures, strict=False):
+                try:
+                    stores.append(f.result())
+                except Exception as e:
+                    first = first or (meta, e)
+            if first is not None:
+                raise failed(*first) from first[1]
+            return stores
+
+        checked: set[str] = set()
+        for meta in metas:
+            if not create and self.kv is None:
+                where = meta.path if meta.database is None else meta.database
+                if where not in checked:  # a database holding many packed arrays is checked once
+                    self._check_inside(self.root / where, meta.key)
+                    checked.add(where)
+            spec = self._spec(meta, create)
+            try:  # a spec TensorStore rejects (e.g. sizes past its limits) fails here, not in the future
+                if create:
+                    futures.append(ts.open(spec, context=self.context, create=True))
+                else:
+                    futures.append(ts.open(spec, context=self.context, open=True))
+            except Exception as e:
+                with contextlib.suppress(CheckpointError):
+                    settle()
+                raise failed(meta, e) from e
+        stores = settle()
+        if create and self.kv is None:
+            for meta in metas:
+                if meta.database is None:
+                    self._unsynced.add(self.root / meta.path / "zarr.json")
+                else:
+                    self._unsynced_trees.add(meta.database)
+        return stores
+
+    def _direct(self, meta: ArrayMeta, data: np.ndarray) -> bool:
+        """Whether the executor reads or writes this array's chunk files itself, with ``data`` as the memory.
+
+        It does for non-empty, uncompressed arrays of their own (not packed) in a local
+        directory on a little-endian host, where the memory has the stored element type;
+        TensorStore does the rest. A write must cover whole chunks (every planned write does).
+        """
+        return self._reads_files(meta) and data.dtype == meta.dtype.numpy
+
+    def _reads_files(self, meta: ArrayMeta) -> bool:
+        """Whether this array's chunks are read as files by the executor (:func:`read_chunk`), not by TensorStore."""
+        local_plain = self.kv is None and LITTLE_ENDIAN and meta.compression is None and meta.database is None
+        return local_plain and meta.nbytes > 0 and len(meta.shape) > 0
+
+    def _write_direct(
+        self, meta: ArrayMeta, region: Region, data: np.ndarray, record: Callable[[tuple[int, ...], int], None] | None
+    ) -> Future[Any]:
+        """Write ``region`` (whole chunks) chunk file by chunk file; each file is fsynced as it is written.
+
+        ``record(index, crc32c)`` is called with each chunk's checksum as it is written.
+        """
+        chunk = meta.chunk_shape
+        bounds = zip(region.offset, region.stop, chunk, meta.shape, strict=True)
+        if not all(o % c == 0 and (e % c == 0 or e == n) for o, e, c, n in bounds):
+            raise CheckpointError(
+                f"leaf {meta.key!r}: {region} is not whole chunks of {list(chunk)} (a planning error)"
+            )
+        array = self.root / meta.path
+        futures = []
+        for index in region.chunk_indices(chunk):
+            path = array / _chunk_key(index)
+            if path.parent not in self._made_dirs:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                self._made_dirs.add(path.parent)
+                self._unsynced.add(path.parent)  # its new entries; the parents follow in :meth:`sync`
+            box = chunk_region(index, chunk, meta.shape).relative_to(region).slices()
+            futures.append(
+                _IO.submit(self.options.file_io_concurrency, _write_recorded, path, data[box], chunk, index, record)
+            )
+        return _all_of(futures)
+
+    def _read_chunks(
+        self, meta: ArrayMeta, store: Any, wants: Sequence[tuple[Region, np.ndarray]]
+    ) -> list[Callable[[], Future[Any]]]:
+        """Read each ``(region, dest)`` of one array chunk by chunk, checking every chunk (see :meth:`_chunk`).
+
+        A chunk several regions want is read once for all of them. Returns one function
+        per region that starts the reads of its chunks (those not started yet) and returns
+        a future of them all: the caller starts each region when its window has room, so
+        the scratch memory of chunks only partly wanted stays bounded.
+        """
+        chunk = meta.chunk_shape
+        targets: dict[tuple[int, ...], list[tuple[tuple[slice, ...], np.ndarray]]] = {}
+        needs: list[list[tuple[int, ...]]] = []
+        alone: dict[tuple[int, ...], bool] = {}  # every region wanting the chunk wants nothing else
+        for region, dest in wants:
+            needs.append([])
+            first = tuple(o // c for o, c in zip(region.offset, chunk, strict=True))
+            last = tuple((o + n - 1) // c for o, n, c in zip(region.offset, region.shape, chunk, strict=True))
+            if first == last:  # within one chunk (every planned read is): no Region arithmetic
+                box = tuple(
+                    slice(o - k * c, o - k * c + n)
+                    for o, n, k, c in zip(region.offset, region.shape, first, chunk, strict=True)
+                )
+                targets.setdefault(first, []).append((box, dest))
+                needs[-1].append(first)
+                alone[first] = alone.get(first, True)
+                continue
+            for index in region.chunk_indices(chunk):
+                whole = chunk_region(index, chunk, meta.shape)
+                part = whole.intersect(region)
+                assert part is not None
+                box = part.relative_to(whole).slices()
+                targets.setdefault(index, []).append((box, dest[part.relative_to(region).slices()]))
+                needs[-1].append(index)
+                alone[index] = False
+        futures: dict[tuple[int, ...], Any] = {}
+
+        def starter(indices: list[tuple[int, ...]]) -> Callable[[], Future[Any]]:
+            def start() -> Future[Any]:
+                for index in indices:
+                    if index not in futures:
+                        futures[index] = self._chunk(meta, store, index, targets[index], lazy=alone[index])
+                if len(indices) == 1:
+                    return futures[indices[0]]  # type: ignore[no-any-return]
+                return _all_of([futures[index] for index in indices])
+
+            return start
+
+        return [starter(indices) for indices in needs]
+
+    def _chunk(
+        self,
+        meta: ArrayMeta,
+        store: Any,
+        index: tuple[int, ...],
+        targets: Sequence[tuple[tuple[slice, ...], np.ndarray]],
+        lazy: bool = True,
+    ) -> Any:
+        """Read chunk ``index`` once, check it, and fill ``targets`` (none: only check it); returns a future.
+
+        Every read of a chunk, by :meth:`read` and by :meth:`verify` alike, comes here. The
+        chunk must be the one the metadata records (its crc32c, see ``chunk_crc``), where
+        it records one: local uncompressed chunk files are read by :func:`read_chunk`,
+        which also checks the file's kind, place, size and own checksum; others are read
+        whole by TensorStore (which checks their codecs' checksum), and their crc32c is
+        computed once they have landed: for a small chunk, with ``lazy``, by the thread that
+        waits for its result (a :class:`_Landing`, which only has ``result()``: handing each
+        of 10,000 small packed arrays to another thread cost more than the check), else on
+        an I/O thread.
+        """
+        what = f"chunk {list(index)}"
+        expected = meta.recorded_crc32c(index)
+        workers = self.options.file_io_concurrency
+        whole = chunk_region(index, meta.chunk_shape, meta.shape)
+        if self._reads_files(meta):
+            path = self.root / meta.path / _chunk_key(index)
+            return _IO.submit(
+                workers, _read_file_chunk, path, meta, whole.shape, targets, what, expected, self._real_root()
+            )
+        # One target wanting the whole chunk gets it straight in its memory; otherwise the
+        # chunk lands in scratch memory and the targets' boxes are copied from there.
+        straight = len(targets) == 1 and targets[0][1].shape == whole.shape and targets[0][1].dtype == meta.dtype.numpy
+        out: Future[Any] = Future()
+        try:
+            if straight:
+                landing = ts.array(targets[0][1]).write(store[whole.slices()])
+            else:
+                landing = store[whole.slices()].read()
+        except Exception as e:
+            out.set_exception(CheckpointError(f"{what}: {e}"))
+            return out
+
+        if lazy and whole.size * meta.dtype.itemsize <= _INLINE_CHECK_BYTES:
+            return _Landing(landing, meta, targets, straight, what, expected)
+
+        def landed(f: Any) -> None:  # on a TensorStore thread: the checks go to an I/O thread
+            _IO.submit(workers, _settle_stored_chunk, f, out, meta, targets, straight, what, expected)
+
+        landing.add_done_callback(landed)
+        return out
+
+    def verify(self, metas: Sequence[ArrayMeta]) -> tuple[list[tuple[str, tuple[int, ...] | None, str]], int, int]:
+        """Read every chunk of every array and check it as a load does; returns ``(problems, chunks read, bytes read)``.
+
+        A problem is ``(key, chunk index or None for the whole array, message)``. Each
+        chunk goes through the very checks of :meth:`read` (its own checksum, its size, the
+        checksum the metadata records for it, the files' kinds and places), so a load
+        fails exactly where this finds a problem. Memory stays bounded: chunks are read
+        a window at a time into scratch buffers.
+        """
+        problems: list[tuple[int, str, tuple[int, ...] | None, str]] = []  # (array, key, chunk, message)
+        chunks = nbytes = 0
+        pending: collections.deque[tuple[int, str, tuple[int, ...], Future[Any], int]] = collections.deque()
+        inflight = 0
+
+        def settle() -> int:
+            at, key, idx, future, size = pending.popleft()
+            try:
+                future.result()
+            except Exception as e:
+                problems.append((at, key, idx, str(e)))
+            return size
+
+        for at, meta in enumerate(metas):
+            try:
+                self.check_stored_sizes([meta])
+                self.check_files([meta])
+                (store,) = self.open_arrays([meta], create=False)
+            except CheckpointError as e:
+                problems.append((at, meta.key, None, str(e)))
+                continue
+            for idx in Region.full(meta.shape).chunk_indices(meta.chunk_shape):
+                size = chunk_region(idx, meta.chunk_shape, meta.shape).size * meta.dtype.itemsize
+                pending.append((at, meta.key, idx, self._chunk(meta, store, idx, []), size))
+                inflight += size
+                chunks += 1
+                nbytes += size
+                while pending and inflight > self.options.max_inflight_bytes:
+                    inflight -= settle()
+        while pending:
+            settle()
+        problems.sort(key=lambda p: p[0])  # in the order of the arrays (stable: chunks in grid order)
+        return [p[1:] for p in problems], chunks, nbytes
+
+
+def _write_recorded(
+    path: Path,
+    data: np.ndarray,
+    chunk: tuple[int, ...],
+    index: tuple[int, ...],
+    record: Callable[[tuple[int, ...], int], None] | None,
+) -> None:
+    crc = write_chunk(path, data, chunk, True)
+    if record is not None:
+        record(index, crc)

@@ -1,0 +1,402 @@
+"""Integrity: what is stored is checked before and as it is read.
+
+The files of an array are checked before anything opens them (kinds, places, sizes
+against the metadata's claims); every chunk read is checked against the crc32c the
+metadata records; chunk checksums and content hashes are gathered as a save writes."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import math
+import os
+import stat
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import tensorstore as ts
+
+from pytreeckpt.core._errors import CheckpointError, MetadataError
+from pytreeckpt.core._region import Region
+from pytreeckpt.format._document import (
+    ArrayMeta,
+    chunk_count,
+)
+from pytreeckpt.storage._base import StorageBase, _os_failure
+from pytreeckpt.storage._chunkfiles import chunk_crc, read_chunk
+from pytreeckpt.storage._location import OCDBT_CACHE
+
+logger = logging.getLogger("pytreeckpt")
+
+
+MAX_COMPRESSION_RATIO = 1 << 16
+"""The most a compressed array's metadata may claim over its stored bytes (all-zero
+chunks compress about 13,000 times with zstd)."""
+
+
+MISSING_CHUNKS = 4096
+"""How many more chunks than are present an array's grid may have before it is refused
+whole (fewer are reported chunk by chunk as they are read): loops over a grid stay
+bounded by the chunks actually stored."""
+
+
+_INLINE_CHECK_BYTES = 1 << 20
+
+
+class FileChecks(StorageBase):
+    """Checks of the stored files of arrays, before TensorStore or a read opens them."""
+
+    def check_stored_sizes(self, metas: Sequence[ArrayMeta]) -> None:
+        """Refuse metadata that claims more than is stored, before anything is allocated or looped over.
+
+        Uncompressed chunks (raw bytes and a 4-byte checksum) hold at least the array's
+        size; compressed ones at least ``1 / MAX_COMPRESSION_RATIO`` of it. A document
+        claiming a huge shape is caught here instead of by a huge allocation. The chunks
+        present bound the chunk grid (within ``MISSING_CHUNKS``, so a few missing chunks
+        are named one by one when read), so no loop runs over a grid the files do not
+        back. Packed arrays are small by definition (the metadata parser caps them); one of
+        several chunks has its keys counted in its database. On a key-value store, whose
+        listings carry no sizes, every chunk object must be present; a chunk shorter than
+        claimed fails its read. Every file is checked as :meth:`scan` says.
+        """
+        for meta in metas:
+            if meta.database is not None:
+                self._check_packed_chunks(meta)
+                continue
+            if self.kv is not None:
+                self._check_chunks_listed(meta)
+                continue
+            stored, files = self.scan(meta.path, meta.key)
+            ratio = 1 if meta.compression is None else MAX_COMPRESSION_RATIO
+            if stored * ratio < meta.nbytes:
+                raise MetadataError(
+                    f"leaf {meta.key!r}: the metadata claims a {meta.dtype.name} array of shape {meta.shape} "
+                    f"({meta.nbytes} bytes) but {meta.path!r} holds only {stored} bytes of chunks"
+                    + ("" if ratio == 1 else f", more than {ratio} times less than that")
+                )
+            self._check_chunk_count(meta, files, f"{meta.path!r} holds {files} chunk files")
+
+    def _check_chunk_count(self, meta: ArrayMeta, present: int, where: str) -> None:
+        expected = chunk_count(meta.shape, meta.chunk_shape)
+        if expected > present + MISSING_CHUNKS:
+            raise MetadataError(
+                f"leaf {meta.key!r}: the metadata claims a {meta.dtype.name} array of shape {meta.shape} in "
+                f"{expected} chunks of {list(meta.chunk_shape)} but {where}"
+            )
+
+    def _check_packed_chunks(self, meta: ArrayMeta) -> None:
+        """A packed array of several chunks: its chunk keys in the database bound its grid."""
+        assert meta.database is not None
+        if chunk_count(meta.shape, meta.chunk_shape) <= 1:
+            return
+        if self.kv is None:
+            self.scan(meta.database, meta.key)
+        prefix = f"{meta.path}/c"
+        try:
+            db = ts.KvStore.open(
+                {"driver": "ocdbt", "base": self.location.kvstore(meta.database + "/"), "cache_pool": OCDBT_CACHE},
+                context=self.context,
+            ).result()
+            keys = db.list(ts.KvStore.KeyRange(prefix + "/", prefix + "0")).result()
+        except Exception as e:
+            raise CheckpointError(
+                f"leaf {meta.key!r}: cannot list the chunks of {meta.path!r} in {meta.database!r}: {e}"
+            ) from e
+        self._check_chunk_count(meta, len(keys), f"{meta.database!r} holds {len(keys)} of its chunks")
+
+    def stored_bytes(self, meta: ArrayMeta) -> int | None:
+        """Bytes of the chunk files of one stored array; None where the store cannot tell (packed, key-value)."""
+        if meta.database is not None or self.kv is not None:
+            return None
+        return self.scan(meta.path, meta.key)[0]
+
+    def check_files(self, metas: Sequence[ArrayMeta]) -> None:
+        """Before TensorStore or the executor opens anything of these arrays: every file of each
+        (``zarr.json`` and chunks), or of its OCDBT database, is checked by :meth:`scan`."""
+        if self.kv is None:
+            for meta in metas:
+                self.scan(meta.path if meta.database is None else meta.database, meta.key)
+
+    def scan(self, where: str, key: str) -> tuple[int, int]:
+        """Check the files of one stored array (or OCDBT database) before anything reads them.
+
+        Returns the bytes and the number of its chunk files (files but ``zarr.json``, whose
+        bytes are not counted either).
+        Refuses, with a CheckpointError naming the leaf and the path: a symbolic link that
+        leads outside the checkpoint (links inside it are followed), anything but regular
+        files and directories (a FIFO or a device would block or never end a read), a
+        directory that cannot be read (permission denied, said as such) and link loops.
+        Each place is walked once per Storage.
+        """
+        if where in self._scanned:
+            return self._scanned[where]
+        top = self._check_inside(self.root / where, key)
+        total = files = 0
+        seen: set[tuple[int, int]] = set()  # directories (device, inode): a link back up is walked once
+        with contextlib.suppress(OSError):
+            st = os.stat(top)
+            seen.add((st.st_dev, st.st_ino))
+        todo = [top]
+        while todo:
+            folder = todo.pop()
+            try:
+                with os.scandir(folder) as it:
+                    entries = list(it)
+            except FileNotFoundError:
+                continue  # a missing array: its size (0) says so
+            except OSError as e:
+                raise _os_failure(e, folder, f"leaf {key!r}", "list") from e
+            for entry in entries:
+                try:
+                    if entry.is_symlink():
+                        real = self._check_inside(Path(entry.path), key)
+                        st = os.stat(real)
+                        path = real
+                    else:
+                        st = entry.stat(follow_symlinks=False)
+                        path = Path(entry.path)
+                except FileNotFoundError:
+                    continue  # gone since it was listed
+                except OSError as e:
+                    raise _os_failure(e, Path(entry.path), f"leaf {key!r}", "stat") from e
+                if stat.S_ISDIR(st.st_mode):
+                    if (st.st_dev, st.st_ino) not in seen:
+                        seen.add((st.st_dev, st.st_ino))
+                        todo.append(path)
+                elif stat.S_ISREG(st.st_mode):
+                    if entry.name != "zarr.json":
+                        total += st.st_size
+                        files += 1
+                else:
+                    raise CheckpointError(
+                        f"leaf {key!r}: {entry.path} is not a regular file (a FIFO, device or socket); refused"
+                    )
+        self._scanned[where] = (total, files)
+        return total, files
+
+    def _check_chunks_listed(self, meta: ArrayMeta) -> None:
+        assert self.kv is not None
+        if meta.nbytes == 0:
+            return
+        prefix = meta.path + "/"
+        listed = set(self.kv.list(prefix))
+        expected = chunk_count(meta.shape, meta.chunk_shape)
+        chunks = sum(1 for k in listed if k.startswith(prefix + "c"))
+        if chunks < expected:
+            raise MetadataError(
+                f"leaf {meta.key!r}: the metadata claims a {meta.dtype.name} array of shape {meta.shape} "
+                f"in {expected} chunks but {self.url}/{meta.path} holds only {chunks} chunk objects"
+            )
+
+
+def _read_file_chunk(
+    path: Path,
+    meta: ArrayMeta,
+    valid: tuple[int, ...],
+    targets: Sequence[tuple[tuple[slice, ...], np.ndarray]],
+    what: str,
+    expected: int | None,
+    inside: str,
+) -> None:
+    read_chunk(path, meta.chunk_shape, valid, targets, what, dtype=meta.dtype.numpy, expected=expected, inside=inside)
+
+
+def _check_stored_chunk(
+    landed: Any,
+    meta: ArrayMeta,
+    targets: Sequence[tuple[tuple[slice, ...], np.ndarray]],
+    straight: bool,
+    what: str,
+    expected: int | None,
+) -> None:
+    """A whole chunk TensorStore read (``landed``): check its crc32c against ``expected``, fill ``targets``."""
+    try:
+        data = targets[0][1] if straight else landed.result()
+        if straight:
+            landed.result()
+    except Exception as e:
+        raise CheckpointError(f"{what}: {e}") from e
+    if expected is not None:
+        crc = chunk_crc(data, meta.chunk_shape, meta.dtype.numpy)
+        if crc != expected:
+            raise CheckpointError(
+                f"{what} is not the chunk the metadata records: it has crc32c {crc:#010x}, the metadata "
+                f"records {expected:#010x} (a chunk moved, swapped or replaced)"
+            )
+    if not straight:
+        for box, dest in targets:
+            dest[...] = data[box]
+
+
+def _settle_stored_chunk(landed: Any, out: Future[Any], *args: Any) -> None:
+    """:func:`_check_stored_chunk`, settling ``out`` with its outcome."""
+    try:
+        _check_stored_chunk(landed, *args)
+    except BaseException as e:
+        out.set_exception(e)
+    else:
+        out.set_result(None)
+
+
+class _Landing:
+    """A small chunk's TensorStore read, checked (:func:`_check_stored_chunk`) by the thread asking ``result()``."""
+
+    def __init__(self, landed: Any, *args: Any) -> None:
+        self._landed = landed
+        self._args: tuple[Any, ...] = args
+        self._lock = threading.Lock()
+        self._error: BaseException | None = None
+        self._checked = False
+
+    def result(self) -> None:
+        with self._lock:
+            if not self._checked:
+                self._checked = True
+                try:
+                    _check_stored_chunk(self._landed, *self._args)
+                except BaseException as e:
+                    self._error = e
+                self._landed, self._args = None, ()  # the buffers are not kept alive
+        if self._error is not None:
+            raise self._error
+
+
+def available_memory() -> int | None:
+    """Bytes this process may still allocate: MemAvailable plus free swap, at most its cgroup's limit.
+
+    None where the system does not say (no ``/proc/meminfo``).
+    """
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            info = {line.split(b":")[0]: int(line.split()[1]) * 1024 for line in f if line.split()[1:2]}
+    except (OSError, ValueError, IndexError):
+        try:
+            return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, ValueError):
+            return None
+    if b"MemAvailable" not in info:
+        return None
+    free = info[b"MemAvailable"] + info.get(b"SwapFree", 0)
+    try:  # a container's whole memory limit (cgroup v2; its usage counts reclaimable page cache, so not that)
+        with open("/sys/fs/cgroup/memory.max", "rb") as f:
+            limit = f.read().strip()
+        if limit != b"max":
+            free = min(free, int(limit))
+    except (OSError, ValueError):
+        pass
+    return free
+
+
+def chunk_hash(data: np.ndarray) -> str:
+    """blake2b-128 of an array's raw bytes in C order."""
+    raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+    return hashlib.blake2b(raw.data, digest_size=16).hexdigest()
+
+
+class ChunkSums:
+    """What a save records of every chunk it writes: its crc32c, and its content hash for incremental saves.
+
+    Kept by array index and flat chunk index (C order of the grid). In a distributed save
+    each rank records the chunks it writes and sends :meth:`payload` to rank 0, which
+    :meth:`merge` s them; both kinds travel in that one message.
+    """
+
+    def __init__(self, metas: Sequence[ArrayMeta]) -> None:
+        self.grids = [tuple(-(-n // c) for n, c in zip(m.shape, m.chunk_shape, strict=True)) for m in metas]
+        self.keys = [m.key for m in metas]
+        self.crcs: dict[int, tuple[list[int], list[int]]] = {}  # array -> (flat indices, crc32c values)
+        self.hashes: dict[int, dict[int, str]] = {}
+        self._received: list[dict[int, tuple[np.ndarray, np.ndarray]]] = []
+        self._lock = threading.Lock()
+
+    def flat(self, i: int, index: Sequence[int]) -> int:
+        flat = 0
+        for k, g in zip(index, self.grids[i], strict=True):
+            flat = flat * g + k
+        return flat
+
+    def add_crc(self, i: int, index: Sequence[int], crc: int) -> None:
+        flat = self.flat(i, index)
+        with self._lock:
+            flats, values = self.crcs.setdefault(i, ([], []))
+            flats.append(flat)
+            values.append(crc)
+
+    def recorder(self, i: int) -> Callable[[tuple[int, ...], int], None]:
+        """``record(index, crc32c)`` for the chunks of array ``i``."""
+
+        def record(index: tuple[int, ...], crc: int) -> None:
+            self.add_crc(i, index, crc)
+
+        return record
+
+    def add_region(self, i: int, meta: ArrayMeta, region: Region, data: np.ndarray) -> None:
+        """Record the crc32c of every chunk of ``region`` (whole chunks; ``data`` its elements)."""
+        chunk, shape, offset = meta.chunk_shape, meta.shape, region.offset
+        if not all(
+            o % c == 0 and (e % c == 0 or e == n) for o, e, c, n in zip(offset, region.stop, chunk, shape, strict=True)
+        ):
+            raise CheckpointError(
+                f"leaf {meta.key!r}: {region} is not whole chunks of {list(chunk)} (a planning error)"
+            )
+        for index in region.chunk_indices(chunk):
+            box = tuple(
+                slice(k * c - o, min(k * c + c, n) - o) for k, c, o, n in zip(index, chunk, offset, shape, strict=True)
+            )
+            self.add_crc(i, index, chunk_crc(data[box], chunk, meta.dtype.numpy))
+
+    def add_hash(self, i: int, flat: int, digest: str) -> None:
+        with self._lock:
+            self.hashes.setdefault(i, {})[flat] = digest
+
+    def payload(self) -> tuple[dict[int, tuple[np.ndarray, np.ndarray]], dict[int, dict[int, str]]]:
+        """This rank's records, compact (numpy arrays of indices and checksums), for rank 0."""
+        with self._lock:
+            crcs = {
+                i: (
+                    np.asarray(f, dtype=np.uint32 if math.prod(self.grids[i]) <= 1 << 32 else np.int64),
+                    np.asarray(v, dtype=np.uint32),
+                )
+                for i, (f, v) in self.crcs.items()
+            }
+            return crcs, {i: dict(h) for i, h in self.hashes.items()}
+
+    def merge(self, payload: tuple[dict[int, tuple[np.ndarray, np.ndarray]], dict[int, dict[int, str]]]) -> None:
+        """Add another rank's :meth:`payload`."""
+        crcs, hashes = payload
+        with self._lock:
+            self._received.append(crcs)
+            for i, got in hashes.items():
+                self.hashes.setdefault(i, {}).update(got)
+
+    def crc32c(self, i: int) -> bytes:
+        """Every chunk's crc32c of array ``i``: little-endian uint32 in C order of the grid (the metadata's field)."""
+        n = math.prod(self.grids[i])
+        flats, values = self.crcs.get(i, ([], []))
+        if n == 1 and flats == [0] and not any(i in r for r in self._received):  # most small arrays
+            return values[0].to_bytes(4, "little")
+        out = np.zeros(n, dtype="<u4")
+        seen = np.zeros(n, dtype=bool)
+        parts = [(np.asarray(flats, dtype=np.int64), np.asarray(values, dtype=np.uint32))]
+        parts += [r[i] for r in self._received if i in r]
+        for where, got in parts:
+            out[where] = got
+            seen[where] = True
+        if not seen.all():
+            missing = int(np.flatnonzero(~seen)[0])
+            raise CheckpointError(
+                f"leaf {self.keys[i]!r}: no checksum was recorded for chunk {missing} (flat index) of "
+                f"{n}: a chunk was not written (an internal error)"
+            )
+        return out.tobytes()
+
+    def chunk_hashes(self, i: int) -> tuple[str, ...]:
+        """Every chunk's content hash of array ``i`` in C order, or () where some chunk has none."""
+        got = self.hashes.get(i, {})
+        n = math.prod(self.grids[i])
+        return tuple(got[k] for k in range(n)) if len(got) == n else ()

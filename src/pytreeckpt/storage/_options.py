@@ -1,0 +1,46 @@
+"""How storage I/O runs: concurrency, bytes in flight, staging memory."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+__all__ = ["ExecutorOptions"]
+
+logger = logging.getLogger("pytreeckpt")
+
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ExecutorOptions:
+    """Concurrency of the executor.
+
+    Attributes:
+      max_inflight_bytes: bytes of writes or reads issued and not yet finished.
+      file_io_concurrency: TensorStore's limit on concurrent file operations.
+      data_copy_concurrency: TensorStore's limit on threads encoding and decoding chunks.
+      staging_bytes: the bound on the staging memory of an asynchronous save. None: as
+        much as the state this rank writes, so the caller waits only for the copy; a
+        smaller pool is reused ping-pong, the caller then also waiting for the writes
+        that make room. Never less than one piece.
+      staging_piece_bytes: the largest piece copied and written as one (whole chunks).
+      keep_staging: keep the staging memory for the next asynchronous save (a copy
+        into memory already mapped is several times faster); False frees it after each
+        save. It is always freed after a failed save.
+      progress: draw a progress bar on stderr for saves and loads.
+      exit_timeout: seconds an asynchronous save still running when the program's
+        main thread ends is waited for; past them it is cancelled and commits nothing
+        (a warning on the ``pytreeckpt`` logger says so). None waits however long it
+        takes.
+    """
+
+    max_inflight_bytes: int = 512 * MiB
+    file_io_concurrency: int = 16
+    data_copy_concurrency: int = 4
+    staging_bytes: int | None = None
+    staging_piece_bytes: int = 64 * MiB
+    keep_staging: bool = True
+    progress: bool = False
+    exit_timeout: float | None = 600.0
