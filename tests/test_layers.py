@@ -144,7 +144,8 @@ def test_every_module_lives_in_a_layer_with_a_docstring_saying_what_it_owns() ->
     for layer in LAYERS:
         init = src / layer / "__init__.py"
         doc = ast.get_docstring(ast.parse(init.read_text()))
-        assert doc is not None and len(doc) > 60, f"{layer}/__init__.py says what the layer owns"
+        assert doc is not None, f"{layer}/__init__.py says what the layer owns"
+        assert len(doc) > 60, f"{layer}/__init__.py says what the layer owns"
 
 
 def test_imports_point_down_the_layers() -> None:
