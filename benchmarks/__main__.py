@@ -145,6 +145,18 @@ def main() -> None:
                 done = subprocess.run(cmd, capture_output=True, text=True, check=True)
                 r = json.loads(done.stdout.strip().splitlines()[-1])
                 report["runs"][key] = r
+            ckpt = workdir / "rss_load"
+            base = [sys.executable, "-m", "benchmarks.rss", "--gib", str(args.rss_gib)]
+            subprocess.run([*base, "--save-to", str(ckpt)], check=True)
+            for how in ("inplace", "copy", "inplace", "copy"):  # alternated
+                key = f"resume peak RSS {args.rss_gib:g} GiB, {how}"
+                print(f"-- {key}", flush=True)
+                done = subprocess.run(
+                    [*base, "--load", how, "--checkpoint", str(ckpt)], capture_output=True, text=True, check=True
+                )
+                r = json.loads(done.stdout.strip().splitlines()[-1])
+                report["runs"].setdefault(key, r)
+                report["runs"][key] = r if r["peak_rss"] >= report["runs"][key]["peak_rss"] else report["runs"][key]
     finally:
         if args.workdir is None:
             shutil.rmtree(workdir, ignore_errors=True)
@@ -157,6 +169,9 @@ def main() -> None:
             rows = dist.targets(r, cold)
         elif key.endswith("small leaves"):
             rows = small.targets(r, cold)
+        elif key.startswith("resume peak RSS"):
+            bound = 1.1 if key.endswith("inplace") else 3.0  # (copy: the measured baseline, for comparison)
+            rows = [("peak RSS / RSS before the load (state + libraries)", r["ratio_to_state"], "<=", bound)]
         else:
             rows = [("peak RSS / (RSS before + pool)", r["ratio_to_state_plus_pool"], "<=", 1.1)]
         checks += [f"#### {key}", "", *_check_rows(rows)]

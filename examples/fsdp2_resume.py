@@ -26,7 +26,6 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
-    set_model_state_dict,
     set_optimizer_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
@@ -118,9 +117,10 @@ def main() -> None:
     if found is not None:
         t0 = time.perf_counter()
         target = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt), "step": 0}
-        state = pytreeckpt.load(found, target)
-        set_model_state_dict(model, state["model"])
-        set_optimizer_state_dict(model, opt, state["optim"])
+        # In place: the stored values land in the model's own sharded parameters (the
+        # tensors of its state dict are theirs), with no second copy of the state.
+        state = pytreeckpt.load(found, target, inplace=True)
+        set_optimizer_state_dict(model, opt, state["optim"])  # its hyperparameters too
         start = state["step"]
         saved_world = pytreeckpt.metadata(found).user_metadata.get("world_size")
         if rank == 0:

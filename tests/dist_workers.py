@@ -135,6 +135,22 @@ def fsdp_resume(rank: int, world: int, path: str, layout: str, more: int) -> dic
     return {"losses": losses, "state": full if rank == 0 else None, "step": loaded["step"]}
 
 
+def fsdp_resume_in_place(rank: int, world: int, path: str, layout: str, more: int) -> dict[str, Any]:
+    """Resume as examples/fsdp2_resume.py does: load in place into the model's own state dict, then train."""
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    model, opt, dp_rank, dp_size = build(world, layout, seed=123)  # other init: the load must matter
+    msd, osd = _state_dicts(model, opt)
+    target = {"model": msd, "optim": osd, "step": 0}
+    loaded = pytreeckpt.load(path, target, inplace=True)
+    same = all(loaded["model"][k] is v for k, v in msd.items())
+    set_optimizer_state_dict(model, opt, loaded["optim"])
+    again, _ = _state_dicts(model, opt)  # the model's state as the model now holds it
+    full = {"model": _full(again), "optim": _full(loaded["optim"])}
+    losses = train(model, opt, loaded["step"], more, dp_rank, dp_size)
+    return {"losses": losses, "state": full if rank == 0 else None, "step": loaded["step"], "same": same}
+
+
 # --------------------------------------------------------------------------- byte counting
 
 

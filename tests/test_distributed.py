@@ -50,6 +50,14 @@ def test_fsdp2_resume_at_two_ranks(fsdp_checkpoint: tuple[Path, dict]) -> None:
     assert results[0]["losses"] == pytest.approx(saved["losses"], rel=1e-4)
 
 
+def test_fsdp2_resumes_in_place_at_two_ranks(fsdp_checkpoint: tuple[Path, dict]) -> None:
+    path, saved = fsdp_checkpoint
+    results = run_world(2, w.fsdp_resume_in_place, str(path), "fsdp", MORE)
+    assert all(r["same"] for r in results)  # the model's own DTensors came back, filled
+    _assert_state_equal(results[0]["state"], saved["state"])
+    assert results[0]["losses"] == pytest.approx(saved["losses"], rel=1e-4)
+
+
 def test_fsdp2_resume_on_2x2_fsdp_tp_mesh(fsdp_checkpoint: tuple[Path, dict]) -> None:
     path, saved = fsdp_checkpoint
     results = run_world(4, w.fsdp_resume, str(path), "fsdp_tp", MORE)

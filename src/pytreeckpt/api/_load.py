@@ -250,16 +250,60 @@ class _Dest:
         return numpy_view(piece_view(local, piece)), piece.region
 
 
+def _fillable(t: torch.Tensor) -> bool:
+    """Whether reads can land straight in tensor ``t``'s memory (else they land in a buffer copied into it)."""
+    return t.device.type == "cpu" and t.is_contiguous() and not t.is_conj() and not t.is_neg()
+
+
+def _into(target: torch.Tensor, buffer: torch.Tensor) -> None:
+    """Copy a read buffer into the target tensor it stands for, in place (a Parameter's autograd aside)."""
+    with torch.no_grad():
+        target.copy_(buffer.to(target.device, non_blocking=True))
+
+
 def _full_dest(
-    meta: ArrayMeta, as_numpy: bool, device: torch.device | None, param: torch.Tensor | None, comm: Comm | None = None
+    meta: ArrayMeta,
+    as_numpy: bool,
+    device: torch.device | None,
+    param: Any,
+    comm: Comm | None = None,
+    inplace: bool = False,
 ) -> _Dest:
-    """A whole tensor: held by the one rank of a single process, or by every rank of a group."""
+    """A whole tensor: held by the one rank of a single process, or by every rank of a group.
+
+    With ``inplace`` the reads land in ``param`` (the target tensor or numpy array) itself,
+    or, where its memory cannot take them (a device, a non-contiguous view), in a buffer
+    copied into it; the result is ``param``.
+    """
     me = 0 if comm is None else comm.rank
     layout = _SINGLE if comm is None else ShardingSpec(Mesh(comm.world), [Replicate()])
     pieces = {me: layout.pieces_of(me, meta.shape)}
     if as_numpy:
+        if inplace and isinstance(param, np.ndarray):
+            target = param
+            if target.flags.c_contiguous and target.flags.writeable and target.dtype == meta.dtype.numpy:
+                return _Dest(meta, layout, pieces, {me: target}, lambda: target)
+            buf = np.empty(meta.shape, dtype=meta.dtype.numpy)
+
+            def copied() -> Any:
+                np.copyto(target, buf, casting="no")
+                return target
+
+            return _Dest(meta, layout, pieces, {me: buf}, copied)
         arr = np.empty(meta.shape, dtype=meta.dtype.numpy)
         return _Dest(meta, layout, pieces, {me: arr}, lambda: arr)
+    if inplace and isinstance(param, torch.Tensor):
+        own = param
+        if _fillable(own):
+            return _Dest(meta, layout, pieces, {me: own.detach()}, lambda: own)
+        staged = _host_buffer(meta.shape, meta.dtype.torch, pinned=own.device.type == "cuda")
+
+        def filled() -> Any:
+            _into(own, staged)
+            return own
+
+        moved = staged.numel() * staged.element_size() if own.device.type != "cpu" else 0
+        return _Dest(meta, layout, pieces, {me: staged}, filled, moved)
     on_device = device is not None and device.type != "cpu"
     t = _host_buffer(meta.shape, meta.dtype.torch, pinned=device is not None and device.type == "cuda")
 
@@ -278,9 +322,17 @@ def _host_buffer(shape: tuple[int, ...], dtype: torch.dtype, pinned: bool) -> to
 
 
 def _sharded_dest(
-    meta: ArrayMeta, spec: Layout, ranks: list[int], devices: dict[int, torch.device], comm: Comm | None = None
+    meta: ArrayMeta,
+    spec: Layout,
+    ranks: list[int],
+    devices: dict[int, torch.device],
+    comm: Comm | None = None,
+    into: ShardedLeaf | None = None,
 ) -> _Dest:
-    """The shards of ``ranks`` in ``spec``; in a distributed load every rank's pieces count, this rank's are filled."""
+    """The shards of ``ranks`` in ``spec``; in a distributed load every rank's pieces count, this rank's are filled.
+
+    With ``into`` (a load in place) the reads land in its own shards, and the result is ``into``.
+    """
     if comm is not None:
         if spec.world_size > comm.world:
             raise LayoutError(
@@ -290,6 +342,30 @@ def _sharded_dest(
         ranks = [comm.rank] if comm.rank < spec.world_size else []
     pieces = {r: spec.pieces_of(r, meta.shape) for r in ranks}
     moved = {r for r in ranks if r in devices and devices[r].type != "cpu"}
+    if into is not None:
+        leaf = into
+        missing = [r for r in ranks if r not in leaf.shards]
+        if missing:
+            raise LayoutError(
+                f"leaf {_where(meta.key)}: loading in place needs the shards of ranks {missing}, which the target "
+                f"ShardedLeaf does not hold"
+            )
+        direct = {r: leaf.shards[r] for r in ranks if _fillable(leaf.shards[r])}
+        buffers = {
+            r: _host_buffer(tuple(leaf.shards[r].shape), meta.dtype.torch, devices[r].type == "cuda")
+            for r in ranks
+            if r not in direct
+        }
+
+        def filled() -> ShardedLeaf:
+            for r, b in buffers.items():
+                _into(leaf.shards[r], b)
+            return leaf
+
+        held = {r: direct[r].detach() if r in direct else buffers[r] for r in ranks}
+        h2d = sum(b.numel() * b.element_size() for r, b in buffers.items() if r in moved)
+        return _Dest(meta, spec, pieces, held, filled, h2d)
+
     locals_ = {
         r: _host_buffer(spec.local_shape(r, meta.shape), meta.dtype.torch, r in moved and devices[r].type == "cuda")
         for r in ranks
@@ -320,8 +396,9 @@ def load(
     process_group: Any = None,
     include: str | Sequence[str] | None = None,
     monitor: Monitor | None = None,
+    inplace: bool = False,
 ) -> Any:
-    """Load a checkpoint, functionally: return a new tree.
+    """Load a checkpoint, functionally: return a new tree (or, with ``inplace``, fill the target's tensors).
 
     Args:
       path: a committed checkpoint: a path, URL, kvstore spec or :class:`Location`.
@@ -350,6 +427,15 @@ def load(
         rank alone). If any rank fails, every rank raises the same error.
       monitor: a :class:`Monitor` that records the time and bytes of every phase
         (on rank 0, every rank's).
+      inplace: fill the target's own tensors instead of making new ones, and return
+        them (the same objects: tensors, Parameters, DTensors, the shards of a
+        ShardedLeaf, writeable numpy arrays). Reads land straight in their memory; a
+        tensor whose memory cannot take them (on a GPU, or a non-contiguous view) gets a
+        buffer of its own size, copied into it once read. Peak memory is the state plus
+        at most those buffers, not twice the state as ``load`` then
+        ``load_state_dict``. Leaves with no memory (:class:`Abstract`) and plain Python
+        values come back as ``load`` makes them. If the load fails, the target's tensors
+        may hold part of the checkpoint (the error says so). Needs ``target``.
 
     Raises:
       NotCommittedError: ``path`` holds no committed checkpoint.
@@ -361,18 +447,20 @@ def load(
     """
     # A save in flight may be running collectives on the checkpoint groups, and may be
     # writing the very checkpoint asked for: let it finish first.
+    if inplace and (target is None or include is not None):
+        raise CheckpointError("load(..., inplace=True) fills the tensors of a target: pass target, and no include")
     _wait_in_flight()
     comm = _comm(process_group)
     spans = Monitor()
     try:
         if comm is not None:
-            return _load(path, target, namespace, executor, include, comm, spans)
+            return _load(path, target, namespace, executor, include, comm, spans, inplace=inplace)
         seen: list[bytes] = []
         attempts = 0
         while True:
             seen.clear()
             try:
-                return _load(path, target, namespace, executor, include, comm, spans, seen)
+                return _load(path, target, namespace, executor, include, comm, spans, seen, inplace=inplace)
             except (CheckpointError, OSError) as e:
                 if not seen or isinstance(e, (NotCommittedError, TargetMismatchError)):
                     raise
@@ -383,6 +471,10 @@ def load(
                         f"{describe(path)} was replaced {attempts} times while it was being loaded (another process "
                         f"saving there); the last failure: {e}"
                     ) from e
+    except BaseException as e:
+        if inplace and not isinstance(e, TargetMismatchError):  # (a mismatch is found before any read)
+            e.add_note("load(..., inplace=True) failed: the target's tensors may hold part of the checkpoint")
+        raise
     finally:
         if monitor is not None:
             monitor.extend(spans.spans)
@@ -443,6 +535,7 @@ def _load(
     monitor: Monitor,
     seen: list[bytes] | None = None,
     plan_only: bool = False,
+    inplace: bool = False,
 ) -> Any:
     me = 0 if comm is None else comm.rank
     t0 = time.time()
@@ -527,7 +620,7 @@ def _load(
                 )
                 continue
             with carried.catch(key):
-                problem, dest = _dest_for(key, stored, leaf, comm)
+                problem, dest = _dest_for(key, stored, leaf, comm, inplace)
                 if problem is not None:
                     problems.append(problem)
                 elif dest is not None:
@@ -637,8 +730,11 @@ def _value(key: str, value: Any, like: Any, problems: list[str]) -> Any:
         return None
 
 
-def _dtensor_dest(meta: ArrayMeta, leaf: Any, comm: Comm | None) -> _Dest:
-    """This rank's local shard of a DTensor target, in the target's own mesh and placements."""
+def _dtensor_dest(meta: ArrayMeta, leaf: Any, comm: Comm | None, inplace: bool = False) -> _Dest:
+    """This rank's local shard of a DTensor target, in the target's own mesh and placements.
+
+    With ``inplace`` the reads land in the DTensor's own local tensor, and the result is ``leaf``.
+    """
     from torch.distributed.tensor import DTensor
 
     from pytreeckpt.distributed._comm import dtensor_layout
@@ -649,6 +745,24 @@ def _dtensor_dest(meta: ArrayMeta, leaf: Any, comm: Comm | None) -> _Dest:
     pieces = {me: layout.pieces_of(position, meta.shape) if position is not None else ()}
     local_target = leaf.to_local()
     on_device = local_target.device.type != "cpu"
+    if inplace:
+        if _fillable(local_target):
+            return _Dest(meta, layout, pieces, {me: local_target.detach()}, lambda: leaf, 0, ranks)
+        staged = _host_buffer(tuple(local_target.shape), meta.dtype.torch, local_target.is_cuda)
+
+        def filled() -> Any:
+            _into(local_target, staged)
+            return leaf
+
+        return _Dest(
+            meta,
+            layout,
+            pieces,
+            {me: staged},
+            filled,
+            staged.numel() * staged.element_size() if on_device else 0,
+            ranks,
+        )
     local = _host_buffer(tuple(local_target.shape), meta.dtype.torch, local_target.is_cuda)
 
     def finish() -> Any:
@@ -742,14 +856,17 @@ def _meta_problem(key: str, leaf: Any) -> str | None:
     return None
 
 
-def _dest_for(key: str, stored: ArrayMeta, leaf: Any, comm: Comm | None = None) -> tuple[str | None, _Dest | None]:
+def _dest_for(
+    key: str, stored: ArrayMeta, leaf: Any, comm: Comm | None = None, inplace: bool = False
+) -> tuple[str | None, _Dest | None]:
     meta_problem = _meta_problem(key, leaf)
     if meta_problem is not None:
         return meta_problem, None
     if isinstance(leaf, ShardedLeaf):
         problem = _target_problem(key, stored, leaf.shape, dtype_of_torch(leaf.dtype).name)
         devices = {r: t.device for r, t in leaf.shards.items()}
-        return problem, None if problem else _sharded_dest(stored, leaf.spec, sorted(leaf.shards), devices, comm)
+        into = leaf if inplace else None
+        return problem, None if problem else _sharded_dest(stored, leaf.spec, sorted(leaf.shards), devices, comm, into)
     if isinstance(leaf, Abstract):
         problem = _target_problem(key, stored, leaf.shape, dtype_of_torch(leaf.dtype).name)
         if problem:
@@ -763,14 +880,14 @@ def _dest_for(key: str, stored: ArrayMeta, leaf: Any, comm: Comm | None = None) 
             return problem, None
         if _is_dtensor(leaf):
             try:
-                return None, _dtensor_dest(stored, leaf, comm)
+                return None, _dtensor_dest(stored, leaf, comm, inplace)
             except LayoutError as e:
                 return f"leaf {_where(key)}: {e}", None
-        return None, _full_dest(stored, False, leaf.device, leaf, comm)
+        return None, _full_dest(stored, False, leaf.device, leaf, comm, inplace)
     arr = np.asarray(leaf)
     try:
         name = dtype_of_numpy(arr.dtype).name
     except ValueError as e:
         return f"leaf {_where(key)}: {e}", None
     problem = _target_problem(key, stored, tuple(arr.shape), name)
-    return problem, None if problem else _full_dest(stored, True, None, None, comm)
+    return problem, None if problem else _full_dest(stored, True, None, leaf if inplace else None, comm, inplace)
