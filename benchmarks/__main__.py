@@ -1,7 +1,7 @@
 """pytreeckpt against torch.save and torch.distributed.checkpoint, with the physical limits, in one run.
 
     python -m benchmarks [--sizes-gib 1 4] [--ranks 4] [--dist-gib 2] [--small 10000]
-                         [--repeat 3] [--only single,dist,small,rss] [--out benchmarks/results]
+                         [--repeat 3] [--only single,dist,small,rss,cold] [--out benchmarks/results]
 
 Writes ``bench.json`` (every figure), ``bench.md`` (tables, with each target of issue 4
 checked) and PNG plots to ``--out``. Times are medians of ``--repeat`` runs. Loads are
@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from . import cold as cold_bench
 from . import dist, single, small
 from ._common import GiB, can_drop_caches
 
@@ -97,7 +98,7 @@ def main() -> None:
     p.add_argument("--small", type=int, default=10_000)
     p.add_argument("--rss-gib", type=float, default=4.0)
     p.add_argument("--repeat", type=int, default=3)
-    p.add_argument("--only", default="single,dist,small,rss")
+    p.add_argument("--only", default="single,dist,small,rss,cold")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     p.add_argument("--workdir", type=Path, default=None, help="where checkpoints go (default: a temporary directory)")
     p.add_argument("--previous", type=Path, help="a bench.json whose runs join this report (not run again)")
@@ -157,6 +158,16 @@ def main() -> None:
                 r = json.loads(done.stdout.strip().splitlines()[-1])
                 report["runs"].setdefault(key, r)
                 report["runs"][key] = r if r["peak_rss"] >= report["runs"][key]["peak_rss"] else report["runs"][key]
+        if "cold" in only:
+            if shutil.which("fio") is None or not cold:
+                print("-- cold loads against fio: skipped (needs fio, apt-get install fio, and root)", flush=True)
+            else:
+                for gib in args.sizes_gib:
+                    key = f"cold load {gib:g} GiB against fio"
+                    print(f"-- {key}", flush=True)
+                    r = cold_bench.run(gib, 16, args.repeat, 4, workdir)
+                    report["runs"][key] = r
+                    print(json.dumps(r["of_fio"]), flush=True)
     finally:
         if args.workdir is None:
             shutil.rmtree(workdir, ignore_errors=True)
@@ -169,6 +180,11 @@ def main() -> None:
             rows = dist.targets(r, cold)
         elif key.endswith("small leaves"):
             rows = small.targets(r, cold)
+        elif key.startswith("cold load"):
+            rows = [
+                ("pytreeckpt.load rate / fio's", r["of_fio"]["pytreeckpt.load"], ">=", 0.8),
+                ("pytreeckpt.load inplace rate / fio's", r["of_fio"]["pytreeckpt.load inplace"], ">=", 0.9),
+            ]
         elif key.startswith("resume peak RSS"):
             bound = 1.1 if key.endswith("inplace") else 3.0  # (copy: the measured baseline, for comparison)
             rows = [("peak RSS / RSS before the load (state + libraries)", r["ratio_to_state"], "<=", bound)]
