@@ -13,10 +13,12 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import seaweed
+import tensorstore as ts
 import torch
 from crash_workers import save_when_told, state
 from helpers import bits
@@ -371,3 +373,63 @@ def test_the_credentials_file_of_a_process_that_ended_without_its_exit_handlers_
     assert stat.S_IMODE(mine.parent.stat().st_mode) == 0o700
     assert stat.S_IMODE(mine.stat().st_mode) == 0o600
     assert "secret2" in mine.read_text()
+
+
+@pytest.mark.parametrize("shape_chunk", [((), ()), ((5,), (5,)), ((7, 3), (4, 2)), ((2, 1, 3), (2, 1, 3))])
+def test_packed_arrays_metadata_is_what_tensorstore_writes_for_every_type(
+    shape_chunk: tuple[tuple[int, ...], tuple[int, ...]],
+) -> None:
+    """The zarr.json written for packed arrays without TensorStore is byte for byte the one it writes."""
+    from pytreeckpt.core._dtypes import _BY_NAME, dtype_from_name
+    from pytreeckpt.format._document import ArrayMeta, zarr_metadata
+    from pytreeckpt.storage._packed import zarr_json
+
+    shape, chunk = shape_chunk
+    storages = sorted({d.storage for d in _BY_NAME.values()})
+    assert len(storages) >= 15
+    for storage in storages:
+        dtype = dtype_from_name(storage)
+        spec = {"driver": "zarr3", "kvstore": {"driver": "memory"}, "create": True}
+        spec["metadata"] = zarr_metadata(dtype, shape, chunk)
+        written = ts.open(spec).result().kvstore.read("zarr.json").result().value
+        meta = ArrayMeta("w", "torch", dtype, shape, chunk, "arrays/w", None, database="ocdbt/0")
+        assert zarr_json(meta) == written, storage
+
+
+def test_packed_arrays_of_many_chunks_and_transactions_load_and_open_in_tensorstore(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Packed arrays cut in several chunks (edge chunks padded), written over many OCDBT commits."""
+    from pytreeckpt.storage import _packed
+
+    monkeypatch.setattr(_packed, "FLUSH_BYTES", 4096)  # a commit every few arrays
+    g = torch.Generator().manual_seed(3)
+    tree: dict[str, Any] = {f"w{i}": torch.randn(37, 11, generator=g) for i in range(40)}
+    tree["h"] = torch.randn(5, 3).to(torch.bfloat16)
+    tree["s"] = torch.tensor(7, dtype=torch.int64)
+    tree["b"] = torch.tensor([True, False, True])
+    chunking = pytreeckpt.ChunkingOptions(single_chunk_bytes=256, min_chunk_bytes=64, max_chunk_bytes=256)
+    pytreeckpt.save(tmp_path / "c", tree, chunking=chunking)
+    doc = json.loads((tmp_path / "c" / "pytreeckpt.json").read_text())
+    leaves = {leaf["key"]: leaf for leaf in doc["leaves"]}
+    assert all(leaves[k].get("database") == "ocdbt/0" for k in tree)
+    assert leaves["w0"]["chunk_shape"] != leaves["w0"]["shape"]  # several chunks, the edge ones padded
+    got = pytreeckpt.load(tmp_path / "c")
+    assert all(torch.equal(got[k], v) for k, v in tree.items())
+    assert pytreeckpt.verify(tmp_path / "c").ok
+    for k in ("w0", "w39", "h"):  # plain TensorStore reads what was written without it
+        base = {"driver": "file", "path": str(tmp_path / "c" / "ocdbt" / "0") + "/"}
+        kv = {"driver": "ocdbt", "base": base, "path": leaves[k]["path"] + "/"}
+        stored = ts.open({"driver": "zarr3", "kvstore": kv, "open": True}).result().read().result()
+        want = tree[k].float().numpy() if k == "h" else tree[k].numpy()
+        assert np.array_equal(np.asarray(stored, dtype=want.dtype), want)
+
+
+def test_a_packed_chunk_missing_from_its_database_names_leaf_and_database(tmp_path: Path) -> None:
+    tree = {"a": torch.ones(4), "b": torch.arange(6.0)}
+    pytreeckpt.save(tmp_path / "c", tree)
+    kv = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{tmp_path / 'c' / 'ocdbt' / '0'}/"}).result()
+    kv.delete_range(ts.KvStore.KeyRange("arrays/b/c", "arrays/b/d")).result()
+    with pytest.raises(pytreeckpt.CheckpointError, match=r"leaf 'b'.* missing from the OCDBT database 'ocdbt/0'"):
+        pytreeckpt.load(tmp_path / "c")
+    assert pytreeckpt.load(tmp_path / "c", include=["a"])["a"].tolist() == [1.0] * 4

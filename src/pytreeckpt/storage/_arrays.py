@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from pathlib import Path
@@ -34,12 +35,24 @@ from pytreeckpt.storage._integrity import (
     _settle_stored_chunk,
 )
 from pytreeckpt.storage._location import OCDBT_CACHE
+from pytreeckpt.storage._packed import PackedStores, decode_chunk, encode_chunk, handles, zarr_json
 
 logger = logging.getLogger("pytreeckpt")
 
 
+_DONE: Future[Any] = Future()
+_DONE.set_result(None)
+
+
 class ArrayIO(FileChecks, Durability):
     """Opens stored arrays and moves their chunks, every chunk read checked."""
+
+    @property
+    def packed(self) -> PackedStores:
+        """The key-value stores of this checkpoint's OCDBT databases (see :mod:`pytreeckpt.storage._packed`)."""
+        if self._packed is None:
+            self._packed = PackedStores(self.location, self.context)
+        return self._packed  # type: ignore[no-any-return]
 
     # ------------------------------------------------------------------ arrays
     def _spec(self, meta: ArrayMeta, create: bool) -> dict[str, Any]:
@@ -95,6 +108,20 @@ class ArrayIO(FileChecks, Durability):
                 if where not in checked:  # a database holding many packed arrays is checked once
                     self._check_inside(self.root / where, meta.key)
                     checked.add(where)
+            if handles(meta):
+                assert meta.database is not None
+                if create:
+                    self.packed.write(meta.database, meta.path + "/zarr.json", zarr_json(meta))
+                    done: Future[Any] = Future()
+                    done.set_result(None)
+                else:
+                    done = Future()
+                    try:
+                        done.set_result(self.packed.reader(meta.database))
+                    except Exception as e:
+                        done.set_exception(e)
+                futures.append(done)
+                continue
             spec = self._spec(meta, create)
             try:  # a spec TensorStore rejects (e.g. sizes past its limits) fails here, not in the future
                 if create:
@@ -121,7 +148,7 @@ class ArrayIO(FileChecks, Durability):
         directory on a little-endian host, where the memory has the stored element type;
         TensorStore does the rest. A write must cover whole chunks (every planned write does).
         """
-        return self._reads_files(meta) and data.dtype == meta.dtype.numpy
+        return (self._reads_files(meta) or handles(meta)) and data.dtype == meta.dtype.numpy
 
     def _reads_files(self, meta: ArrayMeta) -> bool:
         """Whether this array's chunks are read as files by the executor (:func:`read_chunk`), not by TensorStore."""
@@ -135,6 +162,8 @@ class ArrayIO(FileChecks, Durability):
 
         ``record(index, crc32c)`` is called with each chunk's checksum as it is written.
         """
+        if handles(meta):
+            return self._write_packed(meta, region, data, record)
         chunk = meta.chunk_shape
         bounds = zip(region.offset, region.stop, chunk, meta.shape, strict=True)
         if not all(o % c == 0 and (e % c == 0 or e == n) for o, e, c, n in bounds):
@@ -154,6 +183,27 @@ class ArrayIO(FileChecks, Durability):
                 _IO.submit(self.options.file_io_concurrency, _write_recorded, path, data[box], chunk, index, record)
             )
         return _all_of(futures)
+
+    def _write_packed(
+        self, meta: ArrayMeta, region: Region, data: np.ndarray, record: Callable[[tuple[int, ...], int], None] | None
+    ) -> Future[Any]:
+        """Write ``region``'s chunks as keys of the array's OCDBT database (see :mod:`~pytreeckpt.storage._packed`).
+
+        The bytes are copied into the database's transaction, so ``data`` may be reused at
+        once; the future is that of a transaction this write filled and committed, if any.
+        """
+        assert meta.database is not None
+        chunk = meta.chunk_shape
+        futures = []
+        for index in region.chunk_indices(chunk):
+            box = chunk_region(index, chunk, meta.shape).relative_to(region).slices()
+            value, crc = encode_chunk(data[box], chunk)
+            if record is not None:
+                record(index, crc)
+            future = self.packed.write(meta.database, f"{meta.path}/{_chunk_key(index)}", value)
+            if future is not None:
+                futures.append(future)
+        return _all_of(futures) if futures else _DONE
 
     def _read_chunks(
         self, meta: ArrayMeta, store: Any, wants: Sequence[tuple[Region, np.ndarray]]
@@ -229,6 +279,8 @@ class ArrayIO(FileChecks, Durability):
         expected = meta.recorded_crc32c(index)
         workers = self.options.file_io_concurrency
         whole = chunk_region(index, meta.chunk_shape, meta.shape)
+        if handles(meta):
+            return _PackedRead(store, meta, index, targets, what, expected, lazy, workers)
         if self._reads_files(meta):
             path = self.root / meta.path / _chunk_key(index)
             return _IO.submit(
@@ -310,3 +362,86 @@ def _write_recorded(
     crc = write_chunk(path, data, chunk, True)
     if record is not None:
         record(index, crc)
+
+
+class _PackedRead:
+    """A packed chunk read from its database's key-value store, checked and copied to its targets.
+
+    Small and alone (``lazy``): by the thread asking ``result()``; otherwise on an I/O
+    thread as soon as it lands, settling a future.
+    """
+
+    def __init__(
+        self,
+        store: Any,
+        meta: ArrayMeta,
+        index: tuple[int, ...],
+        targets: Sequence[tuple[tuple[slice, ...], np.ndarray]],
+        what: str,
+        expected: int | None,
+        lazy: bool,
+        workers: int,
+    ) -> None:
+        self._args: tuple[Any, ...] = (meta, targets, what, expected)
+        self._lock = threading.Lock()
+        self._error: BaseException | None = None
+        self._checked = False
+        self._out: Future[Any] | None = None
+        try:
+            self._landing = store.read(f"{meta.path}/{_chunk_key(index)}")
+        except Exception as e:
+            self._landing = None
+            self._error = CheckpointError(f"{what}: {e}")
+            self._checked = True
+        if (lazy and meta.nbytes <= _INLINE_CHECK_BYTES) or self._landing is None:
+            return
+        out: Future[Any] = Future()
+        self._out = out
+
+        def landed(_f: Any) -> None:
+            _IO.submit(workers, self._settle, out)
+
+        self._landing.add_done_callback(landed)
+
+    def _settle(self, out: Future[Any]) -> None:
+        try:
+            self._check()
+        except BaseException as e:
+            out.set_exception(e)
+        else:
+            out.set_result(None)
+
+    def _check(self) -> None:
+        meta, targets, what, expected = self._args
+        try:
+            got = self._landing.result()
+        except Exception as e:
+            raise CheckpointError(f"{what} of {meta.path!r} in the OCDBT database {meta.database!r}: {e}") from e
+        if got.state != "value":
+            raise CheckpointError(
+                f"{what} of {meta.path!r} is missing from the OCDBT database {meta.database!r} (leaf {meta.key!r})"
+            )
+        data = decode_chunk(got.value, meta, what, expected)
+        for box, dest in targets:
+            dest[...] = data[box]
+
+    def result(self) -> None:
+        if self._out is not None:
+            self._out.result()
+            return
+        with self._lock:
+            if not self._checked:
+                self._checked = True
+                try:
+                    self._check()
+                except BaseException as e:
+                    self._error = e
+                self._landing, self._args = None, ()  # the buffers are not kept alive
+        if self._error is not None:
+            raise self._error
+
+    def add_done_callback(self, fn: Callable[[Any], None]) -> None:
+        if self._out is not None:
+            self._out.add_done_callback(fn)
+            return
+        fn(self)

@@ -80,6 +80,7 @@ class StorageBase:
         self._unsynced: set[Path] = set()
         self._unsynced_trees: set[str] = set()  # relative to the root
         self._made_dirs: set[Path] = set()
+        self._packed: Any = None  # the OCDBT databases' key-value stores, once used (ArrayIO.packed)
         # The commit protocol's state for one save: what the committed document referenced
         # when the save began (None: unreadable, so all is kept), and what the save made.
         self._kept: frozenset[str] | None = None

@@ -210,6 +210,8 @@ class CommitProtocol(StorageBase):
         the failure came after its document was renamed into place). A directory the save
         made is removed. Errors here are logged: the save's own failure is what is reported.
         """
+        if self._packed is not None:
+            self._packed.abort()
         if not (self._prepared or self._made_root):
             return
         try:

@@ -34,8 +34,11 @@ class Durability(StorageBase):
         """fsync every file written since the last call, and the directories holding them, in parallel.
 
         Directories from each file up to the checkpoint root are synced (the commit syncs
-        the root itself), so new names are durable too.
+        the root itself), so new names are durable too. Packed arrays' keys still in an
+        OCDBT transaction are committed first.
         """
+        if self._packed is not None:
+            self._packed.commit()
         files = set(self._unsynced)
         for tree in self._unsynced_trees:
             for dirpath, _, names in os.walk(self.root / tree):

@@ -1,0 +1,181 @@
+"""Packed arrays' keys, written and read straight through their OCDBT databases.
+
+A packed array (format version 2) is a zarr v3 array whose keys live in its writer's OCDBT
+database. Opening it through TensorStore's zarr driver costs a spec parse, a metadata
+read and a driver per array: for 10,000 small leaves that was most of a save or load. An
+uncompressed packed array's keys are simple enough to write and read here instead, one
+key-value store per database: ``<path>/zarr.json`` (the metadata document TensorStore would
+write, byte for byte) and ``<path>/c/...`` (each chunk's little-endian bytes, edge chunks
+padded with zeros, followed by their crc32c), written in transactions of bounded size.
+The stored form is the same as TensorStore's, so either reads what the other wrote.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import threading
+from concurrent.futures import Future
+from typing import Any
+
+import google_crc32c
+import numpy as np
+import tensorstore as ts
+
+from pytreeckpt.core._dtypes import dtype_from_name
+from pytreeckpt.core._errors import CheckpointError
+from pytreeckpt.format._document import ArrayMeta, zarr_metadata
+from pytreeckpt.storage._base import OCDBT_INLINE_BYTES
+from pytreeckpt.storage._chunkfiles import LITTLE_ENDIAN, _encoded_prefix
+from pytreeckpt.storage._location import OCDBT_CACHE, Resolved
+
+FLUSH_BYTES = 32 * 1024 * 1024
+"""A database's transaction is committed (and a new one begun) once it holds this many bytes."""
+
+
+def handles(meta: ArrayMeta) -> bool:
+    """Whether this array's keys are written and read here: packed, uncompressed, not empty, little-endian host."""
+    return meta.database is not None and meta.compression is None and LITTLE_ENDIAN and meta.nbytes > 0
+
+
+@functools.lru_cache(maxsize=256)
+def _template(storage: str, itemsize: int, ndim: int) -> dict[str, Any]:
+    """The zarr.json TensorStore writes for an uncompressed array of this type and rank (any shape)."""
+    dtype = dtype_from_name(storage)
+    spec = {
+        "driver": "zarr3",
+        "kvstore": {"driver": "memory"},
+        "metadata": zarr_metadata(dtype, [1] * ndim, [1] * ndim),
+        "create": True,
+    }
+    store = ts.open(spec).result()
+    kv = store.kvstore
+    assert kv is not None
+    raw = kv.read("zarr.json").result().value
+    out: dict[str, Any] = json.loads(raw)
+    return out
+
+
+def zarr_json(meta: ArrayMeta) -> bytes:
+    """The ``zarr.json`` of a packed uncompressed array, exactly as TensorStore writes it."""
+    doc = dict(_template(meta.dtype.storage, meta.dtype.itemsize, len(meta.shape)))
+    doc["shape"] = list(meta.shape)
+    doc["chunk_grid"] = {"configuration": {"chunk_shape": list(meta.chunk_shape)}, "name": "regular"}
+    return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+
+
+def encode_chunk(data: np.ndarray, chunk: tuple[int, ...]) -> tuple[bytes, int]:
+    """A chunk as stored: its valid box ``data`` padded to ``chunk`` with zeros, then its crc32c; and that crc."""
+    raw = _encoded_prefix(data, chunk)
+    pad = math.prod(chunk) * data.dtype.itemsize - raw.nbytes
+    body = raw.tobytes() if not pad else raw.tobytes() + bytes(pad)
+    crc = google_crc32c.value(body)
+    return body + crc.to_bytes(4, "little"), crc
+
+
+def decode_chunk(value: bytes, meta: ArrayMeta, what: str, expected: int | None) -> np.ndarray:
+    """A stored chunk's elements (the whole chunk shape), its size and checksums checked."""
+    size = math.prod(meta.chunk_shape) * meta.dtype.itemsize
+    if len(value) != size + 4:
+        raise CheckpointError(
+            f"{what} of {meta.path!r} in the OCDBT database {meta.database!r} holds {len(value)} bytes, "
+            f"expected {size + 4} (a damaged or replaced chunk)"
+        )
+    stored = int.from_bytes(value[size:], "little")
+    crc = google_crc32c.value(np.frombuffer(value, dtype=np.uint8, count=size))
+    if crc != stored:
+        raise CheckpointError(
+            f"{what} of {meta.path!r} in the OCDBT database {meta.database!r} is damaged: its bytes have "
+            f"crc32c {crc:#010x}, it records {stored:#010x}"
+        )
+    if expected is not None and crc != expected:
+        raise CheckpointError(
+            f"{what} is not the chunk the metadata records: it has crc32c {crc:#010x}, the metadata "
+            f"records {expected:#010x} (a chunk moved, swapped or replaced)"
+        )
+    return np.frombuffer(value, dtype=meta.dtype.numpy, count=size // meta.dtype.itemsize).reshape(meta.chunk_shape)
+
+
+class PackedStores:
+    """One key-value store per OCDBT database of this checkpoint; writes go through bounded transactions."""
+
+    def __init__(self, location: Resolved, context: Any) -> None:
+        self.location, self.context = location, context
+        self._readers: dict[str, Any] = {}
+        self._writers: dict[str, tuple[Any, Any]] = {}  # database -> (store, its open transaction)
+        self._buffered: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def _spec(self, database: str, create: bool) -> dict[str, Any]:
+        spec: dict[str, Any] = {
+            "driver": "ocdbt",
+            "base": self.location.kvstore(database + "/"),
+            "cache_pool": OCDBT_CACHE,
+        }
+        if create:  # the same spec (and so the same driver) as TensorStore's zarr arrays in this database
+            spec["config"] = {"max_inline_value_bytes": OCDBT_INLINE_BYTES}
+        return spec
+
+    def reader(self, database: str) -> Any:
+        with self._lock:
+            if database not in self._readers:
+                self._readers[database] = ts.KvStore.open(self._spec(database, False), context=self.context).result()
+            return self._readers[database]
+
+    def write(self, database: str, key: str, value: bytes) -> Future[Any] | None:
+        """Write one key in the database's open transaction; returns the commit's future when this one filled it."""
+        with self._lock:
+            if database not in self._writers:
+                store = ts.KvStore.open(self._spec(database, True), context=self.context).result()
+                self._writers[database] = (store, ts.Transaction())
+                self._buffered[database] = 0
+            store, txn = self._writers[database]
+            store.with_transaction(txn).write(key, value)
+            self._buffered[database] += len(value)
+            if self._buffered[database] < FLUSH_BYTES:
+                return None
+            self._writers[database] = (store, ts.Transaction())
+            self._buffered[database] = 0
+        return _commit(txn, database)
+
+    def commit(self) -> None:
+        """Commit every open transaction and wait for them."""
+        with self._lock:
+            open_ = [(database, txn) for database, (_, txn) in self._writers.items()]
+            self._writers.clear()
+            self._buffered.clear()
+        futures = [(database, _commit(txn, database)) for database, txn in open_]
+        for _database, future in futures:
+            future.result()
+
+    def abort(self) -> None:
+        """Drop what open transactions hold (after a failure)."""
+        with self._lock:
+            for _, txn in self._writers.values():
+                txn.abort()
+            self._writers.clear()
+            self._buffered.clear()
+
+
+def _commit(txn: Any, database: str) -> Future[Any]:
+    out: Future[Any] = Future()
+    try:
+        committed = txn.commit_async()
+    except Exception as e:
+        out.set_exception(CheckpointError(f"cannot write the OCDBT database {database!r}: {e}"))
+        return out
+
+    def done(f: Any) -> None:
+        try:
+            f.result()
+        except Exception as e:
+            out.set_exception(CheckpointError(f"cannot write the OCDBT database {database!r}: {e}"))
+        else:
+            out.set_result(None)
+
+    committed.add_done_callback(done)
+    return out
+
+
+__all__ = ["FLUSH_BYTES", "PackedStores", "decode_chunk", "encode_chunk", "handles", "zarr_json"]
