@@ -44,6 +44,7 @@ from ._shared import (
     _is_value,
     _wait_in_flight,
     _where,
+    gc_paused,
 )
 
 if TYPE_CHECKING:
@@ -452,32 +453,33 @@ def load(
     _wait_in_flight()
     comm = _comm(process_group)
     spans = Monitor()
-    try:
-        if comm is not None:
-            return _load(path, target, namespace, executor, include, comm, spans, inplace=inplace)
-        seen: list[bytes] = []
-        attempts = 0
-        while True:
-            seen.clear()
-            try:
-                return _load(path, target, namespace, executor, include, comm, spans, seen, inplace=inplace)
-            except (CheckpointError, OSError) as e:
-                if not seen or isinstance(e, (NotCommittedError, TargetMismatchError)):
-                    raise
-                _raise_unless_replaced(path, executor, seen[0], e)
-                attempts += 1
-                if attempts == LOAD_ATTEMPTS:
-                    raise NotCommittedError(
-                        f"{describe(path)} was replaced {attempts} times while it was being loaded (another process "
-                        f"saving there); the last failure: {e}"
-                    ) from e
-    except BaseException as e:
-        if inplace and not isinstance(e, TargetMismatchError):  # (a mismatch is found before any read)
-            e.add_note("load(..., inplace=True) failed: the target's tensors may hold part of the checkpoint")
-        raise
-    finally:
-        if monitor is not None:
-            monitor.extend(spans.spans)
+    with gc_paused():
+        try:
+            if comm is not None:
+                return _load(path, target, namespace, executor, include, comm, spans, inplace=inplace)
+            seen: list[bytes] = []
+            attempts = 0
+            while True:
+                seen.clear()
+                try:
+                    return _load(path, target, namespace, executor, include, comm, spans, seen, inplace=inplace)
+                except (CheckpointError, OSError) as e:
+                    if not seen or isinstance(e, (NotCommittedError, TargetMismatchError)):
+                        raise
+                    _raise_unless_replaced(path, executor, seen[0], e)
+                    attempts += 1
+                    if attempts == LOAD_ATTEMPTS:
+                        raise NotCommittedError(
+                            f"{describe(path)} was replaced {attempts} times while it was being loaded (another "
+                            f"process saving there); the last failure: {e}"
+                        ) from e
+        except BaseException as e:
+            if inplace and not isinstance(e, TargetMismatchError):  # (a mismatch is found before any read)
+                e.add_note("load(..., inplace=True) failed: the target's tensors may hold part of the checkpoint")
+            raise
+        finally:
+            if monitor is not None:
+                monitor.extend(spans.spans)
 
 
 def plan_load_of(

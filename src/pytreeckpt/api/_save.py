@@ -66,6 +66,7 @@ from ._shared import (
     _is_value,
     _wait_in_flight,
     _where,
+    gc_paused,
 )
 from ._sources import _array_in, _ArrayIn, _snapshot_merges
 
@@ -209,7 +210,7 @@ class _SaveJob:
                 t1 = time.perf_counter()
                 self._check_cancelled()
                 with self.monitor.phase("save", "commit", 0):
-                    self.storage.commit(self._final_document(None))
+                    self.storage.commit(self._final_document(None), self._names())
             except BaseException:
                 self.storage.abandon()  # what this save wrote goes before its failure is reported
                 raise
@@ -286,6 +287,10 @@ class _SaveJob:
         arrays = iter(self.metas)  # under this save's generation's names (see _name), in their databases
         leaves = [leaf if leaf["kind"] != "array" else next(arrays).to_json() for leaf in leaves]
         return build_document(tree, with_chunk_sums(leaves, crcs, hashes), user)
+
+    def _names(self) -> frozenset[str]:
+        """The arrays and databases the final document references (after :meth:`_final_document`)."""
+        return frozenset(m.path for m in self.metas) | frozenset(m.database for m in self.metas if m.database)
 
     def _settle_packing(self) -> None:
         """Which small arrays no single rank writes whole: they are not packed (a collective).
@@ -366,7 +371,7 @@ class _SaveJob:
             try:
                 self._check_cancelled()
                 with self.monitor.phase("save", "commit", 0):
-                    self.storage.commit(self._final_document(gathered))
+                    self.storage.commit(self._final_document(gathered), self._names())
             except Exception as e:
                 error = e
         self._agree(error, "committing the checkpoint")
@@ -774,28 +779,29 @@ def save(
     7
     """
     _wait_in_flight()
-    job = _plan_job(
-        path,
-        tree,
-        spec,
-        overwrite,
-        user_metadata,
-        chunking,
-        executor,
-        namespace,
-        _comm(process_group),
-        compression,
-        base,
-        chunk_hashes,
-    )
-    # The caller is blocked until the commit, so the state cannot change under the
-    # writes: they read straight from the caller's memory, without a snapshot.
-    try:
-        job.ready()
-        job.persist()
-    finally:
-        if monitor is not None:
-            monitor.extend(job.monitor.spans)
+    with gc_paused():  # the caller waits for the whole save
+        job = _plan_job(
+            path,
+            tree,
+            spec,
+            overwrite,
+            user_metadata,
+            chunking,
+            executor,
+            namespace,
+            _comm(process_group),
+            compression,
+            base,
+            chunk_hashes,
+        )
+        # The caller is blocked until the commit, so the state cannot change under the
+        # writes: they read straight from the caller's memory, without a snapshot.
+        try:
+            job.ready()
+            job.persist()
+        finally:
+            if monitor is not None:
+                monitor.extend(job.monitor.spans)
 
 
 class SaveHandle:
@@ -992,20 +998,21 @@ def async_save(
     if snapshot not in ("eager", "lazy"):
         raise ValueError(f"snapshot must be 'eager' or 'lazy', found {snapshot!r}")
     _wait_in_flight()
-    job = _plan_job(
-        path,
-        tree,
-        spec,
-        overwrite,
-        user_metadata,
-        chunking,
-        executor,
-        namespace,
-        _comm(process_group),
-        compression,
-        base,
-        chunk_hashes,
-    )
+    with gc_paused():  # planning, in the caller's thread (the writes run with the collector as the caller left it)
+        job = _plan_job(
+            path,
+            tree,
+            spec,
+            overwrite,
+            user_metadata,
+            chunking,
+            executor,
+            namespace,
+            _comm(process_group),
+            compression,
+            base,
+            chunk_hashes,
+        )
     try:
         if job.pending is None:
             snap, start, merged = job.stage()

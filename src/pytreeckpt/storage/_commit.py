@@ -170,8 +170,11 @@ class CommitProtocol(StorageBase):
             raise CheckpointError(f"cannot prepare {self.url} for a new checkpoint: {e}") from e
         return 1 + max(generation_of(name) for name in stored) if stored else 0
 
-    def commit(self, document: bytes) -> None:
+    def commit(self, document: bytes, names: frozenset[str] | None = None) -> None:
         """Write the metadata document atomically, then delete the arrays it does not reference.
+
+        ``names``: the arrays and databases the document references, where the caller knows
+        them (else they are read from the document).
 
         Locally: a temporary file (made with the mode the umask gives, as any file the user
         makes), fsync, rename over the old document, fsync of the directory. On a
@@ -199,7 +202,7 @@ class CommitProtocol(StorageBase):
             except OSError as e:
                 raise CheckpointError(f"cannot commit the checkpoint at {self.root}: {e}") from e
         try:
-            self._delete(self._unreferenced(_referenced(document)))
+            self._delete(self._unreferenced(_referenced(document) if names is None else names))
         except Exception as e:  # committed all the same: the next save reclaims them
             logger.warning("%s: committed, but the arrays it replaced could not all be deleted: %s", self.url, e)
 
