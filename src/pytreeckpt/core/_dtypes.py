@@ -7,6 +7,7 @@ integers of the same width, with the true dtype recorded in the metadata.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +42,7 @@ class DType:
         return _numpy_of_storage(self.storage)
 
 
+@functools.lru_cache(maxsize=64)
 def _numpy_of_storage(storage: str) -> np.dtype:
     scalar_type: Any = getattr(ml_dtypes, storage, storage)
     dtype: np.dtype = np.dtype(scalar_type)
@@ -117,13 +119,15 @@ def numpy_view(t: torch.Tensor) -> np.ndarray:
     dtype(bfloat16)
     """
     d = dtype_of_torch(t.dtype)
+    if t.requires_grad:
+        t = t.detach()
     if d.name in _NUMPY_NATIVE:
-        return t.detach().numpy()
+        return t.numpy()
     width = _UINT_OF_WIDTH[d.itemsize]
     if t.dim() == 0:
-        raw = t.detach().reshape(1).view(width).numpy().reshape(())
+        raw = t.reshape(1).view(width).numpy().reshape(())
     else:
-        raw = t.detach().view(width).numpy()
+        raw = t.view(width).numpy()
     return raw.view(d.numpy)
 
 

@@ -300,6 +300,8 @@ class ShardingSpec(Layout):
         return tuple(self.pieces_of(r, shape) for r in range(self.world_size))
 
     def pieces_of(self, rank: int, shape: Sequence[int]) -> tuple[Piece, ...]:
+        if all(type(p) is Replicate for p in self.placements) and 0 <= rank < self.world_size:
+            return (Piece(Region.full(shape), 0),)  # every rank holds the whole array (checked as below)
         runs = self.intervals(rank, shape)
         if any(not rs for rs in runs):
             return ()

@@ -23,6 +23,7 @@ from pytreeckpt.format._document import (
 )
 from pytreeckpt.plan import ArrayLoadPlan, ArraySavePlan, ReadOp, WriteOp
 from pytreeckpt.storage import Storage
+from pytreeckpt.storage import _packed as packed
 from pytreeckpt.storage._base import Window
 from pytreeckpt.storage._chunkfiles import chunk_crc
 from pytreeckpt.storage._integrity import ChunkSums, chunk_hash
@@ -130,6 +131,21 @@ def read_arrays(
         mine = [op for op in plan.reads if rank is None or op.reader == rank]
         if not mine and array_done is not None:
             array_done(i)
+        if len(mine) == 1 and len(mine[0].targets) == 1 and packed.handles(meta):
+            # A small packed array read whole into one target: one key-value read per chunk.
+            op, t = mine[0], mine[0].targets[0]
+            view, where = get(t.rank, t.piece)
+            if t.region.shape == meta.shape and where.shape == meta.shape and view.dtype == meta.dtype.numpy:
+                nbytes = meta.nbytes
+                finish = storage.read_packed_whole(meta, store, view)
+                window.add(
+                    _Finish(finish),
+                    nbytes,
+                    f"leaf {meta.key!r}: reading {meta.path!r}",
+                    _then(after, progress, array_done, i, op, view, nbytes),
+                )
+                read += nbytes
+                continue
         landing: list[list[np.ndarray]] = []  # per read: its reader's target first, then the others here
         for op in mine:
             outs = []
@@ -167,6 +183,42 @@ def read_arrays(
             window.add(future, nbytes, f"leaf {meta.key!r}: reading {op.region} of {meta.path!r}", fan_out)
     window.drain()
     return read
+
+
+class _Finish:
+    """A read whose ``result()`` is a function that waits for it and lands it."""
+
+    __slots__ = ("_finish",)
+
+    def __init__(self, finish: Callable[[], None]) -> None:
+        self._finish = finish
+
+    def result(self) -> None:
+        self._finish()
+
+
+def _then(
+    after: Callable[[int, ReadOp, np.ndarray], None] | None,
+    progress: Callable[[int], None] | None,
+    array_done: Callable[[int], None] | None,
+    i: int,
+    op: ReadOp,
+    data: np.ndarray,
+    nbytes: int,
+) -> Callable[[], None] | None:
+    """What runs once a whole array's read has landed: ``after``, ``progress``, ``array_done``."""
+    if after is None and progress is None and array_done is None:
+        return None
+
+    def then() -> None:
+        if after is not None:
+            after(i, op, data)
+        if progress is not None:
+            progress(nbytes)
+        if array_done is not None:
+            array_done(i)
+
+    return then
 
 
 def _after_all(n: int, done: Callable[[], None] | None) -> Callable[[], None] | None:

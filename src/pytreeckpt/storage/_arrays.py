@@ -44,6 +44,18 @@ _DONE: Future[Any] = Future()
 _DONE.set_result(None)
 
 
+class _Ready:
+    """What :meth:`ArrayIO.open_arrays` gives for an array it had nothing to open for: ``value``, at once."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def result(self) -> Any:
+        return self.value
+
+
 class ArrayIO(FileChecks, Durability):
     """Opens stored arrays and moves their chunks, every chunk read checked."""
 
@@ -108,19 +120,18 @@ class ArrayIO(FileChecks, Durability):
                 if where not in checked:  # a database holding many packed arrays is checked once
                     self._check_inside(self.root / where, meta.key)
                     checked.add(where)
-            if handles(meta):
+            if handles(meta):  # nothing to open: its keys are written and read through its database
                 assert meta.database is not None
-                if create:
-                    self.packed.write(meta.database, meta.path + "/zarr.json", zarr_json(meta))
-                    done: Future[Any] = Future()
-                    done.set_result(None)
-                else:
-                    done = Future()
-                    try:
-                        done.set_result(self.packed.reader(meta.database))
-                    except Exception as e:
-                        done.set_exception(e)
-                futures.append(done)
+                try:
+                    if create:
+                        self.packed.write(meta.database, meta.path + "/zarr.json", zarr_json(meta))
+                        futures.append(_Ready(None))
+                    else:
+                        futures.append(_Ready(self.packed.reader(meta.database)))
+                except Exception as e:
+                    with contextlib.suppress(CheckpointError):
+                        settle()
+                    raise failed(meta, e) from e
                 continue
             spec = self._spec(meta, create)
             try:  # a spec TensorStore rejects (e.g. sizes past its limits) fails here, not in the future
@@ -194,6 +205,13 @@ class ArrayIO(FileChecks, Durability):
         """
         assert meta.database is not None
         chunk = meta.chunk_shape
+        if data.shape == chunk and not any(region.offset):  # the whole array in one chunk (most small arrays)
+            index = (0,) * len(chunk)
+            value, crc = encode_chunk(data, chunk)
+            if record is not None:
+                record(index, crc)
+            future = self.packed.write(meta.database, f"{meta.path}/{_chunk_key(index)}", value)
+            return _DONE if future is None else future
         futures = []
         for index in region.chunk_indices(chunk):
             box = chunk_region(index, chunk, meta.shape).relative_to(region).slices()
@@ -204,6 +222,33 @@ class ArrayIO(FileChecks, Durability):
             if future is not None:
                 futures.append(future)
         return _all_of(futures) if futures else _DONE
+
+    def read_packed_whole(self, meta: ArrayMeta, store: Any, dest: np.ndarray) -> Callable[[], None]:
+        """Start reading every chunk of a packed array (:func:`handles`) into ``dest``, the whole array.
+
+        Returns a function that waits for the reads, checks each chunk as :meth:`_chunk`
+        does (size, its own crc32c, the crc the metadata records) and fills ``dest``: the
+        lean path of a load of many small arrays, one key-value read per chunk.
+        """
+        chunk = meta.chunk_shape
+        one = chunk == meta.shape
+        indices = [(0,) * len(chunk)] if one else list(Region.full(meta.shape).chunk_indices(chunk))
+        try:
+            reads = [(index, store.read(f"{meta.path}/{_chunk_key(index)}")) for index in indices]
+        except Exception as e:
+            raise CheckpointError(f"leaf {meta.key!r}: reading {meta.path!r} in {meta.database!r}: {e}") from e
+
+        def finish() -> None:
+            for index, landing in reads:
+                what = f"leaf {meta.key!r}: chunk {list(index)}"
+                data = _landed(landing, meta, what, meta.recorded_crc32c(index))
+                if one:
+                    dest[...] = data
+                else:
+                    whole = chunk_region(index, chunk, meta.shape)
+                    dest[whole.slices()] = data[tuple(slice(0, n) for n in whole.shape)]
+
+        return finish
 
     def _read_chunks(
         self, meta: ArrayMeta, store: Any, wants: Sequence[tuple[Region, np.ndarray]]
@@ -364,6 +409,19 @@ def _write_recorded(
         record(index, crc)
 
 
+def _landed(landing: Any, meta: ArrayMeta, what: str, expected: int | None) -> np.ndarray:
+    """A packed chunk's key-value read, waited for and checked (see :func:`decode_chunk`): the whole chunk."""
+    try:
+        got = landing.result()
+    except Exception as e:
+        raise CheckpointError(f"{what} of {meta.path!r} in the OCDBT database {meta.database!r}: {e}") from e
+    if got.state != "value":
+        raise CheckpointError(
+            f"{what} of {meta.path!r} is missing from the OCDBT database {meta.database!r} (leaf {meta.key!r})"
+        )
+    return decode_chunk(got.value, meta, what, expected)
+
+
 class _PackedRead:
     """A packed chunk read from its database's key-value store, checked and copied to its targets.
 
@@ -413,15 +471,7 @@ class _PackedRead:
 
     def _check(self) -> None:
         meta, targets, what, expected = self._args
-        try:
-            got = self._landing.result()
-        except Exception as e:
-            raise CheckpointError(f"{what} of {meta.path!r} in the OCDBT database {meta.database!r}: {e}") from e
-        if got.state != "value":
-            raise CheckpointError(
-                f"{what} of {meta.path!r} is missing from the OCDBT database {meta.database!r} (leaf {meta.key!r})"
-            )
-        data = decode_chunk(got.value, meta, what, expected)
+        data = _landed(self._landing, meta, what, expected)
         for box, dest in targets:
             dest[...] = data[box]
 

@@ -40,8 +40,12 @@ def handles(meta: ArrayMeta) -> bool:
 
 
 @functools.lru_cache(maxsize=256)
-def _template(storage: str, itemsize: int, ndim: int) -> dict[str, Any]:
-    """The zarr.json TensorStore writes for an uncompressed array of this type and rank (any shape)."""
+def _template(storage: str, ndim: int) -> tuple[str, str, str]:
+    """The zarr.json TensorStore writes for an uncompressed array of this type and rank, cut around its shapes.
+
+    Asked of TensorStore itself (an array made in memory), once per type and rank:
+    ``head + chunk_shape + middle + shape + tail``, the shapes' numbers joined by commas.
+    """
     dtype = dtype_from_name(storage)
     spec = {
         "driver": "zarr3",
@@ -49,20 +53,23 @@ def _template(storage: str, itemsize: int, ndim: int) -> dict[str, Any]:
         "metadata": zarr_metadata(dtype, [1] * ndim, [1] * ndim),
         "create": True,
     }
-    store = ts.open(spec).result()
-    kv = store.kvstore
+    kv = ts.open(spec).result().kvstore
     assert kv is not None
-    raw = kv.read("zarr.json").result().value
-    out: dict[str, Any] = json.loads(raw)
-    return out
+    doc = json.loads(kv.read("zarr.json").result().value)
+    doc["chunk_grid"]["configuration"]["chunk_shape"] = ["@CHUNK@"]
+    doc["shape"] = ["@SHAPE@"]
+    text = json.dumps(doc, sort_keys=True, separators=(",", ":"))
+    head, rest = text.split('"@CHUNK@"')
+    middle, tail = rest.split('"@SHAPE@"')
+    return head, middle, tail
 
 
 def zarr_json(meta: ArrayMeta) -> bytes:
     """The ``zarr.json`` of a packed uncompressed array, exactly as TensorStore writes it."""
-    doc = dict(_template(meta.dtype.storage, meta.dtype.itemsize, len(meta.shape)))
-    doc["shape"] = list(meta.shape)
-    doc["chunk_grid"] = {"configuration": {"chunk_shape": list(meta.chunk_shape)}, "name": "regular"}
-    return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+    head, middle, tail = _template(meta.dtype.storage, len(meta.shape))
+    chunk = ",".join(map(str, meta.chunk_shape))
+    shape = ",".join(map(str, meta.shape))
+    return f"{head}{chunk}{middle}{shape}{tail}".encode()
 
 
 def encode_chunk(data: np.ndarray, chunk: tuple[int, ...]) -> tuple[bytes, int]:
