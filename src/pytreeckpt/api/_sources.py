@@ -160,8 +160,27 @@ def _tensor_source(t: torch.Tensor, pieces: Mapping[int, tuple[Piece, ...]]) -> 
     return get, device
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _plain_in(key: str, leaf: torch.Tensor) -> _ArrayIn:
+    """A plain tensor in host memory saved by a single process: one piece, the whole tensor."""
+    _check_tensor(key, leaf)
+    shape = tuple(int(n) for n in leaf.shape)
+    region = Region.full(shape)
+    pieces = {0: (Piece(region, 0),)}
+    view = numpy_view(_resolved(leaf))
+
+    def get(rank: int, pi: int) -> tuple[np.ndarray, Region]:
+        return view, region
+
+    return _ArrayIn(key, "torch", dtype_of_torch(leaf.dtype), shape, _SINGLE, None, pieces, get, watch=(leaf,))
+
+
 def _array_in(key: str, leaf: Any, spec: Any, comm: Comm | None = None) -> _ArrayIn:
     """Describe one tensor leaf for planning; ``comm`` is the DistComm in a distributed save."""
+    if comm is None and spec is None and type(leaf) in _PLAIN and not leaf.is_cuda:
+        return _plain_in(key, leaf)  # the common case, many thousand times per save: kept lean
     if isinstance(leaf, Abstract):
         raise CheckpointError(f"leaf {_where(key)} is an Abstract placeholder, which has no data to save")
     if spec is not None and not isinstance(spec, Layout):

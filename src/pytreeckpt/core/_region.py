@@ -7,6 +7,7 @@ chunk and a read.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -38,6 +39,8 @@ class Region:
     @classmethod
     def full(cls, shape: Sequence[int]) -> Region:
         """The region covering a whole array of ``shape``."""
+        if cls is Region and type(shape) is tuple:
+            return _full(shape)
         return cls((0,) * len(shape), tuple(int(s) for s in shape))
 
     @property
@@ -189,3 +192,9 @@ def _split(region: Region, chunk: tuple[int, ...], itemsize: int, max_bytes: int
         else:
             out.append(part)
         lo = hi
+
+
+@functools.lru_cache(maxsize=4096)
+def _full(shape: tuple[int, ...]) -> Region:
+    """:meth:`Region.full`, once per shape (regions are immutable): many leaves share a shape."""
+    return Region((0,) * len(shape), tuple(int(s) for s in shape))

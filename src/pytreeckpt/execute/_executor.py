@@ -80,6 +80,21 @@ def write_arrays(
                 if progress is not None:
                     progress(buf.nbytes)
                 continue
+            if len(parts) == 1 and packed.handles(metas[i]) and storage._direct(metas[i], buf):
+                # A packed array's bytes are copied into its database's transaction at once:
+                # no write in flight to wait for, unless this one filled the transaction.
+                committed = storage._write_packed(metas[i], region, buf, None if sums is None else sums.recorder(i))
+                written += buf.nbytes
+                if committed.done() and committed.exception() is None:
+                    if done is not None:
+                        done()
+                    if progress is not None:
+                        progress(buf.nbytes)
+                    continue
+                if done is not None or progress is not None:
+                    committed.add_done_callback(_finished(done, progress, buf.nbytes))
+                window.add(committed, buf.nbytes, f"leaf {metas[i].key!r}: writing {region}")
+                continue
             done_all = done if len(parts) == 1 else _after_all(len(parts), done)
             for part, data in parts:
                 nbytes = data.nbytes
