@@ -1,6 +1,6 @@
 """pytreeckpt against torch.save and torch.distributed.checkpoint, with the physical limits, in one run.
 
-    python -m benchmarks [--sizes-gib 1 4] [--ranks 4] [--dist-gib 2] [--small 10000]
+    python -m benchmarks [--sizes-gib 1 4] [--ranks 4] [--dist-gib 2] [--small 10000 100000] [--mixed-gib 0.5]
                          [--repeat 3] [--only single,dist,small,rss,cold] [--out benchmarks/results]
 
 Writes ``bench.json`` (every figure), ``bench.md`` (tables, with each target of issue 4
@@ -95,7 +95,8 @@ def main() -> None:
     p.add_argument("--leaves", type=int, default=8)
     p.add_argument("--ranks", type=int, default=4)
     p.add_argument("--dist-gib", type=float, default=2.0)
-    p.add_argument("--small", type=int, default=10_000)
+    p.add_argument("--small", type=int, nargs="+", default=[10_000, 100_000], help="leaf counts (issue 18)")
+    p.add_argument("--mixed-gib", type=float, default=0.5, help="weights of the mixed state (x3 with AdamW)")
     p.add_argument("--rss-gib", type=float, default=4.0)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--only", default="single,dist,small,rss,cold")
@@ -132,10 +133,17 @@ def main() -> None:
             report["runs"][key] = r
             print(json.dumps(r), flush=True)
         if "small" in only:
-            key = f"{args.small} small leaves"
+            for count in args.small:
+                key = f"{count} small leaves"
+                print(f"-- {key}", flush=True)
+                r = small.run(count, args.repeat if count <= 10_000 else max(1, args.repeat - 1), workdir, cold)
+                report["runs"][key] = r
+                print(json.dumps(r["seconds"]), flush=True)
+            key = f"mixed state {args.mixed_gib:g} GiB of weights"
             print(f"-- {key}", flush=True)
-            r = small.run(args.small, args.repeat, workdir, cold)
+            r = small.run_mixed(args.mixed_gib, args.repeat, workdir, cold)
             report["runs"][key] = r
+            print(json.dumps(r["seconds"]), flush=True)
         if "rss" in only:
             for pool in (None, 1.0):
                 key = f"async_save peak RSS {args.rss_gib:g} GiB, pool {'= state' if pool is None else f'{pool:g} GiB'}"
@@ -178,8 +186,11 @@ def main() -> None:
             rows = single.targets(r, cold)
         elif "gloo ranks" in key:
             rows = dist.targets(r, cold)
-        elif key.endswith("small leaves"):
+        elif key.endswith("small leaves") or key.startswith("mixed state"):
             rows = small.targets(r, cold)
+            counts = sorted(c for c in args.small if f"{c} small leaves" in report["runs"])
+            if key == f"{counts[-1]} small leaves" and len(counts) > 1:
+                rows += small.scale_targets(report["runs"][f"{counts[0]} small leaves"], r, cold)
         elif key.startswith("cold load"):
             rows = [
                 ("pytreeckpt.load rate / fio's", r["of_fio"]["pytreeckpt.load"], ">=", 0.8),

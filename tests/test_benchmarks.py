@@ -1,0 +1,31 @@
+"""The benchmarks run end to end on tiny states, so they cannot rot between the runs that measure."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import small
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # DCP's, single process
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_the_per_leaf_benchmark_times_every_tool_and_checks_its_targets(tmp_path: Path) -> None:
+    runs = [small.run(count, 1, tmp_path, cold=False) for count in (20, 200)]
+    for r in runs:
+        assert set(r["seconds"]) >= {"torch.save", "safetensors.save", "dcp.save", "pytreeckpt.save"}
+        assert all(t > 0 for t in r["seconds"].values())
+        assert set(r["save_phases"]) == {"plan", "write", "commit"}
+        assert len(small.targets(r, cold=False)) == 4
+    rows = small.scale_targets(runs[0], runs[1], cold=False)
+    assert [row[0] for row in rows][:2] == [
+        "save time at 10x the leaves / at 1x",
+        "load time at 10x the leaves / at 1x",
+    ]
+    mixed = small.run_mixed(0.001, 1, tmp_path, cold=False)
+    assert mixed["leaves"] > 1000
+    assert mixed["seconds"]["pytreeckpt.save"] > 0
