@@ -780,3 +780,31 @@ def collective_bytes(rank: int, world: int, path: str) -> dict[str, int]:
     import os
 
     return {"save": saved, "load": loaded, "metadata": os.path.getsize(f"{path}/pytreeckpt.json")}
+
+
+def placed_stages(rank: int, world: int, path: str) -> dict[str, Any]:
+    """Two pipeline stages of ShardedLeaf weights, each on half the ranks (a placement), saved and loaded."""
+    from pytreeckpt import Abstract, Mesh, Shard, ShardingSpec
+
+    half = world // 2
+    spec = ShardingSpec(Mesh(half), [Shard(0)])
+    full = {s: torch.arange(12 * 5, dtype=torch.float32).reshape(12, 5) + 100 * s for s in (0, 1)}
+    mine = rank // half  # this rank's stage
+    state: dict[str, Any] = {}
+    for s in (0, 1):
+        placement = range(s * half, (s + 1) * half)
+        leaf = ShardedLeaf.from_global(full[s], spec, placement=placement)
+        held = {rank - s * half: leaf.shards[rank - s * half]} if s == mine else {}
+        state[f"stage{s}"] = ShardedLeaf(leaf.shape, leaf.dtype, spec, held, placement)
+    pytreeckpt.save(path, state)
+    target = {f"stage{s}": Abstract((12, 5), torch.float32, spec, range(s * half, (s + 1) * half)) for s in (0, 1)}
+    out = pytreeckpt.load(path, target)
+    ok = {}
+    for s in (0, 1):
+        got = out[f"stage{s}"]
+        if s == mine:
+            p = rank - s * half
+            ok[s] = list(got.shards) == [p] and torch.equal(got.shards[p], state[f"stage{s}"].shards[p])
+        else:
+            ok[s] = not got.shards
+    return {"stage": mine, "ok": ok}

@@ -229,6 +229,15 @@ def test_an_explicit_process_group_of_some_ranks_saves_and_loads_alone(tmp_path:
         assert pytreeckpt.load(tmp_path / f"stage{stage}" / "save")["stage"] == stage
 
 
+def test_sharded_leaves_placed_on_some_ranks_save_and_load_there(tmp_path: Path) -> None:
+    """A pipeline stage's ShardedLeaf on its stage's ranks (a placement), at 4 gloo ranks."""
+    results = run_world(4, w.placed_stages, str(tmp_path / "c"), timeout=120)
+    assert [r["stage"] for r in results] == [0, 0, 1, 1]
+    assert all(r["ok"] == {0: True, 1: True} for r in results)
+    back = pytreeckpt.load(tmp_path / "c")
+    assert torch.equal(back["stage1"], torch.arange(60, dtype=torch.float32).reshape(12, 5) + 100)
+
+
 # --------------------------------------------------------------------------- one rank's error
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 import pytreeckpt
@@ -80,3 +81,62 @@ def test_plan_load_reads_what_each_rank_wants_and_a_simulated_rank_its_part(tmp_
         for a, b in zip(part.arrays, whole.arrays, strict=True):
             wanted = [op for op in b.reads if any(t.rank == rank for t in op.targets)]
             assert list(a.reads) == wanted, (a.key, rank)
+
+
+def _staged(rank: int | None, abstract: bool = False) -> dict[str, object]:
+    """A two-stage pipeline over 8 ranks: stage 0's weights on ranks 0-3, stage 1's on ranks 4-7 (TP 2 x DP 2)."""
+    spec = ShardingSpec(Mesh((2, 2), ("dp", "tp")), [Replicate(), Shard(0)])
+    out: dict[str, object] = {}
+    for stage in range(2):
+        placement = range(4 * stage, 4 * stage + 4)
+        full = torch.arange(40 * 6, dtype=torch.float32).reshape(40, 6) + 1000 * stage
+        if abstract:
+            out[f"stage{stage}.w"] = Abstract(full.shape, full.dtype, spec, placement)
+            continue
+        leaf = ShardedLeaf.from_global(full, spec, placement=placement)
+        if rank is not None:
+            mine = {p: t for p, t in leaf.shards.items() if placement[p] == rank}
+            leaf = ShardedLeaf(leaf.shape, leaf.dtype, spec, mine, placement)
+        out[f"stage{stage}.w"] = leaf
+    return out
+
+
+def test_a_placed_leaf_is_written_by_the_ranks_of_its_placement(tmp_path: Path) -> None:
+    chunking = pytreeckpt.ChunkingOptions(single_chunk_bytes=64, min_chunk_bytes=16, max_chunk_bytes=256)
+    whole = pytreeckpt.plan_save(_staged(None), chunking=chunking)
+    writers = [{op.writer for op in a.writes} for a in whole.arrays]
+    assert writers[0] <= {0, 1, 2, 3}
+    assert writers[1] <= {4, 5, 6, 7}
+    for rank in range(8):  # each rank's part, alone in a simulated world of 8: the same ops
+        part = pytreeckpt.plan_save(_staged(rank), chunking=chunking, process_group=SimComm(rank, 8))
+        assert _ops(part, rank) == _ops(whole, rank), rank
+        abstract = pytreeckpt.plan_save(_staged(rank, True), chunking=chunking, process_group=SimComm(rank, 8))
+        assert _ops(abstract, rank) == _ops(whole, rank), rank
+    state = _staged(None)
+    pytreeckpt.save(tmp_path / "c", state, chunking=chunking)
+    back = pytreeckpt.load(tmp_path / "c", _staged(None, abstract=True))
+    for k, leaf in state.items():
+        got = back[k]
+        assert isinstance(got, ShardedLeaf)
+        assert isinstance(leaf, ShardedLeaf)
+        assert got.placement == leaf.placement == (None if k.startswith("stage0") else range(4, 8))
+        assert torch.equal(got.to_global(), leaf.to_global())
+
+
+def test_a_placement_is_checked() -> None:
+    spec = ShardingSpec(Mesh(4), [Shard(0)])
+    with pytest.raises(pytreeckpt.LayoutError, match="4 positions but the placement gives 3"):
+        Abstract((8,), torch.float32, spec, [1, 2, 3])
+    with pytest.raises(pytreeckpt.LayoutError, match="distinct and non-negative"):
+        Abstract((8,), torch.float32, spec, [1, 2, 2, 3])
+    with pytest.raises(pytreeckpt.LayoutError, match="give a spec"):
+        Abstract((8,), torch.float32, None, [0])
+    assert Abstract((8,), torch.float32, spec, [4, 5, 6, 7]).placement == (4, 5, 6, 7)
+    assert Abstract((8,), torch.float32, spec, range(4)).placement is None  # the identity
+    with pytest.raises(pytreeckpt.LayoutError, match="4 positions but the placement gives 2"):
+        Abstract((8,), torch.float32, spec, range(4, 6))
+    leaf = Abstract((8,), torch.float32, spec, range(4, 8))
+    with pytest.raises(pytreeckpt.CheckpointError, match="names rank 7 but the process group has 4"):
+        pytreeckpt.plan_save({"w": leaf}, process_group=SimComm(0, 4))
+    with pytest.raises(pytreeckpt.CheckpointError, match="Abstract placeholder, which has no data to save"):
+        pytreeckpt.save("/nonexistent/never", {"w": leaf})

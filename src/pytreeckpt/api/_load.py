@@ -42,6 +42,9 @@ from ._shared import (
     _is_dtensor,
     _is_leaf,
     _is_value,
+    _position,
+    _rank_of,
+    _span,
     _wait_in_flight,
     _where,
     gc_paused,
@@ -237,7 +240,7 @@ class _Dest:
     locals: dict[int, Any]  # rank -> torch tensor or numpy array (CPU)
     finish: Any  # callable: () -> result leaf
     device_bytes: int = 0  # bytes copied to a device by finish()
-    ranks: tuple[int, ...] | None = None  # the rank of each position of ``layout``; None: position i on rank i
+    ranks: range | tuple[int, ...] | None = None  # the rank of each position of ``layout``; None: position i on rank i
 
     def spec(self) -> ArraySpec:
         return ArraySpec(self.meta.key, self.meta.shape, self.meta.dtype.itemsize, self.layout, self.ranks)
@@ -317,8 +320,16 @@ def _full_dest(
     return _Dest(meta, layout, pieces, {me: t}, finish, t.numel() * t.element_size() if on_device else 0)
 
 
+_PLANNING = threading.local()  # .only: this thread plans a load that reads nothing (plan_load)
+
+
 def _host_buffer(shape: tuple[int, ...], dtype: torch.dtype, pinned: bool) -> torch.Tensor:
-    """Host memory for a read; pinned when it goes on to a CUDA device (the copy is then asynchronous)."""
+    """Host memory for a read; pinned when it goes on to a CUDA device (the copy is then asynchronous).
+
+    A load that is only planned gets tensors on the meta device: shapes, no memory.
+    """
+    if getattr(_PLANNING, "only", False):
+        return torch.empty(shape, dtype=dtype, device="meta")
     return torch.empty(shape, dtype=dtype, pin_memory=pinned and torch.cuda.is_available())
 
 
@@ -329,55 +340,65 @@ def _sharded_dest(
     devices: dict[int, torch.device],
     comm: Comm | None = None,
     into: ShardedLeaf | None = None,
+    placement: range | tuple[int, ...] | None = None,
 ) -> _Dest:
-    """The shards of ``ranks`` in ``spec``; in a distributed load every rank's pieces count, this rank's are filled.
+    """The shards of ``ranks`` (positions of ``spec``) on their global ranks (``placement``, None: the same);
+    in a distributed load this rank's position is filled.
 
     With ``into`` (a load in place) the reads land in its own shards, and the result is ``into``.
+    Pieces and memory go by global rank, the result's shards by position.
     """
     if comm is not None:
-        if spec.world_size > comm.world:
-            raise LayoutError(
-                f"leaf {_where(meta.key)}: its spec spans {spec.world_size} ranks but the process group has "
-                f"{comm.world}"
-            )
-        ranks = [comm.rank] if comm.rank < spec.world_size else []
-    pieces = {r: spec.pieces_of(r, meta.shape) for r in ranks}
+        try:
+            position = _position(meta.key, spec, placement, comm)
+        except LayoutError as e:
+            raise LayoutError(f"leaf {_where(meta.key)}: {e}") from None
+        ranks = [] if position is None else [position]
+    rank_of = _rank_of(placement)
+    if placement is not None:  # memory and devices by global rank from here on
+        devices = {rank_of(p): d for p, d in devices.items()}
+    pieces = {rank_of(p): spec.pieces_of(p, meta.shape) for p in ranks}
+    position_of = {rank_of(p): p for p in ranks}
+    ranks = [rank_of(p) for p in ranks]
     moved = {r for r in ranks if r in devices and devices[r].type != "cpu"}
     if into is not None:
         leaf = into
-        missing = [r for r in ranks if r not in leaf.shards]
+        missing = [position_of[r] for r in ranks if position_of[r] not in leaf.shards]
         if missing:
             raise LayoutError(
                 f"leaf {_where(meta.key)}: loading in place needs the shards of ranks {missing}, which the target "
                 f"ShardedLeaf does not hold"
             )
-        direct = {r: leaf.shards[r] for r in ranks if _fillable(leaf.shards[r])}
+        own = {r: leaf.shards[position_of[r]] for r in ranks}
+        direct = {r: t for r, t in own.items() if _fillable(t)}
         buffers = {
-            r: _host_buffer(tuple(leaf.shards[r].shape), meta.dtype.torch, devices[r].type == "cuda")
+            r: _host_buffer(tuple(own[r].shape), meta.dtype.torch, devices[r].type == "cuda")
             for r in ranks
             if r not in direct
         }
 
         def filled() -> ShardedLeaf:
             for r, b in buffers.items():
-                _into(leaf.shards[r], b)
+                _into(own[r], b)
             return leaf
 
         held = {r: direct[r].detach() if r in direct else buffers[r] for r in ranks}
         h2d = sum(b.numel() * b.element_size() for r, b in buffers.items() if r in moved)
-        return _Dest(meta, spec, pieces, held, filled, h2d)
+        return _Dest(meta, spec, pieces, held, filled, h2d, placement)
 
     locals_ = {
-        r: _host_buffer(spec.local_shape(r, meta.shape), meta.dtype.torch, r in moved and devices[r].type == "cuda")
+        r: _host_buffer(
+            spec.local_shape(position_of[r], meta.shape), meta.dtype.torch, r in moved and devices[r].type == "cuda"
+        )
         for r in ranks
     }
 
     def finish() -> ShardedLeaf:
-        shards = {r: t.to(devices[r], non_blocking=True) if r in moved else t for r, t in locals_.items()}
-        return ShardedLeaf(meta.shape, meta.dtype.torch, spec, shards)
+        shards = {position_of[r]: t.to(devices[r], non_blocking=True) if r in moved else t for r, t in locals_.items()}
+        return ShardedLeaf(meta.shape, meta.dtype.torch, spec, shards, placement)
 
     device_bytes = sum(locals_[r].numel() * locals_[r].element_size() for r in moved)
-    return _Dest(meta, spec, pieces, dict(locals_), finish, device_bytes)
+    return _Dest(meta, spec, pieces, dict(locals_), finish, device_bytes, placement)
 
 
 def _target_problem(key: str, stored: ArrayMeta, shape: tuple[int, ...], dtype_name: str) -> str | None:
@@ -500,7 +521,11 @@ def plan_load_of(
     the target's order.
     """
     _wait_in_flight()
-    plan: LoadPlan = _load(path, target, namespace, executor, None, _comm(process_group), Monitor(), plan_only=True)
+    _PLANNING.only = True
+    try:
+        plan: LoadPlan = _load(path, target, namespace, executor, None, _comm(process_group), Monitor(), plan_only=True)
+    finally:
+        _PLANNING.only = False
     return plan
 
 
@@ -590,7 +615,8 @@ def _load(
             t_leaves, t_paths, structure = flatten(target, _is_leaf, namespace=namespace)
         # Before any destination is allocated: the stored bytes must back every claimed shape.
         wanted = [m for m in (by_path.get(p) for p in t_paths) if isinstance(m, ArrayMeta)]
-        storage.check_stored_sizes(wanted)
+        if not plan_only:  # (a plan reads no array: it needs only the metadata)
+            storage.check_stored_sizes(wanted)
         if not target_given:  # whole arrays of the shapes the metadata claims (a target's shapes are the caller's)
             _check_memory(path, [(m.key, m.nbytes) for m in wanted])
         problems: list[str] = []
@@ -634,18 +660,19 @@ def _load(
     specs: list[ArraySpec] = []
     with carried.catch():
         specs = [d.spec() for _, d in dests]
+    base: tuple[Any, ...] | None = None
     if comm is not None:
-        _agree_on_specs(comm, specs, [d.meta.dtype.name for _, d in dests], "load", carried.error)
+        base = _agree_on_specs(comm, specs, [d.meta.dtype.name for _, d in dests], "load", carried.error)
         world = comm.world
     else:
-        world = max((d.layout.world_size for _, d in dests), default=1)
+        world = max((_span(d.layout, d.ranks) for _, d in dests), default=1)
     rank = None if comm is None else comm.rank
     chunks = [d.meta.chunk_shape for _, d in dests]
     plan = LoadPlan(world, ())
     with carried.catch():
-        plan = _LOAD_PLANS.get_or(
-            spec_plan_key(specs, world, rank, tuple(chunks)), lambda: plan_load(chunks, specs, world, rank=rank)
-        )
+        extra = (world, rank, tuple(chunks))
+        plan_key = spec_plan_key(specs, *extra) if base is None else (*base, *extra)
+        plan = _LOAD_PLANS.get_or(plan_key, lambda: plan_load(chunks, specs, world, rank=rank))
         if comm is None:
             plan = _held(plan, [d.pieces for _, d in dests])
     carried.agree("planning the load")
@@ -868,14 +895,17 @@ def _dest_for(
         problem = _target_problem(key, stored, leaf.shape, dtype_of_torch(leaf.dtype).name)
         devices = {r: t.device for r, t in leaf.shards.items()}
         into = leaf if inplace else None
-        return problem, None if problem else _sharded_dest(stored, leaf.spec, sorted(leaf.shards), devices, comm, into)
+        if problem:
+            return problem, None
+        return None, _sharded_dest(stored, leaf.spec, sorted(leaf.shards), devices, comm, into, leaf.placement)
     if isinstance(leaf, Abstract):
         problem = _target_problem(key, stored, leaf.shape, dtype_of_torch(leaf.dtype).name)
         if problem:
             return problem, None
         if leaf.spec is None:
             return None, _full_dest(stored, False, None, None, comm)
-        return None, _sharded_dest(stored, leaf.spec, list(range(leaf.spec.world_size)), {}, comm)
+        positions = list(range(leaf.spec.world_size))
+        return None, _sharded_dest(stored, leaf.spec, positions, {}, comm, None, leaf.placement)
     if isinstance(leaf, torch.Tensor):
         problem = _target_problem(key, stored, tuple(leaf.shape), dtype_of_torch(leaf.dtype).name)
         if problem:

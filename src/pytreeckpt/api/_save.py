@@ -64,6 +64,7 @@ from ._shared import (
     _in_flight,
     _is_leaf,
     _is_value,
+    _span,
     _wait_in_flight,
     _where,
     gc_paused,
@@ -419,6 +420,7 @@ def _plan_state(
     comm: Comm | None,
     compression: Any,
     carried: _Carried,
+    plan_only: bool = False,
 ) -> _Planned | None:
     """Describe the tree's leaves, agree with the other ranks, and plan this rank's part (None if this rank failed).
 
@@ -449,27 +451,27 @@ def _plan_state(
                     entries.append(ValueMeta(key, leaf).to_json(encoded))
                     values.append(key)
                 else:
-                    arrays.append(_array_in(key, leaf, sp, comm))
+                    arrays.append(_array_in(key, leaf, sp, comm, plan_only))
                     entries.append(None)
             if carried.error is not None:
                 break
     specs: list[ArraySpec] = []
     with carried.catch():
         specs = [a.spec() for a in arrays]
+    base: tuple[Any, ...] | None = None
     if comm is not None:
-        _agree_on_specs(comm, specs, [a.dtype.name for a in arrays], "save", carried.error, values)
+        base = _agree_on_specs(comm, specs, [a.dtype.name for a in arrays], "save", carried.error, values)
         world = comm.world
     else:
-        world = max((a.layout.world_size for a in arrays), default=1)
+        world = max((_span(a.layout, a.ranks) for a in arrays), default=1)
     with carried.catch():
         if chunking is not None:
             options = chunking
         else:
             options = storage.chunking if storage is not None else ChunkingOptions()
         rank = None if comm is None else comm.rank
-        plan = _SAVE_PLANS.get_or(
-            spec_plan_key(specs, world, options, rank), lambda: plan_save(specs, world, rank=rank, options=options)
-        )
+        plan_key = spec_plan_key(specs, world, options, rank) if base is None else (*base, world, options, rank)
+        plan = _SAVE_PLANS.get_or(plan_key, lambda: plan_save(specs, world, rank=rank, options=options))
         for a, ap in zip(arrays, plan.arrays, strict=True):
             if a.present is not None and comm is None:
                 for op in ap.writes:
@@ -566,7 +568,8 @@ def plan_save_of(
     The same planning ``save`` and ``async_save`` do (the leaves described, the ranks'
     layouts agreed on, this rank's part planned, or every rank's in a single process),
     for inspecting who writes which chunks. Call it on every rank of ``process_group``
-    in a distributed job, as ``save``.
+    in a distributed job, as ``save``. Leaves may be :class:`Abstract` (shape, dtype,
+    spec and placement, no data): a job's plan is known before its state exists.
 
     >>> import torch
     >>> plan = plan_save_of({"w": torch.zeros(4, 4)})
@@ -575,7 +578,7 @@ def plan_save_of(
     """
     comm = _comm(process_group)
     carried = _Carried(comm)
-    planned = _plan_state(None, tree, spec, None, chunking, namespace, comm, None, carried)
+    planned = _plan_state(None, tree, spec, None, chunking, namespace, comm, None, carried, plan_only=True)
     if planned is None:
         carried.fail("planning the save")
     if comm is not None:

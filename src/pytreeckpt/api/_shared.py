@@ -11,9 +11,9 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import numpy as np
 import torch
 
-from pytreeckpt.core._errors import CheckpointError
+from pytreeckpt.core._errors import CheckpointError, LayoutError
 from pytreeckpt.core._leaf import Abstract, ShardedLeaf
-from pytreeckpt.core._sharding import Mesh, Replicate, ShardingSpec
+from pytreeckpt.core._sharding import Layout, Mesh, Replicate, ShardingSpec
 from pytreeckpt.core._tree import PYTHON_LEAF_TYPES
 from pytreeckpt.execute._monitor import Monitor, Span
 from pytreeckpt.plan import ArraySpec, spec_digest, spec_plan_key
@@ -57,6 +57,47 @@ def gc_paused() -> Iterator[None]:
                 _gc_paused_by -= 1
                 if _gc_paused_by == 0:
                     gc.enable()
+
+
+def _span(layout: Any, ranks: Sequence[int] | None) -> int:
+    """The world a layout needs: its positions, or the ranks a placement puts them on."""
+    return int(layout.world_size) if ranks is None else _placed(ranks)[0] + 1
+
+
+def _rank_of(placement: range | tuple[int, ...] | None) -> Any:
+    """Position -> global rank under ``placement``."""
+    if placement is None:
+        return lambda p: p
+    return placement.__getitem__
+
+
+def _position(key: str, spec: Layout, placement: range | tuple[int, ...] | None, comm: Comm) -> int | None:
+    """This rank's position in ``spec`` placed on ``placement`` (None: it holds nothing of the leaf)."""
+    if placement is None:
+        if spec.world_size > comm.world:
+            raise LayoutError(f"its spec spans {spec.world_size} ranks but the process group has {comm.world}")
+        return comm.rank if comm.rank < spec.world_size else None
+    last, where = _placed(placement)
+    if last >= comm.world:
+        raise LayoutError(f"its placement names rank {last} but the process group has {comm.world}")
+    return where.get(comm.rank)
+
+
+_PLACED: dict[int, tuple[Any, int, dict[int, int]]] = {}
+
+
+def _placed(placement: Sequence[int]) -> tuple[int, dict[int, int]]:
+    """The highest rank of a placement, and each rank's position; once per placement object (the
+    arrays of a pipeline stage share theirs)."""
+    got = _PLACED.get(id(placement))
+    if got is not None and got[0] is placement:
+        return got[1], got[2]
+    if len(_PLACED) > 256:
+        _PLACED.clear()
+    where = {r: p for p, r in enumerate(placement)}
+    last = max(where, default=-1)
+    _PLACED[id(placement)] = (placement, last, where)
+    return last, where
 
 
 def _is_leaf(x: Any) -> bool:
@@ -149,8 +190,11 @@ def _agree_on_specs(
     what: str,
     error: BaseException | None = None,
     values: Sequence[str] = (),
-) -> None:
+) -> tuple[Any, ...] | None:
     """Check that every rank describes the same arrays, in the same layouts: the first collective of a save or load.
+
+    Returns ``spec_plan_key(specs)`` (None if this rank failed before), for the plan
+    cache's key: it is computed once per save or load.
 
     Every array's layout is a spec that every rank knows whole (a DTensor's mesh and
     placements, a ``ShardingSpec``, ``FlatRanges`` or ``ExplicitRegions``), so no rank's
@@ -164,9 +208,11 @@ def _agree_on_specs(
     from pytreeckpt.distributed._comm import describe_failure, failure
 
     mine: Any = None
+    base: tuple[Any, ...] | None = None
     if error is None:
         try:
-            mine = ("ok", spec_digest(spec_plan_key(specs, tuple(dtypes), tuple(values))))
+            base = spec_plan_key(specs)
+            mine = ("ok", spec_digest((*base, tuple(dtypes), tuple(values))))
         except Exception as e:
             error = e
     if error is not None:
@@ -181,7 +227,7 @@ def _agree_on_specs(
             verdict = ("differ",)
     verdict = comm.broadcast(verdict)
     if verdict is None:
-        return
+        return base
     if verdict[0] == "failed":
         raise failure(f"preparing the {what}", verdict[1], comm.world) from error
     # The digests differ: rank 0's description goes to every rank, which says how its own differs.

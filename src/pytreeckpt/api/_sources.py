@@ -22,6 +22,8 @@ from pytreeckpt.plan import ArraySpec
 from ._shared import (
     _SINGLE,
     _is_dtensor,
+    _position,
+    _rank_of,
     _where,
 )
 
@@ -44,7 +46,7 @@ class _ArrayIn:
     present: frozenset[int] | None = None  # ranks whose data is here; None: all
     device: Any = None  # DeviceData for leaves on a CUDA device, else None
     watch: tuple[torch.Tensor, ...] = ()  # tensors whose version counters tell of a change during a snapshot
-    ranks: tuple[int, ...] | None = None  # the rank of each position of ``layout``; None: position i on rank i
+    ranks: range | tuple[int, ...] | None = None  # the rank of each position of ``layout``; None: position i on rank i
 
     def spec(self) -> ArraySpec:
         """What the planner needs of this array: its key, shape, element size and placed layout."""
@@ -163,6 +165,33 @@ def _tensor_source(t: torch.Tensor, pieces: Mapping[int, tuple[Piece, ...]]) -> 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
+def _abstract_in(key: str, leaf: Abstract, spec: Any, comm: Comm | None) -> _ArrayIn:
+    """An Abstract leaf, planned (for :func:`pytreeckpt.plan_save`) as a tensor whose data is never read."""
+    if spec is not None and spec != leaf.spec:
+        raise CheckpointError(
+            f"leaf {_where(key)} is an Abstract in layout {leaf.spec}, but the spec tree gives {spec}"
+        )
+    _check_ndim(key, len(leaf.shape))
+    layout = (
+        leaf.spec
+        if leaf.spec is not None
+        else (_SINGLE if comm is None else ShardingSpec(Mesh(comm.world), [Replicate()]))
+    )
+    placement = leaf.placement
+    if comm is not None:
+        position = _position(key, layout, placement, comm)
+        pieces = {comm.rank: layout.pieces_of(position, leaf.shape) if position is not None else ()}
+    else:
+        rank_of = _rank_of(placement)
+        pieces = {rank_of(p): layout.pieces_of(p, leaf.shape) for p in range(layout.world_size)}
+
+    def get(rank: int, pi: int) -> tuple[np.ndarray, Region]:
+        raise CheckpointError(f"leaf {_where(key)} is an Abstract placeholder: it has no data (a plan only)")
+
+    dtype = dtype_of_torch(leaf.dtype)
+    return _ArrayIn(key, "torch", dtype, leaf.shape, layout, leaf.spec, pieces, get, ranks=placement)
+
+
 def _plain_in(key: str, leaf: torch.Tensor) -> _ArrayIn:
     """A plain tensor in host memory saved by a single process: one piece, the whole tensor."""
     _check_tensor(key, leaf)
@@ -177,12 +206,18 @@ def _plain_in(key: str, leaf: torch.Tensor) -> _ArrayIn:
     return _ArrayIn(key, "torch", dtype_of_torch(leaf.dtype), shape, _SINGLE, None, pieces, get, watch=(leaf,))
 
 
-def _array_in(key: str, leaf: Any, spec: Any, comm: Comm | None = None) -> _ArrayIn:
-    """Describe one tensor leaf for planning; ``comm`` is the DistComm in a distributed save."""
+def _array_in(key: str, leaf: Any, spec: Any, comm: Comm | None = None, plan_only: bool = False) -> _ArrayIn:
+    """Describe one tensor leaf for planning; ``comm`` is the DistComm in a distributed save.
+
+    With ``plan_only`` (a plan asked for, nothing written) an :class:`Abstract` leaf is
+    planned as a tensor of its shape, dtype, spec and placement whose data is never read.
+    """
     if comm is None and spec is None and type(leaf) in _PLAIN and not leaf.is_cuda:
         return _plain_in(key, leaf)  # the common case, many thousand times per save: kept lean
     if isinstance(leaf, Abstract):
-        raise CheckpointError(f"leaf {_where(key)} is an Abstract placeholder, which has no data to save")
+        if not plan_only:
+            raise CheckpointError(f"leaf {_where(key)} is an Abstract placeholder, which has no data to save")
+        return _abstract_in(key, leaf, spec, comm)
     if spec is not None and not isinstance(spec, Layout):
         raise CheckpointError(
             f"spec for leaf {_where(key)} must be a ShardingSpec, FlatRanges, ExplicitRegions or None, found {spec!r}"
@@ -213,24 +248,38 @@ def _array_in(key: str, leaf: Any, spec: Any, comm: Comm | None = None) -> _Arra
             _check_ndim(key, len(leaf.shape))
             for shard in leaf.shards.values():
                 _check_tensor(key, shard)
+            # Pieces and data by global rank; shards by position (the same unless a placement says otherwise).
+            rank_of = _rank_of(leaf.placement)
             if comm is not None:
-                if leaf.spec.world_size > comm.world:
-                    raise LayoutError(
-                        f"its spec spans {leaf.spec.world_size} ranks but the process group has {comm.world}"
-                    )
-                if comm.rank not in leaf.shards:
+                position = _position(key, leaf.spec, leaf.placement, comm)
+                if position is not None and position not in leaf.shards:
                     raise CheckpointError(
                         f"leaf {_where(key)}: rank {comm.rank} saves a ShardedLeaf without its own shard "
-                        f"(it holds ranks {sorted(leaf.shards)})"
+                        f"(position {position}; it holds positions {sorted(leaf.shards)})"
                     )
-                present = frozenset({comm.rank})
+                positions: tuple[int, ...] = () if position is None else (position,)
+                pieces = {comm.rank: leaf.spec.pieces_of(position, leaf.shape) if position is not None else ()}
             else:
-                present = frozenset(leaf.shards)
-            pieces = {r: leaf.spec.pieces_of(r, leaf.shape) for r in sorted(present)}
-            get, device = _shard_sources({r: leaf.shards[r] for r in present}, pieces)
-            watch = tuple(leaf.shards[r] for r in sorted(present))
+                positions = tuple(leaf.shards)
+                pieces = {rank_of(p): leaf.spec.pieces_of(p, leaf.shape) for p in positions}
+            present = frozenset(pieces) if comm is None else frozenset({comm.rank})
+            get, device = _shard_sources({rank_of(p): leaf.shards[p] for p in positions}, pieces)
+            watch = tuple(leaf.shards[p] for p in positions)
             dtype = dtype_of_torch(leaf.dtype)
-            return _ArrayIn(key, "torch", dtype, leaf.shape, leaf.spec, leaf.spec, pieces, get, present, device, watch)
+            return _ArrayIn(
+                key,
+                "torch",
+                dtype,
+                leaf.shape,
+                leaf.spec,
+                leaf.spec,
+                pieces,
+                get,
+                present,
+                device,
+                watch,
+                ranks=leaf.placement,
+            )
         tensor: torch.Tensor | None = None
         if isinstance(leaf, torch.Tensor):
             _check_tensor(key, leaf)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -25,6 +26,30 @@ def piece_view(local: torch.Tensor, piece: Piece) -> torch.Tensor:
         return local
     flat = local.reshape(-1)
     return flat[piece.local_offset : piece.local_offset + piece.region.size].view(piece.region.shape)
+
+
+def check_placement(placement: Sequence[int] | None, spec: Layout) -> range | tuple[int, ...] | None:
+    """``placement`` as distinct non-negative ranks, one per position of ``spec`` (a range stays a range,
+    other sequences become tuples); None, or the identity, is None."""
+    if placement is None:
+        return None
+    if isinstance(placement, range):  # a pipeline stage's contiguous ranks: checked without a loop
+        if len(placement) != spec.world_size:
+            raise LayoutError(
+                f"the spec has {spec.world_size} positions but the placement gives {len(placement)} ranks"
+            )
+        if len(placement) and (min(placement[0], placement[-1]) < 0 or placement.step == 0):
+            raise LayoutError(f"a placement's ranks must be distinct and non-negative, found {placement}")
+        return None if placement == range(len(placement)) else placement
+    try:
+        ranks = tuple(operator.index(r) for r in placement)
+    except TypeError:
+        raise LayoutError(f"a placement is a sequence of integer ranks, found {placement!r}") from None
+    if len(ranks) != spec.world_size:
+        raise LayoutError(f"the spec has {spec.world_size} positions but the placement gives {len(ranks)} ranks")
+    if min(ranks, default=0) < 0 or len(set(ranks)) != len(ranks):
+        raise LayoutError(f"a placement's ranks must be distinct and non-negative, found {list(ranks)[:16]}")
+    return None if ranks == tuple(range(len(ranks))) else ranks
 
 
 def _as_dtype(dtype: Any) -> torch.dtype:
@@ -50,10 +75,15 @@ class ShardedLeaf:
     tensor([0., 1., 2., 3., 4., 5.])
     """
 
-    __slots__ = ("_dtype", "_shape", "_shards", "_spec")
+    __slots__ = ("_dtype", "_placement", "_shape", "_shards", "_spec")
 
     def __init__(
-        self, shape: Sequence[int], dtype: torch.dtype, spec: Layout, shards: Mapping[int, torch.Tensor]
+        self,
+        shape: Sequence[int],
+        dtype: torch.dtype,
+        spec: Layout,
+        shards: Mapping[int, torch.Tensor],
+        placement: Sequence[int] | None = None,
     ) -> None:
         self._shape = tuple(int(s) for s in shape)
         self._dtype = _as_dtype(dtype)
@@ -61,7 +91,8 @@ class ShardedLeaf:
         if not isinstance(spec, Layout):
             raise LayoutError(f"spec must be a ShardingSpec, FlatRanges or ExplicitRegions, found {spec!r}")
         self._spec = spec
-        spec.rank_pieces(self._shape)  # validates the spec against the shape
+        spec.check(self._shape)
+        self._placement = check_placement(placement, spec)
         checked = {}
         for rank, t in shards.items():
             if not 0 <= rank < spec.world_size:
@@ -77,8 +108,14 @@ class ShardedLeaf:
         self._shards = MappingProxyType(dict(sorted(checked.items())))
 
     @classmethod
-    def from_global(cls, tensor: torch.Tensor, spec: Layout, ranks: Iterable[int] | None = None) -> ShardedLeaf:
-        """Cut a global tensor into the shards of ``ranks`` (every rank by default), as copies."""
+    def from_global(
+        cls,
+        tensor: torch.Tensor,
+        spec: Layout,
+        ranks: Iterable[int] | None = None,
+        placement: Sequence[int] | None = None,
+    ) -> ShardedLeaf:
+        """Cut a global tensor into the shards of ``ranks`` (spec positions; every one by default), as copies."""
         shape = tuple(tensor.shape)
         pieces = spec.rank_pieces(shape)
         shards = {}
@@ -87,7 +124,7 @@ class ShardedLeaf:
             for piece in pieces[rank]:
                 piece_view(local, piece).copy_(tensor[piece.region.slices()])
             shards[rank] = local
-        return cls(shape, tensor.dtype, spec, shards)
+        return cls(shape, tensor.dtype, spec, shards, placement)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -103,8 +140,19 @@ class ShardedLeaf:
 
     @property
     def shards(self) -> Mapping[int, torch.Tensor]:
-        """Local tensors by rank, for the ranks present here."""
+        """Local tensors by rank (the spec's position), for the ranks present here."""
         return self._shards
+
+    @property
+    def placement(self) -> range | tuple[int, ...] | None:
+        """The global rank of each of the spec's positions (None: position ``p`` is rank ``p``).
+
+        A layout over some ranks of a job, as a pipeline stage's arrays on its stage's
+        ranks: ``ShardedLeaf(shape, dtype, ShardingSpec(Mesh((2, 4)), ...), shards,
+        placement=range(8, 16))`` sits on ranks 8 to 15 of the job, its shards keyed by
+        position (0 to 7) all the same.
+        """
+        return self._placement
 
     @property
     def numel(self) -> int:
@@ -136,6 +184,7 @@ class ShardedLeaf:
             self._shape == other._shape
             and self._dtype == other._dtype
             and self._spec == other._spec
+            and self._placement == other._placement
             and self._shards.keys() == other._shards.keys()
             and all(torch.equal(self._shards[r], other._shards[r]) for r in self._shards)
         )
@@ -151,28 +200,43 @@ class Abstract:
     """A placeholder leaf with a shape, a dtype and optionally a spec, like ``jax.ShapeDtypeStruct``.
 
     As a load target it asks for a full tensor (``spec=None``) or a :class:`ShardedLeaf`
-    in ``spec``'s layout, holding every rank's shards.
+    in ``spec``'s layout, holding every rank's shards. ``placement`` puts the spec's
+    positions on global ranks (see :attr:`ShardedLeaf.placement`). Given to
+    :func:`pytreeckpt.plan_save`, it is planned as a tensor of that layout whose data is
+    never read.
 
     >>> Abstract((2, 3), torch.float32)
-    Abstract(shape=(2, 3), dtype=torch.float32, spec=None)
+    Abstract(shape=(2, 3), dtype=torch.float32, spec=None, placement=None)
     """
 
     shape: tuple[int, ...]
     dtype: torch.dtype
     spec: Layout | None
+    placement: range | tuple[int, ...] | None
 
-    def __init__(self, shape: Sequence[int], dtype: torch.dtype | str, spec: Layout | None = None) -> None:
+    def __init__(
+        self,
+        shape: Sequence[int],
+        dtype: torch.dtype | str,
+        spec: Layout | None = None,
+        placement: Sequence[int] | None = None,
+    ) -> None:
         object.__setattr__(self, "shape", tuple(int(s) for s in shape))
         object.__setattr__(self, "dtype", _as_dtype(dtype))
         if spec is not None and not isinstance(spec, Layout):
             raise LayoutError(f"spec must be a ShardingSpec, FlatRanges, ExplicitRegions or None, found {spec!r}")
         object.__setattr__(self, "spec", spec)
         if spec is not None:
-            spec.rank_pieces(self.shape)
+            spec.check(self.shape)
+        elif placement is not None:
+            raise LayoutError("a placement places a spec's positions on ranks: give a spec with it")
+        object.__setattr__(self, "placement", None if spec is None else check_placement(placement, spec))
 
     @classmethod
     def like(cls, x: torch.Tensor | ShardedLeaf, spec: Layout | None = None) -> Abstract:
         """The placeholder of a tensor or sharded leaf (keeping its spec unless one is given)."""
         if isinstance(x, ShardedLeaf):
-            return cls(x.shape, x.dtype, spec if spec is not None else x.spec)
+            if spec is not None:
+                return cls(x.shape, x.dtype, spec)
+            return cls(x.shape, x.dtype, x.spec, x.placement)
         return cls(tuple(x.shape), x.dtype, spec)

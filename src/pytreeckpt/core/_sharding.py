@@ -190,6 +190,10 @@ class Layout(abc.ABC):
         """The non-empty boxes ``rank`` holds, in local order: ``rank_pieces(shape)[rank]``, for one rank."""
         return self.rank_pieces(shape)[rank]
 
+    def check(self, shape: Sequence[int]) -> None:
+        """Raise a LayoutError unless this layout can lay out a tensor of ``shape``."""
+        self.rank_pieces(shape)
+
     @abc.abstractmethod
     def local_shape(self, rank: int, shape: Sequence[int]) -> tuple[int, ...]:
         """Shape of ``rank``'s local tensor for a global tensor of ``shape``."""
@@ -232,6 +236,9 @@ class ShardingSpec(Layout):
     @property
     def world_size(self) -> int:
         return self.mesh.size
+
+    def check(self, shape: Sequence[int]) -> None:
+        self._check(shape)  # (without every rank's pieces: a mesh of 16,384 ranks is checked at once)
 
     def _check(self, shape: Sequence[int]) -> None:
         """Raise a LayoutError if this spec cannot lay out a tensor of ``shape``."""
