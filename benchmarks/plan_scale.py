@@ -1,30 +1,35 @@
-"""Planning at scale, by simulation: Llama 8B/70B/405B training states on up to 16,384 ranks.
+"""Planning at scale, through the public entry points: Llama 8B/70B/405B training states on up to 16,384 ranks.
 
     python benchmarks/plan_scale.py                       # the sweep: every model x 64, 512, 4096, 16384 ranks
-    python benchmarks/plan_scale.py --model 405b --ranks 16384 --json
+    python benchmarks/plan_scale.py --model 405b --ranks 16384 --layout tp_pp_dp fsdp_tp --json
 
-Nothing is allocated or written: the planning layer is pure, so a rank's part of the plans
-of a 16,384-rank job is computed on one machine from the layouts alone (``benchmarks/_llama.py``),
-with the planner ``save()``, ``async_save()`` and ``load()`` call on every rank
-(``pytreeckpt.plan.plan_save(..., rank=r)``, ``plan_load(..., rank=r)``). For each model
-and rank count this measures
+Nothing is allocated or written. A training state (``benchmarks/_llama.py``) is a tree of
+:class:`pytreeckpt.Abstract` leaves: shape, dtype, sharding spec and placement (the ranks
+of a pipeline stage), no data. One rank of an N-rank job runs the planning ``save()``
+and ``load()`` run, ``pytreeckpt.plan_save(tree, process_group=SimComm(rank, N))`` and
+``pytreeckpt.plan_load(path, target, process_group=SimComm(rank, M, document=...))``:
+its leaves described, the layout agreement with the other ranks (simulated: they answer
+as ranks holding the same state would), its own part of the plan. For each model and
+rank count this measures
 
-- ``rank_plan_ms``: one rank computing its own part of the save plan, cold (no memo),
-  median of 3 runs; the slowest of a few sampled ranks is ``rank_plan_max_ms``;
-- ``metadata_mb``: the size of the metadata document the coordinator writes, every
-  chunk's crc32c included (MB = 10^6 bytes), and ``coordinator_document_s`` the time to build it;
-- ``exchange_*``: what the layout agreement of a save or load sends per rank (a digest)
-  and what a non-coordinator rank receives (rank 0's verdict);
-- ``cached_plan_ms``: a save in the same layouts as the last one, served by the plan cache;
-- the same rank plan for resharded loads (to half the ranks with TP/2 and PP*2, and to 8
-  ranks for evaluation with bf16 parameters only).
+- ``save_rank_plan_ms``: one rank's ``plan_save``, cold (every plan cache and memo
+  cleared), the median of 3; ``save_rank_plan_max_ms`` the slowest of the sampled ranks;
+- ``load_rank_plan_ms``: one rank's ``plan_load`` of that checkpoint into half the
+  ranks with another TP (TP/2, PP*2), cold; and into 8 ranks for evaluation (bf16
+  parameters only), ``eval8_rank_plan_ms``;
+- ``exchange_recv_mb_per_rank``: the bytes a non-coordinator rank receives through the
+  object collectives of the save's planning (pickled, as torch.distributed sends them),
+  the most over the sampled ranks;
+- ``metadata_mb`` and ``coordinator_s``: the metadata document the coordinator writes
+  (every chunk's crc32c included; MB = 10^6 bytes) and the time to build it from the
+  ranks' plans (as ``save()``'s commit does, ``format.build_document``);
+- ``cached_plan_ms``: the next save of a new tree in the same layouts (the plan cache).
 
 The plans' invariants are checked against an independent reference planner by the
 property tests (``property_tests/test_planner.py``), not here.
 
 Results go to ``benchmarks/results/plan_scale/`` (JSON, a Markdown table, PNG plots if
-matplotlib is installed). With ``--json`` the last line printed is one JSON object (the
-last configuration's figures).
+matplotlib is installed). With ``--json`` each configuration prints one JSON line.
 """
 
 from __future__ import annotations
@@ -35,26 +40,24 @@ import json
 import pickle
 import platform
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
 from _llama import llama_state
 
+import pytreeckpt
+from pytreeckpt import Abstract
+from pytreeckpt.api import _load as _load_api
+from pytreeckpt.api import _save as _save_api
 from pytreeckpt.core._dtypes import dtype_from_name
 from pytreeckpt.core._tree import Node
-from pytreeckpt.format._document import ARRAYS_DIR, ArrayMeta, array_names, build_document, chunk_count
-from pytreeckpt.plan import (
-    ArraySpec,
-    ChunkingOptions,
-    PlanCache,
-    clear_caches,
-    plan_load,
-    plan_save,
-    spec_digest,
-    spec_plan_key,
-)
+from pytreeckpt.format._document import ARRAYS_DIR, METADATA_FILE, ArrayMeta, array_names, build_document, chunk_count
+from pytreeckpt.plan import ArraySpec, clear_caches
+from pytreeckpt.testing import SimComm
 
 PP = {"8b": 1, "70b": 4, "405b": 16}  # 405B: TP8 x PP16, as Llama 3 405B was trained
 TP = 8
@@ -96,16 +99,28 @@ def _document(specs: list[ArraySpec], chunk_shapes: list[tuple[int, ...]]) -> by
     return build_document(tree, metas, {})
 
 
-def _exchange(specs: list[ArraySpec]) -> tuple[int, int]:
-    """Bytes a rank sends and a non-coordinator rank receives in the layout agreement of save() and load().
+def _cold() -> None:
+    """Forget every plan and memo, as before a job's first save."""
+    clear_caches()
+    _save_api._SAVE_PLANS.clear()
+    _load_api._LOAD_PLANS.clear()
 
-    Each rank sends rank 0 ``("ok", digest)``; rank 0 broadcasts its verdict (None when
-    the ranks agree): what ``_shared._agree_on_specs`` exchanges, pickled as
-    torch.distributed's object collectives pickle it.
-    """
-    dtypes = tuple("bfloat16" if s.itemsize == 2 else "float32" for s in specs)
-    sent = pickle.dumps(("ok", spec_digest(spec_plan_key(specs, dtypes, ()))))
-    return len(sent), len(pickle.dumps([None]))
+
+_DTYPES = {2: torch.bfloat16, 4: torch.float32}
+
+
+def _tree(specs: list[ArraySpec]) -> dict[str, Abstract]:
+    """The state as a tree of Abstract leaves: each array's shape, dtype, layout and placement."""
+    out = {}
+    for s in specs:
+        ranks = s.ranks
+        placement = None if ranks is None or ranks == range(len(ranks)) else ranks
+        out[s.key] = Abstract(s.shape, _DTYPES[s.itemsize], s.layout, placement)
+    return out
+
+
+def _received_mb(comm: SimComm) -> float:
+    return sum(len(pickle.dumps(x)) for x in comm.received) / 1e6
 
 
 def _samples(world: int) -> list[int]:
@@ -117,7 +132,7 @@ def run_one(model: str, world: int, layout: str) -> dict[str, Any]:
     if layout != "tp_pp_dp":
         pp = 1
     t_gen, specs = _timed(lambda: llama_state(model, layout, world, tp=tp, pp=pp))
-    options = ChunkingOptions()
+    tree = _tree(specs)
     out: dict[str, Any] = {
         "model": model,
         "layout": layout,
@@ -128,54 +143,48 @@ def run_one(model: str, world: int, layout: str) -> dict[str, Any]:
         "state_gb": sum(s.itemsize * _numel(s.shape) for s in specs) / 1e9,
         "layout_gen_s": t_gen,
     }
-    # One rank's part, cold: every memo cleared, as a rank's first save. This machine's
+    # One rank's part, cold: every cache cleared, as a rank's first save. This machine's
     # timings swing by 2x from run to run, so each rank's figure is the median of 3 cold runs.
-    times = []
+    times, received = [], []
     for r in _samples(world):
         runs = []
         for _ in range(3):
-            clear_caches()
-            dt, part = _timed(lambda r=r: plan_save(specs, world, rank=r, options=options))
+            _cold()
+            comm = SimComm(r, world)
+            dt, part = _timed(lambda r=r, comm=comm: pytreeckpt.plan_save(tree, process_group=comm))
             runs.append(dt)
         times.append(sorted(runs)[1])
+        if r != 0:
+            received.append(_received_mb(comm))
         if r == 0:
             out["rank_writes"] = sum(len(a.writes) for a in part.arrays)
             chunk_shapes = [a.chunk_shape for a in part.arrays]
-    out["rank_plan_ms"] = times[0] * 1e3
-    out["rank_plan_max_ms"] = max(times) * 1e3
-    dt, _ = _timed(lambda: plan_save(specs, world, rank=0, options=options))
-    out["rank_plan_warm_ms"] = dt * 1e3
-    # The plan cache: a save in the same layouts as the last one.
-    cache = PlanCache(4)
-    cache.get_or(spec_plan_key(specs, world, options, 0), lambda: plan_save(specs, world, rank=0, options=options))
+    out["save_rank_plan_ms"] = times[0] * 1e3
+    out["save_rank_plan_max_ms"] = max(times) * 1e3
+    out["exchange_recv_mb_per_rank"] = max(received)
+    # The plan cache: a save of new objects in the same layouts, as the next save of a job.
     hits = []
-    gc.collect()
     for _ in range(5):
-        fresh = llama_state(model, layout, world, tp=tp, pp=pp)  # equal layouts, new objects, as on the next save
-        t0 = time.perf_counter()
-        key = spec_plan_key(fresh, world, options, 0)
-        cache.get_or(key, lambda fresh=fresh: plan_save(fresh, world, rank=0, options=options))
-        hits.append(time.perf_counter() - t0)
-    assert cache.hits == 5
+        fresh = _tree(llama_state(model, layout, world, tp=tp, pp=pp))
+        gc.collect()
+        dt, _ = _timed(lambda fresh=fresh: pytreeckpt.plan_save(fresh, process_group=SimComm(0, world)))
+        hits.append(dt)
     out["cached_plan_ms"] = sorted(hits)[len(hits) // 2] * 1e3
-    # The coordinator's metadata document (it plans only its own part, as every rank).
+    # The coordinator's metadata document, from the plans' chunk shapes.
     dt, doc = _timed(lambda: _document(specs, chunk_shapes))
-    out["coordinator_document_s"] = dt
+    out["coordinator_s"] = dt
     out["metadata_mb"] = len(doc) / 1e6
-    sent, received = _exchange(specs)
-    out["exchange_sent_kb_per_rank"] = sent / 1e3
-    out["exchange_recv_mb_per_rank"] = received / 1e6
-    chunks = dict(zip([s.key for s in specs], _chunks(specs, world, options), strict=True))
-    out["loads"] = [_run_load(model, world, tp, pp, layout, chunks, name) for name in ("reshard", "eval8")]
+    with tempfile.TemporaryDirectory() as d:
+        (Path(d) / METADATA_FILE).write_bytes(doc)
+        for name in ("reshard", "eval8"):
+            got = _run_load(model, world, tp, pp, layout, Path(d), doc, name)
+            out["load_rank_plan_ms" if name == "reshard" else "eval8_rank_plan_ms"] = got["rank_plan_ms"]
+            out[f"{name}_load"] = got
     return out
 
 
-def _chunks(specs: list[ArraySpec], world: int, options: ChunkingOptions) -> list[tuple[int, ...]]:
-    return [a.chunk_shape for a in plan_save(specs, world, rank=0, options=options).arrays]
-
-
 def _run_load(
-    model: str, world: int, tp: int, pp: int, layout: str, chunks: dict[str, tuple[int, ...]], name: str
+    model: str, world: int, tp: int, pp: int, layout: str, path: Path, doc: bytes, name: str
 ) -> dict[str, Any]:
     if name == "reshard":
         t_world = max(8, world // 2)
@@ -184,13 +193,13 @@ def _run_load(
     else:
         t_world, t_tp, t_pp, optimizer = 8, 8, 1, False
     t_layout = layout if name == "reshard" else "tp_pp_dp"
-    targets = llama_state(model, t_layout, t_world, tp=t_tp, pp=t_pp, optimizer=optimizer)
-    stored = [chunks[s.key] for s in targets]
-    out: dict[str, Any] = {"load": name, "ranks": t_world, "tp": t_tp, "pp": t_pp, "arrays": len(targets)}
+    targets = _tree(llama_state(model, t_layout, t_world, tp=t_tp, pp=t_pp, optimizer=optimizer))
+    out: dict[str, Any] = {"ranks": t_world, "tp": t_tp, "pp": t_pp, "arrays": len(targets)}
     runs = []
     for _ in range(3):
-        clear_caches()
-        dt, part = _timed(lambda: plan_load(stored, targets, t_world, rank=0))
+        _cold()
+        comm = SimComm(1, t_world, document=doc)  # a non-coordinator rank: the document comes from rank 0
+        dt, part = _timed(lambda comm=comm: pytreeckpt.plan_load(path, targets, process_group=comm))
         runs.append(dt)
     out["rank_plan_ms"] = sorted(runs)[1] * 1e3
     out["rank_reads"] = sum(len(a.reads) for a in part.arrays)
@@ -207,16 +216,17 @@ def _numel(shape: tuple[int, ...]) -> int:
 def _table(rows: list[dict[str, Any]]) -> str:
     head = (
         "| model | layout | ranks | TPxPP | arrays | save rank plan ms (max) | metadata MB | "
-        "agreement recv bytes/rank | cached ms | load reshard rank ms | eval8 rank ms |\n|" + " --- |" * 11
+        "exchange recv bytes/rank | coordinator s | cached ms | load reshard rank ms | eval8 rank ms |\n|"
+        + " --- |"
+        * 12
     )
     lines = [head]
     for r in rows:
-        ld = {x["load"]: x for x in r["loads"]}
         lines.append(
             f"| {r['model']} | {r['layout']} | {r['ranks']} | {r['tp']}x{r['pp']} | {r['arrays']} | "
-            f"{r['rank_plan_ms']:.0f} ({r['rank_plan_max_ms']:.0f}) | {r['metadata_mb']:.2f} | "
-            f"{r['exchange_recv_mb_per_rank'] * 1e6:.0f} | {r['cached_plan_ms']:.2f} | "
-            f"{ld['reshard']['rank_plan_ms']:.0f} | {ld['eval8']['rank_plan_ms']:.0f} |"
+            f"{r['save_rank_plan_ms']:.0f} ({r['save_rank_plan_max_ms']:.0f}) | {r['metadata_mb']:.2f} | "
+            f"{r['exchange_recv_mb_per_rank'] * 1e6:.0f} | {r['coordinator_s']:.2f} | {r['cached_plan_ms']:.2f} | "
+            f"{r['load_rank_plan_ms']:.0f} | {r['eval8_rank_plan_ms']:.0f} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -230,7 +240,7 @@ def _plot(rows: list[dict[str, Any]], out: Path) -> list[str]:
     except ImportError:
         return []
     metrics = [
-        ("rank_plan_ms", "one rank's save plan (ms)", lambda r: r["rank_plan_ms"]),
+        ("save_rank_plan_ms", "one rank's save plan (ms)", lambda r: r["save_rank_plan_ms"]),
         ("metadata_mb", "metadata document (MB)", lambda r: r["metadata_mb"]),
         (
             "exchange_recv_mb_per_rank",
@@ -238,7 +248,7 @@ def _plot(rows: list[dict[str, Any]], out: Path) -> list[str]:
             lambda r: r["exchange_recv_mb_per_rank"],
         ),
         ("cached_plan_ms", "cached plan (ms)", lambda r: r["cached_plan_ms"]),
-        ("load_rank_plan_ms", "one rank's resharded load plan (ms)", lambda r: r["loads"][0]["rank_plan_ms"]),
+        ("load_rank_plan_ms", "one rank's resharded load plan (ms)", lambda r: r["load_rank_plan_ms"]),
     ]
     files = []
     for name, label, get in metrics:
@@ -302,17 +312,15 @@ def main(argv: list[str] | None = None) -> None:
                     print(json.dumps(row), flush=True)
                 else:
                     print(
-                        f"{model} {layout} {world}: rank {row['rank_plan_ms']:.0f} ms, load "
-                        f"{row['loads'][0]['rank_plan_ms']:.0f} ms, metadata {row['metadata_mb']:.2f} MB, cached "
+                        f"{model} {layout} {world}: rank {row['save_rank_plan_ms']:.0f} ms, load "
+                        f"{row['load_rank_plan_ms']:.0f} ms, metadata {row['metadata_mb']:.2f} MB, cached "
                         f"{row['cached_plan_ms']:.2f} ms",
                         file=sys.stderr,
                         flush=True,
                     )
     if not args.no_save:
         _save(rows, Path(args.out), plots=True)
-    if args.json:
-        print(json.dumps(rows[-1]))
-    else:
+    if not args.json:
         print(_table(rows))
 
 

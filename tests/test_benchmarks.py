@@ -29,3 +29,23 @@ def test_the_per_leaf_benchmark_times_every_tool_and_checks_its_targets(tmp_path
     mixed = small.run_mixed(0.001, 1, tmp_path, cold=False)
     assert mixed["leaves"] > 1000
     assert mixed["seconds"]["pytreeckpt.save"] > 0
+
+
+def test_the_scale_benchmark_plans_through_the_public_entry_points() -> None:
+    import json
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, str(root / "benchmarks" / "plan_scale.py"), "--model", "8b", "--ranks", "64"]
+    cmd += ["--layout", "tp_pp_dp", "fsdp_tp", "--json", "--no-save"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert [r["layout"] for r in rows] == ["tp_pp_dp", "fsdp_tp"]
+    for r in rows:
+        for key in ("save_rank_plan_ms", "load_rank_plan_ms", "eval8_rank_plan_ms", "cached_plan_ms", "coordinator_s"):
+            assert r[key] > 0, (key, r)
+        assert 0 < r["metadata_mb"] < 64
+        # The layout agreement sends a digest, not the pieces: bytes, not megabytes.
+        assert r["exchange_recv_mb_per_rank"] < 0.001
+        assert r["rank_writes"] > 0 and r["reshard_load"]["rank_reads"] > 0
