@@ -336,7 +336,7 @@ def _host_buffer(shape: tuple[int, ...], dtype: torch.dtype, pinned: bool) -> to
 def _sharded_dest(
     meta: ArrayMeta,
     spec: Layout,
-    ranks: list[int],
+    ranks: Sequence[int],
     devices: dict[int, torch.device],
     comm: Comm | None = None,
     into: ShardedLeaf | None = None,
@@ -523,7 +523,10 @@ def plan_load_of(
     _wait_in_flight()
     _PLANNING.only = True
     try:
-        plan: LoadPlan = _load(path, target, namespace, executor, None, _comm(process_group), Monitor(), plan_only=True)
+        with gc_paused():
+            plan: LoadPlan = _load(
+                path, target, namespace, executor, None, _comm(process_group), Monitor(), plan_only=True
+            )
     finally:
         _PLANNING.only = False
     return plan
@@ -904,7 +907,7 @@ def _dest_for(
             return problem, None
         if leaf.spec is None:
             return None, _full_dest(stored, False, None, None, comm)
-        positions = list(range(leaf.spec.world_size))
+        positions = range(leaf.spec.world_size)  # (all of them, one process; a rank's own in a process group)
         return None, _sharded_dest(stored, leaf.spec, positions, {}, comm, None, leaf.placement)
     if isinstance(leaf, torch.Tensor):
         problem = _target_problem(key, stored, tuple(leaf.shape), dtype_of_torch(leaf.dtype).name)

@@ -578,7 +578,8 @@ def plan_save_of(
     """
     comm = _comm(process_group)
     carried = _Carried(comm)
-    planned = _plan_state(None, tree, spec, None, chunking, namespace, comm, None, carried, plan_only=True)
+    with gc_paused():  # as save() plans
+        planned = _plan_state(None, tree, spec, None, chunking, namespace, comm, None, carried, plan_only=True)
     if planned is None:
         carried.fail("planning the save")
     if comm is not None:

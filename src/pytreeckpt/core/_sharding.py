@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -267,25 +268,7 @@ class ShardingSpec(Layout):
         Placements apply in mesh-axis order, each to what the previous ones left, as
         torch computes a DTensor's local shard.
         """
-        self._check(shape)
-        coord = self.mesh.coordinate(rank)
-        runs = [[(0, int(s))] for s in shape]
-        for axis, p in enumerate(self.placements):
-            if isinstance(p, Replicate):
-                continue
-            n, c = self.mesh.shape[axis], coord[axis]
-            local = sum(length for _, length in runs[p.dim])
-            if isinstance(p, StridedShard):
-                taken: list[tuple[int, int]] = []
-                for j in range(p.split_factor):
-                    part_size, part_off = chunk_size_and_offset(local, p.split_factor, j)
-                    size, off = chunk_size_and_offset(part_size, n, c)
-                    taken.extend(_take(runs[p.dim], part_off + off, size))
-                runs[p.dim] = _merge_runs(taken)
-            else:
-                size, off = chunk_size_and_offset(local, n, c)
-                runs[p.dim] = _take(runs[p.dim], off, size)
-        return runs
+        return [list(rs) for rs in _spec_intervals(self, rank, tuple(shape))]
 
     def region(self, rank: int, shape: Sequence[int]) -> Region:
         """The one box of the global tensor that ``rank`` holds.
@@ -294,7 +277,7 @@ class ShardingSpec(Layout):
           LayoutError: with strided placements a rank may hold several boxes; use
             :meth:`rank_pieces`.
         """
-        runs = self.intervals(rank, shape)
+        runs = _spec_intervals(self, rank, tuple(shape))
         offset, extent = [], []
         for d, r in enumerate(runs):
             if len(r) > 1:
@@ -309,7 +292,7 @@ class ShardingSpec(Layout):
     def pieces_of(self, rank: int, shape: Sequence[int]) -> tuple[Piece, ...]:
         if all(type(p) is Replicate for p in self.placements) and 0 <= rank < self.world_size:
             return (Piece(Region.full(shape), 0),)  # every rank holds the whole array (checked as below)
-        runs = self.intervals(rank, shape)
+        runs = _spec_intervals(self, rank, tuple(shape))
         if any(not rs for rs in runs):
             return ()
         if all(len(rs) == 1 for rs in runs):
@@ -330,10 +313,35 @@ class ShardingSpec(Layout):
         return tuple(pieces)
 
     def local_shape(self, rank: int, shape: Sequence[int]) -> tuple[int, ...]:
-        return tuple(sum(length for _, length in rs) for rs in self.intervals(rank, shape))
+        return tuple(sum(length for _, length in rs) for rs in _spec_intervals(self, rank, tuple(shape)))
 
     def to_json(self) -> dict[str, Any]:
         return {"kind": self.kind, "mesh": self.mesh.to_json(), "placements": [p.to_json() for p in self.placements]}
+
+
+@functools.lru_cache(maxsize=8192)
+def _spec_intervals(spec: ShardingSpec, rank: int, shape: tuple[int, ...]) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """:meth:`ShardingSpec.intervals`, once per (spec, rank, shape): the layers of a model share
+    their specs and shapes, so a rank describes each combination once."""
+    spec._check(shape)
+    coord = spec.mesh.coordinate(rank)
+    runs = [[(0, int(s))] for s in shape]
+    for axis, p in enumerate(spec.placements):
+        if isinstance(p, Replicate):
+            continue
+        n, c = spec.mesh.shape[axis], coord[axis]
+        local = sum(length for _, length in runs[p.dim])
+        if isinstance(p, StridedShard):
+            taken: list[tuple[int, int]] = []
+            for j in range(p.split_factor):
+                part_size, part_off = chunk_size_and_offset(local, p.split_factor, j)
+                size, off = chunk_size_and_offset(part_size, n, c)
+                taken.extend(_take(runs[p.dim], part_off + off, size))
+            runs[p.dim] = _merge_runs(taken)
+        else:
+            size, off = chunk_size_and_offset(local, n, c)
+            runs[p.dim] = _take(runs[p.dim], off, size)
+    return tuple(tuple(r) for r in runs)
 
 
 def _take(runs: Sequence[tuple[int, int]], offset: int, size: int) -> list[tuple[int, int]]:

@@ -47,8 +47,11 @@ __all__ = [
 
 def clear_caches() -> None:
     """Forget the memoised tables and structures (benchmarks time cold planning with this)."""
+    from pytreeckpt.core import _sharding
+
     from . import _load, _save, _tables
 
+    _sharding._spec_intervals.cache_clear()
     _tables._TABLES.clear()
     _load._CUTS.clear()
     _save._STRUCTURES.clear()
