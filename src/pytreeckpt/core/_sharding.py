@@ -290,33 +290,39 @@ class ShardingSpec(Layout):
         return tuple(self.pieces_of(r, shape) for r in range(self.world_size))
 
     def pieces_of(self, rank: int, shape: Sequence[int]) -> tuple[Piece, ...]:
-        if all(type(p) is Replicate for p in self.placements) and 0 <= rank < self.world_size:
-            return (Piece(Region.full(shape), 0),)  # every rank holds the whole array (checked as below)
-        runs = _spec_intervals(self, rank, tuple(shape))
-        if any(not rs for rs in runs):
-            return ()
-        if all(len(rs) == 1 for rs in runs):
-            return (Piece(Region(tuple(rs[0][0] for rs in runs), tuple(rs[0][1] for rs in runs)), 0),)
-        local_starts = []
-        for rs in runs:
-            starts, pos = [], 0
-            for _, length in rs:
-                starts.append(pos)
-                pos += length
-            local_starts.append(starts)
-        pieces = []
-        for combo in _index_product([len(rs) for rs in runs]):
-            region = Region(
-                tuple(runs[d][k][0] for d, k in enumerate(combo)), tuple(runs[d][k][1] for d, k in enumerate(combo))
-            )
-            pieces.append(Piece(region, 0, tuple(local_starts[d][k] for d, k in enumerate(combo))))
-        return tuple(pieces)
+        return _spec_pieces(self, rank, tuple(shape))
 
     def local_shape(self, rank: int, shape: Sequence[int]) -> tuple[int, ...]:
         return tuple(sum(length for _, length in rs) for rs in _spec_intervals(self, rank, tuple(shape)))
 
     def to_json(self) -> dict[str, Any]:
         return {"kind": self.kind, "mesh": self.mesh.to_json(), "placements": [p.to_json() for p in self.placements]}
+
+
+@functools.lru_cache(maxsize=8192)
+def _spec_pieces(spec: ShardingSpec, rank: int, shape: tuple[int, ...]) -> tuple[Piece, ...]:
+    """:meth:`ShardingSpec.pieces_of`, once per (spec, rank, shape) (pieces are immutable)."""
+    if all(type(p) is Replicate for p in spec.placements) and 0 <= rank < spec.world_size:
+        return (Piece(Region.full(shape), 0),)  # every rank holds the whole array (checked as below)
+    runs = _spec_intervals(spec, rank, tuple(shape))
+    if any(not rs for rs in runs):
+        return ()
+    if all(len(rs) == 1 for rs in runs):
+        return (Piece(Region(tuple(rs[0][0] for rs in runs), tuple(rs[0][1] for rs in runs)), 0),)
+    local_starts = []
+    for rs in runs:
+        starts, pos = [], 0
+        for _, length in rs:
+            starts.append(pos)
+            pos += length
+        local_starts.append(starts)
+    pieces = []
+    for combo in _index_product([len(rs) for rs in runs]):
+        region = Region(
+            tuple(runs[d][k][0] for d, k in enumerate(combo)), tuple(runs[d][k][1] for d, k in enumerate(combo))
+        )
+        pieces.append(Piece(region, 0, tuple(local_starts[d][k] for d, k in enumerate(combo))))
+    return tuple(pieces)
 
 
 @functools.lru_cache(maxsize=8192)

@@ -52,6 +52,7 @@ def clear_caches() -> None:
     from . import _load, _save, _tables
 
     _sharding._spec_intervals.cache_clear()
+    _sharding._spec_pieces.cache_clear()
     _tables._TABLES.clear()
     _load._CUTS.clear()
     _save._STRUCTURES.clear()
