@@ -50,7 +50,7 @@ from pytreeckpt.format._document import (
     with_chunk_sums,
 )
 from pytreeckpt.plan import ArraySpec, ChunkingOptions, PlanCache, SavePlan, plan_save, spec_plan_key
-from pytreeckpt.storage import ChunkSums, ExecutorOptions, Storage
+from pytreeckpt.storage import ChunkSums, ExecutorOptions, Storage, in_background
 from pytreeckpt.storage._location import describe
 
 from ._load import metadata
@@ -836,6 +836,7 @@ class SaveHandle:
         self._copy_error: BaseException | None = None
 
     def _run(self, job: _SaveJob) -> None:
+        in_background(job.storage.options.background_nice)  # (this thread is the save's own)
         try:
             job.persist()
         except BaseException as e:

@@ -8,6 +8,7 @@ records). :class:`Storage` is one checkpoint location with all of these parts; o
 package and :mod:`pytreeckpt.execute` do I/O.
 """
 
+from pytreeckpt.storage._base import in_background as in_background
 from pytreeckpt.storage._commit import LOCK_WAIT as LOCK_WAIT
 from pytreeckpt.storage._commit import remove_tree as remove_tree
 from pytreeckpt.storage._integrity import ChunkSums as ChunkSums
@@ -15,4 +16,4 @@ from pytreeckpt.storage._integrity import available_memory as available_memory
 from pytreeckpt.storage._options import ExecutorOptions as ExecutorOptions
 from pytreeckpt.storage._storage import Storage as Storage
 
-__all__ = ["LOCK_WAIT", "ChunkSums", "ExecutorOptions", "Storage", "available_memory", "remove_tree"]
+__all__ = ["LOCK_WAIT", "ChunkSums", "ExecutorOptions", "Storage", "available_memory", "in_background", "remove_tree"]

@@ -24,7 +24,7 @@ from pytreeckpt.format._document import (
     ArrayMeta,
     zarr_metadata,
 )
-from pytreeckpt.storage._base import _IO, OCDBT_INLINE_BYTES, _all_of, _chunk_key
+from pytreeckpt.storage._base import OCDBT_INLINE_BYTES, _all_of, _chunk_key, io_pool
 from pytreeckpt.storage._chunkfiles import LITTLE_ENDIAN, write_chunk
 from pytreeckpt.storage._durability import Durability
 from pytreeckpt.storage._integrity import (
@@ -191,7 +191,9 @@ class ArrayIO(FileChecks, Durability):
                 self._unsynced.add(path.parent)  # its new entries; the parents follow in :meth:`sync`
             box = chunk_region(index, chunk, meta.shape).relative_to(region).slices()
             futures.append(
-                _IO.submit(self.options.file_io_concurrency, _write_recorded, path, data[box], chunk, index, record)
+                io_pool().submit(
+                    self.options.file_io_concurrency, _write_recorded, path, data[box], chunk, index, record
+                )
             )
         return _all_of(futures)
 
@@ -328,7 +330,7 @@ class ArrayIO(FileChecks, Durability):
             return _PackedRead(store, meta, index, targets, what, expected, lazy, workers)
         if self._reads_files(meta):
             path = self.root / meta.path / _chunk_key(index)
-            return _IO.submit(
+            return io_pool().submit(
                 workers, _read_file_chunk, path, meta, whole.shape, targets, what, expected, self._real_root()
             )
         # One target wanting the whole chunk gets it straight in its memory; otherwise the
@@ -348,7 +350,7 @@ class ArrayIO(FileChecks, Durability):
             return _Landing(landing, meta, targets, straight, what, expected)
 
         def landed(f: Any) -> None:  # on a TensorStore thread: the checks go to an I/O thread
-            _IO.submit(workers, _settle_stored_chunk, f, out, meta, targets, straight, what, expected)
+            io_pool().submit(workers, _settle_stored_chunk, f, out, meta, targets, straight, what, expected)
 
         landing.add_done_callback(landed)
         return out
@@ -457,7 +459,7 @@ class _PackedRead:
         self._out = out
 
         def landed(_f: Any) -> None:
-            _IO.submit(workers, self._settle, out)
+            io_pool().submit(workers, self._settle, out)
 
         self._landing.add_done_callback(landed)
 

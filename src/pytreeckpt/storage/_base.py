@@ -16,7 +16,7 @@ from typing import Any
 
 from pytreeckpt.core._errors import CheckpointError
 from pytreeckpt.plan import ChunkingOptions
-from pytreeckpt.storage._chunkfiles import IOPool
+from pytreeckpt.storage._chunkfiles import IOPool, lower_priority
 from pytreeckpt.storage._location import OBJECT_STORE_CHUNKING, KvPrefix, Where, make_context, resolve
 from pytreeckpt.storage._options import ExecutorOptions
 
@@ -27,6 +27,32 @@ OCDBT_INLINE_BYTES = 64 * 1024
 
 
 _IO = IOPool()
+_BACKGROUND_IO: dict[int, IOPool] = {}  # by niceness: the threads of saves written behind the caller
+_BACKGROUND = threading.local()  # .nice: this thread writes a save in the background
+
+
+def io_pool() -> IOPool:
+    """The I/O threads for the calling thread: at its background niceness when it has one."""
+    nice = background_nice()
+    if nice <= 0:
+        return _IO
+    pool = _BACKGROUND_IO.get(nice)
+    if pool is None:
+        pool = _BACKGROUND_IO.setdefault(nice, IOPool(nice))
+    return pool
+
+
+def background_nice() -> int:
+    """The niceness the calling thread's I/O runs at (0: as the caller)."""
+    return int(getattr(_BACKGROUND, "nice", 0))
+
+
+def in_background(nice: int) -> None:
+    """Mark the calling thread, a thread of its own that writes a save while the program goes on,
+    as background work: it and the I/O threads it uses run ``nice`` steps below normal priority,
+    so the program's own threads (a training loop's compute) come first on busy cores."""
+    _BACKGROUND.nice = max(0, nice)
+    lower_priority(nice)
 
 
 class Window:

@@ -40,7 +40,7 @@ import numpy as np
 
 from pytreeckpt.core._errors import CheckpointError
 
-__all__ = ["LITTLE_ENDIAN", "IOPool", "chunk_crc", "open_regular", "read_chunk", "write_chunk"]
+__all__ = ["LITTLE_ENDIAN", "IOPool", "chunk_crc", "lower_priority", "open_regular", "read_chunk", "write_chunk"]
 
 LITTLE_ENDIAN = sys.byteorder == "little"
 _MAX_IO = 1 << 30  # bytes per system call (Linux moves at most about 2 GiB in one)
@@ -53,13 +53,33 @@ QUIESCE_SECONDS = 60.0
 ``pread`` or ``pwrite`` and fsync of one chunk file) before the interpreter finalises."""
 
 
+def lower_priority(nice: int) -> None:
+    """Run the calling thread ``nice`` steps below the process's main thread (Linux: per thread).
+
+    A thread can only lower its own priority (raising it needs privileges), so this is
+    for threads of their own; one already that low (it inherited it) stays as it is.
+    Where the platform cannot, nothing changes.
+    """
+    if nice <= 0 or not hasattr(os, "setpriority"):
+        return
+    try:
+        tid = threading.get_native_id()
+        want = min(19, os.getpriority(os.PRIO_PROCESS, os.getpid()) + nice)  # (the pid names the main thread)
+        if os.getpriority(os.PRIO_PROCESS, tid) < want:
+            os.setpriority(os.PRIO_PROCESS, tid, want)
+    except OSError:
+        pass
+
+
 class IOPool:
     """Daemon threads running blocking file I/O, each call returning a :class:`Future`.
 
+    With ``nice`` > 0 its threads run at a lower scheduling priority (:func:`lower_priority`).
     The first thread started registers :meth:`quiesce` with :mod:`atexit`.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, nice: int = 0) -> None:
+        self.nice = nice
         self._tasks: queue.SimpleQueue[_Task | None] = queue.SimpleQueue()  # None: a thread stops
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
@@ -87,6 +107,7 @@ class IOPool:
         return future
 
     def _work(self) -> None:
+        lower_priority(self.nice)
         while True:
             task = self._tasks.get()
             if task is None:

@@ -12,7 +12,8 @@ from pytreeckpt.core._region import Region
 from pytreeckpt.format._document import (
     ArrayMeta,
 )
-from pytreeckpt.storage._base import StorageBase, _chunk_key
+from pytreeckpt.storage._base import StorageBase, _chunk_key, background_nice
+from pytreeckpt.storage._chunkfiles import lower_priority
 
 logger = logging.getLogger("pytreeckpt")
 
@@ -59,9 +60,15 @@ class Durability(StorageBase):
         workers = min(16, len(targets))
         parts = [range(k, len(targets), workers) for k in range(workers)]
 
+        nice = background_nice()
+
         def run(part: range) -> None:
+            if threading.current_thread() is not caller:
+                lower_priority(nice)  # (a save written in the background stays there)
             for j in part:
                 errors[j] = _fsync_quietly(targets[j])
+
+        caller = threading.current_thread()
 
         # Plain threads, not concurrent.futures: a save finishing while the interpreter
         # exits may still start threads, but an executor refuses new work then.

@@ -34,6 +34,10 @@ class ExecutorOptions:
         main thread ends is waited for; past them it is cancelled and commits nothing
         (a warning on the ``pytreeckpt`` logger says so). None waits however long it
         takes.
+      background_nice: how many steps below normal scheduling priority the threads
+        writing an asynchronous save run (Linux niceness, per thread; 0: as the
+        caller's). On busy cores the caller's own threads, a training loop's compute
+        and its OpenMP workers, then come first, and the save takes what they leave.
     """
 
     max_inflight_bytes: int = 512 * MiB
@@ -44,3 +48,8 @@ class ExecutorOptions:
     keep_staging: bool = True
     progress: bool = False
     exit_timeout: float | None = 600.0
+    background_nice: int = 10
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.background_nice <= 19:
+            raise ValueError(f"background_nice is a niceness from 0 to 19, found {self.background_nice}")
