@@ -1,7 +1,8 @@
 """pytreeckpt against torch.save and torch.distributed.checkpoint, with the physical limits, in one run.
 
     python -m benchmarks [--sizes-gib 1 4] [--ranks 4] [--dist-gib 2] [--small 10000 100000] [--mixed-gib 0.5]
-                         [--repeat 3] [--only single,dist,small,rss,cold] [--out benchmarks/results]
+                         [--train-gib 1] [--repeat 3] [--only single,dist,small,rss,cold,train]
+                         [--out benchmarks/results]
 
 Writes ``bench.json`` (every figure), ``bench.md`` (tables, with each target of issue 4
 checked) and PNG plots to ``--out``. Times are medians of ``--repeat`` runs. Loads are
@@ -26,7 +27,7 @@ from typing import Any
 import torch
 
 from . import cold as cold_bench
-from . import dist, single, small
+from . import dist, single, small, train_loop
 from ._common import GiB, can_drop_caches
 
 _FSYNC_NOTE = (
@@ -99,7 +100,8 @@ def main() -> None:
     p.add_argument("--mixed-gib", type=float, default=0.5, help="weights of the mixed state (x3 with AdamW)")
     p.add_argument("--rss-gib", type=float, default=4.0)
     p.add_argument("--repeat", type=int, default=3)
-    p.add_argument("--only", default="single,dist,small,rss,cold")
+    p.add_argument("--train-gib", type=float, default=1.0, help="state saved while the loop trains (issue 18)")
+    p.add_argument("--only", default="single,dist,small,rss,cold,train")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     p.add_argument("--workdir", type=Path, default=None, help="where checkpoints go (default: a temporary directory)")
     p.add_argument("--previous", type=Path, help="a bench.json whose runs join this report (not run again)")
@@ -176,6 +178,19 @@ def main() -> None:
                     r = cold_bench.run(gib, 16, args.repeat, 4, workdir)
                     report["runs"][key] = r
                     print(json.dumps(r["of_fio"]), flush=True)
+        if "train" in only:
+            # A process of its own: DCP's process-based save needs a process group and keeps its
+            # checkpointing process for the rest of the program.
+            key = f"training loop during a {args.train_gib:g} GiB async save"
+            print(f"-- {key}", flush=True)
+            cmd = [sys.executable, "-m", "benchmarks.train_loop", "--gib", str(args.train_gib), "--json"]
+            cmd += ["--repeat", str(max(args.repeat, 3)), "--workdir", str(workdir / "train")]
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            if done.returncode != 0:
+                raise RuntimeError(f"benchmarks.train_loop failed:\n{done.stderr[-4000:]}")
+            r = json.loads(done.stdout.strip().splitlines()[-1])
+            report["runs"][key] = r
+            print(json.dumps({k: v["slowdown"] for k, v in r["variants"].items()}), flush=True)
     finally:
         if args.workdir is None:
             shutil.rmtree(workdir, ignore_errors=True)
@@ -196,6 +211,8 @@ def main() -> None:
                 ("pytreeckpt.load rate / fio's", r["of_fio"]["pytreeckpt.load"], ">=", 0.8),
                 ("pytreeckpt.load inplace rate / fio's", r["of_fio"]["pytreeckpt.load inplace"], ">=", 0.9),
             ]
+        elif key.startswith("training loop"):
+            rows = train_loop.targets(r)
         elif key.startswith("resume peak RSS"):
             bound = 1.1 if key.endswith("inplace") else 3.0  # (copy: the measured baseline, for comparison)
             rows = [("peak RSS / RSS before the load (state + libraries)", r["ratio_to_state"], "<=", bound)]
@@ -219,7 +236,9 @@ def main() -> None:
         "",
     ]
     for key, r in report["runs"].items():
-        if "seconds" in r:
+        if key.startswith("training loop"):
+            md += [f"### {key}", "", *train_loop.table(r)]
+        elif "seconds" in r:
             md += _table(key, r)
         else:
             md += [f"### {key}", "", "```", json.dumps(r, indent=2), "```", ""]

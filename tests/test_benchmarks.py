@@ -50,3 +50,33 @@ def test_the_scale_benchmark_plans_through_the_public_entry_points() -> None:
         assert r["exchange_recv_mb_per_rank"] < 0.001
         assert r["rank_writes"] > 0
         assert r["reshard_load"]["rank_reads"] > 0
+
+
+def test_the_training_loop_benchmark_times_every_save_behind_the_loop(tmp_path: Path) -> None:
+    import json
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, "-m", "benchmarks.train_loop", "--gib", "0.02", "--repeat", "1", "--base-steps", "3"]
+    cmd += ["--workdir", str(tmp_path), "--json"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=root)
+    assert done.returncode == 0, done.stderr
+    r = json.loads(done.stdout.strip().splitlines()[-1])
+    assert set(r["variants"]) == {
+        "pytreeckpt.async_save",
+        "pytreeckpt.async_save nice 0",
+        "dcp.async_save thread",
+        "dcp.async_save process",
+    }
+    assert r["base_step_ms"]["mean"] > 0
+    for v in r["variants"].values():
+        assert 0 < v["stall_s"] < v["write_s"]
+        assert v["slowdown"] > 0
+    from benchmarks import train_loop
+
+    assert len(train_loop.targets(r)) == 3
+    # Every save landed whole: the checkpoints load (pytreeckpt's) and were written durably.
+    import pytreeckpt
+
+    loaded = pytreeckpt.load(tmp_path / "pytreeckpt.async_save")
+    assert int(loaded["data.position"]) > 0
