@@ -117,13 +117,15 @@ def _largest_divisor_at_most(n: int, limit: int) -> int:
     return best
 
 
-def _cap(chunk: list[int], itemsize: int, max_bytes: int, aligned: bool) -> tuple[int, ...]:
+def _cap(chunk: list[int], itemsize: int, max_bytes: int, divides: Sequence[bool]) -> tuple[int, ...]:
+    """``chunk`` cut down, outermost dim first, to at most ``max_bytes``; a dim of ``divides`` to a divisor
+    of its extent (a cut between pieces must stay a chunk boundary), any other to the most that fits."""
     for d in range(len(chunk)):
         inner = math.prod(chunk[d + 1 :]) * itemsize
         if chunk[d] * inner <= max_bytes:
             break
         target = max(1, max_bytes // max(inner, 1))
-        chunk[d] = _largest_divisor_at_most(chunk[d], target) if aligned else min(chunk[d], target)
+        chunk[d] = _largest_divisor_at_most(chunk[d], target) if divides[d] else min(chunk[d], target)
     return tuple(chunk)
 
 
@@ -161,8 +163,14 @@ def chunk_shape_from_cuts(
         return shape
     aligned = [g if g else s for g, s in zip(cuts, shape, strict=True)]
     if math.prod(aligned) * itemsize >= options.min_chunk_bytes:
-        return _cap(aligned, itemsize, options.max_chunk_bytes, aligned=True)
-    return _cap(list(shape), itemsize, options.max_chunk_bytes, aligned=False)
+        # Only the cuts between pieces must stay chunk boundaries: a dim without one is cut
+        # anywhere (the last chunk runs past the edge), so a prime extent is not cut into
+        # chunks of one element. Where a cut's divisors force chunks below the minimum,
+        # the regular grid serves better.
+        chunk = _cap(aligned, itemsize, options.max_chunk_bytes, [bool(g) for g in cuts])
+        if math.prod(chunk) * itemsize >= options.min_chunk_bytes:
+            return chunk
+    return _cap(list(shape), itemsize, options.max_chunk_bytes, [False] * len(shape))
 
 
 # --------------------------------------------------------------------------- save

@@ -174,3 +174,36 @@ def test_purely_replicated_data_is_balanced_across_its_holders(
     )
     spread = max(load[:holders]) - min(load[:holders])
     assert spread <= largest, (load, largest)
+
+
+@given(
+    st.lists(st.integers(1, 5000), min_size=1, max_size=3),
+    st.sampled_from([1, 2, 4, 8]),
+    st.data(),
+)
+def test_chunks_are_never_tiny(shape_list: list[int], itemsize: int, data: st.DataObject) -> None:
+    """Above one chunk, every chunk holds at least the smaller of min_chunk_bytes and half of
+    max_chunk_bytes (whatever the extents' divisors: a prime extent once gave one-element
+    chunks), and at most max_chunk_bytes."""
+    from pytreeckpt.plan._chunking import chunk_shape_from_cuts
+
+    shape = tuple(shape_list)
+    cuts = [data.draw(st.one_of(st.just(0), st.integers(1, max(1, n - 1)))) for n in shape]
+    cuts = [g if 0 < g < n else 0 for g, n in zip(cuts, shape, strict=True)]
+    max_bytes = data.draw(st.integers(itemsize, 1 << 16))
+    opts = ChunkingOptions(
+        single_chunk_bytes=data.draw(st.integers(0, 1 << 16)),
+        min_chunk_bytes=data.draw(st.integers(0, max_bytes)),
+        max_chunk_bytes=max_bytes,
+    )
+    chunk = chunk_shape_from_cuts(shape, itemsize, cuts, opts)
+    total = math.prod(shape) * itemsize
+    nbytes = math.prod(chunk) * itemsize
+    assert all(1 <= c <= n for c, n in zip(chunk, shape, strict=True))
+    if total <= opts.single_chunk_bytes:
+        assert chunk == shape
+        return
+    assert nbytes <= max(opts.max_chunk_bytes, itemsize)
+    assert nbytes >= min(total, opts.min_chunk_bytes, opts.max_chunk_bytes // 2), (shape, cuts, opts, chunk)
+    aligned = all(g == 0 or g % c == 0 for g, c in zip(cuts, chunk, strict=True))
+    event("aligned grid" if aligned else "regular grid")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -60,6 +61,29 @@ def test_chunks_straddling_shards_are_merged_by_one_writer() -> None:
     for op in merged:
         assert {f.rank for f in op.sources} != {op.writer}
     assert (written_counts(plan, (5, 6)) == 1).all()
+
+
+def test_a_prime_extent_is_not_cut_into_one_element_chunks() -> None:
+    # Prime extents above the largest chunk. Cut only at divisors of the extent, the first
+    # was 4,194,319 chunk files of 4 bytes, the second 32,003 of 2 KiB (a 5 MiB array with
+    # max_chunk_bytes=1 MiB took two minutes to save and two to load).
+    for shape, spec in [
+        ((4_194_319,), ShardingSpec(Mesh(1), [Replicate()])),
+        ((32_003, 1024), ShardingSpec(Mesh(2), [Shard(1)])),
+    ]:
+        plan = plan_save([layout("p", shape, spec)], spec.world_size)
+        ap = plan.arrays[0]
+        grid = [-(-n // c) for n, c in zip(shape, ap.chunk_shape, strict=True)]
+        assert math.prod(ap.chunk_shape) * 4 <= ChunkingOptions().max_chunk_bytes
+        assert math.prod(grid) <= 2 * -(-math.prod(shape) * 4 // ChunkingOptions().max_chunk_bytes), (
+            shape,
+            ap.chunk_shape,
+        )
+        assert (written_counts(plan, shape) == 1).all()
+    # a cut between pieces stays a chunk boundary
+    spec = ShardingSpec(Mesh(2), [Shard(1)])
+    ap = plan_save([layout("p", (32_003, 1024), spec)], 2).arrays[0]
+    assert 512 % ap.chunk_shape[1] == 0
 
 
 def test_small_arrays_are_one_chunk() -> None:
