@@ -67,9 +67,9 @@ def test_a_state_larger_than_the_pool_saves_with_the_pool_bounded(tmp_path: Path
     pool = staging_pool()
     original = pool.reserve
 
-    def spy(capacity: int, *, pin: bool = False) -> None:
+    def spy(capacity: int, *, pin: bool = False, huge: bool = True) -> None:
         reserved.append(capacity)
-        original(capacity, pin=pin)
+        original(capacity, pin=pin, huge=huge)
 
     pool.reserve = spy  # type: ignore[method-assign]
     try:

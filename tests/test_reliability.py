@@ -247,8 +247,8 @@ def _spy_on_staging(monkeypatch: pytest.MonkeyPatch) -> list[weakref.ref]:
     pool = _staging.staging_pool()
     original = pool.reserve
 
-    def spy(capacity: int, *, pin: bool = False) -> None:
-        original(capacity, pin=pin)
+    def spy(capacity: int, *, pin: bool = False, huge: bool = True) -> None:
+        original(capacity, pin=pin, huge=huge)
         assert pool._arena is not None
         refs.append(weakref.ref(pool._arena))
 

@@ -21,6 +21,7 @@ from pytreeckpt.core._sharding import ExplicitRegions, Layout, Mesh, Piece, Repl
 from pytreeckpt.core._tree import KeyEntry, Node, flatten, keystr, resolve_value, typed_keystr
 from pytreeckpt.distributed._comm import data_comm
 from pytreeckpt.execute._executor import read_arrays
+from pytreeckpt.execute._memory import Prefault, empty_host, empty_numpy
 from pytreeckpt.execute._monitor import Monitor, Progress, Span
 from pytreeckpt.format._document import (
     ArrayMeta,
@@ -272,6 +273,8 @@ def _full_dest(
     param: Any,
     comm: Comm | None = None,
     inplace: bool = False,
+    *,
+    buffers: _Buffers,
 ) -> _Dest:
     """A whole tensor: held by the one rank of a single process, or by every rank of a group.
 
@@ -287,20 +290,20 @@ def _full_dest(
             target = param
             if target.flags.c_contiguous and target.flags.writeable and target.dtype == meta.dtype.numpy:
                 return _Dest(meta, layout, pieces, {me: target}, lambda: target)
-            buf = np.empty(meta.shape, dtype=meta.dtype.numpy)
+            buf = buffers.numpy(meta.shape, meta.dtype.numpy)
 
             def copied() -> Any:
                 np.copyto(target, buf, casting="no")
                 return target
 
             return _Dest(meta, layout, pieces, {me: buf}, copied)
-        arr = np.empty(meta.shape, dtype=meta.dtype.numpy)
+        arr = buffers.numpy(meta.shape, meta.dtype.numpy)
         return _Dest(meta, layout, pieces, {me: arr}, lambda: arr)
     if inplace and isinstance(param, torch.Tensor):
         own = param
         if _fillable(own):
             return _Dest(meta, layout, pieces, {me: own.detach()}, lambda: own)
-        staged = _host_buffer(meta.shape, meta.dtype.torch, pinned=own.device.type == "cuda")
+        staged = buffers.tensor(meta.shape, meta.dtype.torch, pinned=own.device.type == "cuda")
 
         def filled() -> Any:
             _into(own, staged)
@@ -309,7 +312,7 @@ def _full_dest(
         moved = staged.numel() * staged.element_size() if own.device.type != "cpu" else 0
         return _Dest(meta, layout, pieces, {me: staged}, filled, moved)
     on_device = device is not None and device.type != "cpu"
-    t = _host_buffer(meta.shape, meta.dtype.torch, pinned=device is not None and device.type == "cuda")
+    t = buffers.tensor(meta.shape, meta.dtype.torch, pinned=device is not None and device.type == "cuda")
 
     def finish() -> Any:
         out = t.to(device, non_blocking=True) if on_device else t
@@ -320,17 +323,32 @@ def _full_dest(
     return _Dest(meta, layout, pieces, {me: t}, finish, t.numel() * t.element_size() if on_device else 0)
 
 
-_PLANNING = threading.local()  # .only: this thread plans a load that reads nothing (plan_load)
+@dataclass(slots=True)
+class _Buffers:
+    """Where a load's new host memory comes from.
 
-
-def _host_buffer(shape: tuple[int, ...], dtype: torch.dtype, pinned: bool) -> torch.Tensor:
-    """Host memory for a read; pinned when it goes on to a CUDA device (the copy is then asynchronous).
-
-    A load that is only planned gets tensors on the meta device: shapes, no memory.
+    ``huge``: its pages advised huge (``ExecutorOptions.huge_pages``); ``meta``: a load that
+    is only planned (``plan_load_of``) gets tensors on the meta device (shapes, no memory).
+    ``fresh`` records every buffer made, as (address, bytes), for :class:`Prefault`.
     """
-    if getattr(_PLANNING, "only", False):
-        return torch.empty(shape, dtype=dtype, device="meta")
-    return torch.empty(shape, dtype=dtype, pin_memory=pinned and torch.cuda.is_available())
+
+    huge: bool = True
+    meta: bool = False
+    fresh: list[tuple[int, int]] = field(default_factory=list)
+
+    def tensor(self, shape: tuple[int, ...], dtype: torch.dtype, pinned: bool) -> torch.Tensor:
+        """Host memory for a read; pinned when it goes on to a CUDA device (the copy is then asynchronous)."""
+        if self.meta:
+            return torch.empty(shape, dtype=dtype, device="meta")
+        t = empty_host(shape, dtype, pin=pinned and torch.cuda.is_available(), huge=self.huge)
+        self.fresh.append((t.data_ptr(), t.numel() * t.element_size()))
+        return t
+
+    def numpy(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        a = empty_numpy(shape, dtype, huge=self.huge and not self.meta)
+        if not self.meta:
+            self.fresh.append((a.ctypes.data, a.nbytes))
+        return a
 
 
 def _sharded_dest(
@@ -341,6 +359,8 @@ def _sharded_dest(
     comm: Comm | None = None,
     into: ShardedLeaf | None = None,
     placement: range | tuple[int, ...] | None = None,
+    *,
+    buffers: _Buffers,
 ) -> _Dest:
     """The shards of ``ranks`` (positions of ``spec``) on their global ranks (``placement``, None: the same);
     in a distributed load this rank's position is filled.
@@ -371,23 +391,23 @@ def _sharded_dest(
             )
         own = {r: leaf.shards[position_of[r]] for r in ranks}
         direct = {r: t for r, t in own.items() if _fillable(t)}
-        buffers = {
-            r: _host_buffer(tuple(own[r].shape), meta.dtype.torch, devices[r].type == "cuda")
+        staged = {
+            r: buffers.tensor(tuple(own[r].shape), meta.dtype.torch, devices[r].type == "cuda")
             for r in ranks
             if r not in direct
         }
 
         def filled() -> ShardedLeaf:
-            for r, b in buffers.items():
+            for r, b in staged.items():
                 _into(own[r], b)
             return leaf
 
-        held = {r: direct[r].detach() if r in direct else buffers[r] for r in ranks}
-        h2d = sum(b.numel() * b.element_size() for r, b in buffers.items() if r in moved)
+        held = {r: direct[r].detach() if r in direct else staged[r] for r in ranks}
+        h2d = sum(b.numel() * b.element_size() for r, b in staged.items() if r in moved)
         return _Dest(meta, spec, pieces, held, filled, h2d, placement)
 
     locals_ = {
-        r: _host_buffer(
+        r: buffers.tensor(
             spec.local_shape(position_of[r], meta.shape), meta.dtype.torch, r in moved and devices[r].type == "cuda"
         )
         for r in ranks
@@ -521,14 +541,8 @@ def plan_load_of(
     the target's order.
     """
     _wait_in_flight()
-    _PLANNING.only = True
-    try:
-        with gc_paused():
-            plan: LoadPlan = _load(
-                path, target, namespace, executor, None, _comm(process_group), Monitor(), plan_only=True
-            )
-    finally:
-        _PLANNING.only = False
+    with gc_paused():
+        plan: LoadPlan = _load(path, target, namespace, executor, None, _comm(process_group), Monitor(), plan_only=True)
     return plan
 
 
@@ -575,6 +589,7 @@ def _load(
     raw = None
     with carried.catch():
         storage = Storage(path, executor)
+        buffers = _Buffers(huge=storage.options.huge_pages, meta=plan_only)
         if comm is None or comm.rank == 0:
             raw = storage.read_metadata()
             if seen is not None:
@@ -634,7 +649,9 @@ def _load(
                 if isinstance(stored, ValueMeta):
                     results[i] = _value(key, stored.value, None, problems)
                 else:
-                    dests.append((i, _full_dest(stored, stored.container == "numpy", None, None, comm)))
+                    dests.append(
+                        (i, _full_dest(stored, stored.container == "numpy", None, None, comm, buffers=buffers))
+                    )
                 continue
             if _is_value(leaf):
                 if isinstance(stored, ValueMeta):
@@ -651,7 +668,7 @@ def _load(
                 )
                 continue
             with carried.catch(key):
-                problem, dest = _dest_for(key, stored, leaf, comm, inplace)
+                problem, dest = _dest_for(key, stored, leaf, buffers, comm, inplace)
                 if problem is not None:
                     problems.append(problem)
                 elif dest is not None:
@@ -701,7 +718,7 @@ def _load(
     try:
         if comm is None:
             # each array's host-to-device copy starts as soon as it is read, overlapping later reads
-            with monitor.phase("load", "read", me) as box:
+            with monitor.phase("load", "read", me) as box, Prefault(buffers.fresh):
                 box[0] = read_arrays(
                     storage, metas, plan.arrays, getters, None, array_done=finish, progress=progress.advance
                 )
@@ -711,7 +728,7 @@ def _load(
                 plan.arrays, getters, [m.dtype.numpy for m in metas]
             )
             try:
-                with monitor.phase("load", "read", me) as box:
+                with monitor.phase("load", "read", me) as box, Prefault(buffers.fresh):
                     box[0] = read_arrays(
                         storage, metas, plan.arrays, getters, comm.rank, after=after, progress=progress.advance
                     )
@@ -762,7 +779,7 @@ def _value(key: str, value: Any, like: Any, problems: list[str]) -> Any:
         return None
 
 
-def _dtensor_dest(meta: ArrayMeta, leaf: Any, comm: Comm | None, inplace: bool = False) -> _Dest:
+def _dtensor_dest(meta: ArrayMeta, leaf: Any, comm: Comm | None, inplace: bool = False, *, buffers: _Buffers) -> _Dest:
     """This rank's local shard of a DTensor target, in the target's own mesh and placements.
 
     With ``inplace`` the reads land in the DTensor's own local tensor, and the result is ``leaf``.
@@ -780,7 +797,7 @@ def _dtensor_dest(meta: ArrayMeta, leaf: Any, comm: Comm | None, inplace: bool =
     if inplace:
         if _fillable(local_target):
             return _Dest(meta, layout, pieces, {me: local_target.detach()}, lambda: leaf, 0, ranks)
-        staged = _host_buffer(tuple(local_target.shape), meta.dtype.torch, local_target.is_cuda)
+        staged = buffers.tensor(tuple(local_target.shape), meta.dtype.torch, local_target.is_cuda)
 
         def filled() -> Any:
             _into(local_target, staged)
@@ -795,7 +812,7 @@ def _dtensor_dest(meta: ArrayMeta, leaf: Any, comm: Comm | None, inplace: bool =
             staged.numel() * staged.element_size() if on_device else 0,
             ranks,
         )
-    local = _host_buffer(tuple(local_target.shape), meta.dtype.torch, local_target.is_cuda)
+    local = buffers.tensor(tuple(local_target.shape), meta.dtype.torch, local_target.is_cuda)
 
     def finish() -> Any:
         return DTensor.from_local(
@@ -823,7 +840,7 @@ def read_array(
     storage.check_stored_sizes([meta])
     region = Region.full(meta.shape) if region is None else region
     _check_memory(path, [(meta.key, region.size * meta.dtype.itemsize)])
-    out = torch.empty(region.shape, dtype=meta.dtype.torch)
+    out = empty_host(region.shape, meta.dtype.torch, huge=storage.options.huge_pages)
 
     def get(rank: int, pi: int) -> tuple[np.ndarray, Region]:
         return numpy_view(out), region
@@ -831,7 +848,8 @@ def read_array(
     plan = plan_load(
         [meta.chunk_shape], [ArraySpec(meta.key, meta.shape, meta.dtype.itemsize, ExplicitRegions([[region]]))], 1
     )
-    read_arrays(storage, [meta], plan.arrays, [get], rank=None)
+    with Prefault([(out.data_ptr(), out.numel() * out.element_size())]):
+        read_arrays(storage, [meta], plan.arrays, [get], rank=None)
     return out
 
 
@@ -889,7 +907,7 @@ def _meta_problem(key: str, leaf: Any) -> str | None:
 
 
 def _dest_for(
-    key: str, stored: ArrayMeta, leaf: Any, comm: Comm | None = None, inplace: bool = False
+    key: str, stored: ArrayMeta, leaf: Any, buffers: _Buffers, comm: Comm | None = None, inplace: bool = False
 ) -> tuple[str | None, _Dest | None]:
     meta_problem = _meta_problem(key, leaf)
     if meta_problem is not None:
@@ -900,29 +918,33 @@ def _dest_for(
         into = leaf if inplace else None
         if problem:
             return problem, None
-        return None, _sharded_dest(stored, leaf.spec, sorted(leaf.shards), devices, comm, into, leaf.placement)
+        return None, _sharded_dest(
+            stored, leaf.spec, sorted(leaf.shards), devices, comm, into, leaf.placement, buffers=buffers
+        )
     if isinstance(leaf, Abstract):
         problem = _target_problem(key, stored, leaf.shape, dtype_of_torch(leaf.dtype).name)
         if problem:
             return problem, None
         if leaf.spec is None:
-            return None, _full_dest(stored, False, None, None, comm)
+            return None, _full_dest(stored, False, None, None, comm, buffers=buffers)
         positions = range(leaf.spec.world_size)  # (all of them, one process; a rank's own in a process group)
-        return None, _sharded_dest(stored, leaf.spec, positions, {}, comm, None, leaf.placement)
+        return None, _sharded_dest(stored, leaf.spec, positions, {}, comm, None, leaf.placement, buffers=buffers)
     if isinstance(leaf, torch.Tensor):
         problem = _target_problem(key, stored, tuple(leaf.shape), dtype_of_torch(leaf.dtype).name)
         if problem:
             return problem, None
         if _is_dtensor(leaf):
             try:
-                return None, _dtensor_dest(stored, leaf, comm, inplace)
+                return None, _dtensor_dest(stored, leaf, comm, inplace, buffers=buffers)
             except LayoutError as e:
                 return f"leaf {_where(key)}: {e}", None
-        return None, _full_dest(stored, False, leaf.device, leaf, comm, inplace)
+        return None, _full_dest(stored, False, leaf.device, leaf, comm, inplace, buffers=buffers)
     arr = np.asarray(leaf)
     try:
         name = dtype_of_numpy(arr.dtype).name
     except ValueError as e:
         return f"leaf {_where(key)}: {e}", None
     problem = _target_problem(key, stored, tuple(arr.shape), name)
-    return problem, None if problem else _full_dest(stored, True, None, leaf if inplace else None, comm, inplace)
+    return problem, None if problem else _full_dest(
+        stored, True, None, leaf if inplace else None, comm, inplace, buffers=buffers
+    )

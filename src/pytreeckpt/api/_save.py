@@ -133,7 +133,7 @@ class _SaveJob:
         capacity = max(capacity, max(sizes, default=0))
         device = self.device or [None] * len(self.metas)
         pool = staging_pool()
-        pool.reserve(capacity, pin=any(d is not None for d in device))
+        pool.reserve(capacity, pin=any(d is not None for d in device), huge=opts.huge_pages)
         torch_dtypes = [_torch_dtype_or_none(m) for m in self.metas]
         dtypes = [m.dtype.numpy for m in self.metas]
         watch = [_versions(ts) for ts in self.watch] if self.watch else []

@@ -23,6 +23,8 @@ import torch
 
 from pytreeckpt.core._errors import CheckpointError
 
+from ._memory import empty_host
+
 __all__ = ["PoolAborted", "Stage", "StagingPool", "copy_into", "staging_pool"]
 
 _ALIGN = 64
@@ -56,8 +58,11 @@ class StagingPool:
     def capacity(self) -> int:
         return 0 if self._arena is None else int(self._arena.numel())
 
-    def reserve(self, capacity: int, *, pin: bool = False) -> None:
+    def reserve(self, capacity: int, *, pin: bool = False, huge: bool = True) -> None:
         """Make the arena ``capacity`` bytes (kept if it is that size already) for a new save.
+
+        A new arena's pages are advised huge when ``huge`` (see :mod:`._memory`): the first
+        save's copy, which faults them in, is then cheaper.
 
         Only one save uses the pool at a time (a save waits for the one in flight), so
         nothing from an earlier save is live any more.
@@ -71,7 +76,7 @@ class StagingPool:
                 return
             self._arena = None  # free the old arena before taking the new one
             if capacity:
-                self._arena = torch.empty(capacity, dtype=torch.uint8, pin_memory=pin)
+                self._arena = empty_host((capacity,), torch.uint8, pin=pin, huge=huge)
 
     def free(self) -> None:
         """Give the arena back to the allocator once its save is over (the next save allocates anew).

