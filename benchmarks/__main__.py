@@ -172,12 +172,17 @@ def main() -> None:
             if shutil.which("fio") is None or not cold:
                 print("-- cold loads against fio: skipped (needs fio, apt-get install fio, and root)", flush=True)
             else:
-                for gib in args.sizes_gib:
-                    key = f"cold load {gib:g} GiB against fio"
-                    print(f"-- {key}", flush=True)
-                    r = cold_bench.run(gib, 16, args.repeat, 4, workdir)
-                    report["runs"][key] = r
-                    print(json.dumps(r["of_fio"]), flush=True)
+                for ranks in (1, args.ranks):
+                    for gib in args.sizes_gib:
+                        who = "" if ranks == 1 else f" at {ranks} gloo ranks"
+                        key = f"cold load {gib:g} GiB{who} against fio"
+                        print(f"-- {key}", flush=True)
+                        if ranks == 1:
+                            r = cold_bench.run(gib, 16, args.repeat, 4, workdir)
+                        else:
+                            r = cold_bench.run_ranks(ranks, gib, 16, args.repeat, 4, workdir)
+                        report["runs"][key] = r
+                        print(json.dumps(r["of_fio"]), flush=True)
         if "train" in only:
             # A process of its own: DCP's process-based save needs a process group and keeps its
             # checkpointing process for the rest of the program.
@@ -197,7 +202,12 @@ def main() -> None:
     report["seconds_total"] = time.time() - started
     checks: list[str] = []
     for key, r in report["runs"].items():
-        if key.startswith("single process"):
+        if key.startswith("cold load"):
+            rows = [
+                ("pytreeckpt.load rate / fio's", r["of_fio"]["pytreeckpt.load"], ">=", 0.8),
+                ("pytreeckpt.load inplace rate / fio's", r["of_fio"]["pytreeckpt.load inplace"], ">=", 0.9),
+            ]
+        elif key.startswith("single process"):
             rows = single.targets(r, cold)
         elif "gloo ranks" in key:
             rows = dist.targets(r, cold)
@@ -206,11 +216,6 @@ def main() -> None:
             counts = sorted(c for c in args.small if f"{c} small leaves" in report["runs"])
             if key == f"{counts[-1]} small leaves" and len(counts) > 1:
                 rows += small.scale_targets(report["runs"][f"{counts[0]} small leaves"], r, cold)
-        elif key.startswith("cold load"):
-            rows = [
-                ("pytreeckpt.load rate / fio's", r["of_fio"]["pytreeckpt.load"], ">=", 0.8),
-                ("pytreeckpt.load inplace rate / fio's", r["of_fio"]["pytreeckpt.load inplace"], ">=", 0.9),
-            ]
         elif key.startswith("training loop"):
             rows = train_loop.targets(r)
         elif key.startswith("resume peak RSS"):

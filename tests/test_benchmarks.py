@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import sys
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import small
+from benchmarks._common import can_drop_caches
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")  # DCP's, single process
@@ -80,3 +82,15 @@ def test_the_training_loop_benchmark_times_every_save_behind_the_loop(tmp_path: 
 
     loaded = pytreeckpt.load(tmp_path / "pytreeckpt.async_save")
     assert int(loaded["data.position"]) > 0
+
+
+@pytest.mark.skipif(
+    shutil.which("fio") is None or not can_drop_caches(), reason="needs fio and root (drops the page cache)"
+)
+def test_the_cold_load_benchmark_sets_every_load_against_fio_at_one_and_at_several_ranks(tmp_path: Path) -> None:
+    from benchmarks import cold
+
+    for r in (cold.run(0.01, 2, 1, 2, tmp_path), cold.run_ranks(2, 0.01, 2, 1, 2, tmp_path)):
+        assert set(r["of_fio"]) >= {"fio 2 jobs", "pytreeckpt.load", "pytreeckpt.load inplace"}
+        assert all(s > 0 for s in r["seconds"].values())
+        assert 0.009 * 2**30 < r["bytes"] <= 0.01 * 2**30
