@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import shutil
+import socket
 import statistics
 import subprocess
 import time
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -35,6 +39,29 @@ def make_state(nbytes: int, leaves: int, seed: int = 0) -> dict[str, torch.Tenso
 
 def nbytes_of(state: dict[str, torch.Tensor]) -> int:
     return sum(v.numel() * v.element_size() for v in state.values())
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now, for a process group's rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def gloo_rank(rank: int, world: int, port: int) -> Iterator[Any]:
+    """This process as rank ``rank`` of a gloo group of ``world`` ranks meeting at 127.0.0.1:``port``
+    (the tools' warnings silenced), yielding a 1-D CPU device mesh over the group; the group is
+    destroyed on the way out."""
+    warnings.filterwarnings("ignore")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        yield init_device_mesh("cpu", (world,))
+    finally:
+        dist.destroy_process_group()
 
 
 _DROP = Path("/proc/sys/vm/drop_caches")

@@ -22,15 +22,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import shutil
-import socket
 import statistics
 import subprocess
 import tempfile
 import time
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -41,7 +38,7 @@ import torch.multiprocessing as mp
 
 import pytreeckpt
 
-from ._common import GiB, can_drop_caches, drop_caches, make_state
+from ._common import GiB, can_drop_caches, drop_caches, free_port, gloo_rank, make_state
 
 
 def _fio(root: Path, files: list[Path], jobs: int) -> None:
@@ -112,12 +109,6 @@ def run(gib: float, leaves: int, repeat: int, jobs: int, workdir: Path) -> dict[
     return _summary(times, f"fio {jobs} jobs", nbytes)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _rank_state(rank: int, world: int, gib: float, leaves: int, mesh: Any, fresh: bool) -> dict[str, Any]:
     """This rank's ``Shard(0)`` rows of ``leaves`` matrices of ``gib`` GiB in all (a fresh
     ``torch.empty`` target when ``fresh``; random values otherwise)."""
@@ -139,13 +130,7 @@ def _rank_state(rank: int, world: int, gib: float, leaves: int, mesh: Any, fresh
 
 
 def _rank_worker(rank: int, world: int, port: int, args: dict[str, Any]) -> None:
-    warnings.filterwarnings("ignore")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        mesh = init_device_mesh("cpu", (world,))
+    with gloo_rank(rank, world, port) as mesh:
         path, jobs = Path(args["path"]), args["jobs"]
         state = _rank_state(rank, world, args["gib"], args["leaves"], mesh, fresh=False)
         pytreeckpt.save(path, state, overwrite=True)
@@ -186,15 +171,13 @@ def _rank_worker(rank: int, world: int, port: int, args: dict[str, Any]) -> None
                 times[name].append(time.perf_counter() - t0)
         if rank == 0:
             (path.parent / "result-cold-ranks.json").write_text(json.dumps({"times": times, "bytes": nbytes}))
-    finally:
-        dist.destroy_process_group()
 
 
 def run_ranks(ranks: int, gib: float, leaves: int, repeat: int, jobs: int, workdir: Path) -> dict[str, Any]:
     """:func:`run` at ``ranks`` gloo ranks, each loading its ``Shard(0)`` share (no raw read)."""
     path = workdir / f"cold_{gib:g}_{ranks}ranks"
     args = {"path": str(path), "gib": gib, "leaves": leaves, "repeat": repeat, "jobs": jobs}
-    mp.spawn(_rank_worker, args=(ranks, _free_port(), args), nprocs=ranks, join=True)
+    mp.spawn(_rank_worker, args=(ranks, free_port(), args), nprocs=ranks, join=True)
     got = json.loads((workdir / "result-cold-ranks.json").read_text())
     shutil.rmtree(path, ignore_errors=True)
     return {"ranks": ranks, **_summary(got["times"], f"fio {jobs} jobs", got["bytes"])}

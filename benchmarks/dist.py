@@ -15,10 +15,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import statistics
 import time
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -33,18 +31,14 @@ from ._common import (
     alternating,
     alternating_loads,
     drop_caches,
+    free_port,
     fsync_tree,
+    gloo_rank,
     raw_read,
     raw_write,
     remove,
     save_load_targets,
 )
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _shapes(total: int, leaves: int) -> list[tuple[str, tuple[int, int], torch.dtype]]:
@@ -127,13 +121,7 @@ def _rm(rank: int, path: Path, own: bool = False) -> Callable[[], None]:
 
 
 def _worker(rank: int, world: int, port: int, args: dict[str, Any]) -> None:
-    warnings.filterwarnings("ignore")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        mesh = init_device_mesh("cpu", (world,))
+    with gloo_rank(rank, world, port) as mesh:
         work = Path(args["workdir"])
         repeat, cold = args["repeat"], args["cold"]
         s: dict[str, float] = {}
@@ -247,8 +235,6 @@ def _worker(rank: int, world: int, port: int, args: dict[str, Any]) -> None:
             )
         if rank == 0:
             (work / f"result-{args['phase']}.json").write_text(json.dumps(s))
-    finally:
-        dist.destroy_process_group()
 
 
 def _slowest(seconds: float) -> float:
@@ -259,10 +245,10 @@ def _slowest(seconds: float) -> float:
 
 def run(ranks: int, size: int, leaves: int, repeat: int, workdir: Path, cold: bool) -> dict[str, Any]:
     args = {"workdir": str(workdir), "repeat": repeat, "cold": cold, "bytes": size, "leaves": leaves}
-    mp.spawn(_worker, args=(ranks, _free_port(), {**args, "phase": "save"}), nprocs=ranks, join=True)
+    mp.spawn(_worker, args=(ranks, free_port(), {**args, "phase": "save"}), nprocs=ranks, join=True)
     seconds = json.loads((workdir / "result-save.json").read_text())
     fewer = max(1, ranks // 2)
-    mp.spawn(_worker, args=(fewer, _free_port(), {**args, "phase": "reshard"}), nprocs=fewer, join=True)
+    mp.spawn(_worker, args=(fewer, free_port(), {**args, "phase": "reshard"}), nprocs=fewer, join=True)
     seconds.update(json.loads((workdir / "result-reshard.json").read_text()))
     shutil.rmtree(workdir / "dcp", ignore_errors=True)
     shutil.rmtree(workdir / "ptc", ignore_errors=True)

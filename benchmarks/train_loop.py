@@ -38,7 +38,6 @@ import json
 import os
 import random
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -52,6 +51,8 @@ import torch
 from torch import nn
 
 import pytreeckpt
+
+from ._common import free_port
 
 GiB = 1 << 30
 VOCAB, CONTEXT, BATCH, DIM, LAYERS = 256, 64, 16, 128, 4
@@ -118,12 +119,6 @@ def _frozen(nbytes: int, leaves: int = 16) -> list[torch.Tensor]:
     return [torch.randn(per // 1024, 1024, generator=g) for _ in range(leaves)]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _starter(variant: str, path: Path) -> Callable[[dict[str, torch.Tensor]], Callable[[], bool]]:
     """For a variant: start its save of a state, returning a poll that says when it is durable."""
     if variant.startswith("pytreeckpt.async_save"):
@@ -179,7 +174,7 @@ def run(
     if any(v.endswith("process") for v in variants) and not torch.distributed.is_initialized():
         # DCP's process-based async save needs a process group (world of one: nothing to talk to).
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
         torch.distributed.init_process_group("gloo", rank=0, world_size=1)
     loop = Loop()
     frozen = _frozen(int(gib * GiB) - sum(t.numel() * t.element_size() for t in loop.state([]).values()))
