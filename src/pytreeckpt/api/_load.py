@@ -840,7 +840,8 @@ def read_array(
     storage.check_stored_sizes([meta])
     region = Region.full(meta.shape) if region is None else region
     _check_memory(path, [(meta.key, region.size * meta.dtype.itemsize)])
-    out = empty_host(region.shape, meta.dtype.torch, huge=storage.options.huge_pages)
+    buffers = _Buffers(huge=storage.options.huge_pages)
+    out = buffers.tensor(region.shape, meta.dtype.torch, pinned=False)
 
     def get(rank: int, pi: int) -> tuple[np.ndarray, Region]:
         return numpy_view(out), region
@@ -848,7 +849,7 @@ def read_array(
     plan = plan_load(
         [meta.chunk_shape], [ArraySpec(meta.key, meta.shape, meta.dtype.itemsize, ExplicitRegions([[region]]))], 1
     )
-    with Prefault([(out.data_ptr(), out.numel() * out.element_size())]):
+    with Prefault(buffers.fresh):
         read_arrays(storage, [meta], plan.arrays, [get], rank=None)
     return out
 

@@ -104,8 +104,9 @@ class Prefault:
     the two meet somewhere in the middle instead of queueing on the same pages, and the
     reads that come later find their pages mapped. A page is only mapped, never written:
     a page the reads filled first keeps its bytes. Use as a context manager around the
-    reads; leaving it stops the thread. Where the kernel lacks the call (before 5.14, or
-    off Linux) nothing happens.
+    reads; leaving it stops the thread. Buffers under 8 MiB are left to the reads (the
+    thread would cost more than it saves). Where the kernel lacks the call (before 5.14,
+    or off Linux) nothing happens.
     """
 
     def __init__(self, spans: list[tuple[int, int]]) -> None:

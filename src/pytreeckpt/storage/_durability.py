@@ -61,14 +61,13 @@ class Durability(StorageBase):
         parts = [range(k, len(targets), workers) for k in range(workers)]
 
         nice = background_nice()
+        caller = threading.current_thread()
 
         def run(part: range) -> None:
             if threading.current_thread() is not caller:
                 lower_priority(nice)  # (a save written in the background stays there)
             for j in part:
                 errors[j] = _fsync_quietly(targets[j])
-
-        caller = threading.current_thread()
 
         # Plain threads, not concurrent.futures: a save finishing while the interpreter
         # exits may still start threads, but an executor refuses new work then.
