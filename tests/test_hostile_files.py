@@ -206,6 +206,41 @@ def test_a_malformed_checksum_field_is_a_metadata_error(tmp_path: Path, value: A
         pytreeckpt.load(path)
 
 
+def test_a_damaged_checksum_field_fails_the_load_that_reads_it_not_the_parse(tmp_path: Path) -> None:
+    # Checksums are decoded when an array is read (a rank of a 16,384-rank job parses 45 MB
+    # of them and reads few): a leaf nobody reads does not fail a load of the others.
+    path = tmp_path / "c"
+    pytreeckpt.save(unpacked(path), {"a": torch.arange(8.0), "b": torch.ones(8)})
+    doc = json.loads((path / "pytreeckpt.json").read_text())
+    bad = next(leaf for leaf in doc["leaves"] if leaf["key"] == "b")
+    bad["chunk_crc32c"] = "*" * len(bad["chunk_crc32c"])
+    (path / "pytreeckpt.json").write_text(json.dumps(doc))
+    meta = pytreeckpt.metadata(path).arrays["b"]
+    with pytest.raises(pytreeckpt.MetadataError, match=r"leaf 'b': chunk_crc32c is not valid base64"):
+        meta.crc32c()
+    assert torch.equal(pytreeckpt.load_slice(path, "a", slice(0, 8)), torch.arange(8.0))
+    with pytest.raises(pytreeckpt.MetadataError, match=r"chunk_crc32c is not valid base64"):
+        pytreeckpt.load(path)
+    assert not pytreeckpt.verify(path).ok
+
+
+def test_leaves_saved_in_one_layout_share_it_and_a_retyped_layout_is_still_refused(tmp_path: Path) -> None:
+    from pytreeckpt.format._document import parse_document
+
+    path = tmp_path / "c"
+    spec = pytreeckpt.ShardingSpec(pytreeckpt.Mesh((2,)), [pytreeckpt.Shard(0)])
+    tree = {k: pytreeckpt.ShardedLeaf.from_global(torch.arange(8.0), spec) for k in ("a", "b", "c")}
+    pytreeckpt.save(path, tree)
+    raw = (path / "pytreeckpt.json").read_bytes()
+    a, b, c = (leaf.layout for leaf in parse_document(raw).leaves)
+    assert a == spec
+    assert a is b is c
+    doc = json.loads(raw)
+    doc["leaves"][2]["layout"]["placements"] = [["shard", True]]  # equal to ["shard", 1] as a Python key
+    with pytest.raises(pytreeckpt.MetadataError, match=r"malformed saved layout"):
+        parse_document(json.dumps(doc).encode())
+
+
 # --------------------------------------------------------------------------- links and special files
 
 

@@ -220,7 +220,7 @@ def verify(path: PathLike, *, executor: ExecutorOptions | None = None) -> Verify
     storage, doc = _open(path, "", executor)
     metas = [leaf for leaf in doc.leaves if isinstance(leaf, ArrayMeta)]
     problems, chunks, nbytes = storage.verify(metas)
-    unrecorded = tuple(m.key for m in metas if m.chunk_crc32c is None)
+    unrecorded = tuple(m.key for m in metas if not m.records_crc32c)
     return VerifyReport(describe(path), tuple(problems), len(metas), chunks, nbytes, unrecorded)
 
 

@@ -26,7 +26,7 @@ import json
 import math
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pytreeckpt.core._dtypes import DType, dtype_from_name
@@ -92,6 +92,36 @@ class ArrayMeta:
     chunk_hashes: tuple[str, ...] | None = None  # blake2b-128 of each chunk's raw bytes, C order of the grid
     database: str | None = None  # "ocdbt/<rank>": the array is packed in that OCDBT database
     chunk_crc32c: bytes | None = None  # each chunk's crc32c, little-endian uint32 in C order of the grid
+    # The same as a document stores it (base64), decoded by crc32c() when first needed: a
+    # load decodes only what it reads (57 MB of them for a 405B model on 16,384 ranks).
+    crc32c_text: str | None = field(default=None, compare=False, repr=False)
+    _decoded: list[bytes] = field(default_factory=list, compare=False, repr=False)
+
+    @property
+    def records_crc32c(self) -> bool:
+        """Whether the metadata records each chunk's crc32c (checkpoints from before it did not)."""
+        return self.chunk_crc32c is not None or self.crc32c_text is not None
+
+    def crc32c(self) -> bytes | None:
+        """Each chunk's recorded crc32c (little-endian uint32 in C order of the grid), or None.
+
+        From a parsed document the base64 is decoded here, once; MetadataError if it is not
+        valid base64 (its length was checked by the parse).
+        """
+        if self.chunk_crc32c is not None or self.crc32c_text is None:
+            return self.chunk_crc32c
+        if not self._decoded:
+            try:
+                raw = binascii.a2b_base64(self.crc32c_text, strict_mode=True)
+            except (binascii.Error, ValueError):
+                raise MetadataError(f"leaf {self.key!r}: chunk_crc32c is not valid base64") from None
+            if len(raw) != 4 * chunk_count(self.shape, self.chunk_shape):
+                raise MetadataError(
+                    f"leaf {self.key!r}: chunk_crc32c holds {len(raw)} bytes, expected "
+                    f"{4 * chunk_count(self.shape, self.chunk_shape)} (one uint32 per chunk)"
+                )
+            self._decoded.append(raw)  # (two threads at once decode twice, alike)
+        return self._decoded[0]
 
     def recorded_crc32c(self, index: Sequence[int]) -> int | None:
         """The crc32c the metadata records for chunk ``index`` (see ``chunk_crc``); None where it records none.
@@ -101,12 +131,13 @@ class ArrayMeta:
         >>> meta.recorded_crc32c((2,))
         3
         """
-        if self.chunk_crc32c is None:
+        crcs = self.crc32c()
+        if crcs is None:
             return None
         flat = 0
         for i, c, n in zip(index, self.chunk_shape, self.shape, strict=True):
             flat = flat * -(-n // c) + i
-        return int.from_bytes(self.chunk_crc32c[4 * flat : 4 * flat + 4], "little")
+        return int.from_bytes(crcs[4 * flat : 4 * flat + 4], "little")
 
     @property
     def nbytes(self) -> int:
@@ -132,6 +163,8 @@ class ArrayMeta:
             out["database"] = self.database
         if self.chunk_crc32c is not None:
             out["chunk_crc32c"] = base64.b64encode(self.chunk_crc32c).decode()
+        elif self.crc32c_text is not None:
+            out["chunk_crc32c"] = self.crc32c_text
         return out
 
 
@@ -316,7 +349,20 @@ def _int_list(v: Any, what: str, key: str) -> tuple[int, ...]:
     return tuple(v)
 
 
-def _parse_leaf(data: Any, index: int) -> ArrayMeta | ValueMeta:
+def _layout(data: Any, key: str, seen: dict[str, Layout]) -> Layout:
+    """A leaf's saved layout; leaves saved alike share one object (``seen``, per document)."""
+    frozen = repr(data)  # (JSON values of different types or values have different reprs: True, 1, 1.0, "1")
+    layout = seen.get(frozen)
+    if layout is None:
+        try:
+            layout = layout_from_json(data)
+        except Exception as e:  # a layout is informative only; a malformed one is still an error
+            raise MetadataError(f"leaf {key!r}: malformed saved layout: {e}") from None
+        seen[frozen] = layout
+    return layout
+
+
+def _parse_leaf(data: Any, index: int, layouts: dict[str, Layout] | None = None) -> ArrayMeta | ValueMeta:
     if not isinstance(data, dict):
         raise MetadataError(f"leaf #{index}: expected an object, found {type(data).__name__}")
     key = data.get("key")
@@ -359,10 +405,7 @@ def _parse_leaf(data: Any, index: int) -> ArrayMeta | ValueMeta:
                 f"leaf {key!r}: a packed array holds at most {MAX_PACKED_BYTES} bytes, the metadata claims {nbytes}"
             )
     layout_json = data.get("layout")
-    try:
-        layout = None if layout_json is None else layout_from_json(layout_json)
-    except Exception as e:  # a layout is informative only; a malformed one is still an error
-        raise MetadataError(f"leaf {key!r}: malformed saved layout: {e}") from None
+    layout = None if layout_json is None else _layout(layout_json, key, {} if layouts is None else layouts)
     try:
         compression = None if data.get("compression") is None else Compression.from_json(data["compression"])
     except (ValueError, TypeError) as e:
@@ -378,11 +421,14 @@ def _parse_leaf(data: Any, index: int) -> ArrayMeta | ValueMeta:
             raise MetadataError(f"leaf {key!r}: chunk_hashes must be {n} hex digests of 32 digits")
         hashes = tuple(hashes)
     crcs = _parse_crcs(data.get("chunk_crc32c"), shape, chunk_shape, key)
-    return ArrayMeta(key, container, dtype, shape, chunk_shape, path, layout, compression, hashes, database, crcs)
+    return ArrayMeta(key, container, dtype, shape, chunk_shape, path, layout, compression, hashes, database, None, crcs)
 
 
-def _parse_crcs(text: Any, shape: tuple[int, ...], chunk_shape: tuple[int, ...], key: str) -> bytes | None:
-    """``chunk_crc32c``: absent, or the base64 of one little-endian uint32 per chunk, in C order of the grid."""
+def _parse_crcs(text: Any, shape: tuple[int, ...], chunk_shape: tuple[int, ...], key: str) -> str | None:
+    """``chunk_crc32c``: absent, or the base64 of one little-endian uint32 per chunk, in C order of the grid.
+
+    Its type and length are checked here; its characters when it is decoded (:meth:`ArrayMeta.crc32c`).
+    """
     if text is None:
         return None
     n = chunk_count(shape, chunk_shape)
@@ -393,15 +439,7 @@ def _parse_crcs(text: Any, shape: tuple[int, ...], chunk_shape: tuple[int, ...],
             f"leaf {key!r}: chunk_crc32c must be the base64 of {n} little-endian uint32 values (one per chunk, "
             f"{expected} characters), found {found}"
         )
-    try:
-        raw = base64.b64decode(text, validate=True)
-    except (binascii.Error, ValueError):
-        raise MetadataError(f"leaf {key!r}: chunk_crc32c is not valid base64") from None
-    if len(raw) != 4 * n:
-        raise MetadataError(
-            f"leaf {key!r}: chunk_crc32c holds {len(raw)} bytes, expected {4 * n} (one uint32 per chunk)"
-        )
-    return raw
+    return text
 
 
 def parse_document(
@@ -442,7 +480,8 @@ def parse_document(
     leaves_json = data.get("leaves")
     if not isinstance(leaves_json, list):
         raise MetadataError("metadata 'leaves' must be a list")
-    leaves = tuple(_parse_leaf(leaf, i) for i, leaf in enumerate(leaves_json))
+    layouts: dict[str, Layout] = {}
+    leaves = tuple(_parse_leaf(leaf, i, layouts) for i, leaf in enumerate(leaves_json))
     paths = [leaf.path for leaf in leaves if isinstance(leaf, ArrayMeta)]
     if len({p.lower() for p in paths}) != len(paths):
         raise MetadataError("two array leaves share one stored array path")

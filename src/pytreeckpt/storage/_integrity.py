@@ -117,7 +117,10 @@ class FileChecks(StorageBase):
 
     def check_files(self, metas: Sequence[ArrayMeta]) -> None:
         """Before TensorStore or the executor opens anything of these arrays: every file of each
-        (``zarr.json`` and chunks), or of its OCDBT database, is checked by :meth:`scan`."""
+        (``zarr.json`` and chunks), or of its OCDBT database, is checked by :meth:`scan`; and
+        the chunk checksums the metadata records for it decode (MetadataError if not)."""
+        for meta in metas:
+            meta.crc32c()
         if self.kv is None:
             for meta in metas:
                 self.scan(meta.path if meta.database is None else meta.database, meta.key)
