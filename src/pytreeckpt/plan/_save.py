@@ -489,13 +489,22 @@ def _disjoint(lo: np.ndarray, hi: np.ndarray) -> bool:
 def _array_writes(
     spec: ArraySpec, opts: ChunkingOptions, scopes: Scopes
 ) -> tuple[tuple[int, ...], tuple[WriteOp, ...]]:
-    """One array's chunk shape and every write."""
+    """One array's chunk shape and every write.
+
+    The writes follow from the placed layout and the balancing decisions alone: arrays of
+    one placed layout deciding alike (10,000 small tensors of one shape, a model's layers)
+    share them, as a rank's part does (:class:`_RankPart`).
+    """
     p = placed(spec)
     s = _structure(p, spec.itemsize, opts)
-    singles: Sequence[int] = range(len(s.single_pos))
     groups, merges = s.groups, s.uncovered.tolist()
-    assigns, writers, _ = _decide(spec.key, s, p, scopes, groups, merges)
-    return s.grid.chunk, _writes(spec.key, s, p, None, singles, groups, assigns, merges, writers)
+    assigns, writers, decided = _decide(spec.key, s, p, scopes, groups, merges)
+    memo = ("all", spec.itemsize, opts, decided)
+    writes = p.derived.get(memo)
+    if writes is None:
+        singles: Sequence[int] = range(len(s.single_pos))
+        writes = p.derived[memo] = _writes(spec.key, s, p, None, singles, groups, assigns, merges, writers)
+    return s.grid.chunk, writes
 
 
 @dataclass(eq=False)
