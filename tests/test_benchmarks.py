@@ -67,6 +67,7 @@ def test_the_training_loop_benchmark_times_every_save_behind_the_loop(tmp_path: 
     assert set(r["variants"]) == {
         "pytreeckpt.async_save",
         "pytreeckpt.async_save nice 0",
+        "pytreeckpt.async_save nice 19",
         "dcp.async_save thread",
         "dcp.async_save process",
     }
