@@ -30,7 +30,7 @@ import torch
 
 from pytreeckpt.core._errors import CheckpointError, MetadataError
 from pytreeckpt.core._sharding import Layout
-from pytreeckpt.core._tree import broadcast_prefix, check_unique_keys, encode_value, flatten, keystr
+from pytreeckpt.core._tree import broadcast_prefix, check_unique_keys, encode_value, flatten
 from pytreeckpt.distributed._comm import data_comm
 from pytreeckpt.execute._executor import ChunkReuse, PieceData, write_arrays, write_items
 from pytreeckpt.execute._monitor import Monitor, Progress, Span, logger
@@ -436,10 +436,9 @@ def _plan_state(
     root: Any = None
     with carried.catch():
         leaves, paths, root = flatten(tree, _is_leaf, namespace=namespace)
-        check_unique_keys(paths)
+        keys = check_unique_keys(paths)
         user = _user_metadata(user_metadata)
         leaf_specs = broadcast_prefix(spec, root, lambda x: isinstance(x, Layout), len(leaves), namespace=namespace)
-        keys = [keystr(p) for p in paths]
         codecs = _compressions(compression, root, keys, len(leaves), namespace)
         for key, leaf, sp in zip(keys, leaves, leaf_specs, strict=True):
             with carried.catch(key):

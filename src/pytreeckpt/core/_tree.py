@@ -134,15 +134,17 @@ def typed_keystr(path: Sequence[KeyEntry]) -> str:
     return "".join(f"[{_entry_key(e)!r}]" for e in path) or "(root)"
 
 
-def check_unique_keys(paths: Sequence[Sequence[KeyEntry]]) -> None:
-    """Refuse a tree in which two leaves have the same dotted key path.
+def check_unique_keys(paths: Sequence[Sequence[KeyEntry]]) -> list[str]:
+    """The leaves' dotted key paths; refuse a tree in which two leaves have the same one.
 
     Raises:
       CheckpointError: naming both leaves by their typed paths, and how to tell them apart.
     """
+    keys = [keystr(path) for path in paths]
+    if len(set(keys)) == len(keys):
+        return keys
     seen: dict[str, Sequence[KeyEntry]] = {}
-    for path in paths:
-        key = keystr(path)
+    for key, path in zip(keys, paths, strict=True):
         other = seen.setdefault(key, path)
         if other is not path:
             raise CheckpointError(
@@ -151,6 +153,7 @@ def check_unique_keys(paths: Sequence[Sequence[KeyEntry]]) -> None:
                 f"metadata().arrays, export), so rename one of them (for example a key without '.', or keys "
                 f"of one type in each dict)"
             )
+    raise AssertionError("unreachable: a repeated key was found above")
 
 
 @dataclass(slots=True)
