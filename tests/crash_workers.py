@@ -160,9 +160,9 @@ def replace_distributed(rank: int, world: int, path: str) -> dict[str, Any]:
         return {"big": distribute_tensor(big, mesh, [Shard(0)]), "small": small, "step": seed}
 
     pytreeckpt.save(path, tree(1))
-    first = sorted(p for top in ("arrays", "ocdbt") for p in _names(path, top))
+    first = sorted(p for top in ("arrays", "ocdbt", "packed") for p in _names(path, top))
     pytreeckpt.save(path, tree(2), overwrite=True)
-    second = sorted(p for top in ("arrays", "ocdbt") for p in _names(path, top))
+    second = sorted(p for top in ("arrays", "ocdbt", "packed") for p in _names(path, top))
     got = pytreeckpt.load(path)
     want = tree(2)
     whole = torch.equal(got["big"], want["big"].full_tensor()) and all(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -106,6 +107,30 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     if t.dtype.itemsize == 16:
         return torch.view_as_real(t).contiguous().view(torch.int64)
     return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.dtype.itemsize])
+
+
+def packed_in(path: Any, pack_format: str) -> pytreeckpt.Location:
+    """``path`` with small arrays packed in ``pack_format`` ("zip" archives, the local default, or "ocdbt")."""
+    return pytreeckpt.Location(path, pytreeckpt.StorageOptions(pack_format=pack_format))
+
+
+def swap_zip_entries(archive: Any, a: str, b: str) -> None:
+    """Exchange the bytes of two entries of equal size in a zip archive (headers and CRC-32s stay)."""
+    import zipfile
+
+    with zipfile.ZipFile(archive) as z:
+        ia, ib = z.getinfo(a), z.getinfo(b)
+    path = Path(archive)
+    raw = bytearray(path.read_bytes())
+
+    def data(info: Any) -> slice:
+        h = info.header_offset  # local header: 30 bytes, then the name and the extra field
+        start = h + 30 + int.from_bytes(raw[h + 26 : h + 28], "little") + int.from_bytes(raw[h + 28 : h + 30], "little")
+        return slice(start, start + info.file_size)
+
+    sa, sb = data(ia), data(ib)
+    raw[sa], raw[sb] = raw[sb], raw[sa]
+    path.write_bytes(bytes(raw))
 
 
 def unpacked(path: Any) -> pytreeckpt.Location:

@@ -72,9 +72,9 @@ def test_every_stored_leaf_opens_with_plain_tensorstore(tmp_path: Path) -> None:
     doc = json.loads((tmp_path / "c" / "pytreeckpt.json").read_text())
     assert any("database" in leaf for leaf in doc["leaves"])  # small arrays are packed by default
     for leaf in doc["leaves"]:
-        if "database" in leaf:  # a key prefix inside an OCDBT database
-            base = {"driver": "file", "path": str(tmp_path / "c" / leaf["database"]) + "/"}
-            kvstore = {"driver": "ocdbt", "base": base, "path": leaf["path"] + "/"}
+        if "database" in leaf:  # entries of a zip archive (one archive per rank here)
+            base = {"driver": "file", "path": str(tmp_path / "c" / leaf["database"] / "0.zip")}
+            kvstore = {"driver": "zip", "base": base, "path": leaf["path"] + "/"}
         else:
             kvstore = {"driver": "file", "path": str(tmp_path / "c" / leaf["path"])}
         store = ts.open({"driver": "zarr3", "kvstore": kvstore}).result()

@@ -15,6 +15,7 @@ from helpers import unpacked
 from multiproc import run_world
 
 import pytreeckpt
+from pytreeckpt import Location, StorageOptions
 from pytreeckpt.api import _load, _save
 from pytreeckpt.format._document import parse_document
 from pytreeckpt.storage import Storage
@@ -25,9 +26,8 @@ def doc(path: Path) -> dict:
 
 
 def stored(path: Path) -> list[str]:
-    return sorted(
-        f"{top}/{p.name}" for top in ("arrays", "ocdbt") if (path / top).is_dir() for p in (path / top).iterdir()
-    )
+    tops = ("arrays", "ocdbt", "packed")
+    return sorted(f"{top}/{p.name}" for top in tops if (path / top).is_dir() for p in (path / top).iterdir())
 
 
 def tree(seed: int) -> dict:
@@ -65,12 +65,19 @@ def test_a_replacement_is_written_beside_the_old_checkpoint_under_new_names(tmp_
 def test_packed_arrays_are_replaced_with_their_database(tmp_path: Path) -> None:
     path = tmp_path / "c"
     pytreeckpt.save(path, tree(1))
-    assert stored(path) == ["ocdbt/0"]
+    assert stored(path) == ["packed/0"]
     pytreeckpt.save(path, tree(2), overwrite=True)
-    assert stored(path) == ["ocdbt/0~g1"]
-    assert {leaf.get("database") for leaf in doc(path)["leaves"]} == {"ocdbt/0~g1", None}
+    assert stored(path) == ["packed/0~g1"]
+    assert {leaf.get("database") for leaf in doc(path)["leaves"]} == {"packed/0~g1", None}
     assert {leaf.get("path") for leaf in doc(path)["leaves"]} == {"arrays/w", "arrays/W~1", None}  # inside it
     assert torch.equal(pytreeckpt.load(path)["W"], tree(2)["W"])
+    assert pytreeckpt.verify(path).ok
+    ocdbt = Location(path, StorageOptions(pack_format="ocdbt"))  # OCDBT databases replace and are replaced alike
+    pytreeckpt.save(ocdbt, tree(3), overwrite=True)
+    assert stored(path) == ["ocdbt/0~g2"]
+    pytreeckpt.save(path, tree(4), overwrite=True)
+    assert stored(path) == ["packed/0~g3"]
+    assert torch.equal(pytreeckpt.load(path)["W"], tree(4)["W"])
     assert pytreeckpt.verify(path).ok
 
 
@@ -152,7 +159,8 @@ def test_files_and_directories_get_the_modes_the_umask_gives(tmp_path: Path, uma
     want = {oct(0o777 & ~umask), oct(0o666 & ~umask)}
     assert set(modes) == want, {m: sorted(ps)[:5] for m, ps in modes.items() if m not in want}
     assert "c/pytreeckpt.json" in modes[oct(0o666 & ~umask)]
-    assert "run/step_1/ocdbt" in modes[oct(0o777 & ~umask)]
+    assert "run/step_1/packed" in modes[oct(0o777 & ~umask)]
+    assert "run/step_1/packed/0/0.zip" in modes[oct(0o666 & ~umask)]
 
 
 # --------------------------------------------------------------------------- loads losing a race
@@ -239,7 +247,7 @@ def test_a_distributed_save_replaces_a_checkpoint_beside_it(tmp_path: Path) -> N
     results = run_world(2, replace_distributed, str(tmp_path / "c"), timeout=180)
     assert results[0] == results[1]
     got = results[0]
-    assert got["first"] == ["arrays/big", "ocdbt/0", "ocdbt/1"]
-    assert got["second"] == ["arrays/big~g1", "ocdbt/0~g1", "ocdbt/1~g1"]
+    assert got["first"] == ["arrays/big", "packed/0", "packed/1"]
+    assert got["second"] == ["arrays/big~g1", "packed/0~g1", "packed/1~g1"]
     assert got["step"] == 2
     assert got["whole"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import zipfile
 from pathlib import Path
 
 import ml_dtypes
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 import tensorstore as ts
 import torch
-from helpers import unpacked
+from helpers import packed_in, unpacked
 
 import pytreeckpt
 
@@ -32,10 +33,13 @@ def test_the_zarr_json_examples_are_the_files_save_writes(tmp_path: Path) -> Non
     pytreeckpt.save(unpacked(tmp_path / "c"), leaves, compression=compression)
     written = [(tmp_path / "c" / "arrays" / name / "zarr.json").read_text() for name in leaves]
     assert _documented_zarr_json() == written
-    # A packed array's zarr.json, inside its OCDBT database, is the same document.
-    pytreeckpt.save(tmp_path / "p", {"mask": leaves["mask"]})
+    # A packed array's zarr.json, inside its OCDBT database or its zip archive, is the same document.
+    pytreeckpt.save(packed_in(tmp_path / "p", "ocdbt"), {"mask": leaves["mask"]})
     db = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{tmp_path}/p/ocdbt/0/"}).result()
     assert db.read("arrays/mask/zarr.json").result().value.decode() == written[1]
+    pytreeckpt.save(tmp_path / "z", {"mask": leaves["mask"]})
+    with zipfile.ZipFile(tmp_path / "z" / "packed" / "0" / "0.zip") as z:
+        assert z.read("arrays/mask/zarr.json").decode() == written[1]
 
 
 def _leaves() -> dict[str, torch.Tensor | np.ndarray]:
@@ -60,15 +64,18 @@ def _raw(x: torch.Tensor | np.ndarray) -> bytes:
     return x.contiguous().view(torch.uint8).numpy().tobytes() if isinstance(x, torch.Tensor) else x.tobytes()
 
 
-@pytest.mark.parametrize("pack", [False, True], ids=["own-files", "packed"])
-def test_every_storage_type_opens_with_plain_tensorstore_by_the_documented_spec(tmp_path: Path, pack: bool) -> None:
+@pytest.mark.parametrize("pack", ["", "ocdbt", "zip"], ids=["own-files", "packed-ocdbt", "packed-zip"])
+def test_every_storage_type_opens_with_plain_tensorstore_by_the_documented_spec(tmp_path: Path, pack: str) -> None:
     leaves = _leaves()
     ckpt = tmp_path / "c"
-    pytreeckpt.save(ckpt if pack else unpacked(ckpt), leaves)
+    pytreeckpt.save(packed_in(ckpt, pack) if pack else unpacked(ckpt), leaves)
     doc = json.loads((ckpt / "pytreeckpt.json").read_text())
-    assert all(("database" in leaf) == pack for leaf in doc["leaves"])
+    assert all(("database" in leaf) == bool(pack) for leaf in doc["leaves"])
     for leaf in doc["leaves"]:
-        if pack:  # the spec docs/format.md gives for a packed array
+        if pack == "zip":  # the spec docs/format.md gives for an array in a zip archive
+            base = f"file://{ckpt}/{leaf['database']}/0.zip"
+            spec = {"driver": "zarr3", "kvstore": {"driver": "zip", "base": base}, "path": leaf["path"] + "/"}
+        elif pack:  # and for one in an OCDBT database
             kvstore = {"driver": "ocdbt", "base": f"file://{ckpt}/{leaf['database']}/", "path": leaf["path"] + "/"}
             spec = {"driver": "zarr3", "kvstore": kvstore}
         else:

@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 import tensorstore as ts
 import torch
-from helpers import unpacked
+from helpers import packed_in, swap_zip_entries, unpacked
 
 import pytreeckpt
 from pytreeckpt import ChunkingOptions, Location, StorageOptions
@@ -115,15 +115,20 @@ def test_load_and_verify_agree_on_a_chunk_of_the_wrong_size(tmp_path: Path, chan
     _fails_everywhere(path, r"leaf 'w'.*chunk \[1\] is damaged: .* holds \d+ bytes, expected 20")
 
 
-def test_swapped_chunks_of_a_packed_array_are_caught(tmp_path: Path) -> None:
+@pytest.mark.parametrize("pack_format", ["ocdbt", "zip"])
+def test_swapped_chunks_of_a_packed_array_are_caught(tmp_path: Path, pack_format: str) -> None:
     path = tmp_path / "c"
-    _save(path)  # 64 bytes: packed in the OCDBT database of rank 0
+    _save(packed_in(path, pack_format))  # 64 bytes: packed by rank 0
     (leaf,) = json.loads((path / "pytreeckpt.json").read_text())["leaves"]
-    assert leaf["database"] == "ocdbt/0"
-    db = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{path}/ocdbt/0/"}).result()
-    one, two = db.read("arrays/w/c/1").result().value, db.read("arrays/w/c/2").result().value
-    db.write("arrays/w/c/1", two).result()
-    db.write("arrays/w/c/2", one).result()
+    if pack_format == "zip":
+        assert leaf["database"] == "packed/0"
+        swap_zip_entries(path / "packed" / "0" / "0.zip", "arrays/w/c/1", "arrays/w/c/2")
+    else:
+        assert leaf["database"] == "ocdbt/0"
+        db = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{path}/ocdbt/0/"}).result()
+        one, two = db.read("arrays/w/c/1").result().value, db.read("arrays/w/c/2").result().value
+        db.write("arrays/w/c/1", two).result()
+        db.write("arrays/w/c/2", one).result()
     _fails_everywhere(path, NOT_RECORDED)
 
 
@@ -142,7 +147,7 @@ def test_swapped_chunk_objects_in_a_key_value_store_are_caught() -> None:
 
 @pytest.mark.parametrize("pack", [False, True])
 def test_a_replaced_checkpoints_arrays_record_their_checksums_under_their_new_names(tmp_path: Path, pack: bool) -> None:
-    where = Location(tmp_path / "c", StorageOptions(pack_small_leaves=pack))
+    where = Location(tmp_path / "c", StorageOptions(pack_small_leaves=pack, pack_format="ocdbt"))
     _save(where)
     _save(where, offset=100.0, overwrite=True)  # written beside the old arrays, under generation 1's names
     (leaf,) = json.loads((tmp_path / "c" / "pytreeckpt.json").read_text())["leaves"]
@@ -258,10 +263,12 @@ def test_array_files_linking_outside_the_checkpoint_are_refused(tmp_path: Path, 
     assert not pytreeckpt.verify(path).ok
 
 
-def test_an_ocdbt_file_linking_outside_the_checkpoint_is_refused(tmp_path: Path) -> None:
+@pytest.mark.parametrize("pack_format", ["ocdbt", "zip"])
+def test_a_packed_file_linking_outside_the_checkpoint_is_refused(tmp_path: Path, pack_format: str) -> None:
     path = tmp_path / "c"
-    _save(path)
-    victim = next(p for p in (path / "ocdbt" / "0").rglob("*") if p.is_file())
+    _save(packed_in(path, pack_format))
+    top = "packed" if pack_format == "zip" else "ocdbt"
+    victim = next(p for p in (path / top / "0").rglob("*") if p.is_file())
     victim.rename(tmp_path / "outside")
     os.symlink(tmp_path / "outside", victim)
     with pytest.raises(pytreeckpt.CheckpointError, match=r"leaf 'w'.*leads outside the checkpoint"):

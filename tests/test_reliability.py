@@ -55,7 +55,8 @@ def stored_but_unreferenced(path: Path) -> list[str]:
     """Arrays and databases in a checkpoint directory that its metadata does not name: leftovers."""
     doc = json.loads((path / "pytreeckpt.json").read_bytes())
     named = {leaf.get("database") or leaf["path"] for leaf in doc["leaves"] if leaf["kind"] == "array"}
-    stored = {f"{top}/{p.name}" for top in ("arrays", "ocdbt") if (path / top).is_dir() for p in (path / top).iterdir()}
+    tops = ("arrays", "ocdbt", "packed")
+    stored = {f"{top}/{p.name}" for top in tops if (path / top).is_dir() for p in (path / top).iterdir()}
     return sorted(stored - named)
 
 

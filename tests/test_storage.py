@@ -21,7 +21,7 @@ import seaweed
 import tensorstore as ts
 import torch
 from crash_workers import save_when_told, state
-from helpers import bits
+from helpers import bits, packed_in
 from safetensors.torch import load_file
 
 import pytreeckpt
@@ -95,7 +95,7 @@ def test_memory_locations_keep_the_commit_protocol() -> None:
 def test_packed_arrays_are_few_files_and_damage_to_them_is_found(tmp_path: Path) -> None:
     tree = {f"b{i}": torch.full((16,), float(i)) for i in range(300)}
     tree["big"] = torch.randn(1024, 512)  # 2 MiB: over pack_max_bytes, stored on its own
-    pytreeckpt.save(tmp_path / "c", tree)
+    pytreeckpt.save(packed_in(tmp_path / "c", "ocdbt"), tree)  # (zip archives: tests/test_archive.py)
     doc = json.loads((tmp_path / "c" / "pytreeckpt.json").read_text())
     assert doc["version"] == 2
     assert {leaf["key"] for leaf in doc["leaves"] if "database" not in leaf} == {"big"}
@@ -409,7 +409,7 @@ def test_packed_arrays_of_many_chunks_and_transactions_load_and_open_in_tensorst
     tree["s"] = torch.tensor(7, dtype=torch.int64)
     tree["b"] = torch.tensor([True, False, True])
     chunking = pytreeckpt.ChunkingOptions(single_chunk_bytes=256, min_chunk_bytes=64, max_chunk_bytes=256)
-    pytreeckpt.save(tmp_path / "c", tree, chunking=chunking)
+    pytreeckpt.save(packed_in(tmp_path / "c", "ocdbt"), tree, chunking=chunking)
     doc = json.loads((tmp_path / "c" / "pytreeckpt.json").read_text())
     leaves = {leaf["key"]: leaf for leaf in doc["leaves"]}
     assert all(leaves[k].get("database") == "ocdbt/0" for k in tree)
@@ -427,7 +427,7 @@ def test_packed_arrays_of_many_chunks_and_transactions_load_and_open_in_tensorst
 
 def test_a_packed_chunk_missing_from_its_database_names_leaf_and_database(tmp_path: Path) -> None:
     tree = {"a": torch.ones(4), "b": torch.arange(6.0)}
-    pytreeckpt.save(tmp_path / "c", tree)
+    pytreeckpt.save(packed_in(tmp_path / "c", "ocdbt"), tree)
     kv = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{tmp_path / 'c' / 'ocdbt' / '0'}/"}).result()
     kv.delete_range(ts.KvStore.KeyRange("arrays/b/c", "arrays/b/d")).result()
     with pytest.raises(pytreeckpt.CheckpointError, match=r"leaf 'b'.* missing from the OCDBT database 'ocdbt/0'"):

@@ -20,7 +20,7 @@ import os
 import threading
 import time
 import traceback
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
@@ -37,6 +37,7 @@ from pytreeckpt.execute._monitor import Monitor, Progress, Span, logger
 from pytreeckpt.execute._pipeline import Snapshot, staged_writes
 from pytreeckpt.execute._staging import PoolAborted, staging_pool
 from pytreeckpt.format._document import (
+    ARCHIVE_DIR,
     ARRAYS_DIR,
     MAX_PACKED_BYTES,
     PACKED_DIR,
@@ -301,7 +302,7 @@ class _SaveJob:
         are stored as arrays of their own.
         """
         comm = self._ranks
-        whole = [i for i, m in enumerate(self.metas) if m.database == f"{PACKED_DIR}/{comm.rank}"]
+        whole = [i for i, m in enumerate(self.metas) if m.database == f"{self.storage.packed_prefix()}/{comm.rank}"]
         gathered = comm.gather(whole)
         unpacked = None
         if comm.rank == 0:
@@ -330,8 +331,8 @@ class _SaveJob:
         generation = comm.broadcast(generation)
         if me != 0:
             self._name(generation)
-        mine_db = generation_name(f"{PACKED_DIR}/{comm.rank}", generation)
-        try:  # each rank alone writes its own OCDBT database of packed arrays
+        mine_db = generation_name(f"{self.storage.packed_prefix()}/{comm.rank}", generation)
+        try:  # each rank alone writes its own OCDBT database (or zip archives) of packed arrays
             self.storage.open_arrays([m for m in self.metas if m.database == mine_db], create=True)
         except Exception as e:
             error = e
@@ -522,7 +523,13 @@ def _plan_job(
                 planned.codecs[a.key],
                 database=db,
             )
-            for a, ap, name, db in zip(arrays, plan.arrays, names, _databases(storage, plan, rank), strict=True)
+            for a, ap, name, db in zip(
+                arrays,
+                plan.arrays,
+                names,
+                _databases(storage, plan, rank, [planned.codecs[a.key] is not None for a in arrays]),
+                strict=True,
+            )
         ]
         it = iter(metas)
         leaf_json = [e if e is not None else next(it).to_json() for e in planned.entries]
@@ -684,8 +691,12 @@ def _compressions(compression: Any, root: Any, keys: list[str], n: int, namespac
 _SAVE_PLANS = PlanCache(4)  # the plans of the last few saves: a save in the layout of one of them reuses its plan
 
 
-def _databases(storage: Storage, plan: SavePlan, rank: int | None) -> list[str | None]:
-    """Where each array goes: the OCDBT database of its writer if it is small, has one writer and packing is on.
+def _databases(storage: Storage, plan: SavePlan, rank: int | None, compressed: Sequence[bool]) -> list[str | None]:
+    """Where each array goes: the database of its writer (zip archives or OCDBT) if it is small, has one writer
+    and packing is on.
+
+    In zip archives (``Storage.packed_prefix``) only uncompressed arrays are packed: the archives
+    hold raw chunks, and a compressed small array is stored on its own.
 
     A rank planning its own part (``rank``) knows whether it alone writes an array: its
     writes cover it. A small array it writes only part of, or nothing of, gets the
@@ -694,17 +705,19 @@ def _databases(storage: Storage, plan: SavePlan, rank: int | None) -> list[str |
     reaches the coordinator after them.
     """
     opts = storage.location.options
+    prefix = storage.packed_prefix()
     out: list[str | None] = []
-    for ap in plan.arrays:
+    for ap, squeezed in zip(plan.arrays, compressed, strict=True):
         size = math.prod(ap.shape)
         small = opts.pack_small_leaves and 0 < size * ap.itemsize <= min(opts.pack_max_bytes, MAX_PACKED_BYTES)
+        small = small and not (squeezed and prefix == ARCHIVE_DIR)
         writers = {op.writer for op in ap.writes}
         if not small:
             out.append(None)
         elif rank is None:  # every write planned
-            out.append(f"{PACKED_DIR}/{writers.pop()}" if len(writers) == 1 else None)
+            out.append(f"{prefix}/{writers.pop()}" if len(writers) == 1 else None)
         elif writers == {rank} and sum(op.region.size for op in ap.writes) == size:
-            out.append(f"{PACKED_DIR}/{rank}")
+            out.append(f"{prefix}/{rank}")
         else:
             out.append(PACKED_DIR)
     return out

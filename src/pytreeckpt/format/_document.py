@@ -35,6 +35,7 @@ from pytreeckpt.core._sharding import Layout, layout_from_json
 from pytreeckpt.core._tree import Node, decode_value
 
 __all__ = [
+    "ARCHIVE_DIR",
     "ARRAYS_DIR",
     "FORMAT_NAME",
     "FORMAT_VERSION",
@@ -55,14 +56,17 @@ __all__ = [
 ]
 
 FORMAT_NAME = "pytreeckpt"
-FORMAT_VERSION = 2
-"""The newest version written: 2 when some array is packed in an OCDBT database, else 1."""
+FORMAT_VERSION = 3
+"""The newest version written: 3 when some array is packed in zip archives, 2 when some is
+packed in an OCDBT database, else 1."""
 METADATA_FILE = "pytreeckpt.json"
 LOCK_FILE = ".pytreeckpt.lock"
 STEP_DIR = re.compile(r"^step_(\d+)$")
 """A CheckpointManager's step directory (or key prefix): ``step_<n>``."""
 ARRAYS_DIR = "arrays"
 PACKED_DIR = "ocdbt"
+ARCHIVE_DIR = "packed"
+"""Packed arrays as zip archive entries (format version 3): ``packed/<rank>/<n>.zip``."""
 CONTAINERS = ("torch", "numpy")
 MAX_METADATA_BYTES = 256 << 20
 """The default cap on the metadata document's size (``StorageOptions.max_metadata_bytes``)."""
@@ -71,7 +75,7 @@ MAX_PACKED_BYTES = 64 << 20
 MAX_NDIM = 32
 """The most dims a saved array may have: TensorStore's limit (``kMaxRank``) for the arrays it opens."""
 
-_DATABASE = re.compile(r"^ocdbt/(0|[1-9][0-9]{0,8})(~g[1-9][0-9]{0,8})?$")
+_DATABASE = re.compile(r"^(ocdbt|packed)/(0|[1-9][0-9]{0,8})(~g[1-9][0-9]{0,8})?$")
 _GENERATION = re.compile(r"~g([1-9][0-9]{0,8})$")
 
 _SAFE_COMPONENT = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.~-]{0,199}$")
@@ -90,7 +94,7 @@ class ArrayMeta:
     layout: Layout | None
     compression: Compression | None = None
     chunk_hashes: tuple[str, ...] | None = None  # blake2b-128 of each chunk's raw bytes, C order of the grid
-    database: str | None = None  # "ocdbt/<rank>": the array is packed in that OCDBT database
+    database: str | None = None  # "ocdbt/<rank>" or "packed/<rank>": packed in that OCDBT database / those zip archives
     chunk_crc32c: bytes | None = None  # each chunk's crc32c, little-endian uint32 in C order of the grid
     # The same as a document stores it (base64), decoded by crc32c() when first needed: a
     # load decodes only what it reads (57 MB of them for a 405B model on 16,384 ranks).
@@ -396,7 +400,7 @@ def _parse_leaf(data: Any, index: int, layouts: dict[str, Layout] | None = None)
     if database is not None:
         if not isinstance(database, str) or not _DATABASE.match(database):
             raise MetadataError(
-                f"leaf {key!r}: database must be 'ocdbt/<rank>' or 'ocdbt/<rank>~g<generation>', "
+                f"leaf {key!r}: database must be 'ocdbt/<rank>' or 'packed/<rank>', maybe with '~g<generation>', "
                 f"found {str(database)[:200]!r}"
             )
         nbytes = math.prod(shape) * dtype.itemsize
@@ -560,10 +564,11 @@ def with_chunk_sums(
 
 def build_document(tree: Node, leaves: Sequence[dict[str, Any]], user_metadata: dict[str, Any] | None) -> bytes:
     """Serialise a metadata document."""
-    packed = any("database" in leaf for leaf in leaves)
+    databases = {d for leaf in leaves if isinstance(d := leaf.get("database"), str)}
+    version = 3 if any(d.startswith(ARCHIVE_DIR + "/") for d in databases) else 2 if databases else 1
     doc = {
         "format": FORMAT_NAME,
-        "version": FORMAT_VERSION if packed else 1,
+        "version": version,
         "tree": tree.to_json(),
         "leaves": list(leaves),
         "user_metadata": user_metadata or {},

@@ -21,6 +21,8 @@ import tensorstore as ts
 from pytreeckpt.core._errors import CheckpointError
 from pytreeckpt.core._region import Region, chunk_region
 from pytreeckpt.format._document import (
+    ARCHIVE_DIR,
+    PACKED_DIR,
     ArrayMeta,
     zarr_metadata,
 )
@@ -35,7 +37,15 @@ from pytreeckpt.storage._integrity import (
     _settle_stored_chunk,
 )
 from pytreeckpt.storage._location import OCDBT_CACHE
-from pytreeckpt.storage._packed import PackedStores, decode_chunk, encode_chunk, handles, zarr_json
+from pytreeckpt.storage._packed import (
+    PackedStores,
+    decode_chunk,
+    describe_database,
+    encode_chunk,
+    handles,
+    in_archives,
+    zarr_json,
+)
 
 logger = logging.getLogger("pytreeckpt")
 
@@ -61,13 +71,25 @@ class ArrayIO(FileChecks, Durability):
 
     @property
     def packed(self) -> PackedStores:
-        """The key-value stores of this checkpoint's OCDBT databases (see :mod:`pytreeckpt.storage._packed`)."""
+        """The stores of this checkpoint's OCDBT databases and zip archives (see :mod:`pytreeckpt.storage._packed`)."""
         if self._packed is None:
             self._packed = PackedStores(self.location, self.context)
         return self._packed  # type: ignore[no-any-return]
 
+    def packed_prefix(self) -> str:
+        """Where a save here packs small arrays: ``packed`` (zip archives: ``StorageOptions.pack_format="zip"``,
+        a local directory, a little-endian host) or ``ocdbt`` (OCDBT databases)."""
+        zipped = self.location.options.pack_format == "zip" and self.kv is None and LITTLE_ENDIAN
+        return ARCHIVE_DIR if zipped else PACKED_DIR
+
     # ------------------------------------------------------------------ arrays
     def _spec(self, meta: ArrayMeta, create: bool) -> dict[str, Any]:
+        if meta.database is not None and in_archives(meta.database):
+            raise CheckpointError(
+                f"leaf {meta.key!r}: {meta.path!r} in {describe_database(meta.database)} is read and written by "
+                f"this library's archive code, not opened through TensorStore (a compressed array is never packed "
+                f"there)"
+            )
         if meta.database is None:
             kvstore = self.location.kvstore(meta.path + "/")
         else:  # packed: the array's keys inside its writer's OCDBT database
@@ -95,7 +117,7 @@ class ArrayIO(FileChecks, Durability):
         def failed(meta: ArrayMeta, e: Exception) -> CheckpointError:
             where = repr(meta.path)
             if meta.database is not None:
-                where += f" in the OCDBT database {meta.database!r}"
+                where += f" in {describe_database(meta.database)}"
             verb = "create" if create else "open"
             return CheckpointError(f"leaf {meta.key!r}: cannot {verb} stored array {where}: {e}")
 
@@ -200,7 +222,7 @@ class ArrayIO(FileChecks, Durability):
     def _write_packed(
         self, meta: ArrayMeta, region: Region, data: np.ndarray, record: Callable[[tuple[int, ...], int], None] | None
     ) -> Future[Any]:
-        """Write ``region``'s chunks as keys of the array's OCDBT database (see :mod:`~pytreeckpt.storage._packed`).
+        """Write ``region``'s chunks as keys of the array's database (see :mod:`~pytreeckpt.storage._packed`).
 
         The bytes are copied into the database's transaction, so ``data`` may be reused at
         once; the future is that of a transaction this write filled and committed, if any.
@@ -416,10 +438,10 @@ def _landed(landing: Any, meta: ArrayMeta, what: str, expected: int | None) -> n
     try:
         got = landing.result()
     except Exception as e:
-        raise CheckpointError(f"{what} of {meta.path!r} in the OCDBT database {meta.database!r}: {e}") from e
+        raise CheckpointError(f"{what} of {meta.path!r} in {describe_database(meta.database)}: {e}") from e
     if got.state != "value":
         raise CheckpointError(
-            f"{what} of {meta.path!r} is missing from the OCDBT database {meta.database!r} (leaf {meta.key!r})"
+            f"{what} of {meta.path!r} is missing from {describe_database(meta.database)} (leaf {meta.key!r})"
         )
     return decode_chunk(got.value, meta, what, expected)
 

@@ -18,6 +18,7 @@ from typing import Any
 
 from pytreeckpt.core._errors import CheckpointError, MetadataError, NotCommittedError
 from pytreeckpt.format._document import (
+    ARCHIVE_DIR,
     ARRAYS_DIR,
     LOCK_FILE,
     METADATA_FILE,
@@ -125,7 +126,9 @@ class CommitProtocol(StorageBase):
                 raise CheckpointError(
                     f"{self.url} already holds a committed checkpoint; pass overwrite=True to replace it"
                 )
-            unknown = [k for k in keys if k != METADATA_FILE and k.split("/")[0] not in (ARRAYS_DIR, PACKED_DIR)]
+            unknown = [
+                k for k in keys if k != METADATA_FILE and k.split("/")[0] not in (ARRAYS_DIR, PACKED_DIR, ARCHIVE_DIR)
+            ]
             if unknown:
                 raise CheckpointError(
                     f"{self.url} is not empty and is not a pytreeckpt checkpoint (it holds {unknown[:5]}); "
@@ -139,7 +142,7 @@ class CommitProtocol(StorageBase):
                 f"{self.root} already holds a committed checkpoint; pass overwrite=True to replace it"
             )
         if self.root.is_dir():
-            known = {ARRAYS_DIR, PACKED_DIR, METADATA_FILE, LOCK_FILE}
+            known = {ARRAYS_DIR, PACKED_DIR, ARCHIVE_DIR, METADATA_FILE, LOCK_FILE}
             unknown = [p.name for p in self.root.iterdir() if p.name not in known and not p.name.startswith(".tmp-")]
             if unknown:
                 raise CheckpointError(
@@ -224,7 +227,7 @@ class CommitProtocol(StorageBase):
             if self.kv is None:
                 self._remove_temporaries()
                 if not self.is_committed():  # the directory is left as the save found it, or removed if it made it
-                    for top in (ARRAYS_DIR, PACKED_DIR):
+                    for top in (ARRAYS_DIR, PACKED_DIR, ARCHIVE_DIR):
                         with contextlib.suppress(FileNotFoundError):
                             (self.root / top).rmdir()
                     (self.root / LOCK_FILE).unlink(missing_ok=True)  # a writer waiting on it sees it gone
@@ -257,15 +260,15 @@ class CommitProtocol(StorageBase):
         return frozenset() if raw is None else _referenced(raw)
 
     def _stored_names(self) -> set[str]:
-        """The arrays and databases present: ``arrays/<name>`` and ``ocdbt/<name>``."""
+        """The arrays and databases present: ``arrays/<name>``, ``ocdbt/<name>`` and ``packed/<name>``."""
         out: set[str] = set()
         if self.kv is not None:
             for key in self.kv.list():
                 parts = key.split("/")
-                if len(parts) > 1 and parts[0] in (ARRAYS_DIR, PACKED_DIR):
+                if len(parts) > 1 and parts[0] in (ARRAYS_DIR, PACKED_DIR, ARCHIVE_DIR):
                     out.add(f"{parts[0]}/{parts[1]}")
             return out
-        for top in (ARRAYS_DIR, PACKED_DIR):
+        for top in (ARRAYS_DIR, PACKED_DIR, ARCHIVE_DIR):
             try:
                 out.update(f"{top}/{name}" for name in os.listdir(self.root / top))
             except (FileNotFoundError, NotADirectoryError):
@@ -374,7 +377,7 @@ class _Lock:
 
 
 def _referenced(document: bytes) -> frozenset[str] | None:
-    """The arrays and databases a metadata document uses (``arrays/<name>``, ``ocdbt/<name>``); None if unreadable.
+    """The arrays and databases a document uses (``arrays/``, ``ocdbt/``, ``packed/<name>``); None if unreadable.
 
     Read leniently (a document of a newer format still protects what it names), and
     never trusted beyond naming what not to delete.

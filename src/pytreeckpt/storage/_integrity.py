@@ -27,9 +27,11 @@ from pytreeckpt.format._document import (
     ArrayMeta,
     chunk_count,
 )
+from pytreeckpt.storage._archive import ArchiveReader
 from pytreeckpt.storage._base import StorageBase, _os_failure
 from pytreeckpt.storage._chunkfiles import chunk_crc, read_chunk
 from pytreeckpt.storage._location import OCDBT_CACHE
+from pytreeckpt.storage._packed import describe_database, in_archives
 
 logger = logging.getLogger("pytreeckpt")
 
@@ -97,6 +99,10 @@ class FileChecks(StorageBase):
         if self.kv is None:
             self.scan(meta.database, meta.key)
         prefix = f"{meta.path}/c"
+        if in_archives(meta.database):
+            n = len(ArchiveReader(self.root / meta.database, meta.database).keys(prefix + "/"))
+            self._check_chunk_count(meta, n, f"{describe_database(meta.database)} hold {n} of its chunks")
+            return
         try:
             db = ts.KvStore.open(
                 {"driver": "ocdbt", "base": self.location.kvstore(meta.database + "/"), "cache_pool": OCDBT_CACHE},

@@ -53,9 +53,16 @@ class StorageOptions:
         up to ``max_retry_delay`` seconds. Bounded, so a dead endpoint fails in seconds.
       chunking: how arrays are chunked when ``save`` is given no ``chunking``; None: the
         backend's default (several MiB per chunk on object stores, fewer requests).
-      pack_small_leaves: store arrays of one chunk and at most ``pack_max_bytes`` in an
-        OCDBT database per writing rank instead of as files / objects of their own.
+      pack_small_leaves: store arrays of at most ``pack_max_bytes`` together, per writing
+        rank (see ``pack_format``), instead of as files / objects of their own.
       pack_max_bytes: the largest array packed.
+      pack_format: ``"zip"`` (the default): packed arrays are entries of zip archives,
+        ``packed/<rank>/<n>.zip``, written by appending and read from the mapped files, in
+        local directories (on object stores, and on a big-endian host, they go to OCDBT;
+        compressed small arrays are stored on their own); ``"ocdbt"``: keys of an OCDBT
+        database per writing rank, ``ocdbt/<rank>/``, as before format version 3. Either
+        way each packed leaf is a zarr v3 array TensorStore opens (through its ``zip`` or
+        ``ocdbt`` kvstore).
       max_metadata_bytes: the largest metadata document read (checked before reading
         it): a document past it is refused with a MetadataError, and a save whose document
         would pass it refuses before writing. Parsing a document may take up to about 25
@@ -74,7 +81,12 @@ class StorageOptions:
     chunking: ChunkingOptions | None = None
     pack_small_leaves: bool = True
     pack_max_bytes: int = 1 * MiB
+    pack_format: str = "zip"
     max_metadata_bytes: int = 256 * MiB
+
+    def __post_init__(self) -> None:
+        if self.pack_format not in ("ocdbt", "zip"):
+            raise ValueError(f"pack_format must be 'ocdbt' or 'zip', found {self.pack_format!r}")
 
 
 OCDBT_CACHE = "cache_pool#ocdbt"

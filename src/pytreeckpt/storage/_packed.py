@@ -1,4 +1,4 @@
-"""Packed arrays' keys, written and read straight through their OCDBT databases.
+"""Packed arrays' keys, written and read straight through their OCDBT databases or zip archives.
 
 A packed array (format version 2) is a zarr v3 array whose keys live in its writer's OCDBT
 database. Opening it through TensorStore's zarr driver costs a spec parse, a metadata
@@ -25,13 +25,26 @@ import tensorstore as ts
 
 from pytreeckpt.core._dtypes import dtype_from_name
 from pytreeckpt.core._errors import CheckpointError
-from pytreeckpt.format._document import ArrayMeta, zarr_metadata
+from pytreeckpt.format._document import ARCHIVE_DIR, ArrayMeta, zarr_metadata
+from pytreeckpt.storage._archive import ArchiveReader, ArchiveWriter
 from pytreeckpt.storage._base import OCDBT_INLINE_BYTES
 from pytreeckpt.storage._chunkfiles import LITTLE_ENDIAN, _encoded_prefix
 from pytreeckpt.storage._location import OCDBT_CACHE, Resolved
 
 FLUSH_BYTES = 32 * 1024 * 1024
 """A database's transaction is committed (and a new one begun) once it holds this many bytes."""
+
+
+def in_archives(database: str) -> bool:
+    """Whether a database is a directory of zip archives (``packed/<rank>``), not an OCDBT database."""
+    return database.startswith(ARCHIVE_DIR + "/")
+
+
+def describe_database(database: str | None) -> str:
+    """How errors name where a packed array lives."""
+    if database is not None and in_archives(database):
+        return f"the packed archives {database!r}"
+    return f"the OCDBT database {database!r}"
 
 
 def handles(meta: ArrayMeta) -> bool:
@@ -86,14 +99,14 @@ def decode_chunk(value: bytes, meta: ArrayMeta, what: str, expected: int | None)
     size = math.prod(meta.chunk_shape) * meta.dtype.itemsize
     if len(value) != size + 4:
         raise CheckpointError(
-            f"{what} of {meta.path!r} in the OCDBT database {meta.database!r} holds {len(value)} bytes, "
+            f"{what} of {meta.path!r} in {describe_database(meta.database)} holds {len(value)} bytes, "
             f"expected {size + 4} (a damaged or replaced chunk)"
         )
     stored = int.from_bytes(value[size:], "little")
     crc = google_crc32c.value(np.frombuffer(value, dtype=np.uint8, count=size))
     if crc != stored:
         raise CheckpointError(
-            f"{what} of {meta.path!r} in the OCDBT database {meta.database!r} is damaged: its bytes have "
+            f"{what} of {meta.path!r} in {describe_database(meta.database)} is damaged: its bytes have "
             f"crc32c {crc:#010x}, it records {stored:#010x}"
         )
     if expected is not None and crc != expected:
@@ -111,6 +124,7 @@ class PackedStores:
         self.location, self.context = location, context
         self._readers: dict[str, Any] = {}
         self._writers: dict[str, tuple[Any, Any]] = {}  # database -> (store, its open transaction)
+        self._archives: dict[str, ArchiveWriter] = {}  # database -> its writer (zip archives)
         self._buffered: dict[str, int] = {}
         self._lock = threading.Lock()
 
@@ -125,13 +139,30 @@ class PackedStores:
         return spec
 
     def reader(self, database: str) -> Any:
+        """What reads the database's keys: ``read(key)`` gives a future of a result with ``state`` and ``value``."""
         with self._lock:
             if database not in self._readers:
-                self._readers[database] = ts.KvStore.open(self._spec(database, False), context=self.context).result()
+                if in_archives(database):
+                    assert self.location.path is not None  # (archives are written to local directories only)
+                    self._readers[database] = ArchiveReader(self.location.path / database, database)
+                else:
+                    store = ts.KvStore.open(self._spec(database, False), context=self.context).result()
+                    self._readers[database] = store
             return self._readers[database]
 
     def write(self, database: str, key: str, value: bytes) -> Future[Any] | None:
-        """Write one key in the database's open transaction; returns the commit's future when this one filled it."""
+        """Write one key in the database's open transaction; returns the commit's future when this one filled it.
+
+        In zip archives the key is appended to the open archive (nothing to wait for: None).
+        """
+        if in_archives(database):
+            with self._lock:
+                writer = self._archives.get(database)
+                if writer is None:
+                    assert self.location.path is not None
+                    writer = self._archives[database] = ArchiveWriter(self.location.path / database)
+            writer.write(key, value)
+            return None
         with self._lock:
             if database not in self._writers:
                 store = ts.KvStore.open(self._spec(database, True), context=self.context).result()
@@ -152,6 +183,13 @@ class PackedStores:
             open_ = [(database, txn) for database, (_, txn) in self._writers.items()]
             self._writers.clear()
             self._buffered.clear()
+            archives = list(self._archives.items())
+            self._archives.clear()
+        for database, writer in archives:
+            try:
+                writer.finish()
+            except OSError as e:
+                raise CheckpointError(f"cannot write the packed archives {database!r}: {e}") from e
         futures = [(database, _commit(txn, database)) for database, txn in open_]
         for _database, future in futures:
             future.result()
@@ -163,6 +201,9 @@ class PackedStores:
                 txn.abort()
             self._writers.clear()
             self._buffered.clear()
+            for writer in self._archives.values():
+                writer.abort()
+            self._archives.clear()
 
 
 def _commit(txn: Any, database: str) -> Future[Any]:
@@ -185,4 +226,13 @@ def _commit(txn: Any, database: str) -> Future[Any]:
     return out
 
 
-__all__ = ["FLUSH_BYTES", "PackedStores", "decode_chunk", "encode_chunk", "handles", "zarr_json"]
+__all__ = [
+    "FLUSH_BYTES",
+    "PackedStores",
+    "decode_chunk",
+    "describe_database",
+    "encode_chunk",
+    "handles",
+    "in_archives",
+    "zarr_json",
+]
