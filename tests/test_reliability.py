@@ -413,3 +413,40 @@ def test_a_process_exiting_with_a_save_in_flight_finishes_it(tmp_path: Path) -> 
     assert done.returncode == 0, done.stderr
     assert "returned" in done.stdout
     assert torch.equal(pytreeckpt.load(tmp_path / "c")["w"], torch.arange(1 << 20, dtype=torch.float32))
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_an_io_thread_lets_go_of_a_buffer_before_it_settles_the_future(fails: bool) -> None:
+    # A failed async save's caller is woken by the future's callbacks, on the I/O thread; it
+    # must not find that thread still holding the buffer (test_a_disk_that_fills_fails_cleanly
+    # once saw a staging buffer alive after wait() raised).
+    import threading
+    import weakref
+
+    import numpy as np
+
+    from pytreeckpt.storage._chunkfiles import IOPool
+
+    go = threading.Event()
+
+    def write(buf: np.ndarray) -> int:
+        go.wait(10)
+        if fails:
+            raise OSError(28, "No space left on device")
+        return int(buf.sum())
+
+    pool = IOPool()
+    buf = np.ones(1024)
+    ref = weakref.ref(buf)
+    future = pool.submit(1, write, buf)
+    del buf
+    alive: list[bool] = []
+    future.add_done_callback(lambda f: alive.append(ref() is not None))
+    go.set()
+    if fails:
+        with pytest.raises(OSError, match="No space"):
+            future.result(10)
+    else:
+        assert future.result(10) == 1024
+    assert alive == [False]
+    pool.quiesce(5)

@@ -46,7 +46,7 @@ LITTLE_ENDIAN = sys.byteorder == "little"
 _MAX_IO = 1 << 30  # bytes per system call (Linux moves at most about 2 GiB in one)
 
 
-_Task = tuple[Future[Any], Callable[..., Any], tuple[Any, ...]]
+_Task = list[Any]  # [future, fn, args]: emptied by the thread that runs it (see _run)
 
 QUIESCE_SECONDS = 60.0
 """How long the exit hook waits for the chunk reads and writes already running (each one
@@ -101,9 +101,9 @@ class IOPool:
                     atexit.register(self.quiesce, QUIESCE_SECONDS)
             alive = bool(self._threads)
         if not alive:
-            _run(future, fn, args)
+            _run([future, fn, args])
             return future
-        self._tasks.put((future, fn, args))
+        self._tasks.put([future, fn, args])
         return future
 
     def _work(self) -> None:
@@ -112,7 +112,7 @@ class IOPool:
             task = self._tasks.get()
             if task is None:
                 return
-            _run(*task)
+            _run(task)
             del task  # an idle thread must not keep the last buffer (staging memory) alive
 
     def quiesce(self, timeout: float | None = None) -> bool:
@@ -138,14 +138,24 @@ class IOPool:
         return not any(t.is_alive() for t in threads)
 
 
-def _run(future: Future[Any], fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+def _run(task: _Task) -> None:
+    """Run ``task`` (``[future, fn, args]``) and settle its future.
+
+    The task is emptied first and its arguments dropped before the future is settled: the
+    future's callbacks run here, and the caller they wake must not find its buffers (staging
+    memory) still held by this thread.
+    """
+    future, fn, args = task
+    task.clear()
     if not future.set_running_or_notify_cancel():
         return
     try:
         result = fn(*args)
     except BaseException as e:
+        del args
         future.set_exception(_without_frames(e))
     else:
+        del args
         future.set_result(result)
 
 
