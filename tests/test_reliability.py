@@ -450,3 +450,20 @@ def test_an_io_thread_lets_go_of_a_buffer_before_it_settles_the_future(fails: bo
         assert future.result(10) == 1024
     assert alive == [False]
     pool.quiesce(5)
+
+
+@pytest.mark.parametrize("use_async", [False, True])
+def test_a_disk_that_fills_while_small_leaves_are_packed_fails_naming_the_archives(
+    small_disk: Path, use_async: bool
+) -> None:
+    # 9,000 leaves of 1 KiB: about 9 MiB of zip archive entries on a 6 MiB disk.
+    small = {f"b{i}": torch.full((256,), float(i)) for i in range(9000)}
+    if use_async:
+        h = pytreeckpt.async_save(small_disk / "c", small)
+        with pytest.raises(pytreeckpt.CheckpointError, match=rf"packed archives 'packed/0'.*({FULL})"):
+            h.wait()
+    else:
+        with pytest.raises(pytreeckpt.CheckpointError, match=rf"packed archives 'packed/0'.*({FULL})"):
+            pytreeckpt.save(small_disk / "c", small)
+    assert not (small_disk / "c").exists()
+    assert used(small_disk) < 1 << 20

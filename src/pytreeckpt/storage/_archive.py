@@ -79,11 +79,11 @@ class ArchiveWriter:
 
     def _flush(self) -> None:
         assert self._fd is not None
-        with memoryview(self._buffer) as whole:
-            view = whole
-            while view:
-                view = view[os.write(self._fd, view) :]
-            del view
+        done = 0
+        with memoryview(self._buffer) as whole:  # (every view released, even when a write fails)
+            while done < len(whole):
+                with whole[done:] as rest:
+                    done += os.write(self._fd, rest)
         self._buffer.clear()
 
     def _close(self) -> None:
@@ -113,7 +113,7 @@ class ArchiveWriter:
             if self._fd is not None:
                 os.close(self._fd)
                 self._fd = None
-            self._buffer.clear()
+            self._buffer = bytearray()
 
 
 class _Read:

@@ -12,10 +12,12 @@ The stored form is the same as TensorStore's, so either reads what the other wro
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
 import threading
+from collections.abc import Iterator
 from concurrent.futures import Future
 from typing import Any
 
@@ -161,7 +163,8 @@ class PackedStores:
                 if writer is None:
                     assert self.location.path is not None
                     writer = self._archives[database] = ArchiveWriter(self.location.path / database)
-            writer.write(key, value)
+            with _archive_errors(database):
+                writer.write(key, value)
             return None
         with self._lock:
             if database not in self._writers:
@@ -186,10 +189,8 @@ class PackedStores:
             archives = list(self._archives.items())
             self._archives.clear()
         for database, writer in archives:
-            try:
+            with _archive_errors(database):
                 writer.finish()
-            except OSError as e:
-                raise CheckpointError(f"cannot write the packed archives {database!r}: {e}") from e
         futures = [(database, _commit(txn, database)) for database, txn in open_]
         for _database, future in futures:
             future.result()
@@ -204,6 +205,15 @@ class PackedStores:
             for writer in self._archives.values():
                 writer.abort()
             self._archives.clear()
+
+
+@contextlib.contextmanager
+def _archive_errors(database: str) -> Iterator[None]:
+    """A failed file operation on a database's zip archives (a full disk) as a CheckpointError naming them."""
+    try:
+        yield
+    except OSError as e:
+        raise CheckpointError(f"cannot write the packed archives {database!r}: {e}") from e
 
 
 def _commit(txn: Any, database: str) -> Future[Any]:
