@@ -14,7 +14,7 @@ from typing import Any
 from pytreeckpt.api import metadata, verify
 from pytreeckpt.core._errors import CheckpointError
 from pytreeckpt.core._tree import decode_value, encode_value
-from pytreeckpt.format._document import ARCHIVE_DIR, ARRAYS_DIR, LOCK_FILE, METADATA_FILE, PACKED_DIR, ArrayMeta
+from pytreeckpt.format._document import ARRAYS_DIR, LOCK_FILE, METADATA_FILE, STORED_DIRS, ArrayMeta
 from pytreeckpt.interop._dcp import import_dcp
 from pytreeckpt.interop._safetensors import export_safetensors, import_safetensors
 from pytreeckpt.storage import Storage
@@ -57,7 +57,7 @@ def _kv_entries(where: str) -> list[dict[str, Any]]:
     kv.check_reachable()
     keys = kv.list()
     parts = [k.split("/") for k in keys]
-    marks = (METADATA_FILE, ARRAYS_DIR, PACKED_DIR, ARCHIVE_DIR)
+    marks = (METADATA_FILE, *STORED_DIRS)
     if any(p[0] in marks for p in parts):
         groups: dict[str, list[list[str]]] = {"": parts}
     else:

@@ -42,6 +42,7 @@ __all__ = [
     "MAX_NDIM",
     "METADATA_FILE",
     "PACKED_DIR",
+    "STORED_DIRS",
     "ArrayMeta",
     "CheckpointDoc",
     "Compression",
@@ -67,6 +68,8 @@ ARRAYS_DIR = "arrays"
 PACKED_DIR = "ocdbt"
 ARCHIVE_DIR = "packed"
 """Packed arrays as zip archive entries (format version 3): ``packed/<rank>/<n>.zip``."""
+STORED_DIRS = (ARRAYS_DIR, PACKED_DIR, ARCHIVE_DIR)
+"""The top-level directories (key prefixes) holding a checkpoint's arrays and databases."""
 CONTAINERS = ("torch", "numpy")
 MAX_METADATA_BYTES = 256 << 20
 """The default cap on the metadata document's size (``StorageOptions.max_metadata_bytes``)."""
@@ -119,10 +122,11 @@ class ArrayMeta:
                 raw = binascii.a2b_base64(self.crc32c_text, strict_mode=True)
             except (binascii.Error, ValueError):
                 raise MetadataError(f"leaf {self.key!r}: chunk_crc32c is not valid base64") from None
-            if len(raw) != 4 * chunk_count(self.shape, self.chunk_shape):
+            expected = 4 * chunk_count(self.shape, self.chunk_shape)
+            if len(raw) != expected:
                 raise MetadataError(
-                    f"leaf {self.key!r}: chunk_crc32c holds {len(raw)} bytes, expected "
-                    f"{4 * chunk_count(self.shape, self.chunk_shape)} (one uint32 per chunk)"
+                    f"leaf {self.key!r}: chunk_crc32c holds {len(raw)} bytes, expected {expected} "
+                    f"(one uint32 per chunk)"
                 )
             self._decoded.append(raw)  # (two threads at once decode twice, alike)
         return self._decoded[0]

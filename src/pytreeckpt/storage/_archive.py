@@ -138,7 +138,6 @@ class ArchiveReader:
 
     def __init__(self, folder: Path, database: str) -> None:
         self.folder, self.database = folder, database
-        self._maps: list[mmap.mmap] = []
         self._index: dict[str, tuple[mmap.mmap, int, int]] = {}  # name -> (archive, local header offset, size)
         self._lock = threading.Lock()
         self._loaded = False
@@ -165,7 +164,6 @@ class ArchiveReader:
             if size < _END.size:
                 raise self._damaged(path, f"it holds {size} bytes, less than a zip's end record")
             mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        self._maps.append(mm)
         sig, _, _, _, n, cd_size, cd_start, comment = _END.unpack_from(mm, size - _END.size)
         if sig != _END_SIG or comment != 0 or cd_start + cd_size != size - _END.size:
             raise self._damaged(path, "no end record where this library writes it (a truncated or foreign file)")
@@ -193,26 +191,19 @@ class ArchiveReader:
             return _Read(None)
         mm, offset, size = got
         name = key.encode()
-        if (
-            _LOCAL.unpack_from(mm, offset)[0] != _LOCAL_SIG
-            or mm[offset + _LOCAL.size : offset + _LOCAL.size + len(name)] != name
-        ):
+        header = _LOCAL.unpack_from(mm, offset)
+        start = offset + _LOCAL.size
+        if header[0] != _LOCAL_SIG or mm[start : start + len(name)] != name:
             raise CheckpointError(
                 f"the packed archive entry {key!r} in {self.database!r} is damaged: its header does not name it"
             )
-        start = offset + _LOCAL.size + len(name) + _LOCAL.unpack_from(mm, offset)[10]
+        start += len(name) + header[10]  # (after the name, the local header's extra field)
         return _Read(mm[start : start + size])
 
     def keys(self, prefix: str) -> list[str]:
         if not self._loaded:
             self._load()
         return [k for k in self._index if k.startswith(prefix)]
-
-    def close(self) -> None:
-        for mm in self._maps:
-            mm.close()
-        self._maps.clear()
-        self._index.clear()
 
 
 __all__ = ["MAX_BYTES", "MAX_ENTRIES", "ArchiveReader", "ArchiveWriter", "archive_name"]

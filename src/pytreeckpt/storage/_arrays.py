@@ -38,7 +38,6 @@ from pytreeckpt.storage._integrity import (
 )
 from pytreeckpt.storage._location import OCDBT_CACHE
 from pytreeckpt.storage._packed import (
-    PackedStores,
     decode_chunk,
     describe_database,
     encode_chunk,
@@ -68,13 +67,6 @@ class _Ready:
 
 class ArrayIO(FileChecks, Durability):
     """Opens stored arrays and moves their chunks, every chunk read checked."""
-
-    @property
-    def packed(self) -> PackedStores:
-        """The stores of this checkpoint's OCDBT databases and zip archives (see :mod:`pytreeckpt.storage._packed`)."""
-        if self._packed is None:
-            self._packed = PackedStores(self.location, self.context)
-        return self._packed  # type: ignore[no-any-return]
 
     def packed_prefix(self) -> str:
         """Where a save here packs small arrays: ``packed`` (zip archives: ``StorageOptions.pack_format="zip"``,

@@ -18,12 +18,11 @@ from typing import Any
 
 from pytreeckpt.core._errors import CheckpointError, MetadataError, NotCommittedError
 from pytreeckpt.format._document import (
-    ARCHIVE_DIR,
     ARRAYS_DIR,
     LOCK_FILE,
     METADATA_FILE,
-    PACKED_DIR,
     STEP_DIR,
+    STORED_DIRS,
     generation_of,
 )
 from pytreeckpt.storage._base import StorageBase, _os_failure
@@ -126,9 +125,7 @@ class CommitProtocol(StorageBase):
                 raise CheckpointError(
                     f"{self.url} already holds a committed checkpoint; pass overwrite=True to replace it"
                 )
-            unknown = [
-                k for k in keys if k != METADATA_FILE and k.split("/")[0] not in (ARRAYS_DIR, PACKED_DIR, ARCHIVE_DIR)
-            ]
+            unknown = [k for k in keys if k != METADATA_FILE and k.split("/")[0] not in STORED_DIRS]
             if unknown:
                 raise CheckpointError(
                     f"{self.url} is not empty and is not a pytreeckpt checkpoint (it holds {unknown[:5]}); "
@@ -142,7 +139,7 @@ class CommitProtocol(StorageBase):
                 f"{self.root} already holds a committed checkpoint; pass overwrite=True to replace it"
             )
         if self.root.is_dir():
-            known = {ARRAYS_DIR, PACKED_DIR, ARCHIVE_DIR, METADATA_FILE, LOCK_FILE}
+            known = {*STORED_DIRS, METADATA_FILE, LOCK_FILE}
             unknown = [p.name for p in self.root.iterdir() if p.name not in known and not p.name.startswith(".tmp-")]
             if unknown:
                 raise CheckpointError(
@@ -227,7 +224,7 @@ class CommitProtocol(StorageBase):
             if self.kv is None:
                 self._remove_temporaries()
                 if not self.is_committed():  # the directory is left as the save found it, or removed if it made it
-                    for top in (ARRAYS_DIR, PACKED_DIR, ARCHIVE_DIR):
+                    for top in STORED_DIRS:
                         with contextlib.suppress(FileNotFoundError):
                             (self.root / top).rmdir()
                     (self.root / LOCK_FILE).unlink(missing_ok=True)  # a writer waiting on it sees it gone
@@ -265,10 +262,10 @@ class CommitProtocol(StorageBase):
         if self.kv is not None:
             for key in self.kv.list():
                 parts = key.split("/")
-                if len(parts) > 1 and parts[0] in (ARRAYS_DIR, PACKED_DIR, ARCHIVE_DIR):
+                if len(parts) > 1 and parts[0] in STORED_DIRS:
                     out.add(f"{parts[0]}/{parts[1]}")
             return out
-        for top in (ARRAYS_DIR, PACKED_DIR, ARCHIVE_DIR):
+        for top in STORED_DIRS:
             try:
                 out.update(f"{top}/{name}" for name in os.listdir(self.root / top))
             except (FileNotFoundError, NotADirectoryError):

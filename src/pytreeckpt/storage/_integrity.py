@@ -27,11 +27,9 @@ from pytreeckpt.format._document import (
     ArrayMeta,
     chunk_count,
 )
-from pytreeckpt.storage._archive import ArchiveReader
 from pytreeckpt.storage._base import StorageBase, _os_failure
 from pytreeckpt.storage._chunkfiles import chunk_crc, read_chunk
-from pytreeckpt.storage._location import OCDBT_CACHE
-from pytreeckpt.storage._packed import describe_database, in_archives
+from pytreeckpt.storage._packed import PackedStores, describe_database, in_archives
 
 logger = logging.getLogger("pytreeckpt")
 
@@ -52,6 +50,13 @@ _INLINE_CHECK_BYTES = 1 << 20
 
 class FileChecks(StorageBase):
     """Checks of the stored files of arrays, before TensorStore or a read opens them."""
+
+    @property
+    def packed(self) -> PackedStores:
+        """The stores of this checkpoint's OCDBT databases and zip archives (see :mod:`pytreeckpt.storage._packed`)."""
+        if self._packed is None:
+            self._packed = PackedStores(self.location, self.context)
+        return self._packed  # type: ignore[no-any-return]
 
     def check_stored_sizes(self, metas: Sequence[ArrayMeta]) -> None:
         """Refuse metadata that claims more than is stored, before anything is allocated or looped over.
@@ -99,21 +104,17 @@ class FileChecks(StorageBase):
         if self.kv is None:
             self.scan(meta.database, meta.key)
         prefix = f"{meta.path}/c"
-        if in_archives(meta.database):
-            n = len(ArchiveReader(self.root / meta.database, meta.database).keys(prefix + "/"))
-            self._check_chunk_count(meta, n, f"{describe_database(meta.database)} hold {n} of its chunks")
-            return
-        try:
-            db = ts.KvStore.open(
-                {"driver": "ocdbt", "base": self.location.kvstore(meta.database + "/"), "cache_pool": OCDBT_CACHE},
-                context=self.context,
-            ).result()
-            keys = db.list(ts.KvStore.KeyRange(prefix + "/", prefix + "0")).result()
+        try:  # through the database's reader, opened (an archive's directory parsed) once per checkpoint
+            db = self.packed.reader(meta.database)
+            if in_archives(meta.database):
+                n = len(db.keys(prefix + "/"))
+            else:
+                n = len(db.list(ts.KvStore.KeyRange(prefix + "/", prefix + "0")).result())
         except Exception as e:
             raise CheckpointError(
                 f"leaf {meta.key!r}: cannot list the chunks of {meta.path!r} in {meta.database!r}: {e}"
             ) from e
-        self._check_chunk_count(meta, len(keys), f"{meta.database!r} holds {len(keys)} of its chunks")
+        self._check_chunk_count(meta, n, f"{describe_database(meta.database)} holds {n} of its chunks")
 
     def stored_bytes(self, meta: ArrayMeta) -> int | None:
         """Bytes of the chunk files of one stored array; None where the store cannot tell (packed, key-value)."""
