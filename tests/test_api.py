@@ -18,6 +18,7 @@ from helpers import bits, unpacked
 
 import pytreeckpt
 from pytreeckpt import Abstract, ExplicitRegions, FlatRanges, Mesh, Replicate, Shard, ShardedLeaf, ShardingSpec
+from pytreeckpt.storage import Storage
 
 
 def trained_state() -> tuple[torch.nn.Module, torch.optim.Optimizer, dict]:
@@ -302,6 +303,14 @@ def _count_reads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
         return n
 
     monkeypatch.setattr(_load, "read_arrays", read)
+    small = Storage.read_small
+
+    def read_small(self: Storage, metas: Any) -> list[bytes]:
+        out = small(self, metas)
+        counted.append(sum(m.nbytes for m in metas))
+        return out
+
+    monkeypatch.setattr(Storage, "read_small", read_small)
     return counted
 
 

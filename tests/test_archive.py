@@ -148,3 +148,85 @@ def test_damaged_archives_are_refused_naming_the_leaf_or_the_archive(tmp_path: P
     assert torch.equal(pytreeckpt.load(path, include=["a"])["a"], tree["a"])
     with pytest.raises(pytreeckpt.CheckpointError, match=r"leaf 'b'.*missing from the packed archives 'packed/0'"):
         pytreeckpt.load(path)
+
+
+def test_small_whole_arrays_are_read_without_a_plan_into_memory_of_their_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The lean read of small one-chunk arrays (Storage.read_small) gives what the planned read gives."""
+    from pytreeckpt.storage import Storage
+
+    path = tmp_path / "c"
+    g = torch.Generator().manual_seed(9)
+    weight = torch.nn.Parameter(torch.randn(4, 4, generator=g))
+    frozen = torch.nn.Parameter(torch.randn(3, generator=g), requires_grad=False)
+    tree = {
+        **_tree(),
+        "c": torch.randn(3, dtype=torch.complex64, generator=g),
+        "e": torch.ones(0, 3),  # zero size: nothing to read
+        "p": weight,
+        "q": frozen,
+        "f8": torch.randn(6, generator=g).to(torch.float8_e4m3fn),
+    }
+    pytreeckpt.save(Location(path, ZIP), tree)
+    leaned: list[str] = []
+    original = Storage.read_small
+
+    def read_small(self: Storage, metas: Any) -> list[bytes]:
+        leaned.extend(m.key for m in metas)
+        return original(self, metas)
+
+    monkeypatch.setattr(Storage, "read_small", read_small)
+    small = {"w", "h", "s", "b", "n", "c", "p", "q", "f8"}
+    out = pytreeckpt.load(path)
+    assert set(leaned) == small
+    for k, v in tree.items():
+        assert _equal(out[k], v.detach() if isinstance(v, torch.Tensor) else v), k
+        assert type(out[k]) is (torch.Tensor if isinstance(v, torch.Tensor) else type(v)), k
+    # Into a target of tensors: new tensors, a Parameter stays one (and keeps requires_grad).
+    # A target of another dtype or shape is refused as before.
+    leaned.clear()
+    target = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else v) for k, v in tree.items()}
+    target["p"], target["q"] = torch.nn.Parameter(torch.zeros(4, 4)), torch.nn.Parameter(torch.zeros(3), False)
+    again = pytreeckpt.load(path, target)
+    assert set(leaned) == small - {"n"}  # (a numpy target takes the planned read)
+    assert type(again["p"]) is torch.nn.Parameter
+    assert again["p"].requires_grad
+    assert not again["q"].requires_grad
+    assert torch.equal(again["p"].detach(), weight.detach())
+    assert torch.equal(again["f8"].view(torch.uint8), tree["f8"].view(torch.uint8))
+    assert again["w"] is not target["w"]
+    assert not torch.equal(target["w"], tree["w"])
+    with pytest.raises(pytreeckpt.TargetMismatchError, match=r"leaf 'w': the checkpoint has dtype float32"):
+        pytreeckpt.load(path, {**target, "w": target["w"].double()})
+    with pytest.raises(pytreeckpt.TargetMismatchError, match=r"leaf 'w': the checkpoint has shape \(37, 11\)"):
+        pytreeckpt.load(path, {**target, "w": torch.zeros(11, 37)})
+    # Each result owns its memory: growing one touches no other, and nothing holds the archive's map.
+    pointers = {out[k].untyped_storage().data_ptr() for k in small if isinstance(out[k], torch.Tensor)}
+    assert len(pointers) == len(small) - 1
+    out["w"].resize_(1000)
+    assert torch.equal(out["h"], tree["h"])
+    # In place, through a device-less view, or resharded: the planned read, as before.
+    leaned.clear()
+    view_target = {"w": torch.zeros(11, 37).t()}
+    assert torch.equal(pytreeckpt.load(path, view_target, inplace=True)["w"], tree["w"])
+    assert leaned == []
+
+
+def test_a_damaged_small_array_read_without_a_plan_is_refused_naming_the_leaf(tmp_path: Path) -> None:
+    path = tmp_path / "c"
+    tree = {"a": torch.arange(8.0), "b": torch.ones(8)}
+    pytreeckpt.save(Location(path, ZIP), tree)
+    doc = _doc(path)
+    good = json.dumps(doc)
+    # The metadata's checksum of the chunk is not valid base64, or is another chunk's.
+    for text, match in (("!!!!!!==", r"leaf 'b': chunk_crc32c is not valid base64"), (None, r"leaf 'b'.*metadata")):
+        doc = json.loads(good)
+        leaves = {leaf["key"]: leaf for leaf in doc["leaves"]}
+        leaves["b"]["chunk_crc32c"] = text if text is not None else leaves["a"]["chunk_crc32c"]
+        (path / "pytreeckpt.json").write_text(json.dumps(doc))
+        for target in (None, {"a": torch.zeros(8), "b": torch.zeros(8)}):
+            with pytest.raises((pytreeckpt.CheckpointError, pytreeckpt.MetadataError), match=match):
+                pytreeckpt.load(path, target)
+    (path / "pytreeckpt.json").write_text(good)
+    assert torch.equal(pytreeckpt.load(path)["b"], tree["b"])

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import fnmatch
+import math
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -13,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from pytreeckpt.core._dtypes import dtype_of_numpy, dtype_of_torch, numpy_view
+from pytreeckpt.core._dtypes import TORCH_NAMES, dtype_of_numpy, dtype_of_torch, numpy_view
 from pytreeckpt.core._errors import CheckpointError, LayoutError, MetadataError, NotCommittedError, TargetMismatchError
 from pytreeckpt.core._leaf import Abstract, ShardedLeaf, piece_view
 from pytreeckpt.core._region import Region
@@ -264,6 +266,22 @@ def _into(target: torch.Tensor, buffer: torch.Tensor) -> None:
     """Copy a read buffer into the target tensor it stands for, in place (a Parameter's autograd aside)."""
     with torch.no_grad():
         target.copy_(buffer.to(target.device, non_blocking=True))
+
+
+def _small_result(meta: ArrayMeta, value: bytes, target: Any) -> Any:
+    """A whole small array's result from its stored chunk (``meta.nbytes`` bytes of elements, checked).
+
+    A new tensor (a Parameter for a Parameter target), or a numpy array for the numpy
+    container with no target. The bytes are copied with ``memmove``: a tensor a numpy
+    view was ever taken of can no longer be resized, which a tensor torch itself loaded can.
+    """
+    if meta.container == "numpy" and target is None:
+        return np.frombuffer(value, meta.dtype.numpy, math.prod(meta.shape)).reshape(meta.shape).copy()
+    t = torch.empty(meta.shape, dtype=meta.dtype.torch)
+    ctypes.memmove(t.data_ptr(), value, meta.nbytes)  # (the sizes agree: Storage.read_small checked the chunk's)
+    if target is not None and type(target) is torch.nn.Parameter:
+        return torch.nn.Parameter(t, requires_grad=target.requires_grad)
+    return t
 
 
 def _full_dest(
@@ -639,9 +657,22 @@ def _load(
             _check_memory(path, [(m.key, m.nbytes) for m in wanted])
         problems: list[str] = []
         results = [None] * len(t_leaves)
+        # Whole small arrays read straight from their archives into new memory, without a plan:
+        # (result index, stored, target or None)
+        lean = comm is None and not plan_only
+        small: list[tuple[int, ArrayMeta, Any]] = []
         for i, (leaf, p) in enumerate(zip(t_leaves, t_paths, strict=True)):
-            key = keystr(p)
             stored = by_path.get(p)
+            if (
+                not target_given
+                and lean
+                and type(stored) is ArrayMeta
+                and storage.small_whole(stored)
+                and (stored.container == "numpy" or stored.dtype.name in TORCH_NAMES)
+            ):
+                small.append((i, stored, None))
+                continue
+            key = keystr(p)
             if stored is None:
                 problems.append(f"leaf {_where(key)} of the target is not in the checkpoint")
                 continue
@@ -652,6 +683,19 @@ def _load(
                     dests.append(
                         (i, _full_dest(stored, stored.container == "numpy", None, None, comm, buffers=buffers))
                     )
+                continue
+            if (
+                lean
+                and not inplace
+                and (type(leaf) is torch.Tensor or type(leaf) is torch.nn.Parameter)
+                and leaf.device.type == "cpu"
+                and isinstance(stored, ArrayMeta)
+                and storage.small_whole(stored)
+                and tuple(leaf.shape) == stored.shape
+                and stored.dtype.name in TORCH_NAMES
+                and leaf.dtype == stored.dtype.torch
+            ):
+                small.append((i, stored, leaf))
                 continue
             if _is_value(leaf):
                 if isinstance(stored, ValueMeta):
@@ -714,8 +758,16 @@ def _load(
             h2d_seconds[0] += time.perf_counter() - start
 
     mine = sum(op.region.size * ap.itemsize for ap in plan.arrays for op in ap.reads if comm is None or op.reader == me)
+    small_bytes = sum(m.nbytes for _, m, _ in small)
+    mine += small_bytes
     progress = Progress.maybe(storage.options.progress and me == 0, "load", mine)
     try:
+        if small:
+            with monitor.phase("load", "read", me) as box:
+                for (i, meta, leaf), value in zip(small, storage.read_small([m for _, m, _ in small]), strict=True):
+                    results[i] = _small_result(meta, value, leaf)
+                box[0] = small_bytes
+            progress.advance(small_bytes)
         if comm is None:
             # each array's host-to-device copy starts as soon as it is read, overlapping later reads
             with monitor.phase("load", "read", me) as box, Prefault(buffers.fresh):

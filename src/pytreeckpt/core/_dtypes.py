@@ -80,6 +80,8 @@ _STORAGE: dict[str, str] = {
 _TORCH: dict[str, torch.dtype] = {n: getattr(torch, n) for n in _STORAGE if hasattr(torch, n)}
 _BY_TORCH: dict[torch.dtype, DType] = {t: DType(n, _STORAGE[n], t.itemsize) for n, t in _TORCH.items()}
 _BY_NAME: dict[str, DType] = {d.name: d for d in _BY_TORCH.values()}
+TORCH_NAMES = frozenset(_TORCH)
+"""The names of the dtypes torch has (the others are numpy's, e.g. ml_dtypes' float4)."""
 # numpy-only dtypes torch does not have: stored under their own name (TensorStore's zarr v3
 # has no uint4, so ml_dtypes' uint4 is refused like any other dtype without a stored form).
 for _n in ("float8_e4m3b11fnuz", "int4", "float4_e2m1fn"):

@@ -184,11 +184,16 @@ class ArchiveReader:
             p += _CENTRAL.size + name_len + extra_len + comment_len
 
     def read(self, key: str) -> _Read:
+        """Key ``key``'s value, as TensorStore's key-value stores give it (a future of a read result)."""
+        return _Read(self.value(key))
+
+    def value(self, key: str) -> bytes | None:
+        """Entry ``key``'s bytes, or None if no archive holds it; CheckpointError if its header is damaged."""
         if not self._loaded:
             self._load()
         got = self._index.get(key)
         if got is None:
-            return _Read(None)
+            return None
         mm, offset, size = got
         name = key.encode()
         header = _LOCAL.unpack_from(mm, offset)
@@ -198,7 +203,7 @@ class ArchiveReader:
                 f"the packed archive entry {key!r} in {self.database!r} is damaged: its header does not name it"
             )
         start += len(name) + header[10]  # (after the name, the local header's extra field)
-        return _Read(mm[start : start + size])
+        return mm[start : start + size]
 
     def keys(self, prefix: str) -> list[str]:
         if not self._loaded:

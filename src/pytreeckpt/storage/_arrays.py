@@ -6,6 +6,7 @@ through :meth:`ArrayIO._chunk`, which checks it."""
 
 from __future__ import annotations
 
+import binascii
 import collections
 import contextlib
 import logging
@@ -15,6 +16,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
+import google_crc32c
 import numpy as np
 import tensorstore as ts
 
@@ -26,6 +28,7 @@ from pytreeckpt.format._document import (
     ArrayMeta,
     zarr_metadata,
 )
+from pytreeckpt.storage._archive import ArchiveReader
 from pytreeckpt.storage._base import OCDBT_INLINE_BYTES, _all_of, _chunk_key, io_pool
 from pytreeckpt.storage._chunkfiles import LITTLE_ENDIAN, write_chunk
 from pytreeckpt.storage._durability import Durability
@@ -47,6 +50,9 @@ from pytreeckpt.storage._packed import (
 )
 
 logger = logging.getLogger("pytreeckpt")
+
+_ARCHIVES = ARCHIVE_DIR + "/"
+_ZERO_KEYS = ["/" + _chunk_key((0,) * n) for n in range(65)]  # the key of chunk (0, ..., 0), by rank
 
 
 _DONE: Future[Any] = Future()
@@ -265,6 +271,71 @@ class ArrayIO(FileChecks, Durability):
                     dest[whole.slices()] = data[tuple(slice(0, n) for n in whole.shape)]
 
         return finish
+
+    def small_whole(self, meta: ArrayMeta) -> bool:
+        """Whether :meth:`read_small` reads this array: one chunk, packed in zip archives, uncompressed."""
+        database = meta.database
+        return (
+            database is not None
+            and database.startswith(_ARCHIVES)
+            and meta.chunk_shape == meta.shape
+            and meta.compression is None
+            and LITTLE_ENDIAN
+            and meta.nbytes > 0
+        )
+
+    def read_small(self, metas: Sequence[ArrayMeta]) -> list[bytes]:
+        """Whole arrays of one chunk packed in zip archives (:meth:`small_whole`): each one's stored chunk.
+
+        Each is ``meta.nbytes`` bytes of elements (little-endian, C order) and the 4 of their crc32c.
+
+        The lean path of a load of many small leaves, in the calling thread: each array's
+        archive entry is found in its mapped archive, and checked as every packed chunk is
+        (the entry's header names it, its size, its own crc32c and the one the metadata
+        records); a missing entry is a CheckpointError naming the leaf. The archives'
+        directories are checked as :meth:`scan` says before the first read of each.
+        """
+        readers: dict[str, ArchiveReader] = {}
+        out = []
+        for meta in metas:
+            database = meta.database
+            assert database is not None
+            reader = readers.get(database)
+            if reader is None:
+                if self.kv is None:
+                    self.scan(database, meta.key)
+                reader = readers[database] = self.packed.reader(database)
+            ndim = len(meta.shape)
+            value = reader.value(meta.path + _ZERO_KEYS[ndim])
+            size = meta.nbytes
+            expected = None
+            text = meta.crc32c_text
+            if text is not None and meta.chunk_crc32c is None:
+                try:
+                    crcs = binascii.a2b_base64(text, strict_mode=True)
+                except (binascii.Error, ValueError):
+                    crcs = b""
+                if len(crcs) == 4:
+                    expected = int.from_bytes(crcs, "little")
+                else:
+                    meta.crc32c()  # (raises, naming the leaf)
+            elif meta.chunk_crc32c is not None:
+                expected = meta.recorded_crc32c((0,) * ndim)
+            if (
+                value is None
+                or len(value) != size + 4
+                or (crc := google_crc32c.value(value[:size])) != int.from_bytes(value[size:], "little")
+                or (expected is not None and crc != expected)
+            ):
+                what = f"leaf {meta.key!r}: chunk {[0] * ndim}"
+                if value is None:
+                    raise CheckpointError(
+                        f"{what} of {meta.path!r} is missing from {describe_database(database)} (leaf {meta.key!r})"
+                    )
+                decode_chunk(value, meta, what, expected)  # (raises, saying what is wrong)
+                raise AssertionError("unreachable")
+            out.append(value)
+        return out
 
     def _read_chunks(
         self, meta: ArrayMeta, store: Any, wants: Sequence[tuple[Region, np.ndarray]]

@@ -73,7 +73,8 @@ class FileChecks(StorageBase):
         """
         for meta in metas:
             if meta.database is not None:
-                self._check_packed_chunks(meta)
+                if meta.chunk_shape != meta.shape:  # (one chunk, or none: nothing to count)
+                    self._check_packed_chunks(meta)
                 continue
             if self.kv is not None:
                 self._check_chunks_listed(meta)
