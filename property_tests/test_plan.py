@@ -207,3 +207,24 @@ def test_chunks_are_never_tiny(shape_list: list[int], itemsize: int, data: st.Da
     assert nbytes >= min(total, opts.min_chunk_bytes, opts.max_chunk_bytes // 2), (shape, cuts, opts, chunk)
     aligned = all(g == 0 or g % c == 0 for g, c in zip(cuts, chunk, strict=True))
     event("aligned grid" if aligned else "regular grid")
+
+
+@given(
+    st.lists(st.tuples(shapes(max_side=40), st.sampled_from([1, 2, 4, 8])), min_size=1, max_size=6),
+    chunking_options(),
+)
+def test_plan_whole_is_what_plan_save_plans_for_an_array_held_whole_in_one_chunk(
+    arrays: list[tuple[tuple[int, ...], int]], options: ChunkingOptions | None
+) -> None:
+    """save() plans small arrays one process holds whole with plan_whole, without tables: the same plans."""
+    from pytreeckpt.plan import ArraySpec, plan_whole
+    from pytreeckpt.plan import plan_save as real_plan_save
+
+    one = ShardingSpec(Mesh(1), [Replicate()])
+    limit = (options or ChunkingOptions()).single_chunk_bytes
+    specs_ = [ArraySpec(f"a{i}", shape, itemsize, one) for i, (shape, itemsize) in enumerate(arrays)]
+    planned = real_plan_save(specs_, 1, options=options).arrays
+    for spec, plan in zip(specs_, planned, strict=True):
+        if 0 not in spec.shape and math.prod(spec.shape) * spec.itemsize <= limit:
+            event("one chunk")
+            assert plan_whole(spec.key, spec.shape, spec.itemsize) == plan

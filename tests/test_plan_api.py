@@ -140,3 +140,28 @@ def test_a_placement_is_checked() -> None:
         pytreeckpt.plan_save({"w": leaf}, process_group=SimComm(0, 4))
     with pytest.raises(pytreeckpt.CheckpointError, match="Abstract placeholder, which has no data to save"):
         pytreeckpt.save("/nonexistent/never", {"w": leaf})
+
+
+def test_a_single_process_plans_small_whole_arrays_as_the_planner_does(tmp_path: Path) -> None:
+    """Arrays held whole in one chunk skip the planner's tables in save(): the plan is the planner's."""
+    import numpy as np
+
+    from pytreeckpt.plan import ArraySpec, plan_save
+
+    tree = {
+        "small": [torch.randn(3, 5), torch.tensor(2.0), np.arange(7, dtype=np.int8), torch.arange(12.0).reshape(3, 4).t()],
+        "empty": torch.zeros(0, 4),
+        "big": torch.zeros(600, 1000),  # 2.4 MB: more than single_chunk_bytes
+        "edge": torch.zeros(256 * 1024),  # exactly single_chunk_bytes
+        "value": 7,
+    }
+    one = ShardingSpec(Mesh(1), [Replicate()])
+    leaves = {f"small.{i}": t for i, t in enumerate(tree["small"])} | {k: tree[k] for k in ("empty", "big", "edge")}
+    arrays = [(k, tuple(t.shape), t.itemsize) for k, t in leaves.items()]
+    expected = plan_save([ArraySpec(k, s, n, one) for k, s, n in sorted(arrays)], 1)
+    got = pytreeckpt.plan_save(tree)
+    assert sorted(got.arrays, key=lambda a: a.key) == list(expected.arrays)
+    pytreeckpt.save(tmp_path / "c", tree)
+    out = pytreeckpt.load(tmp_path / "c")
+    assert torch.equal(out["small"][3], tree["small"][3])
+    assert out["value"] == 7

@@ -48,15 +48,15 @@ from pytreeckpt.format._document import (
     build_document,
     chunk_count,
     generation_name,
-    with_chunk_sums,
 )
-from pytreeckpt.plan import ArraySpec, ChunkingOptions, PlanCache, SavePlan, plan_save, spec_plan_key
+from pytreeckpt.plan import ArraySpec, ChunkingOptions, PlanCache, SavePlan, plan_save, plan_whole, spec_plan_key
 from pytreeckpt.storage import ChunkSums, ExecutorOptions, Storage, in_background
 from pytreeckpt.storage._location import describe
 
 from ._load import metadata
 from ._shared import (
     _IN_FLIGHT_LOCK,
+    _SINGLE,
     PathLike,
     _agree_on_specs,
     _Carried,
@@ -73,6 +73,8 @@ from ._shared import (
 from ._sources import _array_in, _ArrayIn, _snapshot_merges
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from pytreeckpt.distributed._comm import Comm
 
 __all__ = ["SaveHandle", "async_save", "save"]
@@ -86,7 +88,8 @@ class _SaveJob:
     metas: list[ArrayMeta]
     plan: SavePlan
     data: list[PieceData]
-    parts: tuple[Any, list[dict[str, Any]], dict[str, Any]]  # the metadata document's tree, leaves, user metadata
+    # the metadata document's tree, leaves (a value's entry; None: an array's, made at the end), user metadata
+    parts: tuple[Any, list[dict[str, Any] | None], dict[str, Any]]
     overwrite: bool
     timings: dict[str, float]
     monitor: Monitor
@@ -163,12 +166,40 @@ class _SaveJob:
             self.monitor.add(Span("save", "snapshot", self.rank, start, end, merged + snap.copied_bytes, thread))
             self.timings["snapshot"] = end - start
 
-    def _items(self) -> Any:
-        """This process's writes: staged pieces in an asynchronous save, else views of the caller's memory."""
+    def _items(self, only: Sequence[int] | None = None) -> Any:
+        """This process's writes: staged pieces in an asynchronous save, else views of the caller's memory
+        (of arrays ``only``, if given)."""
         if self.snap is not None:
             return self._until_cancelled(self.snap.items())
         dtypes = [m.dtype.numpy for m in self.metas]
-        return ((i, op.region, buf, None) for i, op, buf in write_items(self.plan.arrays, self.data, dtypes, None))
+        items = write_items(self.plan.arrays, self.data, dtypes, None, only)
+        return ((i, op.region, buf, None) for i, op, buf in items)
+
+    def _lean(self) -> tuple[list[int], list[np.ndarray], list[int]]:
+        """The small whole arrays a single-process save writes straight from the caller's memory
+        (:meth:`Storage.write_small`): their indices and data; and the indices of the other arrays."""
+        small: list[int] = []
+        datas: list[np.ndarray] = []
+        rest: list[int] = []
+        if self.snap is not None or self.reuse is not None or self.comm is not None:
+            return small, datas, list(range(len(self.metas)))
+        small_whole = self.storage.small_whole
+        for i, (meta, ap) in enumerate(zip(self.metas, self.plan.arrays, strict=True)):
+            if small_whole(meta) and len(ap.writes) == 1:
+                op = ap.writes[0]
+                if len(op.sources) == 1 and op.sources[0].rank == op.writer:
+                    src, where = self.data[i](op.writer, op.sources[0].piece)
+                    if (
+                        where.shape == meta.shape
+                        and op.region.shape == meta.shape
+                        and src.shape == meta.shape
+                        and src.dtype == meta.dtype.numpy
+                    ):
+                        small.append(i)
+                        datas.append(src)
+                        continue
+            rest.append(i)
+        return small, datas, rest
 
     def _check_cancelled(self) -> None:
         if self.cancelled.is_set():
@@ -199,13 +230,22 @@ class _SaveJob:
                 progress = self._progress("save", total)
                 try:
                     with self.monitor.phase("save", "write", 0) as box:
-                        box[0] = write_arrays(
+                        small, datas, rest = self._lean()
+                        sums = self._sums()
+                        box[0] = 0
+                        if small:
+                            box[0] = self.storage.write_small(
+                                [self.metas[i] for i in small], datas, lambda k, crc: sums.add_single(small[k], crc)
+                            )
+                            progress.advance(box[0])
+                        box[0] += write_arrays(
                             self.storage,
                             self.metas,
-                            self._items(),
+                            self._items(rest if small else None),
                             progress=progress.advance,
                             reuse=self.reuse,
-                            sums=self._sums(),
+                            only=rest if small else None,
+                            sums=sums,
                         )
                 finally:
                     progress.close()
@@ -285,10 +325,11 @@ class _SaveJob:
             raise CheckpointError(f"internal error: no rank wrote the packed arrays {missing[:5]}")
         crcs = [sums.crc32c(i) for i in range(len(self.metas))]
         hashes = [sums.chunk_hashes(i) if self.reuse is not None else None for i in range(len(self.metas))]
-        tree, leaves, user = self.parts
-        arrays = iter(self.metas)  # under this save's generation's names (see _name), in their databases
-        leaves = [leaf if leaf["kind"] != "array" else next(arrays).to_json() for leaf in leaves]
-        return build_document(tree, with_chunk_sums(leaves, crcs, hashes), user)
+        tree, entries, user = self.parts
+        # under this save's generation's names (see _name), in their databases, with their chunks' checksums
+        arrays = (m.to_json(c, h) for m, c, h in zip(self.metas, crcs, hashes, strict=True))
+        leaves = [e if e is not None else next(arrays) for e in entries]
+        return build_document(tree, leaves, user)
 
     def _names(self) -> frozenset[str]:
         """The arrays and databases the final document references (after :meth:`_final_document`)."""
@@ -455,9 +496,19 @@ def _plan_state(
                     entries.append(None)
             if carried.error is not None:
                 break
+    if chunking is not None:
+        options = chunking
+    else:
+        options = storage.chunking if storage is not None else ChunkingOptions()
+    # In a single process of one rank, arrays held whole as one chunk are planned by
+    # plan_whole, without tables (the same plans: tests/test_plan.py); the others by plan_save.
+    whole: list[bool] = []
+    if comm is None and all(a.layout is _SINGLE and a.ranks is None for a in arrays):
+        limit = options.single_chunk_bytes
+        whole = [0 not in a.shape and math.prod(a.shape) * a.dtype.itemsize <= limit for a in arrays]
     specs: list[ArraySpec] = []
     with carried.catch():
-        specs = [a.spec() for a in arrays]
+        specs = [a.spec() for a, w in itertools.zip_longest(arrays, whole) if not w]
     base: tuple[Any, ...] | None = None
     if comm is not None:
         base = _agree_on_specs(comm, specs, [a.dtype.name for a in arrays], "save", carried.error, values)
@@ -465,13 +516,18 @@ def _plan_state(
     else:
         world = max((_span(a.layout, a.ranks) for a in arrays), default=1)
     with carried.catch():
-        if chunking is not None:
-            options = chunking
-        else:
-            options = storage.chunking if storage is not None else ChunkingOptions()
         rank = None if comm is None else comm.rank
         plan_key = spec_plan_key(specs, world, options, rank) if base is None else (*base, world, options, rank)
         plan = _SAVE_PLANS.get_or(plan_key, lambda: plan_save(specs, world, rank=rank, options=options))
+        if any(whole):
+            planned = iter(plan.arrays)
+            plan = SavePlan(
+                world,
+                tuple(
+                    plan_whole(a.key, a.shape, a.dtype.itemsize) if w else next(planned)
+                    for a, w in zip(arrays, whole, strict=True)
+                ),
+            )
         for a, ap in zip(arrays, plan.arrays, strict=True):
             if a.present is not None and comm is None:
                 for op in ap.writes:
@@ -531,10 +587,12 @@ def _plan_job(
                 strict=True,
             )
         ]
-        it = iter(metas)
-        leaf_json = [e if e is not None else next(it).to_json() for e in planned.entries]
-        document = build_document(planned.root, leaf_json, planned.user)
-        _check_document_size(document, metas, storage)
+        # (the tree, values and user metadata serialised now: what cannot be is refused before any write)
+        values = build_document(planned.root, [e for e in planned.entries if e is not None], planned.user)
+        if len(values) + _array_bytes_bound(metas) > storage.location.options.max_metadata_bytes:
+            it = iter(metas)
+            leaf_json = [e if e is not None else next(it).to_json() for e in planned.entries]
+            _check_document_size(build_document(planned.root, leaf_json, planned.user), metas, storage)
         if comm is None or comm.rank == 0:
             storage.check_writable(overwrite)
         t1 = time.perf_counter()
@@ -547,7 +605,7 @@ def _plan_job(
             metas,
             plan,
             [a.get for a in arrays],
-            (planned.root, leaf_json, planned.user),
+            (planned.root, planned.entries, planned.user),
             overwrite,
             {"plan": t1 - t0},
             monitor,
@@ -624,6 +682,25 @@ def _same_json_types(a: Any, b: Any) -> bool:
     if isinstance(a, list):
         return all(_same_json_types(x, y) for x, y in zip(a, b, strict=True))
     return True
+
+
+def _array_bytes_bound(metas: Sequence[ArrayMeta]) -> int:
+    """More than the array leaves can add to the metadata document (their entries, the
+    commas between them, their chunk checksums; generation suffixes on names included)."""
+    layouts: dict[int, int] = {}
+    total = 0
+    for m in metas:
+        extra = 0
+        if m.layout is not None:
+            extra = layouts.get(id(m.layout), -1)
+            if extra < 0:
+                extra = layouts[id(m.layout)] = len(json.dumps(m.layout.to_json()))
+        if m.compression is not None:
+            extra += len(json.dumps(m.compression.to_json()))
+        # the fixed keys and short values, the key (each character at most a 12-byte escape:
+        # a surrogate pair), the path and database (with room for a generation suffix), the shapes
+        total += 400 + 12 * len(m.key) + len(m.path) + 44 * len(m.shape) + extra
+    return total + sum(6 * chunk_count(m.shape, m.chunk_shape) + 20 for m in metas)
 
 
 def _check_document_size(document: bytes, metas: list[ArrayMeta], storage: Storage) -> None:

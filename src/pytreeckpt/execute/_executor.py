@@ -330,10 +330,15 @@ def assemble(op: WriteOp, get: PieceData, dtype: np.dtype) -> np.ndarray:
 
 
 def write_items(
-    plans: Sequence[ArraySavePlan], data: Sequence[PieceData], dtypes: Sequence[np.dtype], rank: int | None
+    plans: Sequence[ArraySavePlan],
+    data: Sequence[PieceData],
+    dtypes: Sequence[np.dtype],
+    rank: int | None,
+    only: Iterable[int] | None = None,
 ) -> Iterator[tuple[int, WriteOp, np.ndarray]]:
-    """The writes of ``rank`` (every rank when None), each assembled when reached."""
-    for i, (plan, get, dtype) in enumerate(zip(plans, data, dtypes, strict=True)):
+    """The writes of ``rank`` (every rank when None), each assembled when reached; of arrays ``only`` if given."""
+    for i in range(len(plans)) if only is None else only:
+        plan, get, dtype = plans[i], data[i], dtypes[i]
         for op in plan.writes:
             if rank is None or op.writer == rank:
                 yield i, op, assemble(op, get, dtype)

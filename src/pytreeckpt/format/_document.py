@@ -52,7 +52,6 @@ __all__ = [
     "generation_name",
     "generation_of",
     "parse_document",
-    "with_chunk_sums",
     "zarr_metadata",
 ]
 
@@ -151,7 +150,9 @@ class ArrayMeta:
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.dtype.itemsize
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self, crc32c: bytes | None = None, hashes: Sequence[str] | None = None) -> dict[str, Any]:
+        """This leaf's entry in the metadata document; with ``crc32c`` and ``hashes`` (each chunk's
+        checksum and digest, as the fields hold them) in place of those it records, if given."""
         out: dict[str, Any] = {
             "kind": "array",
             "key": self.key,
@@ -165,12 +166,12 @@ class ArrayMeta:
         }
         if self.compression is not None:
             out["compression"] = self.compression.to_json()
-        if self.chunk_hashes is not None:
-            out["chunk_hashes"] = list(self.chunk_hashes)
+        if hashes or self.chunk_hashes is not None:
+            out["chunk_hashes"] = list(hashes or self.chunk_hashes or ())
         if self.database is not None:
             out["database"] = self.database
-        if self.chunk_crc32c is not None:
-            out["chunk_crc32c"] = base64.b64encode(self.chunk_crc32c).decode()
+        if crc32c is not None or self.chunk_crc32c is not None:
+            out["chunk_crc32c"] = base64.b64encode(crc32c if crc32c is not None else self.chunk_crc32c).decode()  # type: ignore[arg-type]
         elif self.crc32c_text is not None:
             out["chunk_crc32c"] = self.crc32c_text
         return out
@@ -540,30 +541,6 @@ _HASH = re.compile(r"[0-9a-f]{32}")
 def chunk_count(shape: Sequence[int], chunk_shape: Sequence[int]) -> int:
     """The number of chunks of a regular grid (a 0-d array has one; a zero-size one none)."""
     return math.prod(-(-s // c) for s, c in zip(shape, chunk_shape, strict=True))
-
-
-def with_chunk_sums(
-    leaves: Sequence[dict[str, Any]], crcs: Sequence[bytes | None], hashes: Sequence[tuple[str, ...] | None] = ()
-) -> list[dict[str, Any]]:
-    """The document's leaves with every array leaf's ``chunk_crc32c`` and ``chunk_hashes`` added.
-
-    ``crcs[i]`` and ``hashes[i]`` belong to the ``i``-th array leaf (None or missing: not
-    recorded).
-    """
-    out = []
-    i = 0
-    for leaf in leaves:
-        if leaf["kind"] == "array":
-            crc = crcs[i] if i < len(crcs) else None
-            digests = hashes[i] if i < len(hashes) else None
-            leaf = dict(leaf)
-            if crc is not None:
-                leaf["chunk_crc32c"] = base64.b64encode(crc).decode()
-            if digests:
-                leaf["chunk_hashes"] = list(digests)
-            i += 1
-        out.append(leaf)
-    return out
 
 
 def build_document(tree: Node, leaves: Sequence[dict[str, Any]], user_metadata: dict[str, Any] | None) -> bytes:

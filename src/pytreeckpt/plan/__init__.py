@@ -15,6 +15,7 @@ from ._cache import spec_plan_key as spec_plan_key
 from ._load import plan_load as plan_load
 from ._save import check_complete as check_complete
 from ._save import plan_save as plan_save
+from ._save import plan_whole as plan_whole
 from ._types import ArrayLoadPlan as ArrayLoadPlan
 from ._types import ArraySavePlan as ArraySavePlan
 from ._types import ArraySpec as ArraySpec
@@ -40,6 +41,7 @@ __all__ = [
     "clear_caches",
     "plan_load",
     "plan_save",
+    "plan_whole",
     "spec_digest",
     "spec_plan_key",
 ]
@@ -56,5 +58,6 @@ def clear_caches() -> None:
     _tables._TABLES.clear()
     _load._CUTS.clear()
     _save._STRUCTURES.clear()
+    _save._WHOLE_WRITES.clear()
     _save._PART_INDEXES.clear()
     _tables.clear_placed()

@@ -40,7 +40,7 @@ from ._chunking import chunk_shape_of_table
 from ._tables import _I64, PieceTable, Placed, _Memo, first_of_runs, placed, unique_rows
 from ._types import ArraySavePlan, ArraySpec, ChunkingOptions, Fragment, SavePlan, WriteOp, check_placement
 
-__all__ = ["check_complete", "plan_save"]
+__all__ = ["check_complete", "plan_save", "plan_whole"]
 
 
 # --------------------------------------------------------------------------- structure
@@ -703,6 +703,31 @@ def _direct(grid: ChunkGrid, box: Box, writer: int, piece: int) -> WriteOp:
     stop = tuple(min(i * c, n) for i, c, n in zip(hi, grid.chunk, grid.shape, strict=True))
     region = Region(offset, tuple(e - o for o, e in zip(offset, stop, strict=True)))
     return WriteOp(region, writer, (Fragment(writer, piece, region),))
+
+
+_WHOLE_WRITES: dict[tuple[int, ...], tuple[WriteOp, ...]] = {}
+
+
+def plan_whole(key: str, shape: tuple[int, ...], itemsize: int) -> ArraySavePlan:
+    """The plan of an array rank 0 alone holds whole (one piece) and stores as one chunk.
+
+    What :func:`plan_save` plans for such an array (``ShardingSpec(Mesh(1), [Replicate()])``
+    of at most ``ChunkingOptions.single_chunk_bytes``, no zero extent), without its
+    tables: rank 0 writes the whole array from its piece. The writes of one shape are
+    one shared tuple.
+
+    >>> from pytreeckpt import Mesh, Replicate, ShardingSpec
+    >>> one = ShardingSpec(Mesh(1), [Replicate()])
+    >>> plan_whole("w", (4, 4), 4) == plan_save([ArraySpec("w", (4, 4), 4, one)], 1).arrays[0]
+    True
+    """
+    writes = _WHOLE_WRITES.get(shape)
+    if writes is None:
+        if len(_WHOLE_WRITES) >= 4096:  # (a bound: a process saving arrays of ever new shapes)
+            _WHOLE_WRITES.clear()
+        region = Region.full(shape)
+        writes = _WHOLE_WRITES.setdefault(shape, (WriteOp(region, 0, (Fragment(0, 0, region),)),))
+    return ArraySavePlan(key, shape, itemsize, shape, writes)
 
 
 def plan_save(

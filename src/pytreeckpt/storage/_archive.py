@@ -18,6 +18,7 @@ import os
 import struct
 import threading
 import zlib
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -59,23 +60,29 @@ class ArchiveWriter:
         self._entries, self._offset = [], 0
 
     def write(self, key: str, value: bytes) -> None:
-        name = key.encode()
-        record = _LOCAL.size + len(name) + len(value)
+        self.write_many(((key, value),))
+
+    def write_many(self, items: Iterable[tuple[str, bytes]]) -> None:
+        """Append ``(key, value)`` entries, in order."""
         with self._lock:
-            if self._fd is None or len(self._entries) >= MAX_ENTRIES or self._offset + record > MAX_BYTES:
-                if self._fd is not None:
-                    self._close()
-                self._begin()
-            crc = zlib.crc32(value)
-            self._buffer += _LOCAL.pack(
-                _LOCAL_SIG, _VERSION, 0, 0, 0, _DOS_DATE, crc, len(value), len(value), len(name), 0
-            )
-            self._buffer += name
-            self._buffer += value
-            self._entries.append((name, crc, len(value), self._offset))
-            self._offset += record
-            if len(self._buffer) >= _BUFFER_BYTES:
-                self._flush()
+            buffer, entries, pack = self._buffer, self._entries, _LOCAL.pack
+            for key, value in items:
+                name = key.encode()
+                size = len(value)
+                record = _LOCAL.size + len(name) + size
+                if self._fd is None or len(entries) >= MAX_ENTRIES or self._offset + record > MAX_BYTES:
+                    if self._fd is not None:
+                        self._close()
+                    self._begin()
+                    entries = self._entries
+                crc = zlib.crc32(value)
+                buffer += pack(_LOCAL_SIG, _VERSION, 0, 0, 0, _DOS_DATE, crc, size, size, len(name), 0)
+                buffer += name
+                buffer += value
+                entries.append((name, crc, size, self._offset))
+                self._offset += record
+                if len(buffer) >= _BUFFER_BYTES:
+                    self._flush()
 
     def _flush(self) -> None:
         assert self._fd is not None

@@ -284,6 +284,37 @@ class ArrayIO(FileChecks, Durability):
             and meta.nbytes > 0
         )
 
+    def write_small(
+        self, metas: Sequence[ArrayMeta], datas: Sequence[np.ndarray], record: Callable[[int, int], None]
+    ) -> int:
+        """Write whole arrays of one chunk packed in zip archives (:meth:`small_whole`): ``datas[k]`` is array k's.
+
+        The lean path of a save of many small leaves, in the calling thread: each array's
+        ``zarr.json`` and chunk (as :func:`encode_chunk` makes it) are appended to its
+        database's archives, in one batch per database; ``record(k, crc32c)`` is called
+        with each chunk's checksum. The bytes are copied, so the data may change once this
+        returns. Returns the bytes of elements written.
+        """
+        batches: dict[str, list[tuple[str, bytes]]] = {}
+        written = 0
+        for k, (meta, data) in enumerate(zip(metas, datas, strict=True)):
+            database = meta.database
+            assert database is not None
+            assert meta.chunk_shape == meta.shape == data.shape
+            value, crc = encode_chunk(data, meta.chunk_shape)
+            record(k, crc)
+            batch = batches.get(database)
+            if batch is None:
+                batch = batches[database] = []
+            batch.append((meta.path + "/zarr.json", zarr_json(meta)))
+            batch.append((meta.path + _ZERO_KEYS[len(meta.shape)], value))
+            written += data.nbytes
+        for database, batch in batches.items():
+            self.packed.write_many(database, batch)
+            if self.kv is None:
+                self._unsynced_trees.add(database)
+        return written
+
     def read_small(self, metas: Sequence[ArrayMeta]) -> list[bytes]:
         """Whole arrays of one chunk packed in zip archives (:meth:`small_whole`): each one's stored chunk.
 

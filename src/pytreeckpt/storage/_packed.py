@@ -17,7 +17,7 @@ import functools
 import json
 import math
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Future
 from typing import Any
 
@@ -152,19 +152,24 @@ class PackedStores:
                     self._readers[database] = store
             return self._readers[database]
 
+    def write_many(self, database: str, items: Iterable[tuple[str, bytes]]) -> None:
+        """Append ``(key, value)`` entries to the database's zip archives (see :meth:`write`)."""
+        assert in_archives(database)
+        with self._lock:
+            writer = self._archives.get(database)
+            if writer is None:
+                assert self.location.path is not None
+                writer = self._archives[database] = ArchiveWriter(self.location.path / database)
+        with _archive_errors(database):
+            writer.write_many(items)
+
     def write(self, database: str, key: str, value: bytes) -> Future[Any] | None:
         """Write one key in the database's open transaction; returns the commit's future when this one filled it.
 
         In zip archives the key is appended to the open archive (nothing to wait for: None).
         """
         if in_archives(database):
-            with self._lock:
-                writer = self._archives.get(database)
-                if writer is None:
-                    assert self.location.path is not None
-                    writer = self._archives[database] = ArchiveWriter(self.location.path / database)
-            with _archive_errors(database):
-                writer.write(key, value)
+            self.write_many(database, ((key, value),))
             return None
         with self._lock:
             if database not in self._writers:
