@@ -149,7 +149,12 @@ def test_a_single_process_plans_small_whole_arrays_as_the_planner_does(tmp_path:
     from pytreeckpt.plan import ArraySpec, plan_save
 
     tree = {
-        "small": [torch.randn(3, 5), torch.tensor(2.0), np.arange(7, dtype=np.int8), torch.arange(12.0).reshape(3, 4).t()],
+        "small": [
+            torch.randn(3, 5),
+            torch.tensor(2.0),
+            np.arange(7, dtype=np.int8),
+            torch.arange(12.0).reshape(3, 4).t(),
+        ],
         "empty": torch.zeros(0, 4),
         "big": torch.zeros(600, 1000),  # 2.4 MB: more than single_chunk_bytes
         "edge": torch.zeros(256 * 1024),  # exactly single_chunk_bytes
