@@ -589,7 +589,8 @@ def _plan_job(
         ]
         # (the tree, values and user metadata serialised now: what cannot be is refused before any write)
         values = build_document(planned.root, [e for e in planned.entries if e is not None], planned.user)
-        if len(values) + _array_bytes_bound(metas) > storage.location.options.max_metadata_bytes:
+        hashed = base is not None or chunk_hashes
+        if len(values) + _array_bytes_bound(metas, hashed) > storage.location.options.max_metadata_bytes:
             it = iter(metas)
             leaf_json = [e if e is not None else next(it).to_json() for e in planned.entries]
             _check_document_size(build_document(planned.root, leaf_json, planned.user), metas, storage)
@@ -684,9 +685,10 @@ def _same_json_types(a: Any, b: Any) -> bool:
     return True
 
 
-def _array_bytes_bound(metas: Sequence[ArrayMeta]) -> int:
+def _array_bytes_bound(metas: Sequence[ArrayMeta], hashed: bool = False) -> int:
     """More than the array leaves can add to the metadata document (their entries, the
-    commas between them, their chunk checksums; generation suffixes on names included)."""
+    commas between them, their chunk checksums, and their chunk hashes if ``hashed``;
+    generation suffixes on names included)."""
     layouts: dict[int, int] = {}
     total = 0
     for m in metas:
@@ -700,7 +702,8 @@ def _array_bytes_bound(metas: Sequence[ArrayMeta]) -> int:
         # the fixed keys and short values, the key (each character at most a 12-byte escape:
         # a surrogate pair), the path and database (with room for a generation suffix), the shapes
         total += 400 + 12 * len(m.key) + len(m.path) + 44 * len(m.shape) + extra
-    return total + sum(6 * chunk_count(m.shape, m.chunk_shape) + 20 for m in metas)
+    per_chunk = 6 + (35 if hashed else 0)  # base64 of a uint32; a quoted hex digest of 32 digits and a comma
+    return total + sum(per_chunk * chunk_count(m.shape, m.chunk_shape) + 40 for m in metas)
 
 
 def _check_document_size(document: bytes, metas: list[ArrayMeta], storage: Storage) -> None:
