@@ -70,7 +70,7 @@ from ._shared import (
     _where,
     gc_paused,
 )
-from ._sources import _array_in, _ArrayIn, _snapshot_merges
+from ._sources import _PLAIN, _array_in, _ArrayIn, _plain_in, _snapshot_merges
 
 if TYPE_CHECKING:
     import numpy as np
@@ -483,6 +483,10 @@ def _plan_state(
         leaf_specs = broadcast_prefix(spec, root, lambda x: isinstance(x, Layout), len(leaves), namespace=namespace)
         codecs = _compressions(compression, root, keys, len(leaves), namespace)
         for key, leaf, sp in zip(keys, leaves, leaf_specs, strict=True):
+            if comm is None and sp is None and type(leaf) in _PLAIN and not leaf.is_cuda:
+                arrays.append(_plain_in(key, leaf))  # the common case, many thousand times per save: kept lean
+                entries.append(None)
+                continue
             with carried.catch(key):
                 if _is_value(leaf):
                     try:
@@ -703,7 +707,8 @@ def _array_bytes_bound(metas: Sequence[ArrayMeta], hashed: bool = False) -> int:
         # a surrogate pair), the path and database (with room for a generation suffix), the shapes
         total += 400 + 12 * len(m.key) + len(m.path) + 44 * len(m.shape) + extra
     per_chunk = 6 + (35 if hashed else 0)  # base64 of a uint32; a quoted hex digest of 32 digits and a comma
-    return total + sum(per_chunk * chunk_count(m.shape, m.chunk_shape) + 40 for m in metas)
+    chunks = sum(1 if m.chunk_shape == m.shape else chunk_count(m.shape, m.chunk_shape) for m in metas)
+    return total + per_chunk * chunks + 40 * len(metas)
 
 
 def _check_document_size(document: bytes, metas: list[ArrayMeta], storage: Storage) -> None:
@@ -898,6 +903,9 @@ def save(
         finally:
             if monitor is not None:
                 monitor.extend(job.monitor.spans)
+            # Its objects go now, while the collector is paused: alive when it resumes, they would be
+            # traversed by its first pass (15 ms for 10,000 leaves) though nothing holds them after this.
+            del job
 
 
 class SaveHandle:

@@ -192,12 +192,20 @@ def _abstract_in(key: str, leaf: Abstract, spec: Any, comm: Comm | None) -> _Arr
     return _ArrayIn(key, "torch", dtype, leaf.shape, layout, leaf.spec, pieces, get, ranks=placement)
 
 
+_WHOLE: dict[tuple[int, ...], tuple[Region, dict[int, tuple[Piece, ...]]]] = {}  # shape -> its region, pieces
+
+
 def _plain_in(key: str, leaf: torch.Tensor) -> _ArrayIn:
     """A plain tensor in host memory saved by a single process: one piece, the whole tensor."""
     _check_tensor(key, leaf)
-    shape = tuple(int(n) for n in leaf.shape)
-    region = Region.full(shape)
-    pieces = {0: (Piece(region, 0),)}
+    shape = tuple(leaf.shape)
+    whole = _WHOLE.get(shape)
+    if whole is None:
+        if len(_WHOLE) >= 4096:  # (a bound: a process saving tensors of ever new shapes)
+            _WHOLE.clear()
+        region = Region.full(shape)
+        whole = _WHOLE[shape] = (region, {0: (Piece(region, 0),)})
+    region, pieces = whole  # (shared by the arrays of one shape: nothing changes them)
     view = numpy_view(_resolved(leaf))
 
     def get(rank: int, pi: int) -> tuple[np.ndarray, Region]:

@@ -394,10 +394,10 @@ class ChunkSums:
 
     def crc32c(self, i: int) -> bytes:
         """Every chunk's crc32c of array ``i``: little-endian uint32 in C order of the grid (the metadata's field)."""
-        n = math.prod(self.grids[i])
         flats, values = self.crcs.get(i, ([], []))
-        if n == 1 and flats == [0] and not any(i in r for r in self._received):  # most small arrays
+        if flats == [0] and not self._received and all(g == 1 for g in self.grids[i]):  # most small arrays
             return values[0].to_bytes(4, "little")
+        n = math.prod(self.grids[i])
         out = np.zeros(n, dtype="<u4")
         seen = np.zeros(n, dtype=bool)
         parts = [(np.asarray(flats, dtype=np.int64), np.asarray(values, dtype=np.uint32))]

@@ -81,10 +81,15 @@ def _template(storage: str, ndim: int) -> tuple[str, str, str]:
 
 def zarr_json(meta: ArrayMeta) -> bytes:
     """The ``zarr.json`` of a packed uncompressed array, exactly as TensorStore writes it."""
-    head, middle, tail = _template(meta.dtype.storage, len(meta.shape))
-    chunk = ",".join(map(str, meta.chunk_shape))
-    shape = ",".join(map(str, meta.shape))
-    return f"{head}{chunk}{middle}{shape}{tail}".encode()
+    return _zarr_json(meta.dtype.storage, meta.shape, meta.chunk_shape)
+
+
+@functools.lru_cache(maxsize=1024)
+def _zarr_json(storage: str, shape: tuple[int, ...], chunk_shape: tuple[int, ...]) -> bytes:
+    head, middle, tail = _template(storage, len(shape))
+    chunk = ",".join(map(str, chunk_shape))
+    joined = ",".join(map(str, shape))
+    return f"{head}{chunk}{middle}{joined}{tail}".encode()
 
 
 def encode_chunk(data: np.ndarray, chunk: tuple[int, ...]) -> tuple[bytes, int]:
