@@ -24,7 +24,20 @@ def rewrite(path: Path, doc: Any) -> None:
     (path / "pytreeckpt.json").write_text(json.dumps(doc))
 
 
-@pytest.mark.parametrize("bad", ["../x", "/etc", "arrays/../../x", "arrays/../arrays/w", "arrays/.", "arrays/a/b", ""])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "../x",
+        "/etc",
+        "arrays/../../x",
+        "arrays/../arrays/w",
+        "arrays/.",
+        "arrays/a/b",
+        "",
+        "arrays/w\n",
+        "arrays/w\x00",
+    ],
+)
 def test_array_paths_cannot_leave_the_checkpoint(tmp_path: Path, bad: str) -> None:
     path, doc = saved(tmp_path)
     doc["leaves"][0]["path"] = bad

@@ -620,8 +620,15 @@ def _load(
     dests: list[tuple[int, _Dest]] = []
     with carried.catch():
         doc = _parse(storage, raw, namespace)
-        stored_paths = doc.tree.paths()
-        by_path: dict[tuple[KeyEntry, ...], ArrayMeta | ValueMeta] = dict(zip(stored_paths, doc.leaves, strict=True))
+        t_paths: list[tuple[KeyEntry, ...]] | None = None  # the target's key paths (None: the stored tree's)
+        if include is None and target is None:  # the stored tree: its leaves in order, no paths to match
+            t_leaves: list[Any] = [None] * len(doc.leaves)
+            structure: Node = doc.tree
+            target_given = False
+            stored_of: list[ArrayMeta | ValueMeta | None] = list(doc.leaves)
+        else:
+            stored_paths = doc.tree.paths()
+            by_path = dict(zip(stored_paths, doc.leaves, strict=True))
         if include is not None:
             if target is not None:
                 raise TargetMismatchError("include= selects leaves of the stored tree; give it with target=None")
@@ -635,22 +642,19 @@ def _load(
             for _, leaf in chosen:
                 if leaf.key in ambiguous:
                     raise _ambiguity_error(leaf.key, ambiguous[leaf.key], describe(path))
-            t_leaves: list[Any] = [None] * len(chosen)
+            t_leaves = [None] * len(chosen)
             t_paths = [p for p, _ in chosen]
-            structure: Node = Node(
+            structure = Node(
                 "dict", [("s", leaf.key) for _, leaf in chosen], [Node("leaf", leaf=i) for i in range(len(chosen))]
             )
             target_given = False
-        elif target is None:
-            t_leaves = [None] * len(doc.leaves)
-            t_paths = stored_paths
-            structure = doc.tree
-            target_given = False
-        else:
+        elif target is not None:
             target_given = True
             t_leaves, t_paths, structure = flatten(target, _is_leaf, namespace=namespace)
+        if t_paths is not None:
+            stored_of = [by_path.get(p) for p in t_paths]
         # Before any destination is allocated: the stored bytes must back every claimed shape.
-        wanted = [m for m in (by_path.get(p) for p in t_paths) if isinstance(m, ArrayMeta)]
+        wanted = [m for m in stored_of if isinstance(m, ArrayMeta)]
         if not plan_only:  # (a plan reads no array: it needs only the metadata)
             storage.check_stored_sizes(wanted)
         if not target_given:  # whole arrays of the shapes the metadata claims (a target's shapes are the caller's)
@@ -661,8 +665,7 @@ def _load(
         # (result index, stored, target or None)
         lean = comm is None and not plan_only
         small: list[tuple[int, ArrayMeta, Any]] = []
-        for i, (leaf, p) in enumerate(zip(t_leaves, t_paths, strict=True)):
-            stored = by_path.get(p)
+        for i, (leaf, stored) in enumerate(zip(t_leaves, stored_of, strict=True)):
             if (
                 not target_given
                 and lean
@@ -672,7 +675,7 @@ def _load(
             ):
                 small.append((i, stored, None))
                 continue
-            key = keystr(p)
+            key = keystr(t_paths[i]) if t_paths is not None else stored.key  # type: ignore[union-attr]
             if stored is None:
                 problems.append(f"leaf {_where(key)} of the target is not in the checkpoint")
                 continue

@@ -80,7 +80,7 @@ MAX_NDIM = 32
 _DATABASE = re.compile(r"^(ocdbt|packed)/(0|[1-9][0-9]{0,8})(~g[1-9][0-9]{0,8})?$")
 _GENERATION = re.compile(r"~g([1-9][0-9]{0,8})$")
 
-_SAFE_COMPONENT = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.~-]{0,199}$")
+_SAFE_PATH = re.compile(r"arrays/[A-Za-z0-9_][A-Za-z0-9_.~-]{0,199}")  # (fullmatch: no newline at the end either)
 
 
 @dataclass(frozen=True, slots=True)
@@ -333,10 +333,9 @@ def generation_of(name: str) -> int:
 
 def check_relative_path(path: Any, key: str) -> str:
     """``path`` if it is a safe relative path below ``arrays/``; MetadataError otherwise."""
-    if not isinstance(path, str):
+    if type(path) is not str:
         raise MetadataError(f"leaf {key!r}: array path must be a string, found {path!r}")
-    parts = path.split("/")
-    if len(parts) != 2 or parts[0] != ARRAYS_DIR or not _SAFE_COMPONENT.match(parts[1]):
+    if not _SAFE_PATH.fullmatch(path):
         raise MetadataError(
             f"leaf {key!r}: array path {path!r} is not of the form '{ARRAYS_DIR}/<name>' with a plain name; "
             f"a checkpoint may not point outside its directory"
@@ -371,7 +370,49 @@ def _layout(data: Any, key: str, seen: dict[str, Layout]) -> Layout:
     return layout
 
 
-def _parse_leaf(data: Any, index: int, layouts: dict[str, Layout] | None = None) -> ArrayMeta | ValueMeta:
+_Shared = tuple[DType, str, tuple[int, ...], tuple[int, ...], "str | None", int]
+"""What array leaves of one kind share, validated: dtype, container, shape, chunk shape, database, chunk count."""
+
+
+def _parse_array_like(data: dict[str, Any], shared: dict[tuple[Any, ...], _Shared], layouts: dict[str, Layout]) -> Any:
+    """An array leaf whose dtype, container, shapes and database equal those of one parsed before
+    (``shared``: of the same document), checked for what is its own; None to parse it in full."""
+    try:
+        hit = shared.get(
+            (
+                data["dtype"],
+                data["storage_dtype"],
+                data["container"],
+                data.get("database"),
+                repr(data["shape"]),  # (repr tells 1 from true and 1.0)
+                repr(data["chunk_shape"]),
+            )
+        )
+    except (KeyError, TypeError):  # (a field missing, or of an unhashable type: the full parse says so)
+        return None
+    if hit is None or data.get("compression") is not None or data.get("chunk_hashes") is not None:
+        return None
+    key = data.get("key")
+    crcs = data.get("chunk_crc32c")
+    dtype, container, shape, chunk_shape, database, n = hit
+    if type(key) is not str or (crcs is not None and (type(crcs) is not str or len(crcs) != 4 * -(-4 * n // 3))):
+        return None
+    path = check_relative_path(data.get("path"), key)
+    layout_json = data.get("layout")
+    layout = None if layout_json is None else _layout(layout_json, key, layouts)
+    return ArrayMeta(key, container, dtype, shape, chunk_shape, path, layout, None, None, database, None, crcs)
+
+
+def _parse_leaf(
+    data: Any,
+    index: int,
+    layouts: dict[str, Layout] | None = None,
+    shared: dict[tuple[Any, ...], _Shared] | None = None,
+) -> ArrayMeta | ValueMeta:
+    if shared is not None and type(data) is dict and data.get("kind") == "array":
+        meta = _parse_array_like(data, shared, {} if layouts is None else layouts)
+        if meta is not None:
+            return meta  # type: ignore[no-any-return]
     if not isinstance(data, dict):
         raise MetadataError(f"leaf #{index}: expected an object, found {type(data).__name__}")
     key = data.get("key")
@@ -430,6 +471,16 @@ def _parse_leaf(data: Any, index: int, layouts: dict[str, Layout] | None = None)
             raise MetadataError(f"leaf {key!r}: chunk_hashes must be {n} hex digests of 32 digits")
         hashes = tuple(hashes)
     crcs = _parse_crcs(data.get("chunk_crc32c"), shape, chunk_shape, key)
+    if shared is not None and compression is None and hashes is None and type(data.get("dtype")) is str:
+        signature = (
+            data["dtype"],
+            data["storage_dtype"],
+            container,
+            database,
+            repr(data["shape"]),
+            repr(data["chunk_shape"]),
+        )
+        shared[signature] = (dtype, container, shape, chunk_shape, database, chunk_count(shape, chunk_shape))
     return ArrayMeta(key, container, dtype, shape, chunk_shape, path, layout, compression, hashes, database, None, crcs)
 
 
@@ -490,7 +541,8 @@ def parse_document(
     if not isinstance(leaves_json, list):
         raise MetadataError("metadata 'leaves' must be a list")
     layouts: dict[str, Layout] = {}
-    leaves = tuple(_parse_leaf(leaf, i, layouts) for i, leaf in enumerate(leaves_json))
+    shared: dict[tuple[Any, ...], _Shared] = {}
+    leaves = tuple(_parse_leaf(leaf, i, layouts, shared) for i, leaf in enumerate(leaves_json))
     paths = [leaf.path for leaf in leaves if isinstance(leaf, ArrayMeta)]
     if len({p.lower() for p in paths}) != len(paths):
         raise MetadataError("two array leaves share one stored array path")
@@ -555,6 +607,7 @@ def build_document(tree: Node, leaves: Sequence[dict[str, Any]], user_metadata: 
         "user_metadata": user_metadata or {},
     }
     try:
-        return json.dumps(doc, allow_nan=False, separators=(",", ":")).encode()
+        # (no cycles to look for: user metadata was checked by a round trip, the rest is made here)
+        return json.dumps(doc, allow_nan=False, separators=(",", ":"), check_circular=False).encode()
     except (TypeError, ValueError) as e:
         raise MetadataError(f"metadata is not JSON-serialisable (check user_metadata): {e}") from None

@@ -31,6 +31,9 @@ _BUFFER_BYTES = 4 << 20
 _LOCAL = struct.Struct("<IHHHHHIIIHH")
 _CENTRAL = struct.Struct("<IHHHHHHIIIHHHHHII")
 _END = struct.Struct("<IHHHHIIH")
+_CENTRAL_FIELDS = struct.Struct("<I20xIHHH8xI")  # of a central entry: signature, size, name, extra and comment
+# lengths, local header offset
+assert _CENTRAL_FIELDS.size == _CENTRAL.size
 _LOCAL_SIG, _CENTRAL_SIG, _END_SIG = 0x04034B50, 0x02014B50, 0x06054B50
 _VERSION = 20  # 2.0: stored entries, no ZIP64
 _DOS_DATE = (0 << 9) | (1 << 5) | 1  # 1980-01-01, the earliest a zip can say: the bytes do not depend on when
@@ -174,21 +177,21 @@ class ArchiveReader:
         sig, _, _, _, n, cd_size, cd_start, comment = _END.unpack_from(mm, size - _END.size)
         if sig != _END_SIG or comment != 0 or cd_start + cd_size != size - _END.size:
             raise self._damaged(path, "no end record where this library writes it (a truncated or foreign file)")
-        p = cd_start
+        cd = mm[cd_start : cd_start + cd_size]  # (parsed from a copy: slices of bytes are cheaper than of a map)
+        p = 0
         index = self._index
+        head, unpack = _CENTRAL.size, _CENTRAL_FIELDS.unpack_from
         for _ in range(n):
-            if p + _CENTRAL.size > cd_start + cd_size:
+            if p + head > cd_size:
                 raise self._damaged(path, "its central directory is shorter than it says")
-            fields = _CENTRAL.unpack_from(mm, p)
-            if fields[0] != _CENTRAL_SIG:
-                raise self._damaged(path, f"no central directory entry at byte {p}")
-            name_len, extra_len, comment_len = fields[10], fields[11], fields[12]
-            name = mm[p + _CENTRAL.size : p + _CENTRAL.size + name_len].decode("utf-8", "replace")
-            entry_size, offset = fields[9], fields[16]
+            sig, entry_size, name_len, extra_len, comment_len, offset = unpack(cd, p)
+            if sig != _CENTRAL_SIG:
+                raise self._damaged(path, f"no central directory entry at byte {cd_start + p}")
+            name = cd[p + head : p + head + name_len].decode("utf-8", "replace")
             if offset + _LOCAL.size + name_len + entry_size > cd_start:
                 raise self._damaged(path, f"entry {name!r} runs past the entries")
             index[name] = (mm, offset, entry_size)
-            p += _CENTRAL.size + name_len + extra_len + comment_len
+            p += head + name_len + extra_len + comment_len
 
     def read(self, key: str) -> _Read:
         """Key ``key``'s value, as TensorStore's key-value stores give it (a future of a read result)."""
