@@ -72,7 +72,9 @@ def test_verify_exit_status(ckpts: Path) -> None:
     bad = run("verify", ckpts / "step_2")
     assert bad.returncode == 1
     assert "DAMAGED model.w" in bad.stdout
-    assert json.loads(run("verify", ckpts / "step_2", "--json").stdout)["ok"] is False
+    as_json = run("verify", ckpts / "step_2", "--json")
+    assert as_json.returncode == 1, as_json.stderr
+    assert json.loads(as_json.stdout)["ok"] is False
     missing = run("verify", ckpts / "step_3")
     assert missing.returncode == 2
     assert "not a committed checkpoint" in missing.stderr

@@ -137,20 +137,17 @@ class _Carried:
         self.comm = comm
         self.error: BaseException | None = None
 
-    @contextlib.contextmanager
-    def catch(self, key: str | None = None) -> Iterator[None]:
+    def catch(self, key: str | None = None) -> _Catch:
         """Keep an exception of the block (as a CheckpointError naming ``key``, if given and it is not one)."""
-        try:
-            yield
-        except Exception as e:
-            if self.comm is None:
-                raise
-            if self.error is None:
-                if key is not None and not isinstance(e, CheckpointError):
-                    wrapped = CheckpointError(f"leaf {_where(key)}: {type(e).__name__}: {e}")
-                    wrapped.__cause__ = e
-                    e = wrapped
-                self.error = e
+        return _Catch(self, key)
+
+    def keep(self, e: Exception, key: str | None) -> None:
+        if self.error is None:
+            if key is not None and not isinstance(e, CheckpointError):
+                wrapped = CheckpointError(f"leaf {_where(key)}: {type(e).__name__}: {e}")
+                wrapped.__cause__ = e
+                e = wrapped
+            self.error = e
 
     def agree(self, what: str) -> None:
         """Every rank raises if any rank failed so far (a collective; nothing in a single process)."""
@@ -165,6 +162,24 @@ class _Carried:
             raise AssertionError("_Carried.fail without an error")
         self.agree(what)
         raise error  # (a single process; in a distributed one the agreement raised)
+
+
+class _Catch:
+    """:meth:`_Carried.catch`'s block (a class, not a generator: it is entered once per leaf)."""
+
+    __slots__ = ("carried", "key")
+
+    def __init__(self, carried: _Carried, key: str | None) -> None:
+        self.carried, self.key = carried, key
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, typ: type[BaseException] | None, e: BaseException | None, tb: Any) -> bool:
+        if not isinstance(e, Exception) or self.carried.comm is None:
+            return False  # (none, or not ours to keep: raised as it is)
+        self.carried.keep(e, self.key)
+        return True
 
 
 def _gather_spans(comm: Comm, monitor: Monitor) -> None:

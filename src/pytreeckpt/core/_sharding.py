@@ -13,7 +13,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from ._errors import LayoutError
@@ -49,6 +49,7 @@ class Mesh:
 
     shape: tuple[int, ...]
     axis_names: tuple[str, ...]
+    _hash: int = field(init=False, repr=False, compare=False)  # (hashed once: specs key the plan caches)
 
     def __init__(self, shape: Sequence[int] | int, axis_names: Sequence[str] | None = None) -> None:
         shape_t = (int(shape),) if isinstance(shape, int) else tuple(int(s) for s in shape)
@@ -61,6 +62,13 @@ class Mesh:
             raise LayoutError(f"mesh axis names must be distinct, found {names}")
         object.__setattr__(self, "shape", shape_t)
         object.__setattr__(self, "axis_names", names)
+        object.__setattr__(self, "_hash", hash((shape_t, names)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __reduce__(self) -> tuple[Any, ...]:  # (made anew where unpickled: a str's hash differs between processes)
+        return (Mesh, (self.shape, self.axis_names))
 
     @property
     def ndim(self) -> int:
@@ -219,6 +227,7 @@ class ShardingSpec(Layout):
     kind: ClassVar[str] = "mesh"
     mesh: Mesh
     placements: tuple[Placement, ...]
+    _hash: int = field(init=False, repr=False, compare=False)  # (hashed once: specs key the plan caches)
 
     def __init__(self, mesh: Mesh, placements: Sequence[Placement] | Placement) -> None:
         # What depends on the tensor (the number of placements, their dims) is checked when
@@ -233,6 +242,13 @@ class ShardingSpec(Layout):
                 raise LayoutError(f"StridedShard split_factor must be >= 1, found {p!r}")
         object.__setattr__(self, "mesh", mesh)
         object.__setattr__(self, "placements", placements)
+        object.__setattr__(self, "_hash", hash((mesh, placements)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __reduce__(self) -> tuple[Any, ...]:  # (made anew where unpickled: a str's hash differs between processes)
+        return (ShardingSpec, (self.mesh, self.placements))
 
     @property
     def world_size(self) -> int:

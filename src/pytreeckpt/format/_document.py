@@ -288,6 +288,10 @@ def zarr_metadata(
     }
 
 
+_UNSAFE_CHAR = re.compile(r"[^A-Za-z0-9_.-]")
+_PLAIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,179}")  # (fullmatch: a key that is its own name)
+
+
 def array_names(keys: Sequence[str]) -> list[str]:
     """Directory names for arrays: readable, safe on every file system, distinct ignoring case.
 
@@ -297,9 +301,12 @@ def array_names(keys: Sequence[str]) -> list[str]:
     seen: set[str] = set()
     out = []
     for key in keys:
-        base = re.sub(r"[^A-Za-z0-9_.-]", "_", key)[:180] or "root"
-        if base[0] in ".-":
-            base = "_" + base
+        if _PLAIN_NAME.fullmatch(key):  # (most keys: a dotted path of plain words)
+            base = key
+        else:
+            base = _UNSAFE_CHAR.sub("_", key)[:180] or "root"
+            if base[0] in ".-":
+                base = "_" + base
         name, n = base, 0
         while name.lower() in seen:
             n += 1

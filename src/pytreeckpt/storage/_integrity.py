@@ -318,16 +318,25 @@ class ChunkSums:
     """
 
     def __init__(self, metas: Sequence[ArrayMeta]) -> None:
-        self.grids = [tuple(-(-n // c) for n, c in zip(m.shape, m.chunk_shape, strict=True)) for m in metas]
+        self.metas = metas
+        self._grids: dict[int, tuple[int, ...]] = {}  # array -> its chunk grid, made when first asked for
         self.keys = [m.key for m in metas]
         self.crcs: dict[int, tuple[list[int], list[int]]] = {}  # array -> (flat indices, crc32c values)
         self.hashes: dict[int, dict[int, str]] = {}
         self._received: list[dict[int, tuple[np.ndarray, np.ndarray]]] = []
         self._lock = threading.Lock()
 
+    def grid(self, i: int) -> tuple[int, ...]:
+        """Array ``i``'s chunk grid (chunks per dimension)."""
+        got = self._grids.get(i)
+        if got is None:
+            m = self.metas[i]
+            got = self._grids[i] = tuple(-(-n // c) for n, c in zip(m.shape, m.chunk_shape, strict=True))
+        return got
+
     def flat(self, i: int, index: Sequence[int]) -> int:
         flat = 0
-        for k, g in zip(index, self.grids[i], strict=True):
+        for k, g in zip(index, self.grid(i), strict=True):
             flat = flat * g + k
         return flat
 
@@ -377,7 +386,7 @@ class ChunkSums:
         with self._lock:
             crcs = {
                 i: (
-                    np.asarray(f, dtype=np.uint32 if math.prod(self.grids[i]) <= 1 << 32 else np.int64),
+                    np.asarray(f, dtype=np.uint32 if math.prod(self.grid(i)) <= 1 << 32 else np.int64),
                     np.asarray(v, dtype=np.uint32),
                 )
                 for i, (f, v) in self.crcs.items()
@@ -395,9 +404,10 @@ class ChunkSums:
     def crc32c(self, i: int) -> bytes:
         """Every chunk's crc32c of array ``i``: little-endian uint32 in C order of the grid (the metadata's field)."""
         flats, values = self.crcs.get(i, ([], []))
-        if flats == [0] and not self._received and all(g == 1 for g in self.grids[i]):  # most small arrays
+        m = self.metas[i]
+        if flats == [0] and not self._received and m.chunk_shape == m.shape:  # most small arrays: one chunk
             return values[0].to_bytes(4, "little")
-        n = math.prod(self.grids[i])
+        n = math.prod(self.grid(i))
         out = np.zeros(n, dtype="<u4")
         seen = np.zeros(n, dtype=bool)
         parts = [(np.asarray(flats, dtype=np.int64), np.asarray(values, dtype=np.uint32))]
@@ -416,5 +426,5 @@ class ChunkSums:
     def chunk_hashes(self, i: int) -> tuple[str, ...]:
         """Every chunk's content hash of array ``i`` in C order, or () where some chunk has none."""
         got = self.hashes.get(i, {})
-        n = math.prod(self.grids[i])
+        n = math.prod(self.grid(i))
         return tuple(got[k] for k in range(n)) if len(got) == n else ()
