@@ -100,8 +100,11 @@ def _placed(placement: Sequence[int]) -> tuple[int, dict[int, int]]:
     return last, where
 
 
+_LEAF_TYPES = (torch.Tensor, np.ndarray, np.generic, ShardedLeaf, Abstract, *PYTHON_LEAF_TYPES)
+
+
 def _is_leaf(x: Any) -> bool:
-    return isinstance(x, (torch.Tensor, np.ndarray, np.generic, ShardedLeaf, Abstract, *PYTHON_LEAF_TYPES))
+    return isinstance(x, _LEAF_TYPES)
 
 
 def _is_value(x: Any) -> bool:

@@ -122,7 +122,7 @@ def _entry_str(e: KeyEntry) -> str:
 
 def keystr(path: Sequence[KeyEntry]) -> str:
     """The dotted key path of a leaf, e.g. ``optim.state.3.exp_avg``; ``""`` for the root."""
-    return ".".join(_entry_str(e) for e in path)
+    return ".".join([e[1] if e[0] == "s" else _entry_str(e) for e in path])
 
 
 def typed_keystr(path: Sequence[KeyEntry]) -> str:
