@@ -381,20 +381,24 @@ _Shared = tuple[DType, str, tuple[int, ...], tuple[int, ...], "str | None", int]
 """What array leaves of one kind share, validated: dtype, container, shape, chunk shape, database, chunk count."""
 
 
+def _signature(data: dict[str, Any]) -> tuple[Any, ...]:
+    """The fields array leaves of one kind share, as the JSON gave them (KeyError or TypeError if not there or
+    not hashable); shapes by their repr, which tells 1 from true and 1.0."""
+    return (
+        data["dtype"],
+        data["storage_dtype"],
+        data["container"],
+        data.get("database"),
+        repr(data["shape"]),
+        repr(data["chunk_shape"]),
+    )
+
+
 def _parse_array_like(data: dict[str, Any], shared: dict[tuple[Any, ...], _Shared], layouts: dict[str, Layout]) -> Any:
     """An array leaf whose dtype, container, shapes and database equal those of one parsed before
     (``shared``: of the same document), checked for what is its own; None to parse it in full."""
     try:
-        hit = shared.get(
-            (
-                data["dtype"],
-                data["storage_dtype"],
-                data["container"],
-                data.get("database"),
-                repr(data["shape"]),  # (repr tells 1 from true and 1.0)
-                repr(data["chunk_shape"]),
-            )
-        )
+        hit = shared.get(_signature(data))
     except (KeyError, TypeError):  # (a field missing, or of an unhashable type: the full parse says so)
         return None
     if hit is None or data.get("compression") is not None or data.get("chunk_hashes") is not None:
@@ -479,15 +483,7 @@ def _parse_leaf(
         hashes = tuple(hashes)
     crcs = _parse_crcs(data.get("chunk_crc32c"), shape, chunk_shape, key)
     if shared is not None and compression is None and hashes is None and type(data.get("dtype")) is str:
-        signature = (
-            data["dtype"],
-            data["storage_dtype"],
-            container,
-            database,
-            repr(data["shape"]),
-            repr(data["chunk_shape"]),
-        )
-        shared[signature] = (dtype, container, shape, chunk_shape, database, chunk_count(shape, chunk_shape))
+        shared[_signature(data)] = (dtype, container, shape, chunk_shape, database, chunk_count(shape, chunk_shape))
     return ArrayMeta(key, container, dtype, shape, chunk_shape, path, layout, compression, hashes, database, None, crcs)
 
 

@@ -1,0 +1,119 @@
+"""The metadata parser's memo of array leaves alike: a document parses to the same leaves, or fails
+with the same error, as it does leaf by leaf in full (the memo only skips checks of what equals a
+leaf parsed before)."""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any
+from unittest import mock
+
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
+
+from pytreeckpt.core._errors import MetadataError
+from pytreeckpt.format import _document as document_module
+from pytreeckpt.format._document import parse_document
+
+_LEAF = {
+    "kind": "array",
+    "container": "torch",
+    "dtype": "float32",
+    "storage_dtype": "float32",
+    "shape": [3, 2],
+    "chunk_shape": [3, 2],
+    "layout": None,
+    "database": "packed/0",
+    "chunk_crc32c": "XbVgKw==",
+}
+_LAYOUT = {"kind": "mesh", "mesh": {"shape": [2], "axis_names": ["dp"]}, "placements": [{"kind": "shard", "dim": 0}]}
+
+# What one field of a leaf may be changed to: values of the right and of the wrong kind.
+_CHANGES: dict[str, list[Any]] = {
+    "key": [0, None, "", "x.y", ["k"], "k\u00e9"],
+    "path": ["arrays/ok", "arrays/../x", "arrays/w\n", "arrays/", "other/w", 7, None, "arrays/a/b", "arrays/.x"],
+    "chunk_crc32c": [None, "", "AAAAAA==", "AAAA", 5, "!!!!!!==", ["XbVgKw=="]],
+    "layout": [_LAYOUT, {"kind": "mesh"}, 3, {"kind": "nope"}],
+    "dtype": ["int8", "bfloat16", "float64", "nope", 4],
+    "storage_dtype": ["int8", "uint16", None],
+    "container": ["numpy", "jax", None],
+    "shape": [[3, True], [3.0, 2], [3], [3, 2, 1], [-3, 2], "3,2", [3, 2]],
+    "chunk_shape": [[1, 2], [3, 0], [True, 2], [3, 2.0], [3]],
+    "database": [None, "packed/1", "ocdbt/0", "packed/01", "packed/0~g2", 0, "../x"],
+    "compression": [{"id": "zstd", "level": 3}, {"id": "nope"}, 5],
+    "chunk_hashes": [["0" * 32], "x", [1]],
+    "kind": ["value", "other"],
+    "extra": ["anything"],
+}
+
+
+def _make(n: int, changes: list[tuple[int, str, Any]], drop: list[tuple[int, str]]) -> bytes:
+    leaves = []
+    for i in range(n):
+        leaf = copy.deepcopy(_LEAF)
+        leaf.update(key=f"w{i}", path=f"arrays/w{i}")
+        leaves.append(leaf)
+    for i, field, value in changes:
+        leaves[i % n][field] = value
+    for i, field in drop:
+        leaves[i % n].pop(field, None)
+    tree = {"k": "dict", "keys": [f"w{i}" for i in range(n)], "c": list(range(n))}
+    doc = {"format": "pytreeckpt", "version": 3, "tree": tree, "leaves": leaves, "user_metadata": {}}
+    return json.dumps(doc).encode()
+
+
+def _parsed(raw: bytes) -> tuple[str, Any]:
+    try:
+        doc = parse_document(raw)
+    except MetadataError as e:
+        return "error", str(e)
+    return "ok", (doc.leaves, doc.tree.to_json())
+
+
+_CHANGE = st.sampled_from(sorted(_CHANGES)).flatmap(
+    lambda f: st.tuples(st.integers(0, 7), st.just(f), st.sampled_from(_CHANGES[f]))
+)
+
+
+@settings(max_examples=300)
+@given(
+    st.integers(2, 8),
+    st.lists(_CHANGE, max_size=4),
+    st.lists(st.tuples(st.integers(0, 7), st.sampled_from(sorted(_LEAF))), max_size=2),
+)
+def test_the_memo_parses_as_the_full_parse(n: int, changes: list[tuple[int, str, Any]], drop: list[Any]) -> None:
+    raw = _make(n, changes, drop)
+    with_memo = _parsed(raw)
+    with mock.patch.object(document_module, "_parse_array_like", return_value=None):
+        in_full = _parsed(raw)
+    event(with_memo[0])
+    assert with_memo == in_full
+
+
+@settings(max_examples=300)
+@given(st.integers(2, 6), _CHANGE)
+def test_one_leaf_unlike_the_one_before(n: int, change: tuple[int, str, Any]) -> None:
+    """One field of a leaf after the first (whose parse the memo holds) changed: the case the memo must tell."""
+    i, field, value = change
+    raw = _make(n, [(1 + i % (n - 1), field, value)], [])
+    with_memo = _parsed(raw)
+    with mock.patch.object(document_module, "_parse_array_like", return_value=None):
+        in_full = _parsed(raw)
+    event(f"{field}: {with_memo[0]}")
+    assert with_memo == in_full
+
+
+def test_the_memo_is_used() -> None:
+    """(So the property above compares two paths: leaves alike are parsed through the memo.)"""
+    calls = []
+    real = document_module._parse_array_like
+
+    def spy(*a: Any) -> Any:
+        got = real(*a)
+        calls.append(got is not None)
+        return got
+
+    with mock.patch.object(document_module, "_parse_array_like", spy):
+        parse_document(_make(4, [], []))
+    assert calls == [False, True, True, True]
