@@ -35,6 +35,22 @@ def ckpts(tmp_path: Path) -> Path:
     return tmp_path
 
 
+def test_ls_lists_a_crashed_save_that_wrote_only_packed_leaves(ckpts: Path) -> None:
+    """As a key-value store's listing does: any directory a save writes marks a checkpoint."""
+    (ckpts / "step_4" / "packed" / "0").mkdir(parents=True)
+    (ckpts / "step_4" / "packed" / "0" / "0.zip").write_bytes(b"PK")
+    (ckpts / "step_5" / "ocdbt" / "0").mkdir(parents=True)
+    (ckpts / "notes").mkdir()  # not a checkpoint
+    data = json.loads(run("ls", ckpts, "--json").stdout)
+    assert [(e["name"], e["committed"]) for e in data] == [
+        ("step_1", True),
+        ("step_2", True),
+        ("step_3", False),
+        ("step_4", False),
+        ("step_5", False),
+    ]
+
+
 def test_ls_lists_committed_and_uncommitted(ckpts: Path) -> None:
     done = run("ls", ckpts)
     assert done.returncode == 0, done.stderr

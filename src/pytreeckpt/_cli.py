@@ -14,7 +14,7 @@ from typing import Any
 from pytreeckpt.api import metadata, verify
 from pytreeckpt.core._errors import CheckpointError
 from pytreeckpt.core._tree import decode_value, encode_value
-from pytreeckpt.format._document import ARRAYS_DIR, LOCK_FILE, METADATA_FILE, STORED_DIRS, ArrayMeta
+from pytreeckpt.format._document import LOCK_FILE, METADATA_FILE, STORED_DIRS, ArrayMeta
 from pytreeckpt.interop._dcp import import_dcp
 from pytreeckpt.interop._safetensors import export_safetensors, import_safetensors
 from pytreeckpt.storage import Storage
@@ -47,7 +47,11 @@ def _table(rows: list[list[str]], header: list[str]) -> str:
 
 
 def _is_checkpoint_dir(p: Path) -> bool:
-    return p.is_dir() and ((p / METADATA_FILE).exists() or (p / ARRAYS_DIR).is_dir() or (p / LOCK_FILE).exists())
+    """A committed checkpoint, or what a save left (its lock, or any directory a save writes: as on a
+    key-value store, where these same names mark one)."""
+    return p.is_dir() and (
+        (p / METADATA_FILE).exists() or (p / LOCK_FILE).exists() or any((p / d).is_dir() for d in STORED_DIRS)
+    )
 
 
 def _kv_entries(where: str) -> list[dict[str, Any]]:
