@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -20,7 +22,18 @@ SCRIPT = Path(sys.executable).parent / "pytreeckpt"
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:
     cmd = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "pytreeckpt"]
-    return subprocess.run([*cmd, *map(str, args)], capture_output=True, text=True, timeout=120)
+    # (a crash of the command, not only its exceptions, leaves a traceback in its stderr)
+    env = {**os.environ, "PYTHONFAULTHANDLER": "1"}
+    return subprocess.run([*cmd, *map(str, args)], capture_output=True, text=True, timeout=120, env=env)
+
+
+def run_json(*args: str | Path) -> Any:
+    """The command's ``--json`` output; a failure shows its stderr."""
+    done = run(*map(str, args))
+    try:
+        return json.loads(done.stdout)
+    except json.JSONDecodeError:
+        pytest.fail(f"{args}: exit status {done.returncode}, no JSON on stdout; stderr:\n{done.stderr}")
 
 
 @pytest.fixture
@@ -41,7 +54,7 @@ def test_ls_lists_a_crashed_save_that_wrote_only_packed_leaves(ckpts: Path) -> N
     (ckpts / "step_4" / "packed" / "0" / "0.zip").write_bytes(b"PK")
     (ckpts / "step_5" / "ocdbt" / "0").mkdir(parents=True)
     (ckpts / "notes").mkdir()  # not a checkpoint
-    data = json.loads(run("ls", ckpts, "--json").stdout)
+    data = run_json("ls", ckpts, "--json")
     assert [(e["name"], e["committed"]) for e in data] == [
         ("step_1", True),
         ("step_2", True),
@@ -61,7 +74,7 @@ def test_ls_lists_committed_and_uncommitted(ckpts: Path) -> None:
         ["step_2", "committed"],
         ["step_3", "UNCOMMITTED"],
     ]
-    data = json.loads(run("ls", ckpts, "--json").stdout)
+    data = run_json("ls", ckpts, "--json")
     assert [(e["name"], e["committed"]) for e in data] == [("step_1", True), ("step_2", True), ("step_3", False)]
     assert data[0]["bytes"] > 160
 
@@ -71,7 +84,7 @@ def test_inspect_shows_the_tree(ckpts: Path) -> None:
     assert done.returncode == 0, done.stderr
     for text in ("model.w", "float32", "(8, 5)", "flat x2 ranks", "nan"):
         assert text in done.stdout, text
-    data = json.loads(run("inspect", ckpts / "step_1", "--json").stdout)
+    data = run_json("inspect", ckpts / "step_1", "--json")
     assert data["arrays"][0]["key"] == "model.w"
     assert data["arrays"][0]["layout"]["kind"] == "flat"
     assert data["values"]["step"] == 1
@@ -88,9 +101,7 @@ def test_verify_exit_status(ckpts: Path) -> None:
     bad = run("verify", ckpts / "step_2")
     assert bad.returncode == 1
     assert "DAMAGED model.w" in bad.stdout
-    as_json = run("verify", ckpts / "step_2", "--json")
-    assert as_json.returncode == 1, as_json.stderr
-    assert json.loads(as_json.stdout)["ok"] is False
+    assert run_json("verify", ckpts / "step_2", "--json")["ok"] is False
     missing = run("verify", ckpts / "step_3")
     assert missing.returncode == 2
     assert "not a committed checkpoint" in missing.stderr
@@ -144,7 +155,7 @@ def test_verify_says_when_the_metadata_records_no_chunk_checksums() -> None:
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("ok:")
     assert "records no chunk checksums" in done.stdout
-    assert json.loads(run("verify", golden, "--json").stdout)["unrecorded"]
+    assert run_json("verify", golden, "--json")["unrecorded"]
 
 
 def test_verify_prints_a_status_when_nothing_can_be_checked(tmp_path: Path) -> None:
@@ -154,7 +165,7 @@ def test_verify_prints_a_status_when_nothing_can_be_checked(tmp_path: Path) -> N
     assert done.returncode == 2
     assert done.stdout.startswith("FAILED:")
     assert "metadata is not valid JSON" in done.stderr
-    data = json.loads(run("verify", tmp_path / "c", "--json").stdout)
+    data = run_json("verify", tmp_path / "c", "--json")
     assert data["ok"] is False
     assert "not valid JSON" in data["error"]
 
@@ -174,5 +185,5 @@ def test_python_values_survive_export_and_import_on_the_command_line(tmp_path: P
         "data.name": "c4",
     }
     assert torch.equal(back["model.w"], state["model"]["w"])
-    shown = json.loads(run("inspect", tmp_path / "back", "--json").stdout)
+    shown = run_json("inspect", tmp_path / "back", "--json")
     assert shown["values"]["step"] == 900
