@@ -798,16 +798,10 @@ def _databases(storage: Storage, plan: SavePlan, rank: int | None, compressed: S
         size = math.prod(ap.shape)
         small = opts.pack_small_leaves and 0 < size * ap.itemsize <= min(opts.pack_max_bytes, MAX_PACKED_BYTES)
         small = small and not (squeezed and prefix == ARCHIVE_DIR)
+        writers = {op.writer for op in ap.writes}
         if not small:
             out.append(None)
-            continue
-        writes = ap.writes
-        if len(writes) == 1 and writes[0].region.size == size:  # (one write of it whole: most small arrays)
-            writer = writes[0].writer
-            out.append(f"{prefix}/{writer}" if rank is None or writer == rank else PACKED_DIR)
-            continue
-        writers = {op.writer for op in writes}
-        if rank is None:  # every write planned
+        elif rank is None:  # every write planned
             out.append(f"{prefix}/{writers.pop()}" if len(writers) == 1 else None)
         elif writers == {rank} and sum(op.region.size for op in ap.writes) == size:
             out.append(f"{prefix}/{rank}")

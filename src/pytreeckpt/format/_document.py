@@ -378,7 +378,8 @@ def _layout(data: Any, key: str, seen: dict[str, Layout]) -> Layout:
 
 
 _Shared = tuple[DType, str, tuple[int, ...], tuple[int, ...], "str | None", int]
-"""What array leaves of one kind share, validated: dtype, container, shape, chunk shape, database, chunk count."""
+"""What array leaves of one kind share, validated: dtype, container, shape, chunk shape, database, and the
+length of their ``chunk_crc32c`` (:func:`_crc32c_chars`)."""
 
 
 def _signature(data: dict[str, Any]) -> tuple[Any, ...]:
@@ -405,8 +406,8 @@ def _parse_array_like(data: dict[str, Any], shared: dict[tuple[Any, ...], _Share
         return None
     key = data.get("key")
     crcs = data.get("chunk_crc32c")
-    dtype, container, shape, chunk_shape, database, n = hit
-    if type(key) is not str or (crcs is not None and (type(crcs) is not str or len(crcs) != 4 * -(-4 * n // 3))):
+    dtype, container, shape, chunk_shape, database, crc_chars = hit
+    if type(key) is not str or (crcs is not None and (type(crcs) is not str or len(crcs) != crc_chars)):
         return None
     path = check_relative_path(data.get("path"), key)
     layout_json = data.get("layout")
@@ -483,8 +484,13 @@ def _parse_leaf(
         hashes = tuple(hashes)
     crcs = _parse_crcs(data.get("chunk_crc32c"), shape, chunk_shape, key)
     if shared is not None and compression is None and hashes is None and type(data.get("dtype")) is str:
-        shared[_signature(data)] = (dtype, container, shape, chunk_shape, database, chunk_count(shape, chunk_shape))
+        shared[_signature(data)] = (dtype, container, shape, chunk_shape, database, _crc32c_chars(shape, chunk_shape))
     return ArrayMeta(key, container, dtype, shape, chunk_shape, path, layout, compression, hashes, database, None, crcs)
+
+
+def _crc32c_chars(shape: tuple[int, ...], chunk_shape: tuple[int, ...]) -> int:
+    """The length of ``chunk_crc32c`` for this grid: the base64 of 4 bytes per chunk, padded."""
+    return 4 * -(-4 * chunk_count(shape, chunk_shape) // 3)
 
 
 def _parse_crcs(text: Any, shape: tuple[int, ...], chunk_shape: tuple[int, ...], key: str) -> str | None:
@@ -495,7 +501,7 @@ def _parse_crcs(text: Any, shape: tuple[int, ...], chunk_shape: tuple[int, ...],
     if text is None:
         return None
     n = chunk_count(shape, chunk_shape)
-    expected = 4 * -(-4 * n // 3)  # base64 characters of 4n bytes, padded
+    expected = _crc32c_chars(shape, chunk_shape)
     if not isinstance(text, str) or len(text) != expected:
         found = f"{len(text)} characters" if isinstance(text, str) else type(text).__name__
         raise MetadataError(

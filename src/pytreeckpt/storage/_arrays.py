@@ -301,9 +301,7 @@ class ArrayIO(FileChecks, Durability):
             database = meta.database
             assert database is not None
             assert meta.chunk_shape == meta.shape == data.shape
-            body = data.tobytes()  # (C order, whatever the strides: the whole chunk, no padding)
-            crc = google_crc32c.value(body)
-            value = body + crc.to_bytes(4, "little")
+            value, crc = encode_chunk(data, meta.chunk_shape)
             record(k, crc)
             batch = batches.get(database)
             if batch is None:

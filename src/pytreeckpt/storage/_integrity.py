@@ -320,7 +320,6 @@ class ChunkSums:
     def __init__(self, metas: Sequence[ArrayMeta]) -> None:
         self.metas = metas
         self._grids: dict[int, tuple[int, ...]] = {}  # array -> its chunk grid, made when first asked for
-        self.keys = [m.key for m in metas]
         self.crcs: dict[int, tuple[list[int], list[int]]] = {}  # array -> (flat indices, crc32c values)
         self.hashes: dict[int, dict[int, str]] = {}
         self._received: list[dict[int, tuple[np.ndarray, np.ndarray]]] = []
@@ -418,7 +417,7 @@ class ChunkSums:
         if not seen.all():
             missing = int(np.flatnonzero(~seen)[0])
             raise CheckpointError(
-                f"leaf {self.keys[i]!r}: no checksum was recorded for chunk {missing} (flat index) of "
+                f"leaf {self.metas[i].key!r}: no checksum was recorded for chunk {missing} (flat index) of "
                 f"{n}: a chunk was not written (an internal error)"
             )
         return out.tobytes()

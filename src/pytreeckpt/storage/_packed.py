@@ -94,9 +94,12 @@ def _zarr_json(storage: str, shape: tuple[int, ...], chunk_shape: tuple[int, ...
 
 def encode_chunk(data: np.ndarray, chunk: tuple[int, ...]) -> tuple[bytes, int]:
     """A chunk as stored: its valid box ``data`` padded to ``chunk`` with zeros, then its crc32c; and that crc."""
-    raw = _encoded_prefix(data, chunk)
-    pad = math.prod(chunk) * data.dtype.itemsize - raw.nbytes
-    body = raw.tobytes() if not pad else raw.tobytes() + bytes(pad)
+    if data.shape == chunk:  # (the whole chunk, the common case: its bytes in C order, whatever the strides)
+        body = data.tobytes()
+    else:
+        raw = _encoded_prefix(data, chunk)
+        pad = math.prod(chunk) * data.dtype.itemsize - raw.nbytes
+        body = raw.tobytes() if not pad else raw.tobytes() + bytes(pad)
     crc = google_crc32c.value(body)
     return body + crc.to_bytes(4, "little"), crc
 
