@@ -21,8 +21,9 @@ rank count this measures
   object collectives of the save's planning (pickled, as torch.distributed sends them),
   the most over the sampled ranks;
 - ``metadata_mb`` and ``coordinator_s``: the metadata document the coordinator writes
-  (every chunk's crc32c included; MB = 10^6 bytes) and the time to build it from the
-  ranks' plans (as ``save()``'s commit does, ``format.build_document``);
+  (MB = 10^6 bytes) and the time to build it from the ranks' plans (as ``save()``'s
+  commit does, ``format.build_document``); ``checksums_mb``: the file of every chunk's
+  crc32c beside it, where they are too many for the document (``format.place_checksums``);
 - ``cached_plan_ms``: the next save of a new tree in the same layouts (the plan cache).
 
 The plans' invariants are checked against an independent reference planner by the
@@ -55,7 +56,15 @@ from pytreeckpt.api import _load as _load_api
 from pytreeckpt.api import _save as _save_api
 from pytreeckpt.core._dtypes import dtype_from_name
 from pytreeckpt.core._tree import Node
-from pytreeckpt.format._document import ARRAYS_DIR, METADATA_FILE, ArrayMeta, array_names, build_document, chunk_count
+from pytreeckpt.format._document import (
+    ARRAYS_DIR,
+    METADATA_FILE,
+    ArrayMeta,
+    array_names,
+    build_document,
+    chunk_count,
+    place_checksums,
+)
 from pytreeckpt.plan import ArraySpec, clear_caches
 from pytreeckpt.testing import SimComm
 
@@ -78,25 +87,20 @@ def _parallel(model: str, world: int, tp: int, pp: int) -> tuple[int, int]:
     return tp, pp
 
 
-def _document(specs: list[ArraySpec], chunk_shapes: list[tuple[int, ...]]) -> bytes:
-    """The metadata document a save writes, with every chunk's crc32c recorded (arbitrary values, same size)."""
+def _document(specs: list[ArraySpec], chunk_shapes: list[tuple[int, ...]]) -> tuple[bytes, bytes | None]:
+    """The metadata document a save writes, with every chunk's crc32c recorded (arbitrary values, same size),
+    in the document or, past ``StorageOptions().max_inline_checksum_bytes``, in a checksums file (its bytes)."""
     names = array_names([s.key for s in specs])
     dtypes = {2: dtype_from_name("bfloat16"), 4: dtype_from_name("float32")}
     metas = [
-        ArrayMeta(
-            s.key,
-            "torch",
-            dtypes[s.itemsize],
-            s.shape,
-            c,
-            f"{ARRAYS_DIR}/{n}",
-            s.layout,
-            chunk_crc32c=bytes(4 * chunk_count(s.shape, c)),
-        ).to_json()
+        ArrayMeta(s.key, "torch", dtypes[s.itemsize], s.shape, c, f"{ARRAYS_DIR}/{n}", s.layout)
         for s, c, n in zip(specs, chunk_shapes, names, strict=True)
     ]
+    crcs = [bytes(4 * chunk_count(m.shape, m.chunk_shape)) for m in metas]
+    refs, file, blob = place_checksums(crcs, pytreeckpt.StorageOptions().max_inline_checksum_bytes)
+    leaves = [m.to_json(c, None, r) for m, c, r in zip(metas, crcs, refs, strict=True)]
     tree = Node("dict", [("s", s.key) for s in specs], [Node("leaf", leaf=i) for i in range(len(specs))])
-    return build_document(tree, metas, {})
+    return build_document(tree, leaves, {}, file), blob
 
 
 def _cold() -> None:
@@ -171,11 +175,15 @@ def run_one(model: str, world: int, layout: str) -> dict[str, Any]:
         hits.append(dt)
     out["cached_plan_ms"] = sorted(hits)[len(hits) // 2] * 1e3
     # The coordinator's metadata document, from the plans' chunk shapes.
-    dt, doc = _timed(lambda: _document(specs, chunk_shapes))
+    dt, (doc, sums) = _timed(lambda: _document(specs, chunk_shapes))
     out["coordinator_s"] = dt
     out["metadata_mb"] = len(doc) / 1e6
+    out["checksums_mb"] = len(sums or b"") / 1e6
     with tempfile.TemporaryDirectory() as d:
         (Path(d) / METADATA_FILE).write_bytes(doc)
+        if sums is not None:
+            (Path(d) / "checksums").mkdir()
+            (Path(d) / "checksums" / "crc32c").write_bytes(sums)
         for name in ("reshard", "eval8"):
             got = _run_load(model, world, tp, pp, layout, Path(d), doc, name)
             out["load_rank_plan_ms" if name == "reshard" else "eval8_rank_plan_ms"] = got["rank_plan_ms"]

@@ -34,6 +34,7 @@ _CHANGES: dict[str, list[Any]] = {
     "key": [0, None, "", "x.y", ["k"], "k\u00e9"],
     "path": ["arrays/ok", "arrays/../x", "arrays/w\n", "arrays/", "other/w", 7, None, "arrays/a/b", "arrays/.x"],
     "chunk_crc32c": [None, "", "AAAAAA==", "AAAA", 5, "!!!!!!==", ["XbVgKw=="]],
+    "chunk_crc32c_at": [None, [0, 7], [36, 7], [40, 7], [-4, 7], [0, 2**32], [0, True], [0.0, 7], [0], "0,7", 5],
     "layout": [_LAYOUT, {"kind": "mesh"}, 3, {"kind": "nope"}],
     "dtype": ["int8", "bfloat16", "float64", "nope", 4],
     "storage_dtype": ["int8", "uint16", None],
@@ -48,11 +49,16 @@ _CHANGES: dict[str, list[Any]] = {
 }
 
 
-def _make(n: int, changes: list[tuple[int, str, Any]], drop: list[tuple[int, str]]) -> bytes:
+def _make(n: int, changes: list[tuple[int, str, Any]], drop: list[tuple[int, str]], in_file: bool = False) -> bytes:
+    """``n`` leaves alike but for their keys and paths, then changed; ``in_file``: their checksums in the
+    document's checksums file (40 bytes: 4 for each leaf's one chunk) rather than in the document."""
     leaves = []
     for i in range(n):
         leaf = copy.deepcopy(_LEAF)
         leaf.update(key=f"w{i}", path=f"arrays/w{i}")
+        if in_file:
+            del leaf["chunk_crc32c"]
+            leaf["chunk_crc32c_at"] = [4 * i, 7]
         leaves.append(leaf)
     for i, field, value in changes:
         leaves[i % n][field] = value
@@ -60,6 +66,8 @@ def _make(n: int, changes: list[tuple[int, str, Any]], drop: list[tuple[int, str
         leaves[i % n].pop(field, None)
     tree = {"k": "dict", "keys": [f"w{i}" for i in range(n)], "c": list(range(n))}
     doc = {"format": "pytreeckpt", "version": 3, "tree": tree, "leaves": leaves, "user_metadata": {}}
+    if in_file:
+        doc["checksums"] = {"path": "checksums/crc32c", "bytes": 40}
     return json.dumps(doc).encode()
 
 
@@ -68,7 +76,11 @@ def _parsed(raw: bytes) -> tuple[str, Any]:
         doc = parse_document(raw)
     except MetadataError as e:
         return "error", str(e)
-    return "ok", (doc.leaves, doc.tree.to_json())
+    # (the checksums' fields are not compared by ArrayMeta's equality: here they are)
+    sums = [(getattr(leaf, "crc32c_text", None), getattr(leaf, "crc32c_at", None)) for leaf in doc.leaves]
+    files = {id(leaf.crc32c_file) for leaf in doc.leaves if getattr(leaf, "crc32c_file", None) is not None}
+    assert files <= {id(doc.checksums)}
+    return "ok", (doc.leaves, doc.tree.to_json(), sums)
 
 
 _CHANGE = st.sampled_from(sorted(_CHANGES)).flatmap(
@@ -80,10 +92,13 @@ _CHANGE = st.sampled_from(sorted(_CHANGES)).flatmap(
 @given(
     st.integers(2, 8),
     st.lists(_CHANGE, max_size=4),
-    st.lists(st.tuples(st.integers(0, 7), st.sampled_from(sorted(_LEAF))), max_size=2),
+    st.lists(st.tuples(st.integers(0, 7), st.sampled_from([*sorted(_LEAF), "chunk_crc32c_at"])), max_size=2),
+    st.booleans(),
 )
-def test_the_memo_parses_as_the_full_parse(n: int, changes: list[tuple[int, str, Any]], drop: list[Any]) -> None:
-    raw = _make(n, changes, drop)
+def test_the_memo_parses_as_the_full_parse(
+    n: int, changes: list[tuple[int, str, Any]], drop: list[Any], in_file: bool
+) -> None:
+    raw = _make(n, changes, drop, in_file)
     with_memo = _parsed(raw)
     with mock.patch.object(document_module, "_parse_array_like", return_value=None):
         in_full = _parsed(raw)
@@ -92,11 +107,11 @@ def test_the_memo_parses_as_the_full_parse(n: int, changes: list[tuple[int, str,
 
 
 @settings(max_examples=300)
-@given(st.integers(2, 6), _CHANGE)
-def test_one_leaf_unlike_the_one_before(n: int, change: tuple[int, str, Any]) -> None:
+@given(st.integers(2, 6), _CHANGE, st.booleans())
+def test_one_leaf_unlike_the_one_before(n: int, change: tuple[int, str, Any], in_file: bool) -> None:
     """One field of a leaf after the first (whose parse the memo holds) changed: the case the memo must tell."""
     i, field, value = change
-    raw = _make(n, [(1 + i % (n - 1), field, value)], [])
+    raw = _make(n, [(1 + i % (n - 1), field, value)], [], in_file)
     with_memo = _parsed(raw)
     with mock.patch.object(document_module, "_parse_array_like", return_value=None):
         in_full = _parsed(raw)
@@ -114,6 +129,21 @@ def test_the_memo_is_used() -> None:
         calls.append(got is not None)
         return got
 
-    with mock.patch.object(document_module, "_parse_array_like", spy):
-        parse_document(_make(4, [], []))
-    assert calls == [False, True, True, True]
+    for in_file in (False, True):
+        calls.clear()
+        with mock.patch.object(document_module, "_parse_array_like", spy):
+            parse_document(_make(4, [], [], in_file))
+        assert calls == [False, True, True, True]
+
+
+def test_every_change_in_the_catalogue() -> None:
+    """Each value of each field above, on a leaf after the first, with the checksums in the document and in a
+    file: all of them, so that none is left to sampling (a rare value is the one a memo gets wrong)."""
+    for in_file in (False, True):
+        for field, values in _CHANGES.items():
+            for value in values:
+                raw = _make(3, [(1, field, value)], [], in_file)
+                with_memo = _parsed(raw)
+                with mock.patch.object(document_module, "_parse_array_like", return_value=None):
+                    in_full = _parsed(raw)
+                assert with_memo == in_full, (in_file, field, value)

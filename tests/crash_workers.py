@@ -147,9 +147,14 @@ def manage(
     out.put((steps[0] % 2, (restored, errors)))
 
 
-def replace_distributed(rank: int, world: int, path: str) -> dict[str, Any]:
-    """Two ranks save, then replace, a checkpoint of arrays both write and small ones packed per rank."""
+def replace_distributed(rank: int, world: int, path: str, checksums_file: bool = False) -> dict[str, Any]:
+    """Two ranks save, then replace, a checkpoint of arrays both write and small ones packed per rank
+    (``checksums_file``: with the chunk checksums in a file of their own)."""
     from torch.distributed.tensor import DeviceMesh, Shard, distribute_tensor
+
+    where: Any = path
+    if checksums_file:
+        where = pytreeckpt.Location(path, pytreeckpt.StorageOptions(max_inline_checksum_bytes=0))
 
     mesh = DeviceMesh("cpu", list(range(world)))
 
@@ -159,10 +164,11 @@ def replace_distributed(rank: int, world: int, path: str) -> dict[str, Any]:
         small = {f"b{i}": torch.randn(16, generator=g) for i in range(8)}  # packed, spread over the ranks
         return {"big": distribute_tensor(big, mesh, [Shard(0)]), "small": small, "step": seed}
 
-    pytreeckpt.save(path, tree(1))
-    first = sorted(p for top in ("arrays", "ocdbt", "packed") for p in _names(path, top))
-    pytreeckpt.save(path, tree(2), overwrite=True)
-    second = sorted(p for top in ("arrays", "ocdbt", "packed") for p in _names(path, top))
+    tops = ("arrays", "ocdbt", "packed", "checksums")
+    pytreeckpt.save(where, tree(1))
+    first = sorted(p for top in tops for p in _names(path, top))
+    pytreeckpt.save(where, tree(2), overwrite=True)
+    second = sorted(p for top in tops for p in _names(path, top))
     got = pytreeckpt.load(path)
     want = tree(2)
     whole = torch.equal(got["big"], want["big"].full_tensor()) and all(

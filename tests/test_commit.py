@@ -251,3 +251,14 @@ def test_a_distributed_save_replaces_a_checkpoint_beside_it(tmp_path: Path) -> N
     assert got["second"] == ["arrays/big~g1", "packed/0~g1", "packed/1~g1"]
     assert got["step"] == 2
     assert got["whole"]
+
+
+def test_a_distributed_save_writes_and_replaces_its_checksums_file(tmp_path: Path) -> None:
+    """Rank 0 writes the file of every rank's chunk checksums at the commit; the next save's replaces it."""
+    results = run_world(2, replace_distributed, str(tmp_path / "c"), True, timeout=180)
+    assert results[0] == results[1]
+    got = results[0]
+    assert got["first"] == ["arrays/big", "checksums/crc32c", "packed/0", "packed/1"]
+    assert got["second"] == ["arrays/big~g1", "checksums/crc32c~g1", "packed/0~g1", "packed/1~g1"]
+    assert got["step"] == 2
+    assert got["whole"]

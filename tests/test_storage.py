@@ -26,6 +26,7 @@ from safetensors.torch import load_file
 
 import pytreeckpt
 from pytreeckpt import Abstract, Location, Mesh, Replicate, Shard, ShardedLeaf, ShardingSpec, StorageOptions
+from pytreeckpt.storage import Storage
 from pytreeckpt.storage._location import resolve
 
 
@@ -154,8 +155,9 @@ def _prefix() -> str:
     return f"t-{uuid.uuid4().hex[:10]}"
 
 
-@pytest.mark.parametrize("pack", [True, False])
-def test_s3_save_async_save_and_resharded_load(s3: seaweed.Server, pack: bool) -> None:
+@pytest.mark.parametrize(("pack", "in_file"), [(True, False), (False, False), (False, True)])
+def test_s3_save_async_save_and_resharded_load(s3: seaweed.Server, pack: bool, in_file: bool) -> None:
+    """(``in_file``: the chunk checksums in a file of their own, read by ranges.)"""
     run = _prefix()
     w = torch.randn(96, 40)
     tree = {
@@ -163,8 +165,10 @@ def test_s3_save_async_save_and_resharded_load(s3: seaweed.Server, pack: bool) -
         "small": {f"b{i}": torch.full((5,), float(i)) for i in range(20)},
         "step": 7,
     }
-    loc = s3.location(f"{run}/step_7", pack_small_leaves=pack)
+    limit = 0 if in_file else StorageOptions().max_inline_checksum_bytes
+    loc = s3.location(f"{run}/step_7", pack_small_leaves=pack, max_inline_checksum_bytes=limit)
     pytreeckpt.save(loc, tree, user_metadata={"note": "s3"})
+    assert ("checksums/crc32c" in Storage(loc).kv.list()) is in_file  # type: ignore[union-attr]
     target = {
         "w": Abstract(w.shape, w.dtype, ShardingSpec(Mesh(3), [Shard(1)])),
         "small": {f"b{i}": torch.zeros(5) for i in range(20)},
@@ -181,7 +185,8 @@ def test_s3_save_async_save_and_resharded_load(s3: seaweed.Server, pack: bool) -
     assert torch.equal(pytreeckpt.load_slice(loc, "w", (slice(10, 20), 3)), w[10:20, 3:4])
     # async, then the staged copy is what is stored
     w2 = torch.randn(96, 40)
-    h = pytreeckpt.async_save(s3.location(f"{run}/step_8", pack_small_leaves=pack), {"w": w2, "step": 8})
+    loc = s3.location(f"{run}/step_8", pack_small_leaves=pack, max_inline_checksum_bytes=limit)
+    h = pytreeckpt.async_save(loc, {"w": w2, "step": 8})
     expect = w2.clone()
     w2.add_(1.0)
     h.wait()

@@ -91,7 +91,10 @@ def _open(path: PathLike, namespace: str, executor: ExecutorOptions | None) -> t
 def _parse(storage: Storage, raw: bytes, namespace: str) -> CheckpointDoc:
     """The metadata document, within the location's size limit and this machine's memory."""
     limit = storage.location.options.max_metadata_bytes
-    return parse_document(raw, namespace=namespace, max_bytes=limit, available=available_memory())
+    doc = parse_document(raw, namespace=namespace, max_bytes=limit, available=available_memory())
+    if doc.checksums is not None:  # (read as the arrays read need them)
+        doc.checksums.reader = storage.read_checksums
+    return doc
 
 
 def _check_memory(where: PathLike, claims: Sequence[tuple[str, int]]) -> None:

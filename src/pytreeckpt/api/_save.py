@@ -39,6 +39,7 @@ from pytreeckpt.execute._staging import PoolAborted, staging_pool
 from pytreeckpt.format._document import (
     ARCHIVE_DIR,
     ARRAYS_DIR,
+    CHECKSUMS_FILE,
     MAX_PACKED_BYTES,
     PACKED_DIR,
     ArrayMeta,
@@ -48,6 +49,7 @@ from pytreeckpt.format._document import (
     build_document,
     chunk_count,
     generation_name,
+    place_checksums,
 )
 from pytreeckpt.plan import ArraySpec, ChunkingOptions, PlanCache, SavePlan, plan_save, plan_whole, spec_plan_key
 from pytreeckpt.storage import ChunkSums, ExecutorOptions, Storage, in_background
@@ -103,6 +105,7 @@ class _SaveJob:
     pending: BaseException | None = None  # this rank's error in a distributed save, not yet agreed on
     cancelled: threading.Event = field(default_factory=threading.Event)  # set at exit: stop, commit nothing
     generation: int = 0  # of the stored names (see generation_name)
+    _checksums: str | None = None  # the checksums file the final document names, if any
 
     def ready(self) -> None:
         """In a distributed save, agree that every rank planned (and staged) its part: else all raise."""
@@ -252,7 +255,7 @@ class _SaveJob:
                 t1 = time.perf_counter()
                 self._check_cancelled()
                 with self.monitor.phase("save", "commit", 0):
-                    self.storage.commit(self._final_document(None), self._names())
+                    self.storage.commit(*self._final_document(None), self._names())
             except BaseException:
                 self.storage.abandon()  # what this save wrote goes before its failure is reported
                 raise
@@ -310,9 +313,10 @@ class _SaveJob:
         generation = self.generation
         return generation_name(PACKED_DIR, generation) if generation else PACKED_DIR
 
-    def _final_document(self, gathered: list[Any] | None) -> bytes:
+    def _final_document(self, gathered: list[Any] | None) -> tuple[bytes, tuple[str, bytes] | None]:
         """The metadata document: every packed array in its writer's database, every array's chunk checksums
-        (and chunk hashes when they were computed)."""
+        (and chunk hashes when they were computed); and the checksums file (its name and bytes) if they
+        are too many to keep in the document (``StorageOptions.max_inline_checksum_bytes``)."""
         sums = self._sums()
         if gathered is not None:  # every rank's packed arrays and records, on rank 0 (its own among them)
             for packed, _ in gathered:
@@ -326,14 +330,19 @@ class _SaveJob:
         crcs = [sums.crc32c(i) for i in range(len(self.metas))]
         hashes = [sums.chunk_hashes(i) if self.reuse is not None else None for i in range(len(self.metas))]
         tree, entries, user = self.parts
+        limit = self.storage.location.options.max_inline_checksum_bytes
+        refs, file, blob = place_checksums(crcs, limit, generation_name(CHECKSUMS_FILE, self.generation))
+        self._checksums = None if file is None else file.path
         # under this save's generation's names (see _name), in their databases, with their chunks' checksums
-        arrays = (m.to_json(c, h) for m, c, h in zip(self.metas, crcs, hashes, strict=True))
+        arrays = (m.to_json(c, h, at) for m, c, h, at in zip(self.metas, crcs, hashes, refs, strict=True))
         leaves = [e if e is not None else next(arrays) for e in entries]
-        return build_document(tree, leaves, user)
+        document = build_document(tree, leaves, user, file)
+        return document, None if file is None or blob is None else (file.path, blob)
 
     def _names(self) -> frozenset[str]:
-        """The arrays and databases the final document references (after :meth:`_final_document`)."""
-        return frozenset(m.path for m in self.metas) | frozenset(m.database for m in self.metas if m.database)
+        """The arrays, databases and checksums file the final document references (after :meth:`_final_document`)."""
+        names = frozenset(m.path for m in self.metas) | frozenset(m.database for m in self.metas if m.database)
+        return names if self._checksums is None else names | {self._checksums}
 
     def _settle_packing(self) -> None:
         """Which small arrays no single rank writes whole: they are not packed (a collective).
@@ -414,7 +423,7 @@ class _SaveJob:
             try:
                 self._check_cancelled()
                 with self.monitor.phase("save", "commit", 0):
-                    self.storage.commit(self._final_document(gathered), self._names())
+                    self.storage.commit(*self._final_document(gathered), self._names())
             except Exception as e:
                 error = e
         self._agree(error, "committing the checkpoint")

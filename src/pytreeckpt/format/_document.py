@@ -7,6 +7,8 @@ A checkpoint is a directory::
     arrays/<name>/c/...      its chunks
     ocdbt/<rank>/            small arrays packed: an OCDBT database per writing rank,
                              holding arrays/<name>/... as keys
+    checksums/crc32c         every chunk's crc32c, when there are too many to keep in the
+                             document (each array's part named by the document)
 
 The metadata document (format version 1)::
 
@@ -14,7 +16,7 @@ The metadata document (format version 1)::
      "tree": <structure>, "leaves": [<leaf>, ...], "user_metadata": {...}}
 
 Array leaves are ``{"kind": "array", "key", "container", "dtype", "storage_dtype",
-"shape", "chunk_shape", "path", "layout", "chunk_crc32c"}``; plain Python leaves are
+"shape", "chunk_shape", "path", "layout", "chunk_crc32c" | "chunk_crc32c_at"}``; plain Python leaves are
 ``{"kind": "value", "key", "value"}``. Nothing here does I/O.
 """
 
@@ -25,18 +27,23 @@ import binascii
 import json
 import math
 import re
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import google_crc32c
+
 from pytreeckpt.core._dtypes import DType, dtype_from_name
-from pytreeckpt.core._errors import MetadataError
+from pytreeckpt.core._errors import CheckpointError, MetadataError
 from pytreeckpt.core._sharding import Layout, layout_from_json
 from pytreeckpt.core._tree import Node, decode_value
 
 __all__ = [
     "ARCHIVE_DIR",
     "ARRAYS_DIR",
+    "CHECKSUMS_DIR",
+    "CHECKSUMS_FILE",
     "FORMAT_NAME",
     "FORMAT_VERSION",
     "MAX_NDIM",
@@ -45,13 +52,16 @@ __all__ = [
     "STORED_DIRS",
     "ArrayMeta",
     "CheckpointDoc",
+    "ChecksumFile",
     "Compression",
     "ValueMeta",
     "array_names",
     "chunk_count",
     "generation_name",
     "generation_of",
+    "pack_checksums",
     "parse_document",
+    "place_checksums",
     "zarr_metadata",
 ]
 
@@ -67,8 +77,12 @@ ARRAYS_DIR = "arrays"
 PACKED_DIR = "ocdbt"
 ARCHIVE_DIR = "packed"
 """Packed arrays as zip archive entries (format version 3): ``packed/<rank>/<n>.zip``."""
-STORED_DIRS = (ARRAYS_DIR, PACKED_DIR, ARCHIVE_DIR)
-"""The top-level directories (key prefixes) holding a checkpoint's arrays and databases."""
+CHECKSUMS_DIR = "checksums"
+CHECKSUMS_FILE = "checksums/crc32c"
+"""Every chunk's crc32c, when a document would hold more of them than ``StorageOptions.max_inline_checksum_bytes``
+(each array's part is named by its leaf's ``chunk_crc32c_at``); ``checksums/crc32c~g<n>`` in a later generation."""
+STORED_DIRS = (ARRAYS_DIR, PACKED_DIR, ARCHIVE_DIR, CHECKSUMS_DIR)
+"""The top-level directories (key prefixes) holding a checkpoint's arrays, databases and checksums."""
 CONTAINERS = ("torch", "numpy")
 MAX_METADATA_BYTES = 256 << 20
 """The default cap on the metadata document's size (``StorageOptions.max_metadata_bytes``)."""
@@ -78,9 +92,91 @@ MAX_NDIM = 32
 """The most dims a saved array may have: TensorStore's limit (``kMaxRank``) for the arrays it opens."""
 
 _DATABASE = re.compile(r"^(ocdbt|packed)/(0|[1-9][0-9]{0,8})(~g[1-9][0-9]{0,8})?$")
+_CHECKSUMS = re.compile(r"checksums/crc32c(~g[1-9][0-9]{0,8})?")  # (fullmatch)
 _GENERATION = re.compile(r"~g([1-9][0-9]{0,8})$")
 
 _SAFE_PATH = re.compile(r"arrays/[A-Za-z0-9_][A-Za-z0-9_.~-]{0,199}")  # (fullmatch: no newline at the end either)
+
+
+CHECKSUM_BLOCK = 1 << 20
+"""A checksums file is read in blocks of this many bytes, each once, as the arrays read need them."""
+
+
+class ChecksumFile:
+    """The chunk checksums a document keeps in a file of their own (its ``checksums``): the file's
+    path and size, and, once a storage attaches ``reader`` (``reader(path, start, stop)``: those
+    bytes, or fewer where the file ends), its bytes as arrays need them, each block read once.
+
+    A leaf names its part by offset and the crc32c of those bytes (``chunk_crc32c_at``), which
+    :meth:`ArrayMeta.crc32c` checks: the file is trusted only through the document.
+    """
+
+    __slots__ = ("_blocks", "_lock", "path", "reader", "size")
+
+    def __init__(self, path: str, size: int) -> None:
+        self.path = path
+        self.size = size
+        self.reader: Callable[[str, int, int], bytes] | None = None
+        self._blocks: dict[int, bytes] = {}
+        self._lock = threading.Lock()
+
+    def to_json(self) -> dict[str, Any]:
+        return {"path": self.path, "bytes": self.size}
+
+    def read(self, start: int, stop: int, key: str) -> bytes:
+        """Bytes ``start`` to ``stop`` of the file (within its recorded size), for leaf ``key``."""
+        if self.reader is None:
+            raise CheckpointError(f"leaf {key!r}: its chunk checksums are in {self.path!r}, which nothing reads here")
+        if stop <= start:
+            return b""
+        first, last = start // CHECKSUM_BLOCK, (stop - 1) // CHECKSUM_BLOCK
+        with self._lock:  # (the I/O threads of a load ask for arrays at once; each block is read once)
+            missing = [b for b in range(first, last + 1) if b not in self._blocks]
+            if missing:
+                lo, hi = missing[0] * CHECKSUM_BLOCK, min((missing[-1] + 1) * CHECKSUM_BLOCK, self.size)
+                raw = self.reader(self.path, lo, hi)
+                if len(raw) != hi - lo:
+                    raise CheckpointError(
+                        f"leaf {key!r}: {self.path!r} ends at byte {lo + len(raw)}, the metadata records "
+                        f"{self.size} bytes"
+                    )
+                for b in range(missing[0], missing[-1] + 1):
+                    self._blocks.setdefault(b, raw[b * CHECKSUM_BLOCK - lo : (b + 1) * CHECKSUM_BLOCK - lo])
+            parts = [self._blocks[b] for b in range(first, last + 1)]
+        joined = parts[0] if len(parts) == 1 else b"".join(parts)
+        base = first * CHECKSUM_BLOCK
+        return joined[start - base : stop - base]
+
+
+def pack_checksums(crcs: Sequence[bytes | None]) -> tuple[bytes, list[tuple[int, int] | None]]:
+    """The bytes of a checksums file holding ``crcs`` (each array's chunk checksums, or None), and each
+    array's ``(offset, crc32c of its part)`` there.
+
+    >>> pack_checksums([bytes(4), None, bytes(8)])[1]
+    [(0, 1214729159), None, (4, 2351477386)]
+    """
+    refs: list[tuple[int, int] | None] = []
+    offset = 0
+    for c in crcs:
+        if c is None:
+            refs.append(None)
+            continue
+        refs.append((offset, google_crc32c.value(c)))
+        offset += len(c)
+    return b"".join(c for c in crcs if c is not None), refs
+
+
+def place_checksums(
+    crcs: Sequence[bytes | None], limit: int, path: str = CHECKSUMS_FILE
+) -> tuple[list[tuple[int, int] | None], ChecksumFile | None, bytes | None]:
+    """Where a document's chunk checksums go: in the document (no refs, no file) while their base64
+    is at most ``limit`` bytes, else in a checksums file at ``path``: each array's ``(offset, crc32c)``
+    there, the file the document names, and its bytes."""
+    inline = sum(4 * -(-len(c) // 3) for c in crcs if c is not None)
+    if inline <= limit:
+        return [None] * len(crcs), None, None
+    blob, refs = pack_checksums(crcs)
+    return refs, ChecksumFile(path, len(blob)), blob
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,12 +197,15 @@ class ArrayMeta:
     # The same as a document stores it (base64), decoded by crc32c() when first needed: a
     # load decodes only what it reads (57 MB of them for a 405B model on 16,384 ranks).
     crc32c_text: str | None = field(default=None, compare=False, repr=False)
+    # Or kept in the document's checksums file: this leaf's offset there and the crc32c of its part.
+    crc32c_at: tuple[int, int] | None = field(default=None, compare=False, repr=False)
+    crc32c_file: ChecksumFile | None = field(default=None, compare=False, repr=False)
     _decoded: list[bytes] = field(default_factory=list, compare=False, repr=False)
 
     @property
     def records_crc32c(self) -> bool:
         """Whether the metadata records each chunk's crc32c (checkpoints from before it did not)."""
-        return self.chunk_crc32c is not None or self.crc32c_text is not None
+        return self.chunk_crc32c is not None or self.crc32c_text is not None or self.crc32c_at is not None
 
     def crc32c(self) -> bytes | None:
         """Each chunk's recorded crc32c (little-endian uint32 in C order of the grid), or None.
@@ -114,8 +213,14 @@ class ArrayMeta:
         From a parsed document the base64 is decoded here, once; MetadataError if it is not
         valid base64 (its length was checked by the parse).
         """
-        if self.chunk_crc32c is not None or self.crc32c_text is None:
+        if self.chunk_crc32c is not None:
             return self.chunk_crc32c
+        if self._decoded:
+            return self._decoded[0]
+        if self.crc32c_at is not None and self.crc32c_file is not None:
+            return self._crc32c_from_file(self.crc32c_file, *self.crc32c_at)
+        if self.crc32c_text is None:
+            return None
         if not self._decoded:
             try:
                 raw = binascii.a2b_base64(self.crc32c_text, strict_mode=True)
@@ -129,6 +234,18 @@ class ArrayMeta:
                 )
             self._decoded.append(raw)  # (two threads at once decode twice, alike)
         return self._decoded[0]
+
+    def _crc32c_from_file(self, file: ChecksumFile, offset: int, crc: int) -> bytes:
+        n = 4 * chunk_count(self.shape, self.chunk_shape)
+        raw = file.read(offset, offset + n, self.key)
+        found = google_crc32c.value(raw)
+        if found != crc:
+            raise CheckpointError(
+                f"leaf {self.key!r}: its chunk checksums, bytes {offset} to {offset + n} of {file.path!r}, have "
+                f"crc32c {found:#010x}, the metadata records {crc:#010x}: the file is damaged or another checkpoint's"
+            )
+        self._decoded.append(raw)
+        return raw
 
     def recorded_crc32c(self, index: Sequence[int]) -> int | None:
         """The crc32c the metadata records for chunk ``index`` (see ``chunk_crc``); None where it records none.
@@ -150,9 +267,12 @@ class ArrayMeta:
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.dtype.itemsize
 
-    def to_json(self, crc32c: bytes | None = None, hashes: Sequence[str] | None = None) -> dict[str, Any]:
+    def to_json(
+        self, crc32c: bytes | None = None, hashes: Sequence[str] | None = None, crc32c_at: tuple[int, int] | None = None
+    ) -> dict[str, Any]:
         """This leaf's entry in the metadata document; with ``crc32c`` and ``hashes`` (each chunk's
-        checksum and digest, as the fields hold them) in place of those it records, if given."""
+        checksum and digest, as the fields hold them) in place of those it records, if given; with
+        ``crc32c_at`` its checksums are in the document's checksums file, at that offset, of that crc32c."""
         out: dict[str, Any] = {
             "kind": "array",
             "key": self.key,
@@ -170,10 +290,14 @@ class ArrayMeta:
             out["chunk_hashes"] = list(hashes or self.chunk_hashes or ())
         if self.database is not None:
             out["database"] = self.database
-        if crc32c is not None or self.chunk_crc32c is not None:
+        if crc32c_at is not None:
+            out["chunk_crc32c_at"] = list(crc32c_at)
+        elif crc32c is not None or self.chunk_crc32c is not None:
             out["chunk_crc32c"] = base64.b64encode(crc32c if crc32c is not None else self.chunk_crc32c).decode()  # type: ignore[arg-type]
         elif self.crc32c_text is not None:
             out["chunk_crc32c"] = self.crc32c_text
+        elif self.crc32c_at is not None:  # (read from its checksums file, kept in this document)
+            out["chunk_crc32c"] = base64.b64encode(self.crc32c() or b"").decode()
         return out
 
 
@@ -269,6 +393,7 @@ class CheckpointDoc:
     tree: Node
     leaves: tuple[ArrayMeta | ValueMeta, ...]
     user_metadata: dict[str, Any]
+    checksums: ChecksumFile | None = None  # where leaves' chunk checksums are kept, if not in the document
 
 
 def zarr_metadata(
@@ -377,9 +502,9 @@ def _layout(data: Any, key: str, seen: dict[str, Layout]) -> Layout:
     return layout
 
 
-_Shared = tuple[DType, str, tuple[int, ...], tuple[int, ...], "str | None", int]
-"""What array leaves of one kind share, validated: dtype, container, shape, chunk shape, database, and the
-length of their ``chunk_crc32c`` (:func:`_crc32c_chars`)."""
+_Shared = tuple[DType, str, tuple[int, ...], tuple[int, ...], "str | None", int, int]
+"""What array leaves of one kind share, validated: dtype, container, shape, chunk shape, database, the
+length of their ``chunk_crc32c`` (:func:`_crc32c_chars`) and their chunk count."""
 
 
 def _signature(data: dict[str, Any]) -> tuple[Any, ...]:
@@ -395,7 +520,12 @@ def _signature(data: dict[str, Any]) -> tuple[Any, ...]:
     )
 
 
-def _parse_array_like(data: dict[str, Any], shared: dict[tuple[Any, ...], _Shared], layouts: dict[str, Layout]) -> Any:
+def _parse_array_like(
+    data: dict[str, Any],
+    shared: dict[tuple[Any, ...], _Shared],
+    layouts: dict[str, Layout],
+    checksums: ChecksumFile | None,
+) -> Any:
     """An array leaf whose dtype, container, shapes and database equal those of one parsed before
     (``shared``: of the same document), checked for what is its own; None to parse it in full."""
     try:
@@ -406,13 +536,30 @@ def _parse_array_like(data: dict[str, Any], shared: dict[tuple[Any, ...], _Share
         return None
     key = data.get("key")
     crcs = data.get("chunk_crc32c")
-    dtype, container, shape, chunk_shape, database, crc_chars = hit
+    at = data.get("chunk_crc32c_at")
+    dtype, container, shape, chunk_shape, database, crc_chars, chunks = hit
     if type(key) is not str or (crcs is not None and (type(crcs) is not str or len(crcs) != crc_chars)):
         return None
+    if at is not None:
+        if (
+            crcs is not None
+            or checksums is None
+            or type(at) is not list
+            or len(at) != 2
+            or type(at[0]) is not int
+            or type(at[1]) is not int
+            or not (at[0] >= 0 and at[0] + 4 * chunks <= checksums.size and 0 <= at[1] <= 0xFFFFFFFF)
+        ):
+            return None
+        at = (at[0], at[1])
     path = check_relative_path(data.get("path"), key)
     layout_json = data.get("layout")
     layout = None if layout_json is None else _layout(layout_json, key, layouts)
-    return ArrayMeta(key, container, dtype, shape, chunk_shape, path, layout, None, None, database, None, crcs)
+    if at is None:
+        return ArrayMeta(key, container, dtype, shape, chunk_shape, path, layout, None, None, database, None, crcs)
+    return ArrayMeta(
+        key, container, dtype, shape, chunk_shape, path, layout, None, None, database, None, None, at, checksums
+    )
 
 
 def _parse_leaf(
@@ -420,9 +567,10 @@ def _parse_leaf(
     index: int,
     layouts: dict[str, Layout] | None = None,
     shared: dict[tuple[Any, ...], _Shared] | None = None,
+    checksums: ChecksumFile | None = None,
 ) -> ArrayMeta | ValueMeta:
     if shared is not None and type(data) is dict and data.get("kind") == "array":
-        meta = _parse_array_like(data, shared, {} if layouts is None else layouts)
+        meta = _parse_array_like(data, shared, {} if layouts is None else layouts, checksums)
         if meta is not None:
             return meta  # type: ignore[no-any-return]
     if not isinstance(data, dict):
@@ -483,14 +631,84 @@ def _parse_leaf(
             raise MetadataError(f"leaf {key!r}: chunk_hashes must be {n} hex digests of 32 digits")
         hashes = tuple(hashes)
     crcs = _parse_crcs(data.get("chunk_crc32c"), shape, chunk_shape, key)
+    at = _parse_crcs_at(data.get("chunk_crc32c_at"), crcs, shape, chunk_shape, key, checksums)
     if shared is not None and compression is None and hashes is None and type(data.get("dtype")) is str:
-        shared[_signature(data)] = (dtype, container, shape, chunk_shape, database, _crc32c_chars(shape, chunk_shape))
-    return ArrayMeta(key, container, dtype, shape, chunk_shape, path, layout, compression, hashes, database, None, crcs)
+        chunks = chunk_count(shape, chunk_shape)
+        shared[_signature(data)] = (dtype, container, shape, chunk_shape, database, _crc32c_chars(chunks), chunks)
+    return ArrayMeta(
+        key,
+        container,
+        dtype,
+        shape,
+        chunk_shape,
+        path,
+        layout,
+        compression,
+        hashes,
+        database,
+        None,
+        crcs,
+        at,
+        None if at is None else checksums,
+    )
 
 
-def _crc32c_chars(shape: tuple[int, ...], chunk_shape: tuple[int, ...]) -> int:
-    """The length of ``chunk_crc32c`` for this grid: the base64 of 4 bytes per chunk, padded."""
-    return 4 * -(-4 * chunk_count(shape, chunk_shape) // 3)
+def _crc32c_chars(chunks: int) -> int:
+    """The length of ``chunk_crc32c`` for a grid of ``chunks`` chunks: the base64 of 4 bytes per chunk, padded."""
+    return 4 * -(-4 * chunks // 3)
+
+
+def _parse_crcs_at(
+    at: Any,
+    inline: str | None,
+    shape: tuple[int, ...],
+    chunk_shape: tuple[int, ...],
+    key: str,
+    checksums: ChecksumFile | None,
+) -> tuple[int, int] | None:
+    """``chunk_crc32c_at``: absent, or ``[offset, crc32c]``, this leaf's part of the document's checksums
+    file (4 bytes a chunk from ``offset``, whose crc32c is ``crc32c``)."""
+    if at is None:
+        return None
+    if inline is not None:
+        raise MetadataError(f"leaf {key!r}: both chunk_crc32c and chunk_crc32c_at are given; a leaf has one")
+    if checksums is None:
+        raise MetadataError(f"leaf {key!r}: chunk_crc32c_at without a checksums file in the document")
+    n = 4 * chunk_count(shape, chunk_shape)
+    if (
+        not isinstance(at, list)
+        or len(at) != 2
+        or not all(type(x) is int for x in at)
+        or not 0 <= at[1] <= 0xFFFFFFFF
+        or at[0] < 0
+    ):
+        raise MetadataError(
+            f"leaf {key!r}: chunk_crc32c_at must be [offset, crc32c], two integers, found {str(at)[:200]}"
+        )
+    if at[0] + n > checksums.size:
+        raise MetadataError(
+            f"leaf {key!r}: chunk_crc32c_at names bytes {at[0]} to {at[0] + n} of {checksums.path!r} "
+            f"(4 bytes for each of its {n // 4} chunks), which holds {checksums.size}"
+        )
+    return at[0], at[1]
+
+
+def _parse_checksums(data: Any) -> ChecksumFile | None:
+    """The document's ``checksums``: absent, or ``{"path": "checksums/crc32c[~g<n>]", "bytes": <size>}``."""
+    if data is None:
+        return None
+    if (
+        not isinstance(data, dict)
+        or not isinstance(data.get("path"), str)
+        or not _CHECKSUMS.fullmatch(data["path"])
+        or type(data.get("bytes")) is not int
+        or not 0 <= data["bytes"] <= _MAX_INDEX
+    ):
+        raise MetadataError(
+            "metadata 'checksums' must be {\"path\": \"checksums/crc32c\" (maybe with '~g<generation>'), "
+            f'"bytes": <size>}}, found {str(data)[:200]}'
+        )
+    return ChecksumFile(data["path"], data["bytes"])
 
 
 def _parse_crcs(text: Any, shape: tuple[int, ...], chunk_shape: tuple[int, ...], key: str) -> str | None:
@@ -501,7 +719,7 @@ def _parse_crcs(text: Any, shape: tuple[int, ...], chunk_shape: tuple[int, ...],
     if text is None:
         return None
     n = chunk_count(shape, chunk_shape)
-    expected = _crc32c_chars(shape, chunk_shape)
+    expected = _crc32c_chars(n)
     if not isinstance(text, str) or len(text) != expected:
         found = f"{len(text)} characters" if isinstance(text, str) else type(text).__name__
         raise MetadataError(
@@ -551,7 +769,8 @@ def parse_document(
         raise MetadataError("metadata 'leaves' must be a list")
     layouts: dict[str, Layout] = {}
     shared: dict[tuple[Any, ...], _Shared] = {}
-    leaves = tuple(_parse_leaf(leaf, i, layouts, shared) for i, leaf in enumerate(leaves_json))
+    checksums = _parse_checksums(data.get("checksums"))
+    leaves = tuple(_parse_leaf(leaf, i, layouts, shared, checksums) for i, leaf in enumerate(leaves_json))
     paths = [leaf.path for leaf in leaves if isinstance(leaf, ArrayMeta)]
     if len({p.lower() for p in paths}) != len(paths):
         raise MetadataError("two array leaves share one stored array path")
@@ -564,7 +783,7 @@ def parse_document(
     user = data.get("user_metadata", {})
     if not isinstance(user, dict):
         raise MetadataError("'user_metadata' must be a JSON object")
-    return CheckpointDoc(version, tree, leaves, user)
+    return CheckpointDoc(version, tree, leaves, user, checksums)
 
 
 def parse_memory_bound(raw: bytes) -> int:
@@ -604,8 +823,13 @@ def chunk_count(shape: Sequence[int], chunk_shape: Sequence[int]) -> int:
     return math.prod(-(-s // c) for s, c in zip(shape, chunk_shape, strict=True))
 
 
-def build_document(tree: Node, leaves: Sequence[dict[str, Any]], user_metadata: dict[str, Any] | None) -> bytes:
-    """Serialise a metadata document."""
+def build_document(
+    tree: Node,
+    leaves: Sequence[dict[str, Any]],
+    user_metadata: dict[str, Any] | None,
+    checksums: ChecksumFile | None = None,
+) -> bytes:
+    """Serialise a metadata document (``checksums``: the file its leaves' ``chunk_crc32c_at`` name)."""
     databases = {d for leaf in leaves if isinstance(d := leaf.get("database"), str)}
     version = 3 if any(d.startswith(ARCHIVE_DIR + "/") for d in databases) else 2 if databases else 1
     doc = {
@@ -615,6 +839,8 @@ def build_document(tree: Node, leaves: Sequence[dict[str, Any]], user_metadata: 
         "leaves": list(leaves),
         "user_metadata": user_metadata or {},
     }
+    if checksums is not None:
+        doc["checksums"] = checksums.to_json()
     try:
         # (no cycles to look for: user metadata was checked by a round trip, the rest is made here)
         return json.dumps(doc, allow_nan=False, separators=(",", ":"), check_circular=False).encode()

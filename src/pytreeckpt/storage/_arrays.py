@@ -350,7 +350,7 @@ class ArrayIO(FileChecks, Durability):
                     expected = int.from_bytes(crcs, "little")
                 else:
                     meta.crc32c()  # (raises, naming the leaf)
-            elif meta.chunk_crc32c is not None:
+            else:  # (recorded as bytes, in a checksums file, or not at all)
                 expected = meta.recorded_crc32c((0,) * ndim)
             if (
                 value is None

@@ -19,6 +19,7 @@ from typing import Any
 from pytreeckpt.core._errors import CheckpointError, MetadataError, NotCommittedError
 from pytreeckpt.format._document import (
     ARRAYS_DIR,
+    CHECKSUMS_DIR,
     LOCK_FILE,
     METADATA_FILE,
     STEP_DIR,
@@ -170,11 +171,14 @@ class CommitProtocol(StorageBase):
             raise CheckpointError(f"cannot prepare {self.url} for a new checkpoint: {e}") from e
         return 1 + max(generation_of(name) for name in stored) if stored else 0
 
-    def commit(self, document: bytes, names: frozenset[str] | None = None) -> None:
+    def commit(
+        self, document: bytes, checksums: tuple[str, bytes] | None = None, names: frozenset[str] | None = None
+    ) -> None:
         """Write the metadata document atomically, then delete the arrays it does not reference.
 
-        ``names``: the arrays and databases the document references, where the caller knows
-        them (else they are read from the document).
+        ``checksums``: the checksums file the document names (its name and bytes), written
+        and made durable first. ``names``: the arrays, databases and checksums file the
+        document references, where the caller knows them (else they are read from the document).
 
         Locally: a temporary file (made with the mode the umask gives, as any file the user
         makes), fsync, rename over the old document, fsync of the directory. On a
@@ -183,6 +187,8 @@ class CommitProtocol(StorageBase):
         instant; then its arrays are deleted (a failure to delete them is logged, and the
         next save reclaims them).
         """
+        if checksums is not None:
+            self._write_checksums(*checksums)
         if self.kv is not None:
             self.kv.write(METADATA_FILE, document)
         else:
@@ -205,6 +211,58 @@ class CommitProtocol(StorageBase):
             self._delete(self._unreferenced(_referenced(document) if names is None else names))
         except Exception as e:  # committed all the same: the next save reclaims them
             logger.warning("%s: committed, but the arrays it replaced could not all be deleted: %s", self.url, e)
+
+    def _write_checksums(self, name: str, data: bytes) -> None:
+        """The checksums file the document will name, durable before the document is (a name of this
+        save's generation: nothing committed uses it)."""
+        if self.kv is not None:
+            self.kv.write(name, data)
+            return
+        path = self.root / name
+        try:
+            path.parent.mkdir(exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            _fsync(path.parent)
+            _fsync(self.root)
+        except OSError as e:
+            raise CheckpointError(f"cannot write the chunk checksums {path}: {e}") from e
+
+    def read_checksums(self, name: str, start: int, stop: int) -> bytes:
+        """Bytes ``start`` to ``stop`` of the checksums file ``name`` (fewer where it ends): what a
+        :class:`~pytreeckpt.format.ChecksumFile` reads through."""
+        if self.kv is not None:
+            try:
+                got = self.kv.store.read(name, byte_range=slice(start, stop)).result()
+            except Exception as e:
+                if "OUT_OF_RANGE" in str(e):
+                    return b""
+                raise CheckpointError(f"{self.url}: cannot read {name!r}: {e}") from e
+            if got.state == "missing":
+                raise CheckpointError(f"{self.url}: the chunk checksums {name!r} the metadata names are missing")
+            return bytes(got.value)
+        what = f"the chunk checksums {name!r}"
+        try:
+            path = self._check_inside(self.root / name, name)
+            fd, _ = open_regular(path, self._real_root(), what)
+        except (FileNotFoundError, NotADirectoryError):
+            raise CheckpointError(f"{self.root}: {what} the metadata names are missing") from None
+        try:
+            out = []
+            while start < stop:
+                got = os.pread(fd, stop - start, start)
+                if not got:
+                    break
+                out.append(got)
+                start += len(got)
+            return b"".join(out)
+        except OSError as e:
+            raise CheckpointError(f"{self.root}: cannot read {what}: {e}") from e
+        finally:
+            os.close(fd)
 
     def abandon(self) -> None:
         """After a failed save: remove what it wrote, keeping all that a committed document references.
@@ -280,6 +338,8 @@ class CommitProtocol(StorageBase):
         for name in sorted(names):
             if self.kv is not None:
                 self.kv.delete_prefix(name + "/")
+                if name.startswith(CHECKSUMS_DIR + "/"):  # (a file, not a prefix)
+                    self.kv.delete(name)
             else:
                 remove_tree(self.root / name)
 
@@ -389,6 +449,9 @@ def _referenced(document: bytes) -> frozenset[str] | None:
     for leaf in leaves:
         if isinstance(leaf, dict):
             names.update(v for v in (leaf.get("path"), leaf.get("database")) if isinstance(v, str))
+    checksums = json.loads(document).get("checksums")
+    if isinstance(checksums, dict) and isinstance(checksums.get("path"), str):
+        names.add(checksums["path"])
     return frozenset(names)
 
 
