@@ -372,6 +372,28 @@ class _Buffers:
         return a
 
 
+def _own_shard_dest(
+    meta: ArrayMeta, spec: Layout, position: int | None, placement: range | tuple[int, ...] | None, buffers: _Buffers
+) -> _Dest:
+    """:func:`_sharded_dest` of a new leaf on the host in a distributed load: this rank's shard (at ``position``
+    of ``spec``, None: it holds none), read into new host memory."""
+    shape, dtype = meta.shape, meta.dtype.torch
+    if position is None:
+        return _Dest(meta, spec, {}, {}, lambda: ShardedLeaf(shape, dtype, spec, {}, placement), 0, placement)
+    rank = position if placement is None else placement[position]
+    local = buffers.tensor(spec.local_shape(position, shape), dtype, False)
+    pieces = {rank: spec.pieces_of(position, shape)}
+    return _Dest(
+        meta,
+        spec,
+        pieces,
+        {rank: local},
+        lambda: ShardedLeaf(shape, dtype, spec, {position: local}, placement),
+        0,
+        placement,
+    )
+
+
 def _sharded_dest(
     meta: ArrayMeta,
     spec: Layout,
@@ -394,6 +416,8 @@ def _sharded_dest(
             position = _position(meta.key, spec, placement, comm)
         except LayoutError as e:
             raise LayoutError(f"leaf {_where(meta.key)}: {e}") from None
+        if into is None and not devices:  # (a new leaf on the host, this rank's shard: what follows, for one)
+            return _own_shard_dest(meta, spec, position, placement, buffers)
         ranks = [] if position is None else [position]
     rank_of = _rank_of(placement)
     if placement is not None:  # memory and devices by global rank from here on
@@ -956,6 +980,8 @@ def load_slice(path: PathLike, key: str, index: Any = (), *, executor: ExecutorO
 
 def _meta_problem(key: str, leaf: Any) -> str | None:
     """A target on the meta device has no memory to load into: refused, saying how to make some."""
+    if type(leaf) is Abstract:
+        return None
     tensors = list(leaf.shards.values()) if isinstance(leaf, ShardedLeaf) else [leaf]
     if any(isinstance(t, torch.Tensor) and t.is_meta for t in tensors):
         return (

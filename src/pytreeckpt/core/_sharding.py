@@ -50,6 +50,7 @@ class Mesh:
     shape: tuple[int, ...]
     axis_names: tuple[str, ...]
     _hash: int = field(init=False, repr=False, compare=False)  # (hashed once: specs key the plan caches)
+    _size: int = field(init=False, repr=False, compare=False)
 
     def __init__(self, shape: Sequence[int] | int, axis_names: Sequence[str] | None = None) -> None:
         shape_t = (int(shape),) if isinstance(shape, int) else tuple(int(s) for s in shape)
@@ -63,6 +64,7 @@ class Mesh:
         object.__setattr__(self, "shape", shape_t)
         object.__setattr__(self, "axis_names", names)
         object.__setattr__(self, "_hash", hash((shape_t, names)))
+        object.__setattr__(self, "_size", math.prod(shape_t))
 
     def __hash__(self) -> int:
         return self._hash
@@ -76,7 +78,7 @@ class Mesh:
 
     @property
     def size(self) -> int:
-        return math.prod(self.shape)
+        return self._size
 
     def coordinate(self, rank: int) -> tuple[int, ...]:
         """The mesh coordinate of ``rank``."""
@@ -309,7 +311,7 @@ class ShardingSpec(Layout):
         return _spec_pieces(self, rank, tuple(shape))
 
     def local_shape(self, rank: int, shape: Sequence[int]) -> tuple[int, ...]:
-        return tuple(sum(length for _, length in rs) for rs in _spec_intervals(self, rank, tuple(shape)))
+        return _spec_local_shape(self, rank, tuple(shape))
 
     def to_json(self) -> dict[str, Any]:
         return {"kind": self.kind, "mesh": self.mesh.to_json(), "placements": [p.to_json() for p in self.placements]}
@@ -339,6 +341,12 @@ def _spec_pieces(spec: ShardingSpec, rank: int, shape: tuple[int, ...]) -> tuple
         )
         pieces.append(Piece(region, 0, tuple(local_starts[d][k] for d, k in enumerate(combo))))
     return tuple(pieces)
+
+
+@functools.lru_cache(maxsize=8192)
+def _spec_local_shape(spec: ShardingSpec, rank: int, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """:meth:`ShardingSpec.local_shape`, once per (spec, rank, shape)."""
+    return tuple(sum(length for _, length in rs) for rs in _spec_intervals(spec, rank, shape))
 
 
 @functools.lru_cache(maxsize=8192)

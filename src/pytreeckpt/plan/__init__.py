@@ -55,6 +55,7 @@ def clear_caches() -> None:
 
     _sharding._spec_intervals.cache_clear()
     _sharding._spec_pieces.cache_clear()
+    _sharding._spec_local_shape.cache_clear()
     _tables._TABLES.clear()
     _load._CUTS.clear()
     _save._STRUCTURES.clear()

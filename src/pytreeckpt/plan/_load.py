@@ -141,6 +141,59 @@ def _make_cuts(table: PieceTable, shape: tuple[int, ...], chunk: tuple[int, ...]
     return _Cuts(lo, ext, nbytes, ptr, wpos, wpiece, single.astype(_I64))
 
 
+def _own_cuts(table: PieceTable, shape: tuple[int, ...], chunk: tuple[int, ...], itemsize: int, pos: int) -> _Cuts:
+    """:func:`_make_cuts` of the regions position ``pos`` wants only, for a table whose pieces are the same box
+    or disjoint (``PieceTable.disjoint``): a region is then wanted by the holders of its box alone.
+
+    Regions come in the order :func:`_make_cuts` gives them (boxes by their first holder,
+    row-major within), with the same wanting pairs; a rank's reads and the scopes deciding
+    them are those of the whole table's cuts, in O(the table) numpy work rather than a
+    cut of every box.
+    """
+    nd = len(shape)
+    grid = ChunkGrid(shape, chunk)
+    a, b = np.searchsorted(table.pos, [pos, pos + 1])
+    mine = np.arange(a, b, dtype=_I64)
+    if nd:
+        mine = mine[(table.ext[a:b] > 0).all(axis=1)]
+    if grid.count == 0:
+        mine = mine[:0]
+    nonempty = (table.ext > 0).all(axis=1) if nd else np.ones(len(table.pos), dtype=bool)
+    holders, firsts = [], []
+    for row in mine.tolist():  # (a position holds a few boxes)
+        same = np.flatnonzero(
+            nonempty & (table.lo == table.lo[row]).all(axis=1) & (table.ext == table.ext[row]).all(axis=1)
+        )
+        holders.append(same)
+        firsts.append(int(same[0]))
+    order = sorted(range(len(holders)), key=firsts.__getitem__)
+    boxes = mine[order]
+    blo = table.lo[boxes]
+    bhi = blo + table.ext[boxes]
+    c = np.asarray(chunk, dtype=_I64)
+    n = np.asarray(shape, dtype=_I64)
+    if nd:
+        box, flat = grid.cells(blo // c, (bhi - 1) // c + 1) if len(boxes) else (np.zeros(0, _I64), np.zeros(0, _I64))
+        idx = grid.unflat_columns(flat)
+        lo = np.maximum(idx * c, blo[box])
+        ext = np.minimum(np.minimum((idx + 1) * c, n), bhi[box]) - lo
+    else:
+        box = np.arange(len(boxes), dtype=_I64)
+        lo = ext = np.zeros((len(boxes), 0), dtype=_I64)
+    # each region's wanting pairs: the holders of its box, by (position, piece) as the table is sorted
+    per_box = [holders[i] for i in order]
+    counts = np.asarray([len(per_box[k]) for k in box.tolist()], dtype=_I64)
+    rows = np.concatenate([per_box[k] for k in box.tolist()]) if len(box) else np.zeros(0, dtype=_I64)
+    ptr = np.zeros(len(box) + 1, dtype=_I64)
+    np.cumsum(counts, out=ptr[1:])
+    wpos, wpiece = table.pos[rows], table.piece[rows]
+    positions = [np.unique(table.pos[h]) for h in per_box]
+    single_of_box = np.asarray([int(u[0]) if len(u) == 1 else -1 for u in positions], dtype=_I64)
+    single = single_of_box[box] if len(box) else np.zeros(0, dtype=_I64)
+    nbytes = (np.prod(ext, axis=1) if nd else np.ones(len(lo), dtype=_I64)) * itemsize
+    return _Cuts(lo, ext, nbytes, ptr, wpos, wpiece, single)
+
+
 @dataclass(eq=False)
 class _RankReads:
     """A placed target layout's regions as one position wants them, and its reads per decision (memoised).
@@ -154,8 +207,8 @@ class _RankReads:
     reads: dict[tuple[int, ...], tuple[ReadOp, ...]] = field(default_factory=dict)
 
 
-def _rank_reads(p: Placed, cuts: _Cuts, pos: int, chunk: tuple[int, ...], itemsize: int) -> _RankReads:
-    key = ("load-rank", chunk, itemsize, pos)
+def _rank_reads(p: Placed, cuts: _Cuts, pos: int, chunk: tuple[int, ...], itemsize: int, own: bool) -> _RankReads:
+    key = ("load-rank", chunk, itemsize, pos, own)
     got = p.derived.get(key)
     if got is None:
         rows = cuts.regions_of(pos).tolist()
@@ -169,24 +222,44 @@ def _rank_reads(p: Placed, cuts: _Cuts, pos: int, chunk: tuple[int, ...], itemsi
     return got  # type: ignore[no-any-return]
 
 
+def _outside(p: Placed) -> int:
+    """The first row of a placed table reaching outside its array, or -1 (memoised)."""
+    got = p.derived.get("outside")
+    if got is None:
+        table = p.table
+        hi = table.lo + table.ext
+        bad = np.flatnonzero(((table.lo < 0) | (hi > np.asarray(p.shape, dtype=_I64))).any(axis=1))
+        got = p.derived["outside"] = int(bad[0]) if len(bad) else -1
+    return got  # type: ignore[no-any-return]
+
+
 def _array_reads(spec: ArraySpec, chunk: tuple[int, ...], scopes: Scopes, rank: int | None) -> tuple[ReadOp, ...]:
     p = placed(spec)
     table, ranks = p.table, p.ranks
-    cuts = _cuts(p, chunk, spec.itemsize)
-    if cuts.outside >= 0:
-        bad = cuts.outside
+    own = rank is not None and table.disjoint  # (a rank's own cuts suffice)
+    bad = _outside(p) if own else _cuts(p, chunk, spec.itemsize).outside
+    if bad >= 0:
         region = Region(tuple(table.lo[bad].tolist()), tuple(table.ext[bad].tolist()))
         raise LayoutError(
             f"leaf {spec.key!r}: rank {int(ranks[table.pos[bad]])} wants {region}, outside the stored shape "
             f"{spec.shape}"
         )
     if rank is None:
+        cuts = _cuts(p, chunk, spec.itemsize)
         rows: Sequence[int] = range(len(cuts.lo))
         return tuple(_reads(p, cuts, _targets(p, chunk, spec.itemsize), rows, _choose(p, cuts, rows, scopes)))
     pos = p.position(rank)
     if pos is None:
         return ()
-    mine = _rank_reads(p, cuts, pos, chunk, spec.itemsize)
+    if own:
+        memo = ("own-cuts", chunk, spec.itemsize, pos)
+        got_cuts = p.derived.get(memo)
+        if got_cuts is None:
+            got_cuts = p.derived[memo] = _own_cuts(table, p.shape, chunk, spec.itemsize, pos)
+        cuts = got_cuts
+    else:
+        cuts = _cuts(p, chunk, spec.itemsize)
+    mine = _rank_reads(p, cuts, pos, chunk, spec.itemsize, own)
     decided = []
     for skey, n, nb in mine.choices:
         loads = scopes.get(skey)
@@ -198,13 +271,17 @@ def _array_reads(spec: ArraySpec, chunk: tuple[int, ...], scopes: Scopes, rank: 
     key = tuple(decided)
     got = mine.reads.get(key)
     if got is None:
-        got = mine.reads[key] = tuple(_reads(p, cuts, _targets(p, chunk, spec.itemsize), mine.rows, key))
+        targets = _targets(p, chunk, spec.itemsize, pos if own else None)
+        got = mine.reads[key] = tuple(_reads(p, cuts, targets, mine.rows, key))
     return got
 
 
-def _targets(p: Placed, chunk: tuple[int, ...], itemsize: int) -> dict[int, tuple[Region, tuple[Fragment, ...]]]:
-    """Per region of the placed layout cut along ``chunk``, its region and target fragments, once built."""
-    key = ("targets", chunk, itemsize)
+def _targets(
+    p: Placed, chunk: tuple[int, ...], itemsize: int, pos: int | None = None
+) -> dict[int, tuple[Region, tuple[Fragment, ...]]]:
+    """Per region of the placed layout cut along ``chunk``, its region and target fragments, once built
+    (``pos``: of the regions of that position's own cuts, which number them apart)."""
+    key = ("targets", chunk, itemsize, pos)
     got = p.derived.get(key)
     if got is None:
         got = p.derived[key] = {}

@@ -40,6 +40,9 @@ class PieceTable:
     piece: np.ndarray
     lo: np.ndarray
     ext: np.ndarray
+    # Any two pieces are the same box or share no element (a mesh layout's: positions apart on an axis that
+    # shards a dim hold disjoint runs of it; positions apart only on replicating axes hold the same pieces).
+    disjoint: bool = False
 
     def pieces(self) -> tuple[tuple[Piece, ...], ...]:
         """The regions as :meth:`Layout.rank_pieces` gives them (local placement left out)."""
@@ -165,6 +168,7 @@ def _mesh_table(spec: ShardingSpec, shape: tuple[int, ...]) -> PieceTable:
         idx_a[order],
         np.concatenate(lo_l).reshape(len(pos_a), len(shape))[order],
         np.concatenate(ext_l).reshape(len(pos_a), len(shape))[order],
+        disjoint=True,
     )
 
 
@@ -299,7 +303,9 @@ def placed_table(layout: Layout, shape: tuple[int, ...], ranks: np.ndarray) -> t
     renumber[order] = np.arange(len(order), dtype=_I64)
     pos = renumber[table.pos]
     rows = np.lexsort((table.piece, pos))
-    moved = PieceTable(table.positions, pos[rows], table.piece[rows], table.lo[rows], table.ext[rows])
+    moved = PieceTable(
+        table.positions, pos[rows], table.piece[rows], table.lo[rows], table.ext[rows], disjoint=table.disjoint
+    )
     return moved, ranks[order], (layout, shape, ranks.tobytes())
 
 
