@@ -205,3 +205,16 @@ def test_on_a_key_value_store(tmp_path: Path) -> None:
     assert [k for k in keys if k.startswith("checksums/")] == ["checksums/crc32c~g1"]
     assert same(pytreeckpt.load(where), want)
     assert torch.equal(pytreeckpt.load_slice(where, "e", (slice(None), 3)), want["e"][:, 3:4])
+
+
+def test_a_save_too_big_for_the_metadata_limit_only_with_its_checksums_inline_is_taken(tmp_path: Path) -> None:
+    """The refusal before writing counts what the document will hold: not the checksums that go to their file."""
+    w = torch.randn(1024, 256)  # 1,024 chunks of 1 KiB: 5,464 bytes of checksums in the document
+    one_kib = ChunkingOptions(single_chunk_bytes=1024, min_chunk_bytes=1024, max_chunk_bytes=1024)
+    inline = Location(tmp_path / "inline", StorageOptions(max_metadata_bytes=4000))
+    with pytest.raises(pytreeckpt.MetadataError, match=r"would hold about \d+ bytes, more than the 4000"):
+        pytreeckpt.save(inline, {"w": w}, chunking=one_kib)
+    in_file = Location(tmp_path / "file", StorageOptions(max_metadata_bytes=4000, max_inline_checksum_bytes=1000))
+    pytreeckpt.save(in_file, {"w": w}, chunking=one_kib)
+    assert (tmp_path / "file" / "pytreeckpt.json").stat().st_size < 4000
+    assert torch.equal(pytreeckpt.load(in_file)["w"], w)

@@ -724,8 +724,13 @@ def _array_bytes_bound(metas: Sequence[ArrayMeta], hashed: bool = False) -> int:
 
 def _check_document_size(document: bytes, metas: list[ArrayMeta], storage: Storage) -> None:
     """Refuse, before writing, a checkpoint whose metadata document its location would refuse to read."""
-    limit = storage.location.options.max_metadata_bytes
-    size = len(document) + sum(6 * chunk_count(m.shape, m.chunk_shape) + 20 for m in metas)  # and the checksums
+    options = storage.location.options
+    limit = options.max_metadata_bytes
+    # and the checksums: in the document (their base64, quoted), or past its limit in their file (as
+    # place_checksums decides), the document then naming each array's part and the file
+    inline = sum(4 * -(-4 * chunk_count(m.shape, m.chunk_shape) // 3) for m in metas)
+    in_file = inline > options.max_inline_checksum_bytes
+    size = len(document) + (48 * len(metas) + 80 if in_file else inline + 20 * len(metas))
     if size > limit:
         raise MetadataError(
             f"the metadata document of this checkpoint would hold about {size} bytes, more than the {limit} "
