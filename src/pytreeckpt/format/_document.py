@@ -32,8 +32,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import google_crc32c
-
+from pytreeckpt.core._checksum import crc32c
 from pytreeckpt.core._dtypes import DType, dtype_from_name
 from pytreeckpt.core._errors import CheckpointError, MetadataError
 from pytreeckpt.core._sharding import Layout, layout_from_json
@@ -161,7 +160,7 @@ def pack_checksums(crcs: Sequence[bytes | None]) -> tuple[bytes, list[tuple[int,
         if c is None:
             refs.append(None)
             continue
-        refs.append((offset, google_crc32c.value(c)))
+        refs.append((offset, crc32c(c)))
         offset += len(c)
     return b"".join(c for c in crcs if c is not None), refs
 
@@ -238,7 +237,7 @@ class ArrayMeta:
     def _crc32c_from_file(self, file: ChecksumFile, offset: int, crc: int) -> bytes:
         n = 4 * chunk_count(self.shape, self.chunk_shape)
         raw = file.read(offset, offset + n, self.key)
-        found = google_crc32c.value(raw)
+        found = crc32c(raw)
         if found != crc:
             raise CheckpointError(
                 f"leaf {self.key!r}: its chunk checksums, bytes {offset} to {offset + n} of {file.path!r}, have "

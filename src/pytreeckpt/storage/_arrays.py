@@ -16,10 +16,10 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-import google_crc32c
 import numpy as np
 import tensorstore as ts
 
+from pytreeckpt.core._checksum import crc32c
 from pytreeckpt.core._errors import CheckpointError
 from pytreeckpt.core._region import Region, chunk_region
 from pytreeckpt.format._document import (
@@ -355,7 +355,7 @@ class ArrayIO(FileChecks, Durability):
             if (
                 value is None
                 or len(value) != size + 4
-                or (crc := google_crc32c.value(value[:size])) != int.from_bytes(value[size:], "little")
+                or (crc := crc32c(value[:size])) != int.from_bytes(value[size:], "little")
                 or (expected is not None and crc != expected)
             ):
                 what = f"leaf {meta.key!r}: chunk {[0] * ndim}"

@@ -35,9 +35,9 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-import google_crc32c
 import numpy as np
 
+from pytreeckpt.core._checksum import crc32c
 from pytreeckpt.core._errors import CheckpointError
 
 __all__ = ["LITTLE_ENDIAN", "IOPool", "chunk_crc", "lower_priority", "open_regular", "read_chunk", "write_chunk"]
@@ -206,11 +206,11 @@ def write_chunk(path: Path, data: np.ndarray, chunk_shape: Sequence[int], fsync:
     chunk = tuple(chunk_shape)
     raw = _encoded_prefix(data, chunk)
     pad = math.prod(chunk) * data.dtype.itemsize - raw.nbytes
-    crc = google_crc32c.value(raw)
+    crc = crc32c(raw)
     parts = [raw]
     if pad:
         zeros = np.zeros(pad, dtype=np.uint8)
-        crc = google_crc32c.extend(crc, zeros)
+        crc = crc32c(zeros, crc)
         parts.append(zeros)
     parts.append(np.frombuffer(crc.to_bytes(4, "little"), dtype=np.uint8))
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)  # less the umask
@@ -242,11 +242,11 @@ def chunk_crc(data: np.ndarray, chunk_shape: Sequence[int], dtype: np.dtype | No
         data = data.astype(dtype)  # e.g. big-endian input: stored as little endian
     data = _little_endian(data)
     raw = _encoded_prefix(data, chunk)
-    crc = google_crc32c.value(raw)
+    crc = crc32c(raw)
     pad = math.prod(chunk) * data.dtype.itemsize - raw.nbytes
     while pad > 0:
         step = min(pad, _ZEROS.nbytes)
-        crc = google_crc32c.extend(crc, _ZEROS[:step])
+        crc = crc32c(_ZEROS[:step], crc)
         pad -= step
     return int(crc)
 
@@ -394,10 +394,10 @@ def _read_into(
             head = _bytes_of(dest)
             tail = np.empty(stored + 4 - head.nbytes, dtype=np.uint8)
             _read_all(fd, [head, tail])
-            return _check(google_crc32c.extend(google_crc32c.value(head), tail[:-4]), tail, path, what)
+            return _check(crc32c(tail[:-4], crc32c(head)), tail, path, what)
     scratch = np.empty(stored + 4, dtype=np.uint8)
     _read_all(fd, [scratch])
-    crc = _check(google_crc32c.value(scratch[:stored]), scratch[stored:], path, what)
+    crc = _check(crc32c(scratch[:stored]), scratch[stored:], path, what)
     elements = scratch[:stored].view(dtype).reshape(chunk)
     for box, dest in targets:
         dest[...] = elements[box]

@@ -21,10 +21,10 @@ from collections.abc import Iterable, Iterator
 from concurrent.futures import Future
 from typing import Any
 
-import google_crc32c
 import numpy as np
 import tensorstore as ts
 
+from pytreeckpt.core._checksum import crc32c
 from pytreeckpt.core._dtypes import dtype_from_name
 from pytreeckpt.core._errors import CheckpointError
 from pytreeckpt.format._document import ARCHIVE_DIR, ArrayMeta, zarr_metadata
@@ -100,7 +100,7 @@ def encode_chunk(data: np.ndarray, chunk: tuple[int, ...]) -> tuple[bytes, int]:
         raw = _encoded_prefix(data, chunk)
         pad = math.prod(chunk) * data.dtype.itemsize - raw.nbytes
         body = raw.tobytes() if not pad else raw.tobytes() + bytes(pad)
-    crc = google_crc32c.value(body)
+    crc = crc32c(body)
     return body + crc.to_bytes(4, "little"), crc
 
 
@@ -113,7 +113,7 @@ def decode_chunk(value: bytes, meta: ArrayMeta, what: str, expected: int | None)
             f"expected {size + 4} (a damaged or replaced chunk)"
         )
     stored = int.from_bytes(value[size:], "little")
-    crc = google_crc32c.value(np.frombuffer(value, dtype=np.uint8, count=size))
+    crc = crc32c(np.frombuffer(value, dtype=np.uint8, count=size))
     if crc != stored:
         raise CheckpointError(
             f"{what} of {meta.path!r} in {describe_database(meta.database)} is damaged: its bytes have "
