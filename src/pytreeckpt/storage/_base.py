@@ -139,18 +139,20 @@ class StorageBase:
                 raise _os_failure(e, self.root, "the checkpoint directory", "resolve") from e
         return self._root_real
 
-    def _check_inside(self, path: Path, key: str) -> Path:
-        """The real path of ``path`` (missing components kept), which must lie inside the checkpoint."""
+    def _check_inside(self, path: Path, key: str, what: str | None = None) -> Path:
+        """The real path of ``path`` (missing components kept), which must lie inside the checkpoint; errors
+        name leaf ``key``, or ``what`` where given."""
+        what = f"leaf {key!r}" if what is None else what
         try:
             real = os.path.realpath(path, strict=True)
         except FileNotFoundError:
             real = os.path.realpath(path)
         except OSError as e:
-            raise _os_failure(e, path, f"leaf {key!r}", "resolve") from e
+            raise _os_failure(e, path, what, "resolve") from e
         root = self._real_root()
         if real != root and not real.startswith(root.rstrip(os.sep) + os.sep):
             raise CheckpointError(
-                f"leaf {key!r}: {path} leads outside the checkpoint {self.root} (symbolic link to {real}); refused"
+                f"{what}: {path} leads outside the checkpoint {self.root} (symbolic link to {real}); refused"
             )
         return Path(real)
 

@@ -246,7 +246,7 @@ class CommitProtocol(StorageBase):
             return bytes(got.value)
         what = f"the chunk checksums {name!r}"
         try:
-            path = self._check_inside(self.root / name, name)
+            path = self._check_inside(self.root / name, name, what)
             fd, _ = open_regular(path, self._real_root(), what)
         except (FileNotFoundError, NotADirectoryError):
             raise CheckpointError(f"{self.root}: {what} the metadata names are missing") from None
@@ -434,13 +434,15 @@ class _Lock:
 
 
 def _referenced(document: bytes) -> frozenset[str] | None:
-    """The arrays and databases a document uses (``arrays/``, ``ocdbt/``, ``packed/<name>``); None if unreadable.
+    """The arrays, databases and checksums file a document uses (``arrays/``, ``ocdbt/``, ``packed/<name>``,
+    ``checksums/crc32c``); None if unreadable.
 
     Read leniently (a document of a newer format still protects what it names), and
     never trusted beyond naming what not to delete.
     """
     try:
-        leaves = json.loads(document)["leaves"]
+        doc = json.loads(document)
+        leaves = doc["leaves"]
     except (ValueError, TypeError, KeyError, IndexError, RecursionError):
         return None
     if not isinstance(leaves, list):
@@ -449,7 +451,7 @@ def _referenced(document: bytes) -> frozenset[str] | None:
     for leaf in leaves:
         if isinstance(leaf, dict):
             names.update(v for v in (leaf.get("path"), leaf.get("database")) if isinstance(v, str))
-    checksums = json.loads(document).get("checksums")
+    checksums = doc.get("checksums")
     if isinstance(checksums, dict) and isinstance(checksums.get("path"), str):
         names.add(checksums["path"])
     return frozenset(names)
