@@ -48,6 +48,7 @@ from pytreeckpt.format._document import (
     array_names,
     build_document,
     chunk_count,
+    crc32c_chars,
     generation_name,
     place_checksums,
 )
@@ -105,7 +106,6 @@ class _SaveJob:
     pending: BaseException | None = None  # this rank's error in a distributed save, not yet agreed on
     cancelled: threading.Event = field(default_factory=threading.Event)  # set at exit: stop, commit nothing
     generation: int = 0  # of the stored names (see generation_name)
-    _checksums: str | None = None  # the checksums file the final document names, if any
 
     def ready(self) -> None:
         """In a distributed save, agree that every rank planned (and staged) its part: else all raise."""
@@ -255,7 +255,7 @@ class _SaveJob:
                 t1 = time.perf_counter()
                 self._check_cancelled()
                 with self.monitor.phase("save", "commit", 0):
-                    self.storage.commit(*self._final_document(None), self._names())
+                    self._commit(None)
             except BaseException:
                 self.storage.abandon()  # what this save wrote goes before its failure is reported
                 raise
@@ -332,17 +332,18 @@ class _SaveJob:
         tree, entries, user = self.parts
         limit = self.storage.location.options.max_inline_checksum_bytes
         refs, file, blob = place_checksums(crcs, limit, generation_name(CHECKSUMS_FILE, self.generation))
-        self._checksums = None if file is None else file.path
         # under this save's generation's names (see _name), in their databases, with their chunks' checksums
         arrays = (m.to_json(c, h, at) for m, c, h, at in zip(self.metas, crcs, hashes, refs, strict=True))
         leaves = [e if e is not None else next(arrays) for e in entries]
         document = build_document(tree, leaves, user, file)
         return document, None if file is None or blob is None else (file.path, blob)
 
-    def _names(self) -> frozenset[str]:
-        """The arrays, databases and checksums file the final document references (after :meth:`_final_document`)."""
+    def _commit(self, gathered: list[Any] | None) -> None:
+        """Commit the final document (and its checksums file, if any), naming what it references: the
+        arrays, the databases and the checksums file."""
+        document, checksums = self._final_document(gathered)
         names = frozenset(m.path for m in self.metas) | frozenset(m.database for m in self.metas if m.database)
-        return names if self._checksums is None else names | {self._checksums}
+        self.storage.commit(document, checksums, names if checksums is None else names | {checksums[0]})
 
     def _settle_packing(self) -> None:
         """Which small arrays no single rank writes whole: they are not packed (a collective).
@@ -423,7 +424,7 @@ class _SaveJob:
             try:
                 self._check_cancelled()
                 with self.monitor.phase("save", "commit", 0):
-                    self.storage.commit(*self._final_document(gathered), self._names())
+                    self._commit(gathered)
             except Exception as e:
                 error = e
         self._agree(error, "committing the checkpoint")
@@ -728,7 +729,7 @@ def _check_document_size(document: bytes, metas: list[ArrayMeta], storage: Stora
     limit = options.max_metadata_bytes
     # and the checksums: in the document (their base64, quoted), or past its limit in their file (as
     # place_checksums decides), the document then naming each array's part and the file
-    inline = sum(4 * -(-4 * chunk_count(m.shape, m.chunk_shape) // 3) for m in metas)
+    inline = sum(crc32c_chars(chunk_count(m.shape, m.chunk_shape)) for m in metas)
     in_file = inline > options.max_inline_checksum_bytes
     size = len(document) + (48 * len(metas) + 80 if in_file else inline + 20 * len(metas))
     if size > limit:
@@ -985,9 +986,8 @@ class SaveHandle:
     def _snapshot(self, job: _SaveJob, snap: Snapshot, start: float, merged: int) -> None:
         """The copy into staging memory (the caller's thread, or a thread of its own when lazy)."""
         try:
-            job.snapshot(snap, start, merged)
-        except PoolAborted:
-            pass  # the writer failed: wait() reports it
+            with contextlib.suppress(PoolAborted):  # (the writer failed and aborted the pool: wait() reports it)
+                job.snapshot(snap, start, merged)
         except BaseException as e:
             self._copy_error = e  # the writer was told and commits nothing
             raise

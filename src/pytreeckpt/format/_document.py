@@ -56,6 +56,7 @@ __all__ = [
     "ValueMeta",
     "array_names",
     "chunk_count",
+    "crc32c_chars",
     "generation_name",
     "generation_of",
     "pack_checksums",
@@ -171,7 +172,7 @@ def place_checksums(
     """Where a document's chunk checksums go: in the document (no refs, no file) while their base64
     is at most ``limit`` bytes, else in a checksums file at ``path``: each array's ``(offset, crc32c)``
     there, the file the document names, and its bytes."""
-    inline = sum(4 * -(-len(c) // 3) for c in crcs if c is not None)
+    inline = sum(crc32c_chars(len(c) // 4) for c in crcs if c is not None)
     if inline <= limit:
         return [None] * len(crcs), None, None
     blob, refs = pack_checksums(crcs)
@@ -220,19 +221,17 @@ class ArrayMeta:
             return self._crc32c_from_file(self.crc32c_file, *self.crc32c_at)
         if self.crc32c_text is None:
             return None
-        if not self._decoded:
-            try:
-                raw = binascii.a2b_base64(self.crc32c_text, strict_mode=True)
-            except (binascii.Error, ValueError):
-                raise MetadataError(f"leaf {self.key!r}: chunk_crc32c is not valid base64") from None
-            expected = 4 * chunk_count(self.shape, self.chunk_shape)
-            if len(raw) != expected:
-                raise MetadataError(
-                    f"leaf {self.key!r}: chunk_crc32c holds {len(raw)} bytes, expected {expected} "
-                    f"(one uint32 per chunk)"
-                )
-            self._decoded.append(raw)  # (two threads at once decode twice, alike)
-        return self._decoded[0]
+        try:
+            raw = binascii.a2b_base64(self.crc32c_text, strict_mode=True)
+        except (binascii.Error, ValueError):
+            raise MetadataError(f"leaf {self.key!r}: chunk_crc32c is not valid base64") from None
+        expected = 4 * chunk_count(self.shape, self.chunk_shape)
+        if len(raw) != expected:
+            raise MetadataError(
+                f"leaf {self.key!r}: chunk_crc32c holds {len(raw)} bytes, expected {expected} (one uint32 per chunk)"
+            )
+        self._decoded.append(raw)  # (two threads at once decode twice, alike)
+        return raw
 
     def _crc32c_from_file(self, file: ChecksumFile, offset: int, crc: int) -> bytes:
         n = 4 * chunk_count(self.shape, self.chunk_shape)
@@ -503,7 +502,7 @@ def _layout(data: Any, key: str, seen: dict[str, Layout]) -> Layout:
 
 _Shared = tuple[DType, str, tuple[int, ...], tuple[int, ...], "str | None", int, int]
 """What array leaves of one kind share, validated: dtype, container, shape, chunk shape, database, the
-length of their ``chunk_crc32c`` (:func:`_crc32c_chars`) and their chunk count."""
+length of their ``chunk_crc32c`` (:func:`crc32c_chars`) and their chunk count."""
 
 
 def _signature(data: dict[str, Any]) -> tuple[Any, ...]:
@@ -554,10 +553,9 @@ def _parse_array_like(
     path = check_relative_path(data.get("path"), key)
     layout_json = data.get("layout")
     layout = None if layout_json is None else _layout(layout_json, key, layouts)
-    if at is None:
-        return ArrayMeta(key, container, dtype, shape, chunk_shape, path, layout, None, None, database, None, crcs)
+    file = None if at is None else checksums
     return ArrayMeta(
-        key, container, dtype, shape, chunk_shape, path, layout, None, None, database, None, None, at, checksums
+        key, container, dtype, shape, chunk_shape, path, layout, None, None, database, None, crcs, at, file
     )
 
 
@@ -633,7 +631,7 @@ def _parse_leaf(
     at = _parse_crcs_at(data.get("chunk_crc32c_at"), crcs, shape, chunk_shape, key, checksums)
     if shared is not None and compression is None and hashes is None and type(data.get("dtype")) is str:
         chunks = chunk_count(shape, chunk_shape)
-        shared[_signature(data)] = (dtype, container, shape, chunk_shape, database, _crc32c_chars(chunks), chunks)
+        shared[_signature(data)] = (dtype, container, shape, chunk_shape, database, crc32c_chars(chunks), chunks)
     return ArrayMeta(
         key,
         container,
@@ -652,7 +650,7 @@ def _parse_leaf(
     )
 
 
-def _crc32c_chars(chunks: int) -> int:
+def crc32c_chars(chunks: int) -> int:
     """The length of ``chunk_crc32c`` for a grid of ``chunks`` chunks: the base64 of 4 bytes per chunk, padded."""
     return 4 * -(-4 * chunks // 3)
 
@@ -718,7 +716,7 @@ def _parse_crcs(text: Any, shape: tuple[int, ...], chunk_shape: tuple[int, ...],
     if text is None:
         return None
     n = chunk_count(shape, chunk_shape)
-    expected = _crc32c_chars(n)
+    expected = crc32c_chars(n)
     if not isinstance(text, str) or len(text) != expected:
         found = f"{len(text)} characters" if isinstance(text, str) else type(text).__name__
         raise MetadataError(

@@ -76,15 +76,36 @@ def _cuts(p: Placed, chunk: tuple[int, ...], itemsize: int) -> _Cuts:
     return p.per_table(("load", chunk, itemsize), _CUTS, lambda: _make_cuts(p.table, p.shape, chunk, itemsize))
 
 
+def _first_outside(table: PieceTable, shape: tuple[int, ...]) -> int:
+    """The first row of ``table`` reaching outside an array of ``shape``, or -1."""
+    hi = table.lo + table.ext
+    outside = np.flatnonzero(((table.lo < 0) | (hi > np.asarray(shape, dtype=_I64))).any(axis=1))
+    return int(outside[0]) if len(outside) else -1
+
+
+def _cut_boxes(grid: ChunkGrid, blo: np.ndarray, bhi: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Boxes ``[blo, bhi)`` cut along the chunk grid, row-major within each box: per region, its box,
+    offset and extent."""
+    if not grid.ndim:
+        return np.arange(len(blo), dtype=_I64), np.zeros((len(blo), 0), _I64), np.zeros((len(blo), 0), _I64)
+    c = np.asarray(grid.chunk, dtype=_I64)
+    n = np.asarray(grid.shape, dtype=_I64)
+    box, flat = grid.cells(blo // c, (bhi - 1) // c + 1)
+    idx = grid.unflat_columns(flat)
+    lo = np.maximum(idx * c, blo[box])
+    ext = np.minimum(np.minimum((idx + 1) * c, n), bhi[box]) - lo
+    return box, lo, ext
+
+
 def _make_cuts(table: PieceTable, shape: tuple[int, ...], chunk: tuple[int, ...], itemsize: int) -> _Cuts:
     nd = len(shape)
     grid = ChunkGrid(shape, chunk)
     hi = table.lo + table.ext
-    outside = np.flatnonzero(((table.lo < 0) | (hi > np.asarray(shape, dtype=_I64))).any(axis=1))
-    if len(outside):
+    outside = _first_outside(table, shape)
+    if outside >= 0:
         none = np.zeros(0, dtype=_I64)
         return _Cuts(
-            np.zeros((0, nd), _I64), np.zeros((0, nd), _I64), none, np.zeros(1, _I64), none, none, none, int(outside[0])
+            np.zeros((0, nd), _I64), np.zeros((0, nd), _I64), none, np.zeros(1, _I64), none, none, none, outside
         )
     nonempty = np.asarray((table.ext > 0).all(axis=1)) if nd else np.ones(len(table.pos), dtype=bool)
     if grid.count == 0:
@@ -98,17 +119,7 @@ def _make_cuts(table: PieceTable, shape: tuple[int, ...], chunk: tuple[int, ...]
     box_of_row = relabel[inverse] if len(rows) else np.zeros(0, dtype=_I64)
     ub = ubox[order]
     blo, bhi = ub[:, :nd], ub[:, nd:]
-    # every box cut along the chunk grid, row-major within the box
-    c = np.asarray(chunk, dtype=_I64)
-    n = np.asarray(shape, dtype=_I64)
-    if nd:
-        box, flat = grid.cells(blo // c, (bhi - 1) // c + 1)
-        idx = grid.unflat_columns(flat)
-        lo = np.maximum(idx * c, blo[box])
-        ext = np.minimum(np.minimum((idx + 1) * c, n), bhi[box]) - lo
-    else:
-        box = np.arange(len(ub), dtype=_I64)
-        lo = ext = np.zeros((len(ub), 0), dtype=_I64)
+    box, lo, ext = _cut_boxes(grid, blo, bhi)
     # a region several boxes give (overlapping targets) is met once, where first met
     if len(ub) > 1:
         uregion, region_of, first_r = unique_rows(np.concatenate([lo, ext], axis=1))
@@ -169,17 +180,7 @@ def _own_cuts(table: PieceTable, shape: tuple[int, ...], chunk: tuple[int, ...],
     order = sorted(range(len(holders)), key=firsts.__getitem__)
     boxes = mine[order]
     blo = table.lo[boxes]
-    bhi = blo + table.ext[boxes]
-    c = np.asarray(chunk, dtype=_I64)
-    n = np.asarray(shape, dtype=_I64)
-    if nd:
-        box, flat = grid.cells(blo // c, (bhi - 1) // c + 1) if len(boxes) else (np.zeros(0, _I64), np.zeros(0, _I64))
-        idx = grid.unflat_columns(flat)
-        lo = np.maximum(idx * c, blo[box])
-        ext = np.minimum(np.minimum((idx + 1) * c, n), bhi[box]) - lo
-    else:
-        box = np.arange(len(boxes), dtype=_I64)
-        lo = ext = np.zeros((len(boxes), 0), dtype=_I64)
+    box, lo, ext = _cut_boxes(grid, blo, blo + table.ext[boxes])
     # each region's wanting pairs: the holders of its box, by (position, piece) as the table is sorted
     per_box = [holders[i] for i in order]
     counts = np.asarray([len(per_box[k]) for k in box.tolist()], dtype=_I64)
@@ -226,10 +227,7 @@ def _outside(p: Placed) -> int:
     """The first row of a placed table reaching outside its array, or -1 (memoised)."""
     got = p.derived.get("outside")
     if got is None:
-        table = p.table
-        hi = table.lo + table.ext
-        bad = np.flatnonzero(((table.lo < 0) | (hi > np.asarray(p.shape, dtype=_I64))).any(axis=1))
-        got = p.derived["outside"] = int(bad[0]) if len(bad) else -1
+        got = p.derived["outside"] = _first_outside(p.table, p.shape)
     return got  # type: ignore[no-any-return]
 
 

@@ -196,10 +196,7 @@ class CommitProtocol(StorageBase):
                 tmp = self.root / f".tmp-{os.getpid()}-{secrets.token_hex(8)}"
                 fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
                 try:
-                    with os.fdopen(fd, "wb") as f:
-                        f.write(document)
-                        f.flush()
-                        os.fsync(f.fileno())
+                    _write_synced(fd, document)
                     os.replace(tmp, self.metadata_path)
                 except BaseException:
                     tmp.unlink(missing_ok=True)
@@ -221,11 +218,7 @@ class CommitProtocol(StorageBase):
         path = self.root / name
         try:
             path.parent.mkdir(exist_ok=True)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
+            _write_synced(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666), data)
             _fsync(path.parent)
             _fsync(self.root)
         except OSError as e:
@@ -235,15 +228,10 @@ class CommitProtocol(StorageBase):
         """Bytes ``start`` to ``stop`` of the checksums file ``name`` (fewer where it ends): what a
         :class:`~pytreeckpt.format.ChecksumFile` reads through."""
         if self.kv is not None:
-            try:
-                got = self.kv.store.read(name, byte_range=slice(start, stop)).result()
-            except Exception as e:
-                if "OUT_OF_RANGE" in str(e):
-                    return b""
-                raise CheckpointError(f"{self.url}: cannot read {name!r}: {e}") from e
-            if got.state == "missing":
+            got = self.kv.read_range(name, start, stop)
+            if got is None:
                 raise CheckpointError(f"{self.url}: the chunk checksums {name!r} the metadata names are missing")
-            return bytes(got.value)
+            return got
         what = f"the chunk checksums {name!r}"
         try:
             path = self._check_inside(self.root / name, name, what)
@@ -431,6 +419,14 @@ class _Lock:
             fcntl.flock(self.fd, fcntl.LOCK_UN)
             os.close(self.fd)
             self.fd = None
+
+
+def _write_synced(fd: int, data: bytes) -> None:
+    """Write ``data`` to the new file open at ``fd`` (closed after), and make it durable."""
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _referenced(document: bytes) -> frozenset[str] | None:

@@ -395,15 +395,19 @@ class KvPrefix:
         result = self._run(lambda: self.store.read(key).result(), f"read {key!r}")
         return None if result.state == "missing" else bytes(result.value)
 
+    def read_range(self, key: str, start: int, stop: int) -> bytes | None:
+        """Bytes ``start`` to ``stop`` of the object ``key`` (fewer where it ends), or None if it does not exist."""
+        try:
+            got = self.store.read(key, byte_range=slice(start, stop)).result()
+        except Exception as e:
+            if "OUT_OF_RANGE" in str(e):  # the object ends at or before byte start
+                return b""
+            raise CheckpointError(f"{self.url}: cannot read {key!r}: {_short(e)}") from e
+        return None if got.state == "missing" else bytes(got.value)
+
     def longer_than(self, key: str, n: int) -> bool:
         """Whether the object ``key`` holds more than ``n`` bytes (one byte is read, not the object)."""
-        try:
-            got = self.store.read(key, byte_range=slice(n, n + 1)).result()
-        except Exception as e:
-            if "OUT_OF_RANGE" in str(e):  # the object ends at or before byte n
-                return False
-            raise CheckpointError(f"{self.url}: cannot read {key!r}: {_short(e)}") from e
-        return got.state != "missing" and len(got.value) > 0
+        return bool(self.read_range(key, n, n + 1))
 
     def write(self, key: str, data: bytes) -> None:
         self._run(lambda: self.store.write(key, data).result(), f"write {key!r}")
