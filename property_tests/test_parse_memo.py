@@ -1,6 +1,6 @@
-"""The metadata parser's memo of array leaves alike: a document parses to the same leaves, or fails
-with the same error, as it does leaf by leaf in full (the memo only skips checks of what equals a
-leaf parsed before)."""
+"""The metadata parser's typed decode and its memo of array leaves alike: a document parses to the same
+leaves, or fails with the same error, as its JSON does leaf by leaf in full (the typed decode refuses what
+has not the types the parse wants; the memo only skips checks of what equals a leaf parsed before)."""
 
 from __future__ import annotations
 
@@ -34,17 +34,39 @@ _CHANGES: dict[str, list[Any]] = {
     "key": [0, None, "", "x.y", ["k"], "k\u00e9"],
     "path": ["arrays/ok", "arrays/../x", "arrays/w\n", "arrays/", "other/w", 7, None, "arrays/a/b", "arrays/.x"],
     "chunk_crc32c": [None, "", "AAAAAA==", "AAAA", 5, "!!!!!!==", ["XbVgKw=="]],
-    "chunk_crc32c_at": [None, [0, 7], [36, 7], [40, 7], [-4, 7], [0, 2**32], [0, True], [0.0, 7], [0], "0,7", 5],
-    "layout": [_LAYOUT, {"kind": "mesh"}, 3, {"kind": "nope"}],
+    "chunk_crc32c_at": [
+        None,
+        [0, 7],
+        [36, 7],
+        [40, 7],
+        [-4, 7],
+        [0, 2**32],
+        [0, True],
+        [0.0, 7],
+        [0],
+        "0,7",
+        5,
+        [2**70, 7],
+        [0, 7, 1],
+    ],
+    "layout": [
+        _LAYOUT,
+        {"kind": "mesh"},
+        3,
+        {"kind": "nope"},
+        {**_LAYOUT, "mesh": {"shape": [2.0], "axis_names": ["dp"]}},
+        {**_LAYOUT, "mesh": {"shape": [True], "axis_names": ["dp"]}},
+    ],
     "dtype": ["int8", "bfloat16", "float64", "nope", 4],
     "storage_dtype": ["int8", "uint16", None],
     "container": ["numpy", "jax", None],
-    "shape": [[3, True], [3.0, 2], [3], [3, 2, 1], [-3, 2], "3,2", [3, 2]],
+    "shape": [[3, True], [3.0, 2], [3], [3, 2, 1], [-3, 2], "3,2", [3, 2], [2**70, 2], [], [3, None]],
     "chunk_shape": [[1, 2], [3, 0], [True, 2], [3, 2.0], [3]],
     "database": [None, "packed/1", "ocdbt/0", "packed/01", "packed/0~g2", 0, "../x"],
     "compression": [{"id": "zstd", "level": 3}, {"id": "nope"}, 5],
     "chunk_hashes": [["0" * 32], "x", [1]],
-    "kind": ["value", "other"],
+    "kind": ["value", "other", None, 1],
+    "value": [1, ["f", "nan"], [1, 2], None],
     "extra": ["anything"],
 }
 
@@ -100,7 +122,7 @@ def test_the_memo_parses_as_the_full_parse(
 ) -> None:
     raw = _make(n, changes, drop, in_file)
     with_memo = _parsed(raw)
-    with mock.patch.object(document_module, "_parse_array_like", return_value=None):
+    with _in_full():
         in_full = _parsed(raw)
     event(with_memo[0])
     assert with_memo == in_full
@@ -113,27 +135,35 @@ def test_one_leaf_unlike_the_one_before(n: int, change: tuple[int, str, Any], in
     i, field, value = change
     raw = _make(n, [(1 + i % (n - 1), field, value)], [], in_file)
     with_memo = _parsed(raw)
-    with mock.patch.object(document_module, "_parse_array_like", return_value=None):
+    with _in_full():
         in_full = _parsed(raw)
     event(f"{field}: {with_memo[0]}")
     assert with_memo == in_full
 
 
+def _in_full() -> Any:
+    """The parse of the document's JSON, leaf by leaf in full, without the typed decode."""
+    return mock.patch.object(document_module, "_parse_typed", side_effect=ValueError("not typed"))
+
+
 def test_the_memo_is_used() -> None:
-    """(So the property above compares two paths: leaves alike are parsed through the memo.)"""
+    """(So the properties above compare two paths: a document is decoded by type, and leaves alike are
+    parsed through the memo.)"""
     calls = []
-    real = document_module._parse_array_like
+    real = document_module._parse_alike
 
     def spy(*a: Any) -> Any:
         got = real(*a)
         calls.append(got is not None)
         return got
 
+    untyped = mock.patch.object(document_module, "_parse_leaf", wraps=document_module._parse_leaf)
     for in_file in (False, True):
         calls.clear()
-        with mock.patch.object(document_module, "_parse_array_like", spy):
+        with mock.patch.object(document_module, "_parse_alike", spy), untyped as full:
             parse_document(_make(4, [], [], in_file))
-        assert calls == [False, True, True, True]
+        assert calls == [True, True, True]
+        assert full.call_count == 1  # (the first leaf of its kind)
 
 
 def test_every_change_in_the_catalogue() -> None:
@@ -144,6 +174,6 @@ def test_every_change_in_the_catalogue() -> None:
             for value in values:
                 raw = _make(3, [(1, field, value)], [], in_file)
                 with_memo = _parsed(raw)
-                with mock.patch.object(document_module, "_parse_array_like", return_value=None):
+                with _in_full():
                     in_full = _parsed(raw)
                 assert with_memo == in_full, (in_file, field, value)
