@@ -349,18 +349,23 @@ class _Buffers:
     """Where a load's new host memory comes from.
 
     ``huge``: its pages advised huge (``ExecutorOptions.huge_pages``); ``meta``: a load that
-    is only planned (``plan_load_of``) gets tensors on the meta device (shapes, no memory).
-    ``fresh`` records every buffer made, as (address, bytes), for :class:`Prefault`.
+    is only planned (``plan_load_of``) gets tensors on the meta device (shapes, no memory),
+    one per shape and dtype. ``fresh`` records every buffer made, as (address, bytes), for
+    :class:`Prefault`.
     """
 
     huge: bool = True
     meta: bool = False
     fresh: list[tuple[int, int]] = field(default_factory=list)
+    _shapes: dict[tuple[tuple[int, ...], torch.dtype], torch.Tensor] = field(default_factory=dict)
 
     def tensor(self, shape: tuple[int, ...], dtype: torch.dtype, pinned: bool) -> torch.Tensor:
         """Host memory for a read; pinned when it goes on to a CUDA device (the copy is then asynchronous)."""
         if self.meta:
-            return torch.empty(shape, dtype=dtype, device="meta")
+            got = self._shapes.get((shape, dtype))
+            if got is None:
+                got = self._shapes[shape, dtype] = torch.empty(shape, dtype=dtype, device="meta")
+            return got
         t = empty_host(shape, dtype, pin=pinned and torch.cuda.is_available(), huge=self.huge)
         self.fresh.append((t.data_ptr(), t.numel() * t.element_size()))
         return t
