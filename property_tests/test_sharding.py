@@ -138,3 +138,28 @@ def test_layouts_round_trip_through_json(shape: tuple[int, ...], data: st.DataOb
     again = layout_from_json(json.loads(json.dumps(spec.to_json())))
     assert again == spec
     assert again.rank_pieces(shape) == spec.rank_pieces(shape)
+
+
+@given(mesh_specs(), mesh_specs(), st.sampled_from(["same", "other", "renamed", "other placements"]))
+def test_spec_equality_is_the_equality_of_its_mesh_and_placements(
+    a: tuple[ShardingSpec, tuple[int, ...]], b: tuple[ShardingSpec, tuple[int, ...]], how: str
+) -> None:
+    """(ShardingSpec compares a key of plain values made once, not its fields one by one: the same verdict.)"""
+    x = a[0]
+    mesh = Mesh(x.mesh.shape, [f"{n}'" for n in x.mesh.axis_names] if how == "renamed" else x.mesh.axis_names)
+    y = {
+        "same": ShardingSpec(mesh, list(x.placements)),
+        "renamed": ShardingSpec(mesh, list(x.placements)),
+        "other placements": ShardingSpec(mesh, list(b[0].placements)),
+        "other": b[0],
+    }[how]
+    fields_equal = x.mesh.shape == y.mesh.shape and x.mesh.axis_names == y.mesh.axis_names
+    fields_equal = fields_equal and len(x.placements) == len(y.placements)
+    fields_equal = fields_equal and all(
+        type(p) is type(q) and p == q for p, q in zip(x.placements, y.placements, strict=False)
+    )
+    assert (x == y) is fields_equal
+    assert (x != y) is not fields_equal
+    if fields_equal:
+        assert hash(x) == hash(y)
+        assert x is not y

@@ -230,6 +230,9 @@ class ShardingSpec(Layout):
     mesh: Mesh
     placements: tuple[Placement, ...]
     _hash: int = field(init=False, repr=False, compare=False)  # (hashed once: specs key the plan caches)
+    # What equality compares, as plain values: equal specs met as distinct objects (each save's
+    # new DTensors, a job's specs made anew) are compared in C, not a dataclass __eq__ per field.
+    _key: tuple[Any, ...] = field(init=False, repr=False, compare=False)
 
     def __init__(self, mesh: Mesh, placements: Sequence[Placement] | Placement) -> None:
         # What depends on the tensor (the number of placements, their dims) is checked when
@@ -245,9 +248,18 @@ class ShardingSpec(Layout):
         object.__setattr__(self, "mesh", mesh)
         object.__setattr__(self, "placements", placements)
         object.__setattr__(self, "_hash", hash((mesh, placements)))
+        fields = [(type(p), *(getattr(p, f.name) for f in dataclasses.fields(p))) for p in placements]
+        object.__setattr__(self, "_key", (type(mesh), mesh.shape, mesh.axis_names, *fields))
 
     def __hash__(self) -> int:
         return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        return self._key == other._key  # type: ignore[attr-defined, no-any-return]
 
     def __reduce__(self) -> tuple[Any, ...]:  # (made anew where unpickled: a str's hash differs between processes)
         return (ShardingSpec, (self.mesh, self.placements))
