@@ -10,7 +10,10 @@ TensorStore wrote into any destination view, contiguous or strided, bit for bit.
 from __future__ import annotations
 
 import tempfile
+import threading
 from pathlib import Path
+from typing import Any
+from unittest import mock
 
 import ml_dtypes
 import numpy as np
@@ -21,6 +24,7 @@ from hypothesis import strategies as st
 from pytreeckpt.core._dtypes import dtype_of_numpy
 from pytreeckpt.core._region import Region, chunk_region
 from pytreeckpt.format._document import zarr_metadata
+from pytreeckpt.storage import _chunkfiles as chunkfiles
 from pytreeckpt.storage._chunkfiles import chunk_crc, read_chunk, write_chunk
 
 DTYPES = [np.dtype(t) for t in (np.float32, ml_dtypes.bfloat16, np.int8, np.bool_, np.complex64)]
@@ -105,3 +109,39 @@ def test_any_box_of_a_tensorstore_chunk_reads_exactly(
             assert dest.tobytes() == expected.tobytes(), (index, box)
             if len(targets) == 2:
                 assert other.tobytes() == data[whole.slices()].tobytes(), index
+
+
+def _written_in_a_new_thread(path: Path, data: np.ndarray, chunk: tuple[int, ...], direct: bool) -> int:
+    """``write_chunk`` on a thread of its own: its bounce buffer is made anew, at the size patched in."""
+    out: list[Any] = []
+    t = threading.Thread(target=lambda: out.append(write_chunk(path, data, chunk, fsync=True, direct=direct)))
+    t.start()
+    t.join()
+    assert out, "write_chunk raised"
+    return int(out[0])
+
+
+@settings(max_examples=60)
+@given(arrays(), st.sampled_from([4096, 8192]))
+def test_a_chunk_written_around_the_page_cache_is_the_same_file(
+    case: tuple[np.ndarray, tuple[int, ...]], bounce: int
+) -> None:
+    """``direct=True`` (O_DIRECT through a bounce buffer, the tail buffered) writes the file the buffered path
+    writes: here every chunk, however small, goes the direct way, through a buffer of one or two blocks."""
+    data, chunk = case
+    with (
+        tempfile.TemporaryDirectory() as d,
+        mock.patch.object(chunkfiles, "DIRECT_MIN_BYTES", 0),
+        mock.patch.object(chunkfiles, "_BOUNCE_BYTES", bounce),
+        mock.patch.object(chunkfiles, "_pwrite_direct", wraps=chunkfiles._pwrite_direct) as direct_writes,
+    ):
+        for index in Region.full(data.shape).chunk_indices(chunk):
+            box = chunk_region(index, chunk, data.shape)
+            plain, direct = Path(d) / "plain" / _key(index), Path(d) / "direct" / _key(index)
+            for p in (plain, direct):
+                p.parent.mkdir(parents=True, exist_ok=True)
+            crc = _written_in_a_new_thread(plain, data[box.slices()], chunk, direct=False)
+            assert _written_in_a_new_thread(direct, data[box.slices()], chunk, direct=True) == crc
+            assert direct.read_bytes() == plain.read_bytes(), index
+        nbytes = int(np.prod(chunk)) * data.dtype.itemsize + 4
+        assert direct_writes.called == (nbytes >= 4096)  # (a file under one block is all tail)

@@ -212,7 +212,14 @@ class ArrayIO(FileChecks, Durability):
             box = chunk_region(index, chunk, meta.shape).relative_to(region).slices()
             futures.append(
                 io_pool().submit(
-                    self.options.file_io_concurrency, _write_recorded, path, data[box], chunk, index, record
+                    self.options.file_io_concurrency,
+                    _write_recorded,
+                    path,
+                    data[box],
+                    chunk,
+                    index,
+                    record,
+                    self.options.direct_io,
                 )
             )
         return _all_of(futures)
@@ -521,8 +528,9 @@ def _write_recorded(
     chunk: tuple[int, ...],
     index: tuple[int, ...],
     record: Callable[[tuple[int, ...], int], None] | None,
+    direct: bool,
 ) -> None:
-    crc = write_chunk(path, data, chunk, True)
+    crc = write_chunk(path, data, chunk, True, direct)
     if record is not None:
         record(index, crc)
 

@@ -38,6 +38,13 @@ class ExecutorOptions:
         writing an asynchronous save run (Linux niceness, per thread; 0: as the
         caller's). On busy cores the caller's own threads, a training loop's compute
         and its OpenMP workers, then come first, and the save takes what they leave.
+      direct_io: write chunk files of 1 MiB and more around the page cache (``O_DIRECT``)
+        where the file system takes it: the kernel neither copies the bytes into its
+        cache nor writes them back later, which leaves more CPU to the program meanwhile
+        (on the development machine, a CPU training loop beside a 1 GiB asynchronous
+        save lost 1.13 s instead of 1.56 s) and writes faster (that save 0.69 s instead
+        of 0.81 s). The files are the same. A load right after such a save reads from
+        the device rather than from the page cache.
       huge_pages: ask Linux for transparent huge pages (2 MiB, ``madvise``) for the new
         host memory a load reads into and for the staging memory of an asynchronous
         save: their pages then fault in several times faster (4 GiB loaded into new
@@ -55,6 +62,7 @@ class ExecutorOptions:
     progress: bool = False
     exit_timeout: float | None = 600.0
     background_nice: int = 10
+    direct_io: bool = True
     huge_pages: bool = True
 
     def __post_init__(self) -> None:

@@ -1,0 +1,175 @@
+"""Chunk files written around the page cache (``ExecutorOptions.direct_io``, ``O_DIRECT``).
+
+The files are the ones the buffered path writes; a file system that refuses ``O_DIRECT``
+(at open, or at the first write) gets them through the page cache; saves and loads of
+real states are unchanged, synchronous and asynchronous.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import pytreeckpt
+from pytreeckpt.storage import _chunkfiles as chunkfiles
+from pytreeckpt.storage._chunkfiles import DIRECT_MIN_BYTES, read_chunk, write_chunk
+
+needs_direct = pytest.mark.skipif(not getattr(os, "O_DIRECT", 0), reason="no O_DIRECT on this platform")
+
+MiB = 1 << 20
+
+
+def _cases() -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """(array shape, chunk shape) of float32 chunks: a whole number of blocks, a tail, several bounce
+    buffers, an edge chunk padded with zeros, and one under the threshold."""
+    return [
+        ((MiB // 4,), (MiB // 4,)),
+        ((MiB // 4 + 100,), (MiB // 4 + 100,)),
+        ((3 * MiB // 4 * 2 + 7,), (3 * MiB // 4 * 2 + 7,)),
+        ((1000, 700), (600, 700)),
+        ((100,), (100,)),
+    ]
+
+
+@needs_direct
+@pytest.mark.parametrize(("shape", "chunk"), _cases())
+def test_a_direct_chunk_file_is_the_buffered_one(tmp_path: Path, shape: Any, chunk: Any) -> None:
+    data = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+    box = tuple(slice(0, min(n, c)) for n, c in zip(shape, chunk, strict=True))
+    plain, direct = tmp_path / "plain", tmp_path / "direct"
+    crc = write_chunk(plain, data[box], chunk, fsync=True)
+    calls = []
+    real = chunkfiles._pwrite_direct
+
+    def spy(*a: Any) -> bool:
+        calls.append(a[2])
+        return real(*a)
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(chunkfiles, "_pwrite_direct", spy)
+        assert write_chunk(direct, data[box], chunk, fsync=True, direct=True) == crc
+    assert direct.read_bytes() == plain.read_bytes()
+    nbytes = int(np.prod(chunk)) * 4
+    assert bool(calls) == (nbytes >= DIRECT_MIN_BYTES)  # (small chunk files stay buffered)
+    out = np.zeros([b.stop for b in box], dtype=np.float32)
+    read_chunk(direct, chunk, out.shape, [(tuple(slice(None) for _ in out.shape), out)], "chunk", expected=crc)
+    assert np.array_equal(out, data[box])
+
+
+@needs_direct
+@pytest.mark.parametrize("where", ["open", "first write"])
+def test_a_file_system_refusing_direct_io_gets_the_file_through_the_page_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    data = np.arange(MiB, dtype=np.float32)
+    real_open, real_pwrite = os.open, os.pwrite
+    refused = []
+
+    def open_(path: Any, flags: int, *a: Any) -> int:
+        if where == "open" and flags & os.O_DIRECT:
+            refused.append(path)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *a)
+
+    def pwrite(fd: int, data: Any, offset: int) -> int:
+        if where == "first write" and fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            refused.append(offset)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(chunkfiles.os, "open", open_)
+    monkeypatch.setattr(chunkfiles.os, "pwrite", pwrite)
+    crc = write_chunk(tmp_path / "c", data, data.shape, fsync=True, direct=True)
+    assert refused  # (the direct way was tried, and refused)
+    monkeypatch.undo()
+    write_chunk(tmp_path / "plain", data, data.shape, fsync=True)
+    assert (tmp_path / "c").read_bytes() == (tmp_path / "plain").read_bytes()
+    assert crc == int.from_bytes((tmp_path / "plain").read_bytes()[-4:], "little")
+
+
+@needs_direct
+def test_an_error_after_the_first_direct_write_is_raised(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """(Only a refusal of the first write falls back: a later failure, such as a full disk, is the save's.)"""
+    data = np.arange(3 * MiB, dtype=np.float32)
+    real_pwrite = os.pwrite
+
+    def pwrite(fd: int, data: Any, offset: int) -> int:
+        if offset > 0 and fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(chunkfiles.os, "pwrite", pwrite)
+    with pytest.raises(OSError, match="No space"):
+        write_chunk(tmp_path / "c", data, data.shape, fsync=True, direct=True)
+
+
+@needs_direct
+def test_a_short_direct_write_is_finished_through_the_page_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    data = np.random.default_rng(1).standard_normal(3 * MiB // 4 + 5).astype(np.float32)
+    real_pwrite = os.pwrite
+    shortened = []
+
+    def pwrite(fd: int, data: Any, offset: int) -> int:
+        if not shortened and fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            shortened.append(offset)
+            return int(real_pwrite(fd, memoryview(data)[: 3 * 4096], offset))
+        return int(real_pwrite(fd, data, offset))
+
+    monkeypatch.setattr(chunkfiles.os, "pwrite", pwrite)
+    write_chunk(tmp_path / "c", data, data.shape, fsync=True, direct=True)
+    monkeypatch.undo()
+    write_chunk(tmp_path / "plain", data, data.shape, fsync=True)
+    assert shortened
+    assert (tmp_path / "c").read_bytes() == (tmp_path / "plain").read_bytes()
+
+
+@needs_direct
+@pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="no tmpfs at /dev/shm")
+def test_on_tmpfs() -> None:
+    """Another real file system (tmpfs: without O_DIRECT before Linux 6.6): the save and load are as anywhere."""
+    state = {"w": torch.randn(512, 1024), "b": torch.randn(10)}
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as d:
+        pytreeckpt.save(Path(d) / "ckpt", state, executor=pytreeckpt.ExecutorOptions(direct_io=True))
+        got = pytreeckpt.load(Path(d) / "ckpt")
+        assert torch.equal(got["w"], state["w"])
+        assert torch.equal(got["b"], state["b"])
+        assert pytreeckpt.verify(Path(d) / "ckpt").problems == ()
+
+
+@pytest.mark.parametrize("direct", [True, False])
+@pytest.mark.parametrize("how", ["save", "async_save"])
+def test_saves_with_and_without_direct_io_load_the_same(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, direct: bool, how: str
+) -> None:
+    calls = []
+    real = chunkfiles._write_direct
+    monkeypatch.setattr(chunkfiles, "_write_direct", lambda *a: calls.append(a[0]) or real(*a))
+    g = torch.Generator().manual_seed(0)
+    state = {
+        "big": torch.randn(1024, 1024 + 3, generator=g),  # chunk files of MiBs, with tails
+        "half": torch.randn(700, 900, generator=g).to(torch.bfloat16),
+        "small": torch.randn(10, generator=g),
+        "step": 7,
+    }
+    options = pytreeckpt.ExecutorOptions(direct_io=direct)
+    chunking = pytreeckpt.ChunkingOptions(max_chunk_bytes=2 * MiB)  # (several chunk files per big array)
+    if how == "save":
+        pytreeckpt.save(tmp_path / "c", state, executor=options, chunking=chunking)
+    else:
+        pytreeckpt.async_save(tmp_path / "c", state, executor=options, chunking=chunking).wait()
+    assert bool(calls) == (direct and bool(getattr(os, "O_DIRECT", 0)))
+    got = pytreeckpt.load(tmp_path / "c")
+    for k in ("big", "half", "small"):
+        assert torch.equal(got[k], state[k]), k
+    assert got["step"] == 7
+    assert pytreeckpt.verify(tmp_path / "c").problems == ()
