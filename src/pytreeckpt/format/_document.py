@@ -736,8 +736,8 @@ def _document_of(
 
 # --------------------------------------------------------------------------- the typed parse
 #
-# A document decoded by msgspec against the types its fields must have (a C decoder: 4x faster than
-# json.loads alone for a 405B model's 4,548 leaves, and without a Python dict per leaf), its array
+# A document decoded by msgspec against the types its fields must have (a C decoder: for a 405B
+# model's 4,548 leaves 8 ms against json.loads's 20, and without a Python dict per leaf), its array
 # leaves of one kind checked once. Whatever it refuses or fails on goes to the parse of the JSON
 # above, which reads it or says what is wrong; whatever it reads, that parse reads the same
 # (property_tests/test_parse_memo.py).

@@ -339,10 +339,8 @@ def _write_direct(path: Path, parts: list[np.ndarray], fsync: bool) -> bool:
 
     The bytes go from the caller's memory to the device without a copy in the page cache
     that the kernel then writes back: an asynchronous save's writer takes much less CPU
-    from the training loop beside it (the loop of benchmarks/train_loop.py beside 1 GiB
-    saved, medians of 6 saves alternated: it lost 1.13 s instead of 1.56 s, its steps
-    1.93x as long as alone instead of 2.41x, and the save was durable in 2.12 s instead of
-    2.48 s). ``O_DIRECT`` wants aligned memory, so the bytes pass through this thread's
+    from the training loop beside it (figures: ``ExecutorOptions.direct_io``). ``O_DIRECT``
+    wants aligned memory, so the bytes pass through this thread's
     own page-aligned buffer, 2 MiB at a time; the file's last part, shorter than a block,
     is written through the page cache, and ``fsync`` makes all of it durable.
     """
