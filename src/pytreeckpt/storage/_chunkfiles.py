@@ -340,9 +340,9 @@ def _write_direct(path: Path, parts: list[np.ndarray], fsync: bool) -> bool:
     The bytes go from the caller's memory to the device without a copy in the page cache
     that the kernel then writes back: an asynchronous save's writer takes much less CPU
     from the training loop beside it (figures: ``ExecutorOptions.direct_io``). ``O_DIRECT``
-    wants aligned memory, so the bytes pass through this thread's
-    own page-aligned buffer, 2 MiB at a time; the file's last part, shorter than a block,
-    is written through the page cache, and ``fsync`` makes all of it durable.
+    wants aligned memory, so the bytes pass through this thread's own page-aligned buffer,
+    2 MiB at a time; the file's last part, shorter than a block, is written through the
+    page cache, and ``fsync`` makes all of it durable.
     """
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | _O_DIRECT, 0o666)
@@ -369,8 +369,7 @@ def _write_direct(path: Path, parts: list[np.ndarray], fsync: bool) -> bool:
                 return False
             offset += whole
         if filled > whole:
-            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~_O_DIRECT)
-            _write_all(fd, [buf[whole:filled]], offset)
+            _write_buffered(fd, buf[whole:filled], offset)
         if fsync:
             os.fsync(fd)
         return True
@@ -387,9 +386,14 @@ def _pwrite_direct(fd: int, block: np.ndarray, offset: int) -> bool:
             return False
         raise
     if n < block.nbytes:  # (short: the rest through the page cache, at whatever alignment it is left)
-        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~_O_DIRECT)
-        _write_all(fd, [block[n:]], offset + n)
+        _write_buffered(fd, block[n:], offset + n)
     return True
+
+
+def _write_buffered(fd: int, data: np.ndarray, offset: int) -> None:
+    """Write ``data`` at ``offset`` through the page cache: ``O_DIRECT`` cleared from ``fd`` for good."""
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~_O_DIRECT)
+    _write_all(fd, [data], offset)
 
 
 def _bounce() -> np.ndarray:
