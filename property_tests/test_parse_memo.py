@@ -5,6 +5,7 @@ has not the types the parse wants; the memo only skips checks of what equals a l
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 from typing import Any
 from unittest import mock
@@ -14,7 +15,7 @@ from hypothesis import strategies as st
 
 from pytreeckpt.core._errors import MetadataError
 from pytreeckpt.format import _document as document_module
-from pytreeckpt.format._document import parse_document
+from pytreeckpt.format._document import ArrayMeta, parse_document
 
 _LEAF = {
     "kind": "array",
@@ -98,8 +99,14 @@ def _parsed(raw: bytes) -> tuple[str, Any]:
         doc = parse_document(raw)
     except MetadataError as e:
         return "error", str(e)
-    # (the checksums' fields are not compared by ArrayMeta's equality: here they are)
-    sums = [(getattr(leaf, "crc32c_text", None), getattr(leaf, "crc32c_at", None)) for leaf in doc.leaves]
+    # (the fields ArrayMeta's equality leaves out, its checksums' among them, are compared here: every
+    # field, which also finds one the memo's constructor left unset)
+    sums = [
+        tuple(getattr(leaf, f.name) for f in dataclasses.fields(leaf) if f.name != "crc32c_file")
+        if isinstance(leaf, ArrayMeta)
+        else None
+        for leaf in doc.leaves
+    ]
     files = {id(leaf.crc32c_file) for leaf in doc.leaves if getattr(leaf, "crc32c_file", None) is not None}
     assert files <= {id(doc.checksums)}
     return "ok", (doc.leaves, doc.tree.to_json(), sums)

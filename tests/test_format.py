@@ -180,3 +180,27 @@ def test_array_names() -> None:
         "_..",
         "_-x",
     ]
+
+
+def test_an_array_leaf_made_like_another_is_the_one_init_makes() -> None:
+    """The typed parse makes leaves of a kind seen before by setting their slots: every field
+    (those equality leaves out too) is what ``ArrayMeta(...)`` gives, and a field added to
+    ArrayMeta and not set there fails here."""
+    import dataclasses
+
+    from pytreeckpt.core._dtypes import dtype_from_name
+    from pytreeckpt.format._document import ArrayMeta, ChecksumFile, _meta_like
+
+    like = ArrayMeta("a", "torch", dtype_from_name("bfloat16"), (3, 5), (3, 5), "arrays/a", None, database="packed/1")
+    file = ChecksumFile("checksums/crc32c", 64)
+    for text, at, f in (("AAAAAA==", None, None), (None, (8, 1234), file), (None, None, None)):
+        made = _meta_like(like, "b.c", "arrays/b.c", text, at, f)
+        want = ArrayMeta(
+            "b.c", "torch", like.dtype, (3, 5), (3, 5), "arrays/b.c", None, None, None, "packed/1", None, text, at, f
+        )
+        for field in dataclasses.fields(ArrayMeta):
+            assert getattr(made, field.name) == getattr(want, field.name), field.name
+        assert made.nbytes == 30
+        assert made._decoded is not like._decoded
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            made.key = "x"  # type: ignore[misc]

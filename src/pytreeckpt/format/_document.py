@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import dataclasses
 import json
 import math
 import re
@@ -203,6 +204,11 @@ class ArrayMeta:
     crc32c_at: tuple[int, int] | None = field(default=None, compare=False, repr=False)
     crc32c_file: ChecksumFile | None = field(default=None, compare=False, repr=False)
     _decoded: list[bytes] = field(default_factory=list, compare=False, repr=False)
+    # The bytes of its elements: made once (a load of 10,000 small leaves asked for it 5 times a leaf).
+    nbytes: int = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "nbytes", math.prod(self.shape) * self.dtype.itemsize)
 
     @property
     def records_crc32c(self) -> bool:
@@ -262,10 +268,6 @@ class ArrayMeta:
         for i, c, n in zip(index, self.chunk_shape, self.shape, strict=True):
             flat = flat * -(-n // c) + i
         return int.from_bytes(crcs[4 * flat : 4 * flat + 4], "little")
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
 
     def to_json(
         self, crc32c: bytes | None = None, hashes: Sequence[str] | None = None, crc32c_at: tuple[int, int] | None = None
@@ -852,22 +854,45 @@ def _parse_alike(leaf: _ArrayJSON, kind: _Kind, checksums: ChecksumFile | None) 
         or not (at[0] >= 0 and at[0] + 4 * chunks <= checksums.size and 0 <= at[1] <= 0xFFFFFFFF)
     ):
         return None
-    return ArrayMeta(
-        leaf.key,
-        like.container,
-        like.dtype,
-        like.shape,
-        like.chunk_shape,
-        leaf.path,
-        like.layout,
-        None,
-        None,
-        like.database,
-        None,
-        crcs,
-        at,
-        None if at is None else checksums,
-    )
+    return _meta_like(like, leaf.key, leaf.path, crcs, at, None if at is None else checksums)
+
+
+_SET = {f.name: ArrayMeta.__dict__[f.name].__set__ for f in dataclasses.fields(ArrayMeta)}  # (its slots' setters)
+_set_key, _set_container, _set_dtype, _set_shape = _SET["key"], _SET["container"], _SET["dtype"], _SET["shape"]
+_set_chunk_shape, _set_path, _set_layout = _SET["chunk_shape"], _SET["path"], _SET["layout"]
+_set_compression, _set_hashes, _set_database = _SET["compression"], _SET["chunk_hashes"], _SET["database"]
+_set_crcs, _set_text, _set_at = _SET["chunk_crc32c"], _SET["crc32c_text"], _SET["crc32c_at"]
+_set_file, _set_decoded, _set_nbytes = _SET["crc32c_file"], _SET["_decoded"], _SET["nbytes"]
+
+
+def _meta_like(
+    like: ArrayMeta, key: str, path: str, text: str | None, at: tuple[int, int] | None, file: ChecksumFile | None
+) -> ArrayMeta:
+    """An uncompressed, unhashed array leaf of ``like``'s kind (its container, dtype, shapes, layout and
+    database) with its own key, path and checksums: ``ArrayMeta(...)``'s value, made by setting its
+    slots (a frozen dataclass's ``__init__`` sets each field through ``object.__setattr__``: this
+    takes half its time). tests/test_format.py checks every field against ``__init__``'s."""
+    m: ArrayMeta = _new(ArrayMeta)
+    _set_key(m, key)
+    _set_container(m, like.container)
+    _set_dtype(m, like.dtype)
+    _set_shape(m, like.shape)
+    _set_chunk_shape(m, like.chunk_shape)
+    _set_path(m, path)
+    _set_layout(m, like.layout)
+    _set_compression(m, None)
+    _set_hashes(m, None)
+    _set_database(m, like.database)
+    _set_crcs(m, None)
+    _set_text(m, text)
+    _set_at(m, at)
+    _set_file(m, file)
+    _set_decoded(m, [])
+    _set_nbytes(m, like.nbytes)
+    return m
+
+
+_new = object.__new__
 
 
 def parse_memory_bound(raw: bytes) -> int:
