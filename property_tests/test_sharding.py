@@ -163,3 +163,15 @@ def test_spec_equality_is_the_equality_of_its_mesh_and_placements(
     if fields_equal:
         assert hash(x) == hash(y)
         assert x is not y
+
+
+@given(mesh_specs())
+def test_the_piece_table_holds_every_positions_pieces(case: tuple[ShardingSpec, tuple[int, ...]]) -> None:
+    """The planner's columnar table of a mesh layout (made for all positions at once) is, position by
+    position, what ``rank_pieces`` gives one at a time (less a zero-size array's empty pieces)."""
+    from pytreeckpt.plan._tables import _mesh_table
+
+    spec, shape = case
+    table = _mesh_table(spec, shape)
+    want = tuple(tuple(p.region for p in ps if not p.region.is_empty) for ps in spec.rank_pieces(shape))
+    assert tuple(tuple(p.region for p in ps) for ps in table.pieces()) == want

@@ -78,18 +78,22 @@ def _chunk_split(size: np.ndarray, parts: int, index: np.ndarray) -> tuple[np.nd
 
 
 def _take(starts: np.ndarray, lens: np.ndarray, off: np.ndarray, size: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Positions ``[off, off + size)`` of the concatenation of each row's runs, as runs (empty ones kept)."""
+    """Positions ``[off, off + size)`` of the concatenation of each row's runs, as runs (empty ones kept).
+
+    ``starts`` and ``lens`` are (runs, rows): run ``j`` of every row is one contiguous array
+    (a few runs, many rows: column-major, each step runs over contiguous memory).
+    """
     stop = off + size
     out_starts = np.empty(starts.shape, dtype=_I64)
     out_lens = np.empty(lens.shape, dtype=_I64)
     before = np.zeros(len(off), dtype=_I64)
-    for j in range(lens.shape[1]):  # column by column: a few runs, many rows
-        run = lens[:, j]
+    for j in range(lens.shape[0]):
+        run = lens[j]
         lo = np.maximum(off, before)
         n = np.minimum(stop, before + run) - lo
         np.maximum(n, 0, out=n)
-        out_lens[:, j] = n
-        out_starts[:, j] = np.where(n > 0, starts[:, j] + lo - before, 0)
+        out_lens[j] = n
+        out_starts[j] = np.where(n > 0, starts[j] + lo - before, 0)
         before += run
     return out_starts, out_lens
 
@@ -102,7 +106,7 @@ def _mesh_table(spec: ShardingSpec, shape: tuple[int, ...]) -> PieceTable:
     coords = np.stack(np.unravel_index(np.arange(positions), mesh.shape), axis=1).astype(_I64)
     # Per dim, the runs depend only on the coordinates along the mesh axes sharding that
     # dim: they are computed once per combination of those (rows, the first axis major),
-    # and each position reads its row.
+    # and each position reads its row. Runs are kept (runs, rows), as _take takes them.
     runs: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
     for d, n in enumerate(shape):
         starts = np.zeros((1, 1), dtype=_I64)
@@ -112,18 +116,18 @@ def _mesh_table(spec: ShardingSpec, shape: tuple[int, ...]) -> PieceTable:
             if isinstance(p, Replicate) or p.dim != d:
                 continue
             parts = mesh.shape[axis]
-            c = np.tile(np.arange(parts, dtype=_I64), len(starts))
-            starts, lens = np.repeat(starts, parts, axis=0), np.repeat(lens, parts, axis=0)
+            c = np.tile(np.arange(parts, dtype=_I64), starts.shape[1])
+            starts, lens = np.repeat(starts, parts, axis=1), np.repeat(lens, parts, axis=1)
             row = row * parts + coords[:, axis]
-            local = lens.sum(axis=1)
+            local = lens.sum(axis=0)
             if isinstance(p, StridedShard):
                 taken = []
                 for j in range(p.split_factor):
                     part_size, part_off = _chunk_split(local, p.split_factor, np.full_like(local, j))
                     size, off = _chunk_split(part_size, parts, c)
                     taken.append(_take(starts, lens, part_off + off, size))
-                starts = np.concatenate([t[0] for t in taken], axis=1)
-                lens = np.concatenate([t[1] for t in taken], axis=1)
+                starts = np.concatenate([t[0] for t in taken], axis=0)
+                lens = np.concatenate([t[1] for t in taken], axis=0)
             else:
                 size, off = _chunk_split(local, parts, c)
                 starts, lens = _take(starts, lens, off, size)
@@ -150,7 +154,7 @@ def _mesh_table(spec: ShardingSpec, shape: tuple[int, ...]) -> PieceTable:
     ext_l.append(ext)
     idx_l.append(np.zeros(len(sel), dtype=_I64))
     for q in np.flatnonzero(holds & ~simple).tolist():
-        per_dim = [_merged_runs(s[row[q]], ln[row[q]]) for s, ln, row in runs]
+        per_dim = [_merged_runs(s[:, row[q]], ln[:, row[q]]) for s, ln, row in runs]
         combos: list[tuple[int, ...]] = [()]
         for rs in per_dim:
             combos = [(*t, k) for t in combos for k in range(len(rs))]
@@ -173,11 +177,11 @@ def _mesh_table(spec: ShardingSpec, shape: tuple[int, ...]) -> PieceTable:
 
 
 def _run_count(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
-    """Non-empty runs per row after merging adjacent ones (as :func:`_merged_runs` merges them)."""
-    count = np.zeros(len(starts), dtype=_I64)
-    end = np.full(len(starts), -1, dtype=_I64)  # where the last non-empty run so far ends
-    for j in range(starts.shape[1]):  # column by column: a few runs, many rows
-        run_start, run = starts[:, j], lens[:, j]
+    """Non-empty runs per row after merging adjacent ones (as :func:`_merged_runs` merges them); (runs, rows) in."""
+    count = np.zeros(starts.shape[1], dtype=_I64)
+    end = np.full(starts.shape[1], -1, dtype=_I64)  # where the last non-empty run so far ends
+    for j in range(starts.shape[0]):  # run by run: a few runs, many rows
+        run_start, run = starts[j], lens[j]
         nonempty = run > 0
         count += nonempty & (end != run_start)  # a run starting where the last one ends continues it
         end = np.where(nonempty, run_start + run, end)
@@ -185,10 +189,10 @@ def _run_count(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
 
 
 def _first_run(starts: np.ndarray, lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Start and total length of each row's runs (for rows holding one merged run)."""
-    first = np.argmax(lens > 0, axis=1)
-    rows = np.arange(starts.shape[0])
-    return starts[rows, first], lens.sum(axis=1)
+    """Start and total length of each row's runs (for rows holding one merged run); (runs, rows) in."""
+    first = np.argmax(lens > 0, axis=0)
+    rows = np.arange(starts.shape[1])
+    return starts[first, rows], lens.sum(axis=0)
 
 
 def _merged_runs(starts: np.ndarray, lens: np.ndarray) -> list[tuple[int, int]]:
