@@ -182,14 +182,14 @@ def test_array_names() -> None:
     ]
 
 
-def test_an_array_leaf_made_like_another_is_the_one_init_makes() -> None:
-    """The typed parse makes leaves of a kind seen before by setting their slots: every field
-    (those equality leaves out too) is what ``ArrayMeta(...)`` gives, and a field added to
-    ArrayMeta and not set there fails here."""
+def test_array_leaves_made_by_their_slots_are_the_ones_init_makes() -> None:
+    """The typed parse (leaves of a kind seen before) and a save make their leaves by setting their
+    slots: every field (those equality leaves out too) is what ``ArrayMeta(...)`` gives, and a
+    field added to ArrayMeta and not set there fails here."""
     import dataclasses
 
     from pytreeckpt.core._dtypes import dtype_from_name
-    from pytreeckpt.format._document import ArrayMeta, ChecksumFile, _meta_like
+    from pytreeckpt.format._document import ArrayMeta, ChecksumFile, Compression, _meta_like, plain_array_meta
 
     like = ArrayMeta("a", "torch", dtype_from_name("bfloat16"), (3, 5), (3, 5), "arrays/a", None, database="packed/1")
     file = ChecksumFile("checksums/crc32c", 64)
@@ -204,3 +204,11 @@ def test_an_array_leaf_made_like_another_is_the_one_init_makes() -> None:
         assert made._decoded is not like._decoded
         with pytest.raises(dataclasses.FrozenInstanceError):
             made.key = "x"  # type: ignore[misc]
+    # and as a save makes its leaves: any layout, compression and database
+    layout = pytreeckpt.ShardingSpec(pytreeckpt.Mesh(4), [pytreeckpt.Shard(1)])
+    for compression, database in ((Compression("zstd", level=5), None), (None, "ocdbt/3"), (None, None)):
+        args = ("w", "numpy", dtype_from_name("int16"), (6, 0, 4), (2, 1, 4), "arrays/w", layout, compression)
+        made = plain_array_meta(*args, database, 0)
+        want = ArrayMeta(*args, database=database)
+        for field in dataclasses.fields(ArrayMeta):
+            assert getattr(made, field.name) == getattr(want, field.name), field.name

@@ -51,6 +51,7 @@ from pytreeckpt.format._document import (
     crc32c_chars,
     generation_name,
     place_checksums,
+    plain_array_meta,
 )
 from pytreeckpt.plan import ArraySpec, ChunkingOptions, PlanCache, SavePlan, plan_save, plan_whole, spec_plan_key
 from pytreeckpt.storage import ChunkSums, ExecutorOptions, Storage, in_background
@@ -584,7 +585,7 @@ def _plan_job(
         arrays, plan, rank = planned.arrays, planned.plan, planned.rank
         names = array_names([a.key for a in arrays])
         metas = [
-            ArrayMeta(
+            plain_array_meta(
                 a.key,
                 a.container,
                 a.dtype,
@@ -593,7 +594,8 @@ def _plan_job(
                 f"{ARRAYS_DIR}/{name}",
                 a.saved_layout,
                 planned.codecs[a.key],
-                database=db,
+                db,
+                math.prod(a.shape) * a.dtype.itemsize,
             )
             for a, ap, name, db in zip(
                 arrays,
@@ -809,17 +811,23 @@ def _databases(storage: Storage, plan: SavePlan, rank: int | None, compressed: S
     opts = storage.location.options
     prefix = storage.packed_prefix()
     out: list[str | None] = []
+    limit = min(opts.pack_max_bytes, MAX_PACKED_BYTES) if opts.pack_small_leaves else 0
+    names: dict[int, str] = {}  # writer -> its database (one string for its many arrays)
     for ap, squeezed in zip(plan.arrays, compressed, strict=True):
         size = math.prod(ap.shape)
-        small = opts.pack_small_leaves and 0 < size * ap.itemsize <= min(opts.pack_max_bytes, MAX_PACKED_BYTES)
-        small = small and not (squeezed and prefix == ARCHIVE_DIR)
-        writers = {op.writer for op in ap.writes}
-        if not small:
+        if not (0 < size * ap.itemsize <= limit) or (squeezed and prefix == ARCHIVE_DIR):
             out.append(None)
-        elif rank is None:  # every write planned
-            out.append(f"{prefix}/{writers.pop()}" if len(writers) == 1 else None)
-        elif writers == {rank} and sum(op.region.size for op in ap.writes) == size:
-            out.append(f"{prefix}/{rank}")
+            continue
+        writes = ap.writes
+        writers = {writes[0].writer} if len(writes) == 1 else {op.writer for op in writes}
+        if rank is None:  # every write planned
+            if len(writers) == 1:
+                w = writers.pop()
+                out.append(names.get(w) or names.setdefault(w, f"{prefix}/{w}"))
+            else:
+                out.append(None)
+        elif writers == {rank} and sum(op.region.size for op in writes) == size:
+            out.append(names.get(rank) or names.setdefault(rank, f"{prefix}/{rank}"))
         else:
             out.append(PACKED_DIR)
     return out

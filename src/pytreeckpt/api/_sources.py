@@ -85,7 +85,9 @@ def _numpy_source(arr: np.ndarray, pieces: Mapping[int, tuple[Piece, ...]]) -> P
 
 def _resolved(t: torch.Tensor) -> torch.Tensor:
     """``t`` with its conjugate and negative bits applied (a copy only if one is set): what numpy can view."""
-    return t.resolve_conj().resolve_neg()
+    if t.is_conj() or t.is_neg():  # (asking is half the cost of two resolve calls that return t)
+        return t.resolve_conj().resolve_neg()
+    return t
 
 
 def _check_tensor(key: str, t: torch.Tensor) -> None:

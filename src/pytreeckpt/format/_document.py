@@ -65,6 +65,7 @@ __all__ = [
     "pack_checksums",
     "parse_document",
     "place_checksums",
+    "plain_array_meta",
     "zarr_metadata",
 ]
 
@@ -869,26 +870,49 @@ def _meta_like(
     like: ArrayMeta, key: str, path: str, text: str | None, at: tuple[int, int] | None, file: ChecksumFile | None
 ) -> ArrayMeta:
     """An uncompressed, unhashed array leaf of ``like``'s kind (its container, dtype, shapes, layout and
-    database) with its own key, path and checksums: ``ArrayMeta(...)``'s value, made by setting its
-    slots (a frozen dataclass's ``__init__`` sets each field through ``object.__setattr__``: this
-    takes half its time). tests/test_format.py checks every field against ``__init__``'s."""
-    m: ArrayMeta = _new(ArrayMeta)
-    _set_key(m, key)
-    _set_container(m, like.container)
-    _set_dtype(m, like.dtype)
-    _set_shape(m, like.shape)
-    _set_chunk_shape(m, like.chunk_shape)
-    _set_path(m, path)
-    _set_layout(m, like.layout)
-    _set_compression(m, None)
-    _set_hashes(m, None)
-    _set_database(m, like.database)
-    _set_crcs(m, None)
+    database) with its own key, path and checksums."""
+    shapes = like.shape, like.chunk_shape
+    m = plain_array_meta(key, like.container, like.dtype, *shapes, path, like.layout, None, like.database, like.nbytes)
     _set_text(m, text)
     _set_at(m, at)
     _set_file(m, file)
+    return m
+
+
+def plain_array_meta(
+    key: str,
+    container: str,
+    dtype: DType,
+    shape: tuple[int, ...],
+    chunk_shape: tuple[int, ...],
+    path: str,
+    layout: Layout | None,
+    compression: Compression | None,
+    database: str | None,
+    nbytes: int,
+) -> ArrayMeta:
+    """``ArrayMeta(key, container, dtype, shape, chunk_shape, path, layout, compression, database=database)``
+    (no chunk hashes or checksums yet; ``nbytes``: its elements' bytes), made by setting its slots:
+    a frozen dataclass's ``__init__`` sets each field through ``object.__setattr__``, and this takes
+    half its time, for the many thousand leaves of a parse or a save. tests/test_format.py checks
+    every field against ``__init__``'s."""
+    m: ArrayMeta = _new(ArrayMeta)
+    _set_key(m, key)
+    _set_container(m, container)
+    _set_dtype(m, dtype)
+    _set_shape(m, shape)
+    _set_chunk_shape(m, chunk_shape)
+    _set_path(m, path)
+    _set_layout(m, layout)
+    _set_compression(m, compression)
+    _set_hashes(m, None)
+    _set_database(m, database)
+    _set_crcs(m, None)
+    _set_text(m, None)
+    _set_at(m, None)
+    _set_file(m, None)
     _set_decoded(m, [])
-    _set_nbytes(m, like.nbytes)
+    _set_nbytes(m, nbytes)
     return m
 
 
