@@ -44,9 +44,10 @@ from pytreeckpt.format._document import (
     PACKED_DIR,
     ArrayMeta,
     Compression,
+    DocumentHead,
     ValueMeta,
+    array_leaf_texts,
     array_names,
-    build_document,
     chunk_count,
     crc32c_chars,
     generation_name,
@@ -92,8 +93,9 @@ class _SaveJob:
     metas: list[ArrayMeta]
     plan: SavePlan
     data: list[PieceData]
-    # the metadata document's tree, leaves (a value's entry; None: an array's, made at the end), user metadata
-    parts: tuple[Any, list[dict[str, Any] | None], dict[str, Any]]
+    # the metadata document's tree and user metadata (serialised), and its leaves (a value's entry;
+    # None: an array's, made at the end)
+    parts: tuple[DocumentHead, list[dict[str, Any] | None]]
     overwrite: bool
     timings: dict[str, float]
     monitor: Monitor
@@ -330,13 +332,13 @@ class _SaveJob:
             raise CheckpointError(f"internal error: no rank wrote the packed arrays {missing[:5]}")
         crcs = [sums.crc32c(i) for i in range(len(self.metas))]
         hashes = [sums.chunk_hashes(i) if self.reuse is not None else None for i in range(len(self.metas))]
-        tree, entries, user = self.parts
+        head, entries = self.parts
         limit = self.storage.location.options.max_inline_checksum_bytes
         refs, file, blob = place_checksums(crcs, limit, generation_name(CHECKSUMS_FILE, self.generation))
         # under this save's generation's names (see _name), in their databases, with their chunks' checksums
-        arrays = (m.to_json(c, h, at) for m, c, h, at in zip(self.metas, crcs, hashes, refs, strict=True))
+        arrays = iter(array_leaf_texts(self.metas, crcs, hashes, refs))
         leaves = [e if e is not None else next(arrays) for e in entries]
-        document = build_document(tree, leaves, user, file)
+        document = head.document(leaves, (m.database for m in self.metas), file)
         return document, None if file is None or blob is None else (file.path, blob)
 
     def _commit(self, gathered: list[Any] | None) -> None:
@@ -606,12 +608,13 @@ def _plan_job(
             )
         ]
         # (the tree, values and user metadata serialised now: what cannot be is refused before any write)
-        values = build_document(planned.root, [e for e in planned.entries if e is not None], planned.user)
+        head = DocumentHead.of(planned.root, planned.user)
+        values = head.document([e for e in planned.entries if e is not None], ())
         hashed = base is not None or chunk_hashes
         if len(values) + _array_bytes_bound(metas, hashed) > storage.location.options.max_metadata_bytes:
             it = iter(metas)
             leaf_json = [e if e is not None else next(it).to_json() for e in planned.entries]
-            _check_document_size(build_document(planned.root, leaf_json, planned.user), metas, storage)
+            _check_document_size(head.document(leaf_json, (m.database for m in metas)), metas, storage)
         if comm is None or comm.rank == 0:
             storage.check_writable(overwrite)
         t1 = time.perf_counter()
@@ -624,7 +627,7 @@ def _plan_job(
             metas,
             plan,
             [a.get for a in arrays],
-            (planned.root, planned.entries, planned.user),
+            (head, planned.entries),
             overwrite,
             {"plan": t1 - t0},
             monitor,

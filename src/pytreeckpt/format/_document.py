@@ -29,7 +29,7 @@ import json
 import math
 import re
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,7 +56,9 @@ __all__ = [
     "CheckpointDoc",
     "ChecksumFile",
     "Compression",
+    "DocumentHead",
     "ValueMeta",
+    "array_leaf_texts",
     "array_names",
     "chunk_count",
     "crc32c_chars",
@@ -956,6 +958,55 @@ def chunk_count(shape: Sequence[int], chunk_shape: Sequence[int]) -> int:
     return math.prod(-(-s // c) for s, c in zip(shape, chunk_shape, strict=True))
 
 
+def _dumps(x: Any) -> str:
+    # (no cycles to look for: user metadata was checked by a round trip, the rest is made here)
+    return json.dumps(x, allow_nan=False, separators=(",", ":"), check_circular=False)
+
+
+def _not_json(e: Exception) -> MetadataError:
+    return MetadataError(f"metadata is not JSON-serialisable (check user_metadata): {e}")
+
+
+@dataclass(frozen=True, slots=True)
+class DocumentHead:
+    """A metadata document's tree and user metadata, serialised once: a save does it when it plans
+    (what cannot be serialised is refused before any write) and joins them with the leaves'
+    entries when it commits."""
+
+    tree: str
+    user: str
+
+    @classmethod
+    def of(cls, tree: Node, user_metadata: dict[str, Any] | None) -> DocumentHead:
+        try:
+            return cls(_dumps(tree.to_json()), _dumps(user_metadata or {}))
+        except (TypeError, ValueError) as e:
+            raise _not_json(e) from None
+
+    def document(
+        self,
+        leaves: Sequence[str | dict[str, Any]],
+        databases: Iterable[str | None],
+        checksums: ChecksumFile | None = None,
+    ) -> bytes:
+        """The document of these leaves' entries (JSON texts as :func:`array_leaf_texts` makes them, or
+        dicts), stored in ``databases`` (its version says which kinds of database it needs), and
+        ``checksums``: the file its leaves' ``chunk_crc32c_at`` name. Byte for byte ``json.dumps``'s
+        text of the whole document (compact separators)."""
+        stored = {d for d in databases if isinstance(d, str)}
+        version = 3 if any(d.startswith(ARCHIVE_DIR + "/") for d in stored) else 2 if stored else 1
+        try:
+            texts = [leaf if type(leaf) is str else _dumps(leaf) for leaf in leaves]
+        except (TypeError, ValueError) as e:
+            raise _not_json(e) from None
+        parts = [f'{{"format":{_dumps(FORMAT_NAME)},"version":{version},"tree":', self.tree, ',"leaves":[']
+        parts += [",".join(texts), '],"user_metadata":', self.user]
+        if checksums is not None:
+            parts += [',"checksums":', _dumps(checksums.to_json())]
+        parts.append("}")
+        return "".join(parts).encode()
+
+
 def build_document(
     tree: Node,
     leaves: Sequence[dict[str, Any]],
@@ -963,19 +1014,51 @@ def build_document(
     checksums: ChecksumFile | None = None,
 ) -> bytes:
     """Serialise a metadata document (``checksums``: the file its leaves' ``chunk_crc32c_at`` name)."""
-    databases = {d for leaf in leaves if isinstance(d := leaf.get("database"), str)}
-    version = 3 if any(d.startswith(ARCHIVE_DIR + "/") for d in databases) else 2 if databases else 1
-    doc = {
-        "format": FORMAT_NAME,
-        "version": version,
-        "tree": tree.to_json(),
-        "leaves": list(leaves),
-        "user_metadata": user_metadata or {},
-    }
-    if checksums is not None:
-        doc["checksums"] = checksums.to_json()
-    try:
-        # (no cycles to look for: user metadata was checked by a round trip, the rest is made here)
-        return json.dumps(doc, allow_nan=False, separators=(",", ":"), check_circular=False).encode()
-    except (TypeError, ValueError) as e:
-        raise MetadataError(f"metadata is not JSON-serialisable (check user_metadata): {e}") from None
+    databases = (leaf.get("database") for leaf in leaves)
+    return DocumentHead.of(tree, user_metadata).document(leaves, databases, checksums)
+
+
+_encode_str = json.encoder.encode_basestring_ascii  # (what json.dumps uses for a str: the C encoder)
+
+
+def array_leaf_texts(
+    metas: Sequence[ArrayMeta],
+    crcs: Sequence[bytes | None],
+    hashes: Sequence[Sequence[str] | None],
+    refs: Sequence[tuple[int, int] | None],
+) -> list[str]:
+    """Each array leaf's entry in the metadata document, as JSON text: ``meta.to_json(crc, hashes, ref)``
+    serialised as the document serialises it (tests check it byte for byte).
+
+    What leaves of one kind share (container, dtypes and shapes; layout and database) is
+    serialised once; each leaf adds its key, path and checksums. A save of 100,000 small
+    leaves spent a quarter of its commit on a dict per leaf and its serialisation. Leaves
+    with compression or chunk hashes, or without checksums, go through ``to_json``.
+    """
+    enc = _encode_str
+    kinds: dict[tuple[Any, ...], str] = {}
+    places: dict[tuple[int, str | None], str] = {}
+    out: list[str] = []
+    for m, crc, hashed, at in zip(metas, crcs, hashes, refs, strict=True):
+        if m.compression is not None or hashed or m.chunk_hashes is not None or (at is None and crc is None):
+            out.append(_dumps(m.to_json(crc, hashed, at)))
+            continue
+        kind = (m.container, m.dtype.name, m.dtype.storage, m.shape, m.chunk_shape)
+        mid = kinds.get(kind)
+        if mid is None:
+            mid = kinds[kind] = (
+                f',"container":{enc(m.container)},"dtype":{enc(m.dtype.name)},"storage_dtype":{enc(m.dtype.storage)}'
+                f',"shape":{_dumps(list(m.shape))},"chunk_shape":{_dumps(list(m.chunk_shape))},"path":'
+            )
+        place = (id(m.layout), m.database)  # (the metas hold their layouts: an id is not reused meanwhile)
+        tail = places.get(place)
+        if tail is None:
+            layout = "null" if m.layout is None else _dumps(m.layout.to_json())
+            database = "" if m.database is None else f',"database":{enc(m.database)}'
+            tail = places[place] = f',"layout":{layout}{database}'
+        if at is not None:
+            sums = f',"chunk_crc32c_at":[{int(at[0])},{int(at[1])}]}}'
+        else:
+            sums = f',"chunk_crc32c":"{base64.b64encode(crc).decode()}"}}'  # type: ignore[arg-type]
+        out.append('{"kind":"array","key":' + enc(m.key) + mid + enc(m.path) + tail + sums)
+    return out
