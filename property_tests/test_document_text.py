@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pytreeckpt.core._dtypes import dtype_from_name
@@ -54,6 +54,7 @@ def leaves(draw: st.DrawFn) -> tuple[ArrayMeta, bytes | None, tuple[str, ...] | 
     return meta, crc, hashes, at
 
 
+@settings(max_examples=100)  # (a deterministic encoder: 100 examples of every kind of field suffice)
 @given(st.lists(leaves(), max_size=8))
 def test_array_leaf_texts_are_their_entries_serialised(cases: list[Any]) -> None:
     metas, crcs, hashes, refs = (list(x) for x in zip(*cases, strict=True)) if cases else ([], [], [], [])
@@ -61,6 +62,7 @@ def test_array_leaf_texts_are_their_entries_serialised(cases: list[Any]) -> None
     assert array_leaf_texts(metas, crcs, hashes, refs) == want
 
 
+@settings(max_examples=100)
 @given(
     st.lists(leaves(), max_size=5),
     st.dictionaries(_TEXT, st.integers() | _TEXT | st.floats(allow_nan=False, allow_infinity=False), max_size=3),
