@@ -208,7 +208,7 @@ def test_array_leaves_made_by_their_slots_are_the_ones_init_makes() -> None:
     layout = pytreeckpt.ShardingSpec(pytreeckpt.Mesh(4), [pytreeckpt.Shard(1)])
     for compression, database in ((Compression("zstd", level=5), None), (None, "ocdbt/3"), (None, None)):
         args = ("w", "numpy", dtype_from_name("int16"), (6, 0, 4), (2, 1, 4), "arrays/w", layout, compression)
-        made = plain_array_meta(*args, database, 0)
+        made = plain_array_meta(*args, database)
         want = ArrayMeta(*args, database=database)
         for field in dataclasses.fields(ArrayMeta):
             assert getattr(made, field.name) == getattr(want, field.name), field.name

@@ -597,7 +597,6 @@ def _plan_job(
                 a.saved_layout,
                 planned.codecs[a.key],
                 db,
-                math.prod(a.shape) * a.dtype.itemsize,
             )
             for a, ap, name, db in zip(
                 arrays,

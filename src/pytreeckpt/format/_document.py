@@ -211,7 +211,7 @@ class ArrayMeta:
     nbytes: int = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "nbytes", math.prod(self.shape) * self.dtype.itemsize)
+        object.__setattr__(self, "nbytes", _nbytes(self.shape, self.dtype))
 
     @property
     def records_crc32c(self) -> bool:
@@ -874,7 +874,7 @@ def _meta_like(
     """An uncompressed, unhashed array leaf of ``like``'s kind (its container, dtype, shapes, layout and
     database) with its own key, path and checksums."""
     shapes = like.shape, like.chunk_shape
-    m = plain_array_meta(key, like.container, like.dtype, *shapes, path, like.layout, None, like.database, like.nbytes)
+    m = plain_array_meta(key, like.container, like.dtype, *shapes, path, like.layout, None, like.database)
     _set_text(m, text)
     _set_at(m, at)
     _set_file(m, file)
@@ -891,10 +891,9 @@ def plain_array_meta(
     layout: Layout | None,
     compression: Compression | None,
     database: str | None,
-    nbytes: int,
 ) -> ArrayMeta:
     """``ArrayMeta(key, container, dtype, shape, chunk_shape, path, layout, compression, database=database)``
-    (no chunk hashes or checksums yet; ``nbytes``: its elements' bytes), made by setting its slots:
+    (no chunk hashes or checksums yet), made by setting its slots:
     a frozen dataclass's ``__init__`` sets each field through ``object.__setattr__``, and this takes
     half its time, for the many thousand leaves of a parse or a save. tests/test_format.py checks
     every field against ``__init__``'s."""
@@ -914,8 +913,12 @@ def plain_array_meta(
     _set_at(m, None)
     _set_file(m, None)
     _set_decoded(m, [])
-    _set_nbytes(m, nbytes)
+    _set_nbytes(m, _nbytes(shape, dtype))
     return m
+
+
+def _nbytes(shape: tuple[int, ...], dtype: DType) -> int:
+    return math.prod(shape) * dtype.itemsize
 
 
 _new = object.__new__
