@@ -25,13 +25,20 @@ def _install(session: nox.Session, extra: str) -> None:
     session.install("-e", f".[{extra}]")
 
 
+# Test files run side by side in one process per core (pytest-xdist; at most 4): a test
+# that waits on fsync or on its ranks leaves a core idle, which another file's tests use.
+# A file's tests stay in one process (its module fixtures, a SeaweedFS server, start once);
+# tests that launch ranks take ports from their process's own range (benchmarks/_common.py).
+_PARALLEL = ("-n", "auto", "--maxprocesses=4", "--dist", "loadfile")
+
+
 def _tests(session: nox.Session, *args: str) -> None:
-    session.run("pytest", "-q", *args)  # tests/ and the doctests of src/ (pyproject's testpaths)
+    session.run("pytest", "-q", *_PARALLEL, *args)  # tests/ and the doctests of src/ (pyproject's testpaths)
 
 
 def _property(session: nox.Session, *args: str) -> None:
     env = {"HYPOTHESIS_PROFILE": os.environ.get("HYPOTHESIS_PROFILE", "ci")}
-    session.run("pytest", "-q", "property_tests", *args, env=env)
+    session.run("pytest", "-q", *_PARALLEL, "property_tests", *args, env=env)
 
 
 @nox.session

@@ -41,11 +41,45 @@ def nbytes_of(state: dict[str, torch.Tensor]) -> int:
     return sum(v.numel() * v.element_size() for v in state.values())
 
 
+_PORTS_FROM = 10_000
+_next_port: list[int] = []
+
+
+def _ephemeral_start() -> int:
+    """The lowest port the kernel gives outgoing connections (Linux's default range starts at 32768)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now, for a process group's rendezvous."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port free on 127.0.0.1 now, for a process group's rendezvous or a test's server.
+
+    Not one the kernel picks (``bind`` to port 0): the kernel hands ports of that range to
+    every outgoing connection too (a gloo rank opens dozens), so with tests running side by
+    side (pytest-xdist) another test's connection could take the port before this test's
+    ranks bind it. Ports come instead from below that range, from this pytest-xdist
+    worker's own share of it (a worker's child processes inherit its name), each tried
+    before it is handed out.
+    """
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    lo, hi = _PORTS_FROM, min(_ephemeral_start(), 65536)
+    share = (hi - lo) // max(workers, 1)
+    first = lo + share * (int(worker) if worker.isdigit() else 0)
+    if not _next_port:  # (a process starts at a place of its own in the share: a test's child allocates too)
+        _next_port.append(random.Random(os.getpid()).randrange(share))
+    for _ in range(share):
+        port = first + _next_port[0] % share
+        _next_port[0] += 1
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue  # in use, or lingering after a test before
+        return port
+    raise OSError(f"no free TCP port in {first}-{first + share - 1}")
 
 
 @contextlib.contextmanager

@@ -19,7 +19,6 @@ import os
 import queue
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,13 +28,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from benchmarks._common import free_port
+
 STDERR_SHOWN = 20_000  # the last characters of each rank's stderr shown in a failure
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _entry(

@@ -11,7 +11,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,24 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytreeckpt
+from benchmarks._common import free_port
 
 ACCESS_KEY = "pytreeckpt-test"
 SECRET_KEY = "pytreeckpt-test-secret"
 BUCKET = "ckpt"
-
-
-def _free_ports(n: int) -> list[int]:
-    """``n`` distinct ports free right now (held open together so they differ)."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [int(s.getsockname()[1]) for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def weed_binary() -> str:
@@ -105,7 +91,7 @@ def start(workdir: Path, timeout: float = 90.0, metrics: bool = False) -> Server
     identity = {"name": "ckpt", "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}]}
     identity["actions"] = ["Read", "Write", "List", "Tagging"]  # type: ignore[assignment]
     config.write_text(json.dumps({"identities": [identity]}))
-    ports = _free_ports(11)
+    ports = [free_port() for _ in range(11)]  # (distinct: handed out one after another)
     names = [
         "master.port",
         "master.port.grpc",

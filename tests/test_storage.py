@@ -25,6 +25,7 @@ from helpers import bits, packed_in
 from safetensors.torch import load_file
 
 import pytreeckpt
+from benchmarks._common import free_port
 from pytreeckpt import Abstract, Location, Mesh, Replicate, Shard, ShardedLeaf, ShardingSpec, StorageOptions
 from pytreeckpt.storage import Storage
 from pytreeckpt.storage._location import resolve
@@ -333,7 +334,7 @@ def test_s3_failures_are_quick_clear_errors_naming_the_location(s3: seaweed.Serv
         ),
         (Location("s3://no-such-bucket/x", s3.options()), r"s3://no-such-bucket/x.*NoSuchBucket"),
         (
-            Location(f"s3://{seaweed.BUCKET}/x", StorageOptions(endpoint=f"http://127.0.0.1:{_closed_port()}")),
+            Location(f"s3://{seaweed.BUCKET}/x", StorageOptions(endpoint=f"http://127.0.0.1:{free_port()}")),
             r"s3://ckpt/x.*(connect|retry)",
         ),
     ]
@@ -343,14 +344,6 @@ def test_s3_failures_are_quick_clear_errors_naming_the_location(s3: seaweed.Serv
             with pytest.raises(pytreeckpt.CheckpointError, match=pattern):
                 op()
             assert time.perf_counter() - t0 < 15, where
-
-
-def _closed_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_the_credentials_file_of_a_process_that_ended_without_its_exit_handlers_is_removed(
