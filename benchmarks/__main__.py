@@ -249,6 +249,18 @@ def main() -> None:
             md += [f"### {key}", "", "```", json.dumps(r, indent=2), "```", ""]
         if "files" in r:
             md += ["Files written: " + ", ".join(f"{k} {v}" for k, v in r["files"].items()), ""]
+        if "first_save" in r:
+            first, later = r["first_save"], r["save_phases"]
+            phases = ("plan", "write", "commit")
+            md += [
+                f"pytreeckpt's first save of this state in the process (described in full): "
+                f"{first['seconds']:.3f} s ("
+                + ", ".join(f"{p} {first.get(p, 0):.3f}" for p in phases)
+                + "); the later saves above (the state recognised): "
+                + ", ".join(f"{p} {later.get(p, 0):.3f}" for p in phases)
+                + " s (medians)",
+                "",
+            ]
     md += ["## Plots", "", *_plot(report, args.out)]
     (args.out / "bench.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))

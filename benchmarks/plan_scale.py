@@ -53,6 +53,7 @@ from _llama import llama_state
 import pytreeckpt
 from pytreeckpt import Abstract
 from pytreeckpt.api import _load as _load_api
+from pytreeckpt.api import _recall
 from pytreeckpt.api import _save as _save_api
 from pytreeckpt.core._dtypes import dtype_from_name
 from pytreeckpt.core._tree import Node
@@ -106,6 +107,7 @@ def _document(specs: list[ArraySpec], chunk_shapes: list[tuple[int, ...]]) -> tu
 def _cold() -> None:
     """Forget every plan and memo, as before a job's first save."""
     clear_caches()
+    _recall.forget()
     _save_api._SAVE_PLANS.clear()
     _load_api._LOAD_PLANS.clear()
 

@@ -16,6 +16,7 @@ import dataclasses
 import itertools
 import json
 import math
+import operator
 import os
 import threading
 import time
@@ -46,6 +47,7 @@ from pytreeckpt.format._document import (
     Compression,
     DocumentHead,
     ValueMeta,
+    array_leaf_heads,
     array_leaf_texts,
     array_names,
     chunk_count,
@@ -59,6 +61,7 @@ from pytreeckpt.storage import ChunkSums, ExecutorOptions, Storage, in_backgroun
 from pytreeckpt.storage._location import describe
 
 from ._load import metadata
+from ._recall import Recalled, Remembered, recall, remember
 from ._shared import (
     _IN_FLIGHT_LOCK,
     _SINGLE,
@@ -71,11 +74,12 @@ from ._shared import (
     _is_leaf,
     _is_value,
     _span,
+    _state_digest,
     _wait_in_flight,
     _where,
     gc_paused,
 )
-from ._sources import _PLAIN, _array_in, _ArrayIn, _plain_in, _snapshot_merges
+from ._sources import _PLAIN, _array_in, _ArrayIn, _plain_data, _plain_in, _snapshot_merges
 
 if TYPE_CHECKING:
     import numpy as np
@@ -109,6 +113,7 @@ class _SaveJob:
     pending: BaseException | None = None  # this rank's error in a distributed save, not yet agreed on
     cancelled: threading.Event = field(default_factory=threading.Event)  # set at exit: stop, commit nothing
     generation: int = 0  # of the stored names (see generation_name)
+    derived: _Derived | None = None  # kept for the next save of a tree like this one (api/_recall.py)
 
     def ready(self) -> None:
         """In a distributed save, agree that every rank planned (and staged) its part: else all raise."""
@@ -232,7 +237,7 @@ class _SaveJob:
             lock = self.storage.lock()
             try:
                 self._name(self.storage.prepare(self.overwrite))
-                total = sum(op.region.size * ap.itemsize for ap in self.plan.arrays for op in ap.writes)
+                total = sum(map(_NBYTES, self.metas))  # (a single process writes every element once)
                 progress = self._progress("save", total)
                 try:
                     with self.monitor.phase("save", "write", 0) as box:
@@ -316,6 +321,19 @@ class _SaveJob:
         generation = self.generation
         return generation_name(PACKED_DIR, generation) if generation else PACKED_DIR
 
+    def _heads(self) -> list[str | None]:
+        """The array leaves' entries up to their checksums (array_leaf_heads): those of the last save of a
+        tree like this one, under these names, if it made them."""
+        derived = self.derived
+        if derived is None:
+            return array_leaf_heads(self.metas)
+        made = derived.heads.get(self.generation)
+        if made is not None and len(made[0]) == len(self.metas) and all(map(operator.is_, made[0], self.metas)):
+            return made[1]
+        heads = array_leaf_heads(self.metas)
+        derived.heads[self.generation] = (tuple(self.metas), heads)
+        return heads
+
     def _final_document(self, gathered: list[Any] | None) -> tuple[bytes, tuple[str, bytes] | None]:
         """The metadata document: every packed array in its writer's database, every array's chunk checksums
         (and chunk hashes when they were computed); and the checksums file (its name and bytes) if they
@@ -330,13 +348,13 @@ class _SaveJob:
         missing = [m.key for m in self.metas if m.database == self._placeholder]
         if missing:
             raise CheckpointError(f"internal error: no rank wrote the packed arrays {missing[:5]}")
-        crcs = [sums.crc32c(i) for i in range(len(self.metas))]
+        crcs = sums.crc32c_all()
         hashes = [sums.chunk_hashes(i) if self.reuse is not None else None for i in range(len(self.metas))]
         head, entries = self.parts
         limit = self.storage.location.options.max_inline_checksum_bytes
         refs, file, blob = place_checksums(crcs, limit, generation_name(CHECKSUMS_FILE, self.generation))
         # under this save's generation's names (see _name), in their databases, with their chunks' checksums
-        arrays = iter(array_leaf_texts(self.metas, crcs, hashes, refs))
+        arrays = iter(array_leaf_texts(self.metas, crcs, hashes, refs, self._heads()))
         leaves = [e if e is not None else next(arrays) for e in entries]
         document = head.document(leaves, (m.database for m in self.metas), file)
         return document, None if file is None or blob is None else (file.path, blob)
@@ -345,7 +363,7 @@ class _SaveJob:
         """Commit the final document (and its checksums file, if any), naming what it references: the
         arrays, the databases and the checksums file."""
         document, checksums = self._final_document(gathered)
-        names = frozenset(m.path for m in self.metas) | frozenset(m.database for m in self.metas if m.database)
+        names = frozenset(map(_PATH, self.metas)) | (set(map(_DATABASE, self.metas)) - {None})
         self.storage.commit(document, checksums, names if checksums is None else names | {checksums[0]})
 
     def _settle_packing(self) -> None:
@@ -435,6 +453,11 @@ class _SaveJob:
         return t1
 
 
+_PATH = operator.attrgetter("path")
+_DATABASE = operator.attrgetter("database")
+_NBYTES = operator.attrgetter("nbytes")
+
+
 def _versions(tensors: tuple[torch.Tensor, ...]) -> tuple[tuple[torch.Tensor, int], ...]:
     out = []
     for t in tensors:
@@ -456,13 +479,17 @@ def _torch_dtype_or_none(meta: ArrayMeta) -> torch.dtype | None:
 class _Planned:
     """A state described and planned on this rank: what save() writes and what plan_save() returns."""
 
-    arrays: list[_ArrayIn]
+    arrays: list[_ArrayIn]  # the array leaves as described (their data in the next three)
+    data: list[PieceData]
+    devices: list[Any]
+    watches: list[tuple[torch.Tensor, ...]]
     entries: list[dict[str, Any] | None]  # a plain Python leaf's metadata, None for an array
     root: Any
     user: dict[str, Any]
     codecs: dict[str, Any]
     plan: SavePlan
     rank: int | None  # the rank planned for; None: every rank (a single process)
+    memo: Remembered | None  # how the next save of such a tree recognises it (api/_recall.py)
 
 
 def _plan_state(
@@ -483,12 +510,23 @@ def _plan_state(
     it (``carried``): a rank that raised alone would never join it and would leave the
     others waiting for its timeout.
     """
+    if chunking is not None:
+        options = chunking
+    else:
+        options = storage.chunking if storage is not None else ChunkingOptions()
+    context = (None if comm is None else comm.world, None if comm is None else comm.rank, options, plan_only, namespace)
+    if spec is None and compression is None:
+        got = recall(tree, context)
+        if got is not None:  # a tree like one saved before: its description and plan, with this tree's data
+            return _recalled(got, user_metadata, comm, carried)
     arrays: list[_ArrayIn] = []
     entries: list[dict[str, Any] | None] = []
     values: list[str] = []
     user: dict[str, Any] = {}
     codecs: dict[str, Any] = {}
     root: Any = None
+    leaves: list[Any] = []
+    keys: list[str] = []
     with carried.catch():
         leaves, paths, root = flatten(tree, _is_leaf, namespace=namespace)
         keys = check_unique_keys(paths)
@@ -502,21 +540,13 @@ def _plan_state(
                 continue
             with carried.catch(key):
                 if _is_value(leaf):
-                    try:
-                        encoded = encode_value(leaf)
-                    except TypeError as e:
-                        raise CheckpointError(f"leaf {_where(key)}: {e}") from None
-                    entries.append(ValueMeta(key, leaf).to_json(encoded))
+                    entries.append(_value_entry(key, leaf))
                     values.append(key)
                 else:
                     arrays.append(_array_in(key, leaf, sp, comm, plan_only))
                     entries.append(None)
             if carried.error is not None:
                 break
-    if chunking is not None:
-        options = chunking
-    else:
-        options = storage.chunking if storage is not None else ChunkingOptions()
     # In a single process of one rank, arrays held whole as one chunk are planned by
     # plan_whole, without tables (the same plans: tests/test_plan.py); the others by plan_save.
     whole: list[bool] = []
@@ -527,8 +557,9 @@ def _plan_state(
     with carried.catch():
         specs = [a.spec() for a, w in itertools.zip_longest(arrays, whole) if not w]
     base: tuple[Any, ...] | None = None
+    dtypes = [a.dtype.name for a in arrays]
     if comm is not None:
-        base = _agree_on_specs(comm, specs, [a.dtype.name for a in arrays], "save", carried.error, values)
+        base = _agree_on_specs(comm, specs, dtypes, "save", carried.error, values)
         world = comm.world
     elif whole:
         world = 1  # (every array held whole by this one process)
@@ -556,8 +587,47 @@ def _plan_state(
                                 f"leaf {_where(a.key)}: elements {frag.region} live only on rank {frag.rank}, "
                                 f"whose shard is not in this ShardedLeaf (it holds ranks {sorted(a.present)})"
                             )
-        return _Planned(arrays, entries, root, user, codecs, plan, rank)
+        memo = None
+        if spec is None and compression is None:
+            agreed = None if base is None else (base, _state_digest(base, dtypes, values))
+            memo = remember(tree, context, leaves, keys, root, arrays, codecs, plan, specs, dtypes, agreed)
+        data = [a.get for a in arrays]
+        devices, watches = [a.device for a in arrays], [a.watch for a in arrays]
+        return _Planned(arrays, data, devices, watches, entries, root, user, codecs, plan, rank, memo)
     return None
+
+
+def _recalled(got: Recalled, user_metadata: Mapping[str, Any] | None, comm: Comm | None, carried: _Carried) -> _Planned:
+    """A tree like one saved before, planned as that one was: only its data and its Python values are new."""
+    was, leaves = got.was, got.leaves
+    user: dict[str, Any] = {}
+    entries: list[dict[str, Any] | None] = [None] * len(leaves)
+    data = [a.get for a in was.arrays]  # (an Abstract's: it refuses to be read)
+    watches: list[tuple[torch.Tensor, ...]] = [()] * len(data)
+    with carried.catch():
+        user = _user_metadata(user_metadata)
+        for i, j, region in was.tensor_slots:
+            t = leaves[i]
+            data[j] = _plain_data(t, region)
+            watches[j] = (t,)
+    for i in was.values:
+        with carried.catch(was.keys[i]):
+            entries[i] = _value_entry(was.keys[i], leaves[i])
+    if comm is not None:
+        values = [was.keys[i] for i in was.values]
+        _agree_on_specs(comm, was.specs, was.dtypes, "save", carried.error, values, known=was.agreed)
+    rank = None if comm is None else comm.rank
+    devices = [None] * len(data)  # (CPU tensors and Abstract leaves)
+    return _Planned(was.arrays, data, devices, watches, entries, was.root, user, was.codecs, was.plan, rank, was)
+
+
+def _value_entry(key: str, leaf: Any) -> dict[str, Any]:
+    """A plain Python leaf's entry in the metadata document."""
+    try:
+        encoded = encode_value(leaf)
+    except TypeError as e:
+        raise CheckpointError(f"leaf {_where(key)}: {e}") from None
+    return ValueMeta(key, leaf).to_json(encoded)
 
 
 def _plan_job(
@@ -584,33 +654,25 @@ def _plan_job(
     with carried.catch():
         assert storage is not None  # (else this rank failed before, and carried its error)
         assert planned is not None
-        arrays, plan, rank = planned.arrays, planned.plan, planned.rank
-        names = array_names([a.key for a in arrays])
-        metas = [
-            plain_array_meta(
-                a.key,
-                a.container,
-                a.dtype,
-                a.shape,
-                ap.chunk_shape,
-                f"{ARRAYS_DIR}/{name}",
-                a.saved_layout,
-                planned.codecs[a.key],
-                db,
-            )
-            for a, ap, name, db in zip(
-                arrays,
-                plan.arrays,
-                names,
-                _databases(storage, plan, rank, [planned.codecs[a.key] is not None for a in arrays]),
-                strict=True,
-            )
-        ]
+        plan = planned.plan
+        # The arrays' metadata and the tree's JSON text depend only on the tree's description and
+        # where packed arrays go: a save of a tree recognised (planned.memo) takes them from the last.
+        opts = storage.location.options
+        memo, where = planned.memo, (storage.packed_prefix(), opts.pack_small_leaves, opts.pack_max_bytes)
+        derived = None if memo is None else memo.derived.get(where)
+        if derived is None:
+            derived = _Derived(tuple(_array_metas(storage, planned)), DocumentHead.of(planned.root, {}).tree, {}, {})
+            if memo is not None:
+                memo.derived[where] = derived
+        metas = list(derived.metas)
         # (the tree, values and user metadata serialised now: what cannot be is refused before any write)
-        head = DocumentHead.of(planned.root, planned.user)
+        head = DocumentHead.of_tree_text(derived.tree, planned.user)
         values = head.document([e for e in planned.entries if e is not None], ())
         hashed = base is not None or chunk_hashes
-        if len(values) + _array_bytes_bound(metas, hashed) > storage.location.options.max_metadata_bytes:
+        bound = derived.bounds.get(hashed)
+        if bound is None:
+            bound = derived.bounds[hashed] = _array_bytes_bound(metas, hashed)
+        if len(values) + bound > opts.max_metadata_bytes:
             it = iter(metas)
             leaf_json = [e if e is not None else next(it).to_json() for e in planned.entries]
             _check_document_size(head.document(leaf_json, (m.database for m in metas)), metas, storage)
@@ -625,19 +687,51 @@ def _plan_job(
             storage,
             metas,
             plan,
-            [a.get for a in arrays],
+            planned.data,
             (head, planned.entries),
             overwrite,
             {"plan": t1 - t0},
             monitor,
             comm,
-            [a.device for a in arrays],
-            [a.watch for a in arrays],
+            planned.devices,
+            planned.watches,
             reuse,
+            derived=derived if memo is not None else None,
         )
     if job is None:  # planning failed on this rank: it raises with the others, at their agreement after planning
         carried.fail("preparing the save")
     return job
+
+
+@dataclass(frozen=True, slots=True)
+class _Derived:
+    """What a save derives from a tree's description for one place to store it (api/_recall.py keeps it)."""
+
+    metas: tuple[ArrayMeta, ...]
+    tree: str  # the tree's JSON text
+    bounds: dict[bool, int]  # _array_bytes_bound's, with chunk hashes and without
+    heads: dict[int, tuple[tuple[ArrayMeta, ...], list[str | None]]]  # by generation: the metas, their heads
+
+
+def _array_metas(storage: Storage, planned: _Planned) -> list[ArrayMeta]:
+    """Each array leaf's metadata as it will be stored (its data's checksums aside)."""
+    arrays, plan, codecs = planned.arrays, planned.plan, planned.codecs
+    names = array_names([a.key for a in arrays])
+    databases = _databases(storage, plan, planned.rank, [codecs[a.key] is not None for a in arrays])
+    return [
+        plain_array_meta(
+            a.key,
+            a.container,
+            a.dtype,
+            a.shape,
+            ap.chunk_shape,
+            f"{ARRAYS_DIR}/{name}",
+            a.saved_layout,
+            codecs[a.key],
+            db,
+        )
+        for a, ap, name, db in zip(arrays, plan.arrays, names, databases, strict=True)
+    ]
 
 
 def plan_save_of(

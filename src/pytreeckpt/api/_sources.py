@@ -216,6 +216,17 @@ def _plain_in(key: str, leaf: torch.Tensor) -> _ArrayIn:
     return _ArrayIn(key, "torch", dtype_of_torch(leaf.dtype), shape, _SINGLE, None, pieces, get, watch=(leaf,))
 
 
+def _plain_data(leaf: torch.Tensor, region: Region) -> PieceData:
+    """The getter of a plain tensor's one piece, ``region`` (the whole tensor), for a save that
+    recognised its tree (api/_recall.py) and so skips :func:`_plain_in`: its numpy view is made
+    when its data is asked for (a whole array's, once), not while the save plans."""
+
+    def get(rank: int, pi: int) -> tuple[np.ndarray, Region]:
+        return numpy_view(_resolved(leaf)), region
+
+    return get
+
+
 def _array_in(key: str, leaf: Any, spec: Any, comm: Comm | None = None, plan_only: bool = False) -> _ArrayIn:
     """Describe one tensor leaf for planning; ``comm`` is the DistComm in a distributed save.
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import collections
 import dataclasses
 import json
 import math
@@ -34,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
+import numpy as np
 
 from pytreeckpt.core._checksum import crc32c
 from pytreeckpt.core._dtypes import DType, dtype_from_name
@@ -58,6 +60,7 @@ __all__ = [
     "Compression",
     "DocumentHead",
     "ValueMeta",
+    "array_leaf_heads",
     "array_leaf_texts",
     "array_names",
     "chunk_count",
@@ -178,7 +181,8 @@ def place_checksums(
     """Where a document's chunk checksums go: in the document (no refs, no file) while their base64
     is at most ``limit`` bytes, else in a checksums file at ``path``: each array's ``(offset, crc32c)``
     there, the file the document names, and its bytes."""
-    inline = sum(crc32c_chars(len(c) // 4) for c in crcs if c is not None)
+    sizes = collections.Counter(len(c) for c in crcs if c is not None)  # (most are 4 bytes: one chunk)
+    inline = sum(crc32c_chars(size // 4) * count for size, count in sizes.items())
     if inline <= limit:
         return [None] * len(crcs), None, None
     blob, refs = pack_checksums(crcs)
@@ -986,6 +990,14 @@ class DocumentHead:
         except (TypeError, ValueError) as e:
             raise _not_json(e) from None
 
+    @classmethod
+    def of_tree_text(cls, tree: str, user_metadata: dict[str, Any] | None) -> DocumentHead:
+        """The head of a tree serialised before (``DocumentHead.of(...).tree``)."""
+        try:
+            return cls(tree, _dumps(user_metadata or {}))
+        except (TypeError, ValueError) as e:
+            raise _not_json(e) from None
+
     def document(
         self,
         leaves: Sequence[str | dict[str, Any]],
@@ -996,7 +1008,7 @@ class DocumentHead:
         dicts), stored in ``databases`` (its version says which kinds of database it needs), and
         ``checksums``: the file its leaves' ``chunk_crc32c_at`` name. Byte for byte ``json.dumps``'s
         text of the whole document (compact separators)."""
-        stored = {d for d in databases if isinstance(d, str)}
+        stored = {d for d in set(databases) if d is not None}  # (the set first: a few among 10^5 leaves)
         version = 3 if any(d.startswith(ARCHIVE_DIR + "/") for d in stored) else 2 if stored else 1
         try:
             texts = [leaf if type(leaf) is str else _dumps(leaf) for leaf in leaves]
@@ -1024,27 +1036,21 @@ def build_document(
 _encode_str = json.encoder.encode_basestring_ascii  # (what json.dumps uses for a str: the C encoder)
 
 
-def array_leaf_texts(
-    metas: Sequence[ArrayMeta],
-    crcs: Sequence[bytes | None],
-    hashes: Sequence[Sequence[str] | None],
-    refs: Sequence[tuple[int, int] | None],
-) -> list[str]:
-    """Each array leaf's entry in the metadata document, as JSON text: ``meta.to_json(crc, hashes, ref)``
-    serialised as the document serialises it (tests check it byte for byte).
+def array_leaf_heads(metas: Sequence[ArrayMeta]) -> list[str | None]:
+    """Each array leaf's entry in the metadata document up to its checksums, as JSON text (see
+    :func:`array_leaf_texts`); None for a leaf with compression or chunk hashes, whose entry
+    ``to_json`` makes. A save of a tree like one before keeps them (api/_recall.py).
 
     What leaves of one kind share (container, dtypes and shapes; layout and database) is
-    serialised once; each leaf adds its key, path and checksums. A save of 100,000 small
-    leaves spent a quarter of its commit on a dict per leaf and its serialisation. Leaves
-    with compression or chunk hashes, or without checksums, go through ``to_json``.
+    serialised once; each leaf adds its key and path.
     """
     enc = _encode_str
     kinds: dict[tuple[Any, ...], str] = {}
     places: dict[tuple[int, str | None], str] = {}
-    out: list[str] = []
-    for m, crc, hashed, at in zip(metas, crcs, hashes, refs, strict=True):
-        if m.compression is not None or hashed or m.chunk_hashes is not None or (at is None and crc is None):
-            out.append(_dumps(m.to_json(crc, hashed, at)))
+    out: list[str | None] = []
+    for m in metas:
+        if m.compression is not None or m.chunk_hashes is not None:
+            out.append(None)
             continue
         kind = (m.container, m.dtype.name, m.dtype.storage, m.shape, m.chunk_shape)
         mid = kinds.get(kind)
@@ -1059,9 +1065,65 @@ def array_leaf_texts(
             layout = "null" if m.layout is None else _dumps(m.layout.to_json())
             database = "" if m.database is None else f',"database":{enc(m.database)}'
             tail = places[place] = f',"layout":{layout}{database}'
-        if at is not None:
-            sums = f',"chunk_crc32c_at":[{int(at[0])},{int(at[1])}]}}'
+        out.append('{"kind":"array","key":' + enc(m.key) + mid + enc(m.path) + tail)
+    return out
+
+
+def array_leaf_texts(
+    metas: Sequence[ArrayMeta],
+    crcs: Sequence[bytes | None],
+    hashes: Sequence[Sequence[str] | None],
+    refs: Sequence[tuple[int, int] | None],
+    heads: Sequence[str | None] | None = None,
+) -> list[str]:
+    """Each array leaf's entry in the metadata document, as JSON text: ``meta.to_json(crc, hashes, ref)``
+    serialised as the document serialises it (tests check it byte for byte).
+
+    ``heads``: :func:`array_leaf_heads` of ``metas``, if made before. A save of 100,000
+    small leaves spent a quarter of its commit on a dict per leaf and its serialisation;
+    each leaf's entry is now its head and its checksums, those of leaves of one chunk
+    encoded together. Leaves with compression or chunk hashes, or without checksums, go
+    through ``to_json``.
+    """
+    if heads is None:
+        heads = array_leaf_heads(metas)
+    single = _single_chunk_sums(crcs)
+    out: list[str] = []
+    for m, head, crc, hashed, at, sums in zip(metas, heads, crcs, hashes, refs, single, strict=True):
+        if head is None or hashed or (at is None and crc is None):
+            out.append(_dumps(m.to_json(crc, hashed, at)))
+        elif at is not None:
+            out.append(f'{head},"chunk_crc32c_at":[{int(at[0])},{int(at[1])}]}}')
+        elif sums is not None:
+            out.append(head + sums)
         else:
-            sums = f',"chunk_crc32c":"{base64.b64encode(crc).decode()}"}}'  # type: ignore[arg-type]
-        out.append('{"kind":"array","key":' + enc(m.key) + mid + enc(m.path) + tail + sums)
+            out.append(f'{head},"chunk_crc32c":"{base64.b64encode(crc).decode()}"}}')  # type: ignore[arg-type]
+    return out
+
+
+_SUMS_OPEN = ',"chunk_crc32c":"'
+_B64 = np.frombuffer(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/", dtype=np.uint8)
+
+
+def _single_chunk_sums(crcs: Sequence[bytes | None]) -> list[str | None]:
+    """``',"chunk_crc32c":"<base64>"}'`` for each array of one chunk (a 4-byte checksum), None for the
+    others: the base64 of all of them made at once (numpy), not a call per leaf."""
+    where = [i for i, c in enumerate(crcs) if c is not None and len(c) == 4]
+    out: list[str | None] = [None] * len(crcs)
+    if not where:
+        return out
+    b = np.frombuffer(b"".join([crcs[i] for i in where]), dtype=np.uint8).reshape(-1, 4)  # type: ignore[misc]
+    width = len(_SUMS_OPEN) + 10  # 8 base64 characters (the last two "=="), '"}'
+    text = np.empty((len(where), width), dtype=np.uint8)
+    text[:] = np.frombuffer((_SUMS_OPEN + "AAAAAA==" + '"}').encode(), dtype=np.uint8)
+    k = len(_SUMS_OPEN)
+    text[:, k] = _B64[b[:, 0] >> 2]
+    text[:, k + 1] = _B64[((b[:, 0] & 3) << 4) | (b[:, 1] >> 4)]
+    text[:, k + 2] = _B64[((b[:, 1] & 15) << 2) | (b[:, 2] >> 6)]
+    text[:, k + 3] = _B64[b[:, 2] & 63]
+    text[:, k + 4] = _B64[b[:, 3] >> 2]
+    text[:, k + 5] = _B64[(b[:, 3] & 3) << 4]
+    joined = text.tobytes().decode("ascii")
+    for n, i in enumerate(where):
+        out[i] = joined[n * width : (n + 1) * width]
     return out

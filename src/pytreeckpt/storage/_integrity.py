@@ -353,6 +353,23 @@ class ChunkSums:
             flats.append(0)
             values.append(crc)
 
+    def crc32c_all(self) -> list[bytes]:
+        """:meth:`crc32c` of every array, in order. Arrays of one chunk recorded once (most small
+        arrays) are encoded together: a call per array cost a second of a 100,000-leaf save's commit."""
+        n = len(self.metas)
+        if self._received:
+            return [self.crc32c(i) for i in range(n)]
+        single = [
+            i
+            for i, (flats, _) in self.crcs.items()
+            if flats == [0] and self.metas[i].chunk_shape == self.metas[i].shape
+        ]
+        values = np.asarray([self.crcs[i][1][0] for i in single], dtype="<u4").tobytes()
+        out: list[bytes | None] = [None] * n
+        for k, i in enumerate(single):
+            out[i] = values[4 * k : 4 * k + 4]
+        return [c if c is not None else self.crc32c(i) for i, c in enumerate(out)]
+
     def recorder(self, i: int) -> Callable[[tuple[int, ...], int], None]:
         """``record(index, crc32c)`` for the chunks of array ``i``."""
 
