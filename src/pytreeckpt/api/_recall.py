@@ -29,17 +29,17 @@ import collections
 import operator
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from pytreeckpt.core._leaf import Abstract
 from pytreeckpt.core._region import Region
-from pytreeckpt.core._tree import Node
+from pytreeckpt.core._tree import PYTHON_LEAF_TYPES, Node
 from pytreeckpt.plan import ArraySpec, SavePlan
 
-from ._shared import _is_value
 from ._sources import _PLAIN, _ArrayIn
 
 __all__ = ["Recalled", "Remembered", "forget", "hits", "recall", "remember"]
@@ -69,7 +69,7 @@ class Remembered:
     values: list[int]  # the plain Python values
     keys: list[str]
     root: Node
-    arrays: list[_ArrayIn]  # the array leaves as described, their data left out
+    arrays: list[_ArrayIn]  # the array leaves as described (a tensor's data getter and watch taken out)
     array_of: list[int]  # each leaf's index in ``arrays`` (-1 for a value)
     codecs: dict[str, Any]
     plan: SavePlan
@@ -106,7 +106,7 @@ def _template(node: Node) -> Any:
         keys = [e[1] for e in node.entries]
     elif typ is None:
         raise _NotPlain
-    kids = [_template(c) for c in node.children]
+    kids = [None if c.kind == "leaf" else _template(c) for c in node.children]
     return (typ, keys, len(kids), None if all(k is None for k in kids) else kids)
 
 
@@ -217,41 +217,44 @@ def remember(
         shape = _template(root)
     except _NotPlain:
         return None
-    tensors, abstracts, values, array_of = [], [], [], []
-    n_arrays = 0
-    for i, leaf in enumerate(leaves):
-        t = type(leaf)
-        if _is_value(leaf):
-            values.append(i)
-            array_of.append(-1)
-            continue
-        if t in _PLAIN and world is None:
-            tensors.append(i)
+    # Which leaves are tensors, Abstract leaves and Python values, by type (a few types, many leaves).
+    types = list(map(type, leaves))
+    kind_of: dict[type, int] = {}
+    for t in set(types):
+        if issubclass(t, PYTHON_LEAF_TYPES) and not issubclass(t, np.generic):  # (as _is_value)
+            kind_of[t] = 0
+        elif t in _PLAIN and world is None:
+            kind_of[t] = 1
         elif t is Abstract and plan_only:
-            abstracts.append(i)
+            kind_of[t] = 2
         else:
             return None
-        array_of.append(n_arrays)
-        n_arrays += 1
-    tensor_columns = _tensor_columns(_pick(list(leaves), tensors))
-    if tensor_columns is None or n_arrays != len(arrays):
+    kinds = np.fromiter(map(kind_of.__getitem__, types), dtype=np.int8, count=len(types))
+    is_array = kinds != 0
+    tensors, abstracts, values = (np.flatnonzero(kinds == k).tolist() for k in (1, 2, 0))
+    array_of = np.where(is_array, np.cumsum(is_array) - 1, -1).tolist()
+    if len(tensors) + len(abstracts) != len(arrays):
         return None
-    kept = [replace(a, get=_no_data, watch=(), device=None) for a in arrays]
-    for i in abstracts:  # (an Abstract's description never reads data: it is kept as it is)
-        kept[array_of[i]] = arrays[array_of[i]]
+    described = _pick(arrays, tensors) if not abstracts else [arrays[array_of[i]] for i in tensors]
+    # (the shapes and dtypes _plain_in read, as recall reads them: tuples equal torch.Size)
+    tensor_columns = ([a.shape for a in described], [a.dtype.torch for a in described])
+    slots = [(i, array_of[i], a.pieces[0][0].region) for i, a in zip(tensors, described, strict=True)]
+    for a in described:  # (what reads their data: the save took it already, and nothing remembered holds it)
+        a.get = _no_data
+        a.watch = ()
     memo = Remembered(
         context,
         shape,
-        list(map(type, leaves)),
+        types,
         tensors,
-        [(i, array_of[i], arrays[array_of[i]].pieces[0][0].region) for i in tensors],
+        slots,
         tensor_columns,
         abstracts,
         _abstract_columns(_pick(list(leaves), abstracts)),
         values,
         keys,
         root,
-        kept,
+        arrays,
         array_of,
         codecs,
         plan,

@@ -587,12 +587,12 @@ def _plan_state(
                                 f"leaf {_where(a.key)}: elements {frag.region} live only on rank {frag.rank}, "
                                 f"whose shard is not in this ShardedLeaf (it holds ranks {sorted(a.present)})"
                             )
-        memo = None
-        if spec is None and compression is None:
-            agreed = None if base is None else (base, _state_digest(base, dtypes, values))
-            memo = remember(tree, context, leaves, keys, root, arrays, codecs, plan, specs, dtypes, agreed)
         data = [a.get for a in arrays]
         devices, watches = [a.device for a in arrays], [a.watch for a in arrays]
+        memo = None
+        if spec is None and compression is None:  # (after the data is taken: remember takes it out of arrays)
+            agreed = None if base is None else (base, _state_digest(base, dtypes, values))
+            memo = remember(tree, context, leaves, keys, root, arrays, codecs, plan, specs, dtypes, agreed)
         return _Planned(arrays, data, devices, watches, entries, root, user, codecs, plan, rank, memo)
     return None
 
