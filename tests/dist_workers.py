@@ -808,3 +808,50 @@ def placed_stages(rank: int, world: int, path: str) -> dict[str, Any]:
         else:
             ok[s] = not got.shards
     return {"stage": mine, "ok": ok}
+
+
+def dtensor_state_saved_again(rank: int, world: int, path: str) -> dict[str, Any]:
+    """One DTensor state saved five times, changed between saves: its values in place, its
+    placements, a new mesh object, a shape. Each checkpoint must load as the state was when it was
+    saved (a save remembers the trees it saved: api/_recall.py)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (world,))
+    state: dict[str, Any] = {
+        "w": distribute_tensor(torch.randn(16, 8), mesh, [Shard(0)]),
+        "b": distribute_tensor(torch.randn(6), mesh, [Replicate()]),
+        "step": 1,
+    }
+
+    def change_values() -> None:
+        state["w"].add_(1)  # (a DTensor op: every rank's shard)
+        state["step"] = 2
+
+    def change_placements() -> None:
+        state["w"] = state["w"].redistribute(mesh, [Shard(1)])
+
+    def new_mesh() -> None:
+        other = init_device_mesh("cpu", (world,))
+        state["b"] = distribute_tensor(state["b"].full_tensor() * 3, other, [Replicate()])
+
+    def new_shape() -> None:
+        state["w"] = distribute_tensor(torch.randn(32, 8), mesh, [Shard(0)])
+
+    changes = [None, change_values, change_placements, new_mesh, new_shape]
+    expected = []
+    for i, change in enumerate(changes):
+        if change is not None:
+            change()
+        pytreeckpt.save(f"{path}/{i}", state)
+        expected.append({k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in state.items()})
+    dist.barrier()
+    same = []
+    for i, want in enumerate(expected):
+        got = pytreeckpt.load(f"{path}/{i}")
+        same.append(
+            list(got) == list(want)
+            and all(torch.equal(got[k], v) if isinstance(v, torch.Tensor) else got[k] == v for k, v in want.items())
+        )
+    return {"same": same}

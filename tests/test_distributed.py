@@ -298,3 +298,9 @@ def test_every_ranks_chunk_checksums_reach_the_metadata(tmp_path: Path) -> None:
     (tmp_path / "x").rename(last)
     report = pytreeckpt.verify(tmp_path / "s2")
     assert [(key, chunk) for key, chunk, _ in report.problems] == [("b", (0, 0)), ("b", (15, 0))]
+
+
+def test_a_dtensor_state_changed_between_saves_is_saved_as_it_is_at_each(tmp_path: Path) -> None:
+    results = run_world(2, w.dtensor_state_saved_again, str(tmp_path / "ckpt"))
+    for r in results:
+        assert r["same"] == [True] * 5
