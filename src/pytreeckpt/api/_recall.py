@@ -48,8 +48,7 @@ _SIZE = 4  # the trees remembered: a job saves one or two states (a model, an EM
 _TYPES = {"dict": dict, "odict": collections.OrderedDict, "list": list, "tuple": tuple}
 _SHAPE = operator.attrgetter("shape")
 _DTYPE = operator.attrgetter("dtype")
-_IS_CPU = operator.attrgetter("is_cpu")
-_LAYOUT = operator.attrgetter("layout")
+_DESCRIBE = operator.attrgetter("shape", "dtype", "is_cpu", "layout")  # (one getter: a fifth faster than four)
 _SPEC = operator.attrgetter("spec")
 _PLACEMENT = operator.attrgetter("placement")
 
@@ -63,7 +62,8 @@ class Remembered:
     types: list[type]
     tensors: list[int]  # the leaves that are plain tensors, in flatten order
     tensor_slots: list[tuple[int, int, Region]]  # each one's leaf, its index in ``arrays``, its one piece
-    tensor_columns: tuple[list[Any], list[Any]]  # their shapes and dtypes
+    only_tensors: bool  # every leaf a plain tensor, its array's index its own
+    tensor_columns: list[tuple[Any, ...]]  # their shapes and dtypes, in CPU memory, strided (_DESCRIBE)
     abstracts: list[int]  # the Abstract leaves
     abstract_columns: tuple[list[Any], ...]  # their shapes and dtypes, and their specs and placements numbered
     values: list[int]  # the plain Python values
@@ -168,13 +168,6 @@ def _same_numbered(objs: list[Any], numbered: tuple[list[int], list[int], list[A
     return reps == values and objs == list(map(reps.__getitem__, numbers))
 
 
-def _tensor_columns(tensors: list[Any]) -> tuple[list[Any], list[Any]] | None:
-    """The tensors' shapes and dtypes, or None unless every one is a dense tensor in CPU memory."""
-    if not all(map(_IS_CPU, tensors)) or any(x is not torch.strided for x in map(_LAYOUT, tensors)):
-        return None
-    return list(map(_SHAPE, tensors)), list(map(_DTYPE, tensors))
-
-
 def _abstract_columns(abstracts: list[Any]) -> tuple[Any, ...]:
     return (
         list(map(_SHAPE, abstracts)),
@@ -237,7 +230,8 @@ def remember(
         return None
     described = _pick(arrays, tensors) if not abstracts else [arrays[array_of[i]] for i in tensors]
     # (the shapes and dtypes _plain_in read, as recall reads them: tuples equal torch.Size)
-    tensor_columns = ([a.shape for a in described], [a.dtype.torch for a in described])
+    # (what recall reads of each tensor, from what _plain_in read: a tuple equals a torch.Size)
+    tensor_columns = [(a.shape, a.dtype.torch, True, torch.strided) for a in described]
     slots = [(i, array_of[i], a.pieces[0][0].region) for i, a in zip(tensors, described, strict=True)]
     for a in described:  # (what reads their data: the save took it already, and nothing remembered holds it)
         a.get = _no_data
@@ -248,6 +242,7 @@ def remember(
         types,
         tensors,
         slots,
+        len(tensors) == len(leaves),
         tensor_columns,
         abstracts,
         _abstract_columns(_pick(list(leaves), abstracts)),
@@ -281,7 +276,7 @@ def recall(tree: Any, context: tuple[Any, ...]) -> Recalled | None:
                 continue
             if list(map(type, leaves)) != m.types:
                 continue
-            if m.tensors and _tensor_columns(_pick(leaves, m.tensors)) != m.tensor_columns:
+            if m.tensors and list(map(_DESCRIBE, _pick(leaves, m.tensors))) != m.tensor_columns:
                 continue
             if m.abstracts and not _same_abstracts(_pick(leaves, m.abstracts), m.abstract_columns):
                 continue

@@ -182,6 +182,8 @@ class _SaveJob:
         (of arrays ``only``, if given)."""
         if self.snap is not None:
             return self._until_cancelled(self.snap.items())
+        if only is not None and not only:
+            return iter(())
         dtypes = [m.dtype.numpy for m in self.metas]
         items = write_items(self.plan.arrays, self.data, dtypes, None, only)
         return ((i, op.region, buf, None) for i, op, buf in items)
@@ -349,14 +351,19 @@ class _SaveJob:
         if missing:
             raise CheckpointError(f"internal error: no rank wrote the packed arrays {missing[:5]}")
         crcs = sums.crc32c_all()
-        hashes = [sums.chunk_hashes(i) if self.reuse is not None else None for i in range(len(self.metas))]
+        n = len(self.metas)
+        hashes = [sums.chunk_hashes(i) for i in range(n)] if self.reuse is not None else [None] * n
         head, entries = self.parts
         limit = self.storage.location.options.max_inline_checksum_bytes
         refs, file, blob = place_checksums(crcs, limit, generation_name(CHECKSUMS_FILE, self.generation))
         # under this save's generation's names (see _name), in their databases, with their chunks' checksums
-        arrays = iter(array_leaf_texts(self.metas, crcs, hashes, refs, self._heads()))
-        leaves = [e if e is not None else next(arrays) for e in entries]
-        document = head.document(leaves, (m.database for m in self.metas), file)
+        texts = array_leaf_texts(self.metas, crcs, hashes, refs, self._heads())
+        if len(texts) == len(entries):  # (no Python values among the leaves)
+            leaves: list[Any] = texts
+        else:
+            arrays = iter(texts)
+            leaves = [e if e is not None else next(arrays) for e in entries]
+        document = head.document(leaves, map(_DATABASE, self.metas), file)
         return document, None if file is None or blob is None else (file.path, blob)
 
     def _commit(self, gathered: list[Any] | None) -> None:
@@ -606,10 +613,14 @@ def _recalled(got: Recalled, user_metadata: Mapping[str, Any] | None, comm: Comm
     watches: list[tuple[torch.Tensor, ...]] = [()] * len(data)
     with carried.catch():
         user = _user_metadata(user_metadata)
-        for i, j, region in was.tensor_slots:
-            t = leaves[i]
-            data[j] = _plain_data(t, region)
-            watches[j] = (t,)
+        if was.only_tensors:  # (the common case, its loops in C)
+            data = list(map(_plain_data, leaves, [r for _, _, r in was.tensor_slots]))
+            watches = list(zip(leaves))
+        else:
+            for i, j, region in was.tensor_slots:
+                t = leaves[i]
+                data[j] = _plain_data(t, region)
+                watches[j] = (t,)
     for i in was.values:
         with carried.catch(was.keys[i]):
             entries[i] = _value_entry(was.keys[i], leaves[i])

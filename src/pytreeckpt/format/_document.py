@@ -28,11 +28,12 @@ import collections
 import dataclasses
 import json
 import math
+import operator
 import re
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 import numpy as np
@@ -181,7 +182,9 @@ def place_checksums(
     """Where a document's chunk checksums go: in the document (no refs, no file) while their base64
     is at most ``limit`` bytes, else in a checksums file at ``path``: each array's ``(offset, crc32c)``
     there, the file the document names, and its bytes."""
-    sizes = collections.Counter(len(c) for c in crcs if c is not None)  # (most are 4 bytes: one chunk)
+    # (most are 4 bytes, one chunk; counted in C when none is missing)
+    known = cast("Sequence[bytes]", crcs) if None not in crcs else [c for c in crcs if c is not None]
+    sizes = collections.Counter(map(len, known))
     inline = sum(crc32c_chars(size // 4) * count for size, count in sizes.items())
     if inline <= limit:
         return [None] * len(crcs), None, None
@@ -1011,7 +1014,9 @@ class DocumentHead:
         stored = {d for d in set(databases) if d is not None}  # (the set first: a few among 10^5 leaves)
         version = 3 if any(d.startswith(ARCHIVE_DIR + "/") for d in stored) else 2 if stored else 1
         try:
-            texts = [leaf if type(leaf) is str else _dumps(leaf) for leaf in leaves]
+            texts = cast("list[str]", leaves)
+            if not set(map(type, leaves)) <= {str}:  # (values' entries among them, as dicts)
+                texts = [x if type(x) is str else _dumps(x) for x in leaves]
         except (TypeError, ValueError) as e:
             raise _not_json(e) from None
         parts = [f'{{"format":{_dumps(FORMAT_NAME)},"version":{version},"tree":', self.tree, ',"leaves":[']
@@ -1088,6 +1093,8 @@ def array_leaf_texts(
     if heads is None:
         heads = array_leaf_heads(metas)
     single = _single_chunk_sums(crcs)
+    if None not in single and None not in heads and not any(hashes) and not any(refs):
+        return list(map(operator.add, heads, single))  # type: ignore[arg-type]  # (the common case, in C)
     out: list[str] = []
     for m, head, crc, hashed, at, sums in zip(metas, heads, crcs, hashes, refs, single, strict=True):
         if head is None or hashed or (at is None and crc is None):
@@ -1108,11 +1115,14 @@ _B64 = np.frombuffer(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz01234
 def _single_chunk_sums(crcs: Sequence[bytes | None]) -> list[str | None]:
     """``',"chunk_crc32c":"<base64>"}'`` for each array of one chunk (a 4-byte checksum), None for the
     others: the base64 of all of them made at once (numpy), not a call per leaf."""
-    where = [i for i, c in enumerate(crcs) if c is not None and len(c) == 4]
+    sizes = [0 if c is None else len(c) for c in crcs]
+    every = sizes.count(4) == len(crcs)
+    where = range(len(crcs)) if every else [i for i, n in enumerate(sizes) if n == 4]
     out: list[str | None] = [None] * len(crcs)
     if not where:
         return out
-    b = np.frombuffer(b"".join([crcs[i] for i in where]), dtype=np.uint8).reshape(-1, 4)  # type: ignore[misc]
+    joined_crcs = b"".join(crcs) if every else b"".join([crcs[i] for i in where])  # type: ignore[misc, arg-type]
+    b = np.frombuffer(joined_crcs, dtype=np.uint8).reshape(-1, 4)
     width = len(_SUMS_OPEN) + 10  # 8 base64 characters (the last two "=="), '"}'
     text = np.empty((len(where), width), dtype=np.uint8)
     text[:] = np.frombuffer((_SUMS_OPEN + "AAAAAA==" + '"}').encode(), dtype=np.uint8)
@@ -1124,6 +1134,9 @@ def _single_chunk_sums(crcs: Sequence[bytes | None]) -> list[str | None]:
     text[:, k + 4] = _B64[b[:, 3] >> 2]
     text[:, k + 5] = _B64[(b[:, 3] & 3) << 4]
     joined = text.tobytes().decode("ascii")
-    for n, i in enumerate(where):
-        out[i] = joined[n * width : (n + 1) * width]
+    texts = [joined[k : k + width] for k in range(0, len(joined), width)]
+    if every:
+        return texts  # type: ignore[return-value]
+    for i, t in zip(where, texts, strict=True):
+        out[i] = t
     return out
