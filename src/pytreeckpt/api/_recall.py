@@ -63,6 +63,7 @@ class Remembered:
     tensors: list[int]  # the leaves that are plain tensors, in flatten order
     tensor_slots: list[tuple[int, int, Region]]  # each one's leaf, its index in ``arrays``, its one piece
     only_tensors: bool  # every leaf a plain tensor, its array's index its own
+    regions: list[Region]  # each plain tensor's one piece, the whole of it
     tensor_columns: list[tuple[Any, ...]]  # their shapes and dtypes, in CPU memory, strided (_DESCRIBE)
     abstracts: list[int]  # the Abstract leaves
     abstract_columns: tuple[list[Any], ...]  # their shapes and dtypes, and their specs and placements numbered
@@ -229,7 +230,6 @@ def remember(
     if len(tensors) + len(abstracts) != len(arrays):
         return None
     described = _pick(arrays, tensors) if not abstracts else [arrays[array_of[i]] for i in tensors]
-    # (the shapes and dtypes _plain_in read, as recall reads them: tuples equal torch.Size)
     # (what recall reads of each tensor, from what _plain_in read: a tuple equals a torch.Size)
     tensor_columns = [(a.shape, a.dtype.torch, True, torch.strided) for a in described]
     slots = [(i, array_of[i], a.pieces[0][0].region) for i, a in zip(tensors, described, strict=True)]
@@ -243,6 +243,7 @@ def remember(
         tensors,
         slots,
         len(tensors) == len(leaves),
+        [r for _, _, r in slots],
         tensor_columns,
         abstracts,
         _abstract_columns(_pick(list(leaves), abstracts)),

@@ -347,7 +347,9 @@ class _SaveJob:
                     self.metas[i] = dataclasses.replace(self.metas[i], database=db)
             for _, other in gathered[1:]:
                 sums.merge(other)
-        missing = [m.key for m in self.metas if m.database == self._placeholder]
+        placeholder = self._placeholder
+        databases = set(map(_DATABASE, self.metas))
+        missing = [m.key for m in self.metas if m.database == placeholder] if placeholder in databases else []
         if missing:
             raise CheckpointError(f"internal error: no rank wrote the packed arrays {missing[:5]}")
         crcs = sums.crc32c_all()
@@ -363,7 +365,7 @@ class _SaveJob:
         else:
             arrays = iter(texts)
             leaves = [e if e is not None else next(arrays) for e in entries]
-        document = head.document(leaves, map(_DATABASE, self.metas), file)
+        document = head.document(leaves, databases, file)
         return document, None if file is None or blob is None else (file.path, blob)
 
     def _commit(self, gathered: list[Any] | None) -> None:
@@ -614,7 +616,7 @@ def _recalled(got: Recalled, user_metadata: Mapping[str, Any] | None, comm: Comm
     with carried.catch():
         user = _user_metadata(user_metadata)
         if was.only_tensors:  # (the common case, its loops in C)
-            data = list(map(_plain_data, leaves, [r for _, _, r in was.tensor_slots]))
+            data = list(map(_plain_data, leaves, was.regions))
             watches = list(zip(leaves))
         else:
             for i, j, region in was.tensor_slots:
