@@ -761,7 +761,8 @@ def _load(
         specs = [d.spec() for _, d in dests]
     base: tuple[Any, ...] | None = None
     if comm is not None:
-        base = _agree_on_specs(comm, specs, [d.meta.dtype.name for _, d in dests], "load", carried.error)
+        agreed = _agree_on_specs(comm, specs, [d.meta.dtype.name for _, d in dests], "load", carried.error)
+        base = None if agreed is None else agreed[0]
         world = comm.world
     else:
         world = max((_span(d.layout, d.ranks) for _, d in dests), default=1)

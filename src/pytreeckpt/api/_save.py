@@ -74,7 +74,6 @@ from ._shared import (
     _is_leaf,
     _is_value,
     _span,
-    _state_digest,
     _wait_in_flight,
     _where,
     gc_paused,
@@ -566,9 +565,11 @@ def _plan_state(
     with carried.catch():
         specs = [a.spec() for a, w in itertools.zip_longest(arrays, whole) if not w]
     base: tuple[Any, ...] | None = None
+    agreed: tuple[tuple[Any, ...], bytes] | None = None
     dtypes = [a.dtype.name for a in arrays]
     if comm is not None:
-        base = _agree_on_specs(comm, specs, dtypes, "save", carried.error, values)
+        agreed = _agree_on_specs(comm, specs, dtypes, "save", carried.error, values)
+        base = None if agreed is None else agreed[0]
         world = comm.world
     elif whole:
         world = 1  # (every array held whole by this one process)
@@ -600,7 +601,6 @@ def _plan_state(
         devices, watches = [a.device for a in arrays], [a.watch for a in arrays]
         memo = None
         if spec is None and compression is None:  # (after the data is taken: remember takes it out of arrays)
-            agreed = None if base is None else (base, _state_digest(base, dtypes, values))
             memo = remember(tree, context, leaves, keys, root, arrays, codecs, plan, specs, dtypes, agreed)
         return _Planned(arrays, data, devices, watches, entries, root, user, codecs, plan, rank, memo)
     return None

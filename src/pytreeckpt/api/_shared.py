@@ -209,11 +209,12 @@ def _agree_on_specs(
     error: BaseException | None = None,
     values: Sequence[str] = (),
     known: tuple[tuple[Any, ...], bytes] | None = None,
-) -> tuple[Any, ...] | None:
+) -> tuple[tuple[Any, ...], bytes] | None:
     """Check that every rank describes the same arrays, in the same layouts: the first collective of a save or load.
 
-    Returns ``spec_plan_key(specs)`` (None if this rank failed before), for the plan
-    cache's key: it is computed once per save or load.
+    Returns ``spec_plan_key(specs)`` and the digest this rank sent (None if this rank
+    failed before): the plan cache's key, computed once per save or load, and what a
+    later save of the same state sends (``known``).
 
     Every array's layout is a spec that every rank knows whole (a DTensor's mesh and
     placements, a ``ShardingSpec``, ``FlatRanges`` or ``ExplicitRegions``), so no rank's
@@ -228,14 +229,12 @@ def _agree_on_specs(
     from pytreeckpt.distributed._comm import describe_failure, failure
 
     mine: Any = None
-    base: tuple[Any, ...] | None = None
     if error is None:
         try:
             if known is None:
                 base = spec_plan_key(specs)
                 known = (base, _state_digest(base, dtypes, values))
-            base, digest = known
-            mine = ("ok", digest)
+            mine = ("ok", known[1])
         except Exception as e:
             error = e
     if error is not None:
@@ -251,7 +250,7 @@ def _agree_on_specs(
             verdict = ("differ",)
     verdict = comm.broadcast(verdict)
     if verdict is None:
-        return base
+        return known
     if verdict[0] == "failed":
         raise failure(f"preparing the {what}", verdict[1], comm.world) from error
     # The digests differ: rank 0's description goes to every rank, which says how its own differs.
