@@ -44,7 +44,10 @@ from ._sources import _PLAIN, _ArrayIn
 
 __all__ = ["Recalled", "Remembered", "forget", "hits", "recall", "remember"]
 
-_SIZE = 4  # the trees remembered: a job saves one or two states (a model, an EMA copy, ...)
+_SIZE = 4  # the trees remembered: a job saves one or a few states (a model, an EMA copy, ...)
+# and at most this many leaves in all: a remembered tree holds about 1.7 KB a leaf (its
+# structure, descriptions, metadata, entries and plan: 165 MB at 100,000 leaves)
+_LEAVES = 200_000
 _TYPES = {"dict": dict, "odict": collections.OrderedDict, "list": list, "tuple": tuple}
 _SHAPE = operator.attrgetter("shape")
 _DTYPE = operator.attrgetter("dtype")
@@ -259,8 +262,10 @@ def remember(
         agreed,
     )
     with _lock:
-        _remembered[:] = [m for m in _remembered if m.context != context or m.shape != shape][-(_SIZE - 1) :]
-        _remembered.append(memo)
+        kept = [m for m in _remembered if m.context != context or m.shape != shape][-(_SIZE - 1) :]
+        while kept and sum(len(m.types) for m in kept) + len(types) > _LEAVES:
+            kept.pop(0)  # (the least recently remembered first; the newest tree is always kept)
+        _remembered[:] = [*kept, memo]
     return memo
 
 
