@@ -64,8 +64,6 @@ class Remembered:
     shape: Any  # the containers: see _template
     types: list[type]
     tensors: list[int]  # the leaves that are plain tensors, in flatten order
-    tensor_slots: list[tuple[int, int, Region]]  # each one's leaf, its index in ``arrays``, its one piece
-    only_tensors: bool  # every leaf a plain tensor, its array's index its own
     regions: list[Region]  # each plain tensor's one piece, the whole of it
     tensor_columns: list[tuple[Any, ...]]  # their shapes and dtypes, in CPU memory, strided (_DESCRIBE)
     abstracts: list[int]  # the Abstract leaves
@@ -81,6 +79,11 @@ class Remembered:
     dtypes: list[str]
     agreed: tuple[tuple[Any, ...], bytes] | None  # spec_plan_key(specs) and the digest the ranks compare
     derived: dict[Any, Any] = field(default_factory=dict)  # what the save derived from it, by where it stored it
+
+    @property
+    def only_tensors(self) -> bool:
+        """Every leaf a plain tensor (so each one's index in ``arrays`` is its own)."""
+        return len(self.tensors) == len(self.types)
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,7 +199,6 @@ def _no_data(rank: int, pi: int) -> Any:
 
 
 def remember(
-    tree: Any,
     context: tuple[Any, ...],
     leaves: Sequence[Any],
     keys: list[str],
@@ -208,7 +210,7 @@ def remember(
     dtypes: list[str],
     agreed: tuple[tuple[Any, ...], bytes] | None,
 ) -> Remembered | None:
-    """Remember the description of ``tree`` (flattened by pytreeckpt to ``leaves``), if it can be recognised exactly."""
+    """Remember the description of a tree (flattened by pytreeckpt to ``leaves``), if it can be recognised exactly."""
     world, _, _, plan_only, _ = context
     try:
         shape = _template(root)
@@ -235,7 +237,7 @@ def remember(
     described = _pick(arrays, tensors) if not abstracts else [arrays[array_of[i]] for i in tensors]
     # (what recall reads of each tensor, from what _plain_in read: a tuple equals a torch.Size)
     tensor_columns = [(a.shape, a.dtype.torch, True, torch.strided) for a in described]
-    slots = [(i, array_of[i], a.pieces[0][0].region) for i, a in zip(tensors, described, strict=True)]
+    regions = [a.pieces[0][0].region for a in described]
     for a in described:  # (what reads their data: the save took it already, and nothing remembered holds it)
         a.get = _no_data
         a.watch = ()
@@ -244,9 +246,7 @@ def remember(
         shape,
         types,
         tensors,
-        slots,
-        len(tensors) == len(leaves),
-        [r for _, _, r in slots],
+        regions,
         tensor_columns,
         abstracts,
         _abstract_columns(_pick(list(leaves), abstracts)),

@@ -601,7 +601,7 @@ def _plan_state(
         devices, watches = [a.device for a in arrays], [a.watch for a in arrays]
         memo = None
         if spec is None and compression is None:  # (after the data is taken: remember takes it out of arrays)
-            memo = remember(tree, context, leaves, keys, root, arrays, codecs, plan, specs, dtypes, agreed)
+            memo = remember(context, leaves, keys, root, arrays, codecs, plan, specs, dtypes, agreed)
         return _Planned(arrays, data, devices, watches, entries, root, user, codecs, plan, rank, memo)
     return None
 
@@ -619,8 +619,8 @@ def _recalled(got: Recalled, user_metadata: Mapping[str, Any] | None, comm: Comm
             data = list(map(_plain_data, leaves, was.regions))
             watches = list(zip(leaves))
         else:
-            for i, j, region in was.tensor_slots:
-                t = leaves[i]
+            for i, region in zip(was.tensors, was.regions, strict=True):
+                t, j = leaves[i], was.array_of[i]
                 data[j] = _plain_data(t, region)
                 watches[j] = (t,)
     for i in was.values:
