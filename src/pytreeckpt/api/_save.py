@@ -335,10 +335,11 @@ class _SaveJob:
         derived.heads[self.generation] = (tuple(self.metas), heads)
         return heads
 
-    def _final_document(self, gathered: list[Any] | None) -> tuple[bytes, tuple[str, bytes] | None]:
+    def _final_document(self, gathered: list[Any] | None) -> tuple[bytes, tuple[str, bytes] | None, set[str | None]]:
         """The metadata document: every packed array in its writer's database, every array's chunk checksums
-        (and chunk hashes when they were computed); and the checksums file (its name and bytes) if they
-        are too many to keep in the document (``StorageOptions.max_inline_checksum_bytes``)."""
+        (and chunk hashes when they were computed); the checksums file (its name and bytes) if they
+        are too many to keep in the document (``StorageOptions.max_inline_checksum_bytes``); and the
+        databases the arrays are in (None for an array stored on its own)."""
         sums = self._sums()
         if gathered is not None:  # every rank's packed arrays and records, on rank 0 (its own among them)
             for packed, _ in gathered:
@@ -365,13 +366,13 @@ class _SaveJob:
             arrays = iter(texts)
             leaves = [e if e is not None else next(arrays) for e in entries]
         document = head.document(leaves, databases, file)
-        return document, None if file is None or blob is None else (file.path, blob)
+        return document, None if file is None or blob is None else (file.path, blob), databases
 
     def _commit(self, gathered: list[Any] | None) -> None:
         """Commit the final document (and its checksums file, if any), naming what it references: the
         arrays, the databases and the checksums file."""
-        document, checksums = self._final_document(gathered)
-        names = frozenset(map(_PATH, self.metas)) | (set(map(_DATABASE, self.metas)) - {None})
+        document, checksums, databases = self._final_document(gathered)
+        names = frozenset(map(_PATH, self.metas)) | {d for d in databases if d is not None}
         self.storage.commit(document, checksums, names if checksums is None else names | {checksums[0]})
 
     def _settle_packing(self) -> None:

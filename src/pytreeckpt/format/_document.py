@@ -1134,7 +1134,7 @@ def _single_chunk_sums(crcs: Sequence[bytes | None]) -> list[str | None]:
     text[:, k + 4] = _B64[b[:, 3] >> 2]
     text[:, k + 5] = _B64[(b[:, 3] & 3) << 4]
     joined = text.tobytes().decode("ascii")
-    texts = [joined[k : k + width] for k in range(0, len(joined), width)]
+    texts = [joined[at : at + width] for at in range(0, len(joined), width)]
     if every:
         return texts  # type: ignore[return-value]
     for i, t in zip(where, texts, strict=True):
