@@ -536,6 +536,7 @@ def _plan_state(
     root: Any = None
     leaves: list[Any] = []
     keys: list[str] = []
+    kinds: dict[Any, Any] = {}  # what Abstract leaves of one spec, shape, dtype and placement share
     with carried.catch():
         leaves, paths, root = flatten(tree, _is_leaf, namespace=namespace)
         keys = check_unique_keys(paths)
@@ -552,7 +553,7 @@ def _plan_state(
                     entries.append(_value_entry(key, leaf))
                     values.append(key)
                 else:
-                    arrays.append(_array_in(key, leaf, sp, comm, plan_only))
+                    arrays.append(_array_in(key, leaf, sp, comm, plan_only, kinds))
                     entries.append(None)
             if carried.error is not None:
                 break

@@ -167,30 +167,42 @@ def _tensor_source(t: torch.Tensor, pieces: Mapping[int, tuple[Piece, ...]]) -> 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
-def _abstract_in(key: str, leaf: Abstract, spec: Any, comm: Comm | None) -> _ArrayIn:
-    """An Abstract leaf, planned (for :func:`pytreeckpt.plan_save`) as a tensor whose data is never read."""
+def _abstract_in(
+    key: str, leaf: Abstract, spec: Any, comm: Comm | None, kinds: dict[Any, Any] | None = None
+) -> _ArrayIn:
+    """An Abstract leaf, planned (for :func:`pytreeckpt.plan_save`) as a tensor whose data is never read.
+
+    ``kinds`` (one per save) keeps what leaves of one spec, shape, dtype and placement
+    *objects* share (a model's layers do): their layout, this rank's pieces and dtype.
+    """
     if spec is not None and spec != leaf.spec:
         raise CheckpointError(
             f"leaf {_where(key)} is an Abstract in layout {leaf.spec}, but the spec tree gives {spec}"
         )
-    _check_ndim(key, len(leaf.shape))
-    layout = (
-        leaf.spec
-        if leaf.spec is not None
-        else (_SINGLE if comm is None else ShardingSpec(Mesh(comm.world), [Replicate()]))
-    )
     placement = leaf.placement
-    if comm is not None:
-        position = _position(key, layout, placement, comm)
-        pieces = {comm.rank: layout.pieces_of(position, leaf.shape) if position is not None else ()}
-    else:
-        rank_of = _rank_of(placement)
-        pieces = {rank_of(p): layout.pieces_of(p, leaf.shape) for p in range(layout.world_size)}
+    kind = (id(leaf.spec), leaf.shape, leaf.dtype, id(placement))
+    got = None if kinds is None else kinds.get(kind)
+    if got is None or got[0] is not leaf.spec or got[1] is not placement:
+        _check_ndim(key, len(leaf.shape))
+        layout = (
+            leaf.spec
+            if leaf.spec is not None
+            else (_SINGLE if comm is None else ShardingSpec(Mesh(comm.world), [Replicate()]))
+        )
+        if comm is not None:
+            position = _position(key, layout, placement, comm)
+            pieces = {comm.rank: layout.pieces_of(position, leaf.shape) if position is not None else ()}
+        else:
+            rank_of = _rank_of(placement)
+            pieces = {rank_of(p): layout.pieces_of(p, leaf.shape) for p in range(layout.world_size)}
+        got = (leaf.spec, placement, layout, pieces, dtype_of_torch(leaf.dtype))
+        if kinds is not None:
+            kinds[kind] = got  # (the leaf keeps its spec and placement alive, so their ids stay theirs)
+    _, _, layout, pieces, dtype = got
 
     def get(rank: int, pi: int) -> tuple[np.ndarray, Region]:
         raise CheckpointError(f"leaf {_where(key)} is an Abstract placeholder: it has no data (a plan only)")
 
-    dtype = dtype_of_torch(leaf.dtype)
     return _ArrayIn(key, "torch", dtype, leaf.shape, layout, leaf.spec, pieces, get, ranks=placement)
 
 
@@ -227,7 +239,14 @@ def _plain_data(leaf: torch.Tensor, region: Region) -> PieceData:
     return get
 
 
-def _array_in(key: str, leaf: Any, spec: Any, comm: Comm | None = None, plan_only: bool = False) -> _ArrayIn:
+def _array_in(
+    key: str,
+    leaf: Any,
+    spec: Any,
+    comm: Comm | None = None,
+    plan_only: bool = False,
+    kinds: dict[Any, Any] | None = None,
+) -> _ArrayIn:
     """Describe one tensor leaf for planning; ``comm`` is the DistComm in a distributed save.
 
     With ``plan_only`` (a plan asked for, nothing written) an :class:`Abstract` leaf is
@@ -238,7 +257,7 @@ def _array_in(key: str, leaf: Any, spec: Any, comm: Comm | None = None, plan_onl
     if isinstance(leaf, Abstract):
         if not plan_only:
             raise CheckpointError(f"leaf {_where(key)} is an Abstract placeholder, which has no data to save")
-        return _abstract_in(key, leaf, spec, comm)
+        return _abstract_in(key, leaf, spec, comm, kinds)
     if spec is not None and not isinstance(spec, Layout):
         raise CheckpointError(
             f"spec for leaf {_where(key)} must be a ShardingSpec, FlatRanges, ExplicitRegions or None, found {spec!r}"

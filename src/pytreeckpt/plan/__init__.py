@@ -51,13 +51,15 @@ def clear_caches() -> None:
     """Forget the memoised tables and structures (benchmarks time cold planning with this)."""
     from pytreeckpt.core import _sharding
 
-    from . import _load, _save, _tables
+    from . import _chunking, _load, _save, _tables
 
     _sharding._spec_intervals.cache_clear()
     _sharding._spec_pieces.cache_clear()
     _sharding._spec_local_shape.cache_clear()
     _tables._TABLES.clear()
     _load._CUTS.clear()
+    _load._OUTSIDE.clear()
+    _chunking._CUTS.clear()
     _save._STRUCTURES.clear()
     _save._WHOLE_WRITES.clear()
     _save._PART_INDEXES.clear()

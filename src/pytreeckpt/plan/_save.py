@@ -33,12 +33,22 @@ import numpy as np
 
 from pytreeckpt.core._errors import LayoutError
 from pytreeckpt.core._grid import ChunkGrid
-from pytreeckpt.core._region import Region
+from pytreeckpt.core._region import Region, region_of
 
 from ._balance import Box, Scopes, coalesce, scope_key, scope_loads, subtract_box, water_fill
 from ._chunking import chunk_shape_of_table
 from ._tables import _I64, PieceTable, Placed, _Memo, first_of_runs, placed, unique_rows
-from ._types import ArraySavePlan, ArraySpec, ChunkingOptions, Fragment, SavePlan, WriteOp, check_placement
+from ._types import (
+    ArraySavePlan,
+    ArraySpec,
+    ChunkingOptions,
+    Fragment,
+    SavePlan,
+    WriteOp,
+    check_placement,
+    fragment_of,
+    write_of,
+)
 
 __all__ = ["check_complete", "plan_save", "plan_whole"]
 
@@ -128,8 +138,8 @@ class _Merge:
         if len(tied) == 1:
             return int(tied[0])
         if len(tied) == len(loads):
-            return int(np.argmin(loads))
-        return int(tied[np.argmin(loads[tied])])
+            return int(loads.argmin())
+        return int(tied[loads[tied].argmin()])
 
     def _parts(self, idx: np.ndarray) -> list[Part]:
         nd = self.lo.shape[1]
@@ -280,12 +290,15 @@ class _Structure:
 
     def _make_merge(self, flat: int) -> _Merge:
         chunk = self.grid.region(self.grid.unflat(flat))
-        if self._index is None:
-            self._index = _PART_INDEXES.get_or(id(self.table), lambda: _PartIndex(self.table))
-            if self._index.table is not self.table:  # an id reused after its table was dropped
-                self._index = _PART_INDEXES[id(self.table)] = _PartIndex(self.table)
         t = self.table
-        rows = self._index.intersecting(chunk)
+        if self._index is None and len(self._merges) < 8:
+            rows = _meeting(t, chunk)  # (a rank's part merges a chunk or two: a scan costs less than an index)
+        else:
+            if self._index is None:
+                self._index = _PART_INDEXES.get_or(id(t), lambda: _PartIndex(t))
+                if self._index.table is not t:  # an id reused after its table was dropped
+                    self._index = _PART_INDEXES[id(t)] = _PartIndex(t)
+            rows = self._index.intersecting(chunk)
         nd = self.grid.ndim
         lo = np.maximum(t.lo[rows], np.asarray(chunk.offset, dtype=_I64))
         hi = np.minimum(t.lo[rows] + t.ext[rows], np.asarray(chunk.stop, dtype=_I64))
@@ -314,6 +327,19 @@ class _Structure:
             _tile_grid(ubox, chunk),
             chunk.size * self.itemsize,
         )
+
+
+def _meeting(table: PieceTable, box: Region) -> np.ndarray:
+    """Rows of ``table`` whose non-empty boxes meet ``box``, in table order (what :class:`_PartIndex` finds)."""
+    lo, ext = table.lo, table.ext
+    if not box.ndim:
+        return np.arange(len(table.pos))
+    meets = (
+        (lo < np.asarray(box.stop, dtype=_I64)).all(axis=1)
+        & (lo + ext > np.asarray(box.offset, dtype=_I64)).all(axis=1)
+        & (ext > 0).all(axis=1)
+    )
+    return np.flatnonzero(meets)
 
 
 class _PartIndex:
@@ -371,7 +397,9 @@ def _make_structure(table: PieceTable, shape: tuple[int, ...], itemsize: int, op
     rows = np.flatnonzero((chi > clo).all(axis=1)) if nd else np.arange(len(table.pos), dtype=_I64)
     ubox, inverse, _ = unique_rows(np.concatenate([clo[rows], chi[rows]], axis=1))
     ulo, uhi = ubox[:, :nd], ubox[:, nd:]
-    if _disjoint(ulo, uhi):
+    # (a table whose pieces are equal or disjoint holds distinct chunks in distinct boxes: a chunk held whole
+    # by two pieces lies in both, so they overlap, so they are the same box)
+    if table.disjoint or _disjoint(ulo, uhi):
         # Each distinct box is a cell; its holders are the rows with that box.
         cell_of_row = inverse
         cell_lo, cell_hi = ulo, uhi
@@ -421,8 +449,7 @@ def _make_structure(table: PieceTable, shape: tuple[int, ...], itemsize: int, op
         order_c = sorted(range(len(chunks)), key=chunks.__getitem__)
         chunks = [chunks[i] for i in order_c]
         pieces = [pieces[i] for i in order_c]
-        sizes = [grid.region(grid.unflat(c)).size * itemsize for c in chunks]
-        groups.append(_Group(holders, chunks, sizes, pieces))
+        groups.append(_Group(holders, chunks, _chunk_bytes(grid, chunks, itemsize), pieces))
     # chunks no piece holds whole
     covered = int(np.prod(cell_hi - cell_lo, axis=1).sum()) if nd else len(cell_ids)
     if covered >= grid.count:
@@ -446,13 +473,23 @@ def _make_structure(table: PieceTable, shape: tuple[int, ...], itemsize: int, op
     )
 
 
+def _chunk_bytes(grid: ChunkGrid, flat: list[int], itemsize: int) -> list[int]:
+    """Bytes of each chunk ``flat`` (edge chunks are smaller)."""
+    if not grid.ndim:
+        return [itemsize] * len(flat)
+    idx = grid.unflat_columns(np.asarray(flat, dtype=_I64))
+    c = np.asarray(grid.chunk, dtype=_I64)
+    ext = np.minimum(c, np.asarray(grid.shape, dtype=_I64) - idx * c)
+    return (np.prod(ext, axis=1) * itemsize).tolist()  # type: ignore[no-any-return]
+
+
 def _sweep_dim(lo: np.ndarray) -> int:
     """The dim along which boxes starting at ``lo`` start at the most distinct places (judged on a sample).
 
     Sweeps along it find the boxes meeting a box quickly; any dim gives the same answers.
     """
-    sample = lo[:: max(1, len(lo) // 1024)]
-    return int(np.argmax([len(np.unique(sample[:, d])) for d in range(lo.shape[1])]))
+    sample = np.sort(lo[:: max(1, len(lo) // 1024)], axis=0)
+    return int(np.argmax((sample[1:] != sample[:-1]).sum(axis=0)))
 
 
 def _disjoint(lo: np.ndarray, hi: np.ndarray) -> bool:
@@ -669,7 +706,7 @@ def _merged_write(key: str, s: _Structure, p: Placed, pos: int | None, flat: int
     ranks = p.ranks
     writer_pos = m.feeders[at]
     if pos is None or pos == writer_pos:
-        return WriteOp(m.chunk, int(ranks[writer_pos]), _fragments(ranks, m.sources(key, writer_pos)))
+        return write_of(m.chunk, int(ranks[writer_pos]), _fragments(ranks, m.sources(key, writer_pos)))
     sources = m.sources_from(key, writer_pos, pos)
     if not sources:
         return None
@@ -681,28 +718,28 @@ def _merged_write(key: str, s: _Structure, p: Placed, pos: int | None, flat: int
     frags = frag_memo.get(fkey)
     if frags is None:
         frags = frag_memo[fkey] = _fragments(ranks, sources)
-    return WriteOp(m.chunk, int(ranks[writer_pos]), frags)
+    return write_of(m.chunk, int(ranks[writer_pos]), frags)
 
 
 def _fragments(ranks: np.ndarray, parts: Sequence[Part]) -> tuple[Fragment, ...]:
     """The parts ``(position, piece, lo, hi)`` as fragments of world ranks."""
     if len(parts) < 16:
         return tuple(
-            Fragment(int(ranks[q]), pi, Region(lo, tuple(h - a for a, h in zip(lo, hi, strict=True))))
+            fragment_of(int(ranks[q]), pi, region_of(lo, tuple(h - a for a, h in zip(lo, hi, strict=True))))
             for q, pi, lo, hi in parts
         )
     q, pi, lo, hi = zip(*parts, strict=True)
     world = ranks[list(q)].tolist()
-    ext = (np.asarray(hi, dtype=_I64) - np.asarray(lo, dtype=_I64)).tolist()
-    return tuple(Fragment(r, i, Region(a, tuple(e))) for r, i, a, e in zip(world, pi, lo, ext, strict=True))
+    ext = map(tuple, (np.asarray(hi, dtype=_I64) - np.asarray(lo, dtype=_I64)).tolist())
+    return tuple(map(fragment_of, world, pi, map(region_of, lo, ext)))
 
 
 def _direct(grid: ChunkGrid, box: Box, writer: int, piece: int) -> WriteOp:
     lo, hi = box
     offset = tuple(i * c for i, c in zip(lo, grid.chunk, strict=True))
     stop = tuple(min(i * c, n) for i, c, n in zip(hi, grid.chunk, grid.shape, strict=True))
-    region = Region(offset, tuple(e - o for o, e in zip(offset, stop, strict=True)))
-    return WriteOp(region, writer, (Fragment(writer, piece, region),))
+    region = region_of(offset, tuple(e - o for o, e in zip(offset, stop, strict=True)))
+    return write_of(region, writer, (fragment_of(writer, piece, region),))
 
 
 _WHOLE_WRITES: dict[tuple[int, ...], tuple[WriteOp, ...]] = {}

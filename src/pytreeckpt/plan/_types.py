@@ -273,3 +273,27 @@ def check_placement(spec: ArraySpec, world: int, checked: set[tuple[int, Any]], 
         )
     spec.check_world(world)
     checked.add(where)
+
+
+_new = object.__new__
+_F_RANK, _F_PIECE, _F_REGION = (Fragment.__dict__[f].__set__ for f in ("rank", "piece", "region"))  # (slot setters)
+_W_REGION, _W_WRITER, _W_SOURCES = (WriteOp.__dict__[f].__set__ for f in ("region", "writer", "sources"))
+
+
+def fragment_of(rank: int, piece: int, region: Region) -> Fragment:
+    """``Fragment(rank, piece, region)``, made as the planner makes thousands (the frozen dataclass's
+    ``__init__`` sets each field through ``object.__setattr__``, which costs most of making one)."""
+    f = _new(Fragment)
+    _F_RANK(f, rank)
+    _F_PIECE(f, piece)
+    _F_REGION(f, region)
+    return f
+
+
+def write_of(region: Region, writer: int, sources: tuple[Fragment, ...]) -> WriteOp:
+    """``WriteOp(region, writer, sources)``, made as :func:`fragment_of` makes a fragment."""
+    w = _new(WriteOp)
+    _W_REGION(w, region)
+    _W_WRITER(w, writer)
+    _W_SOURCES(w, sources)
+    return w
