@@ -358,6 +358,9 @@ class _Buffers:
     meta: bool = False
     fresh: list[tuple[int, int]] = field(default_factory=list)
     _shapes: dict[tuple[tuple[int, ...], torch.dtype], torch.Tensor] = field(default_factory=dict)
+    # this rank's shards in a distributed load, by (spec, shape, placement) objects (a model's layers share
+    # theirs): :func:`_own_shard`'s
+    shards: dict[tuple[int, tuple[int, ...], int], tuple[Any, ...]] = field(default_factory=dict)
 
     def tensor(self, shape: tuple[int, ...], dtype: torch.dtype, pinned: bool) -> torch.Tensor:
         """Host memory for a read; pinned when it goes on to a CUDA device (the copy is then asynchronous)."""
@@ -377,17 +380,29 @@ class _Buffers:
         return a
 
 
-def _own_shard_dest(
-    meta: ArrayMeta, spec: Layout, position: int | None, placement: range | tuple[int, ...] | None, buffers: _Buffers
-) -> _Dest:
-    """:func:`_sharded_dest` of a new leaf on the host in a distributed load: this rank's shard (at ``position``
-    of ``spec``, None: it holds none), read into new host memory."""
+def _own_shard(
+    spec: Layout, placement: range | tuple[int, ...] | None, shape: tuple[int, ...], comm: Comm, key: str
+) -> tuple[Any, ...]:
+    """This rank's shard of a leaf of ``spec``, ``placement`` and ``shape``: (spec, placement, its position
+    (None: it holds none), its rank, its shard's shape, its pieces by rank)."""
+    try:
+        position = _position(key, spec, placement, comm)
+    except LayoutError as e:
+        raise LayoutError(f"leaf {_where(key)}: {e}") from None
+    if position is None:
+        return spec, placement, None, None, None, {}
+    rank = position if placement is None else placement[position]
+    return spec, placement, position, rank, spec.local_shape(position, shape), {rank: spec.pieces_of(position, shape)}
+
+
+def _own_shard_dest(meta: ArrayMeta, own: tuple[Any, ...], buffers: _Buffers) -> _Dest:
+    """:func:`_sharded_dest` of a new leaf on the host in a distributed load: this rank's shard (``own``, from
+    :func:`_own_shard`), read into new host memory."""
     shape, dtype = meta.shape, meta.dtype.torch
+    spec, placement, position, rank, local_shape, pieces = own
     if position is None:
         return _Dest(meta, spec, {}, {}, lambda: ShardedLeaf(shape, dtype, spec, {}, placement), 0, placement)
-    rank = position if placement is None else placement[position]
-    local = buffers.tensor(spec.local_shape(position, shape), dtype, False)
-    pieces = {rank: spec.pieces_of(position, shape)}
+    local = buffers.tensor(local_shape, dtype, False)
     return _Dest(
         meta,
         spec,
@@ -417,12 +432,14 @@ def _sharded_dest(
     Pieces and memory go by global rank, the result's shards by position.
     """
     if comm is not None:
-        try:
-            position = _position(meta.key, spec, placement, comm)
-        except LayoutError as e:
-            raise LayoutError(f"leaf {_where(meta.key)}: {e}") from None
+        kind = (id(spec), meta.shape, id(placement))
+        mine = buffers.shards.get(kind)
+        if mine is None or mine[0] is not spec or mine[1] is not placement:
+            mine = buffers.shards[kind] = _own_shard(spec, placement, meta.shape, comm, meta.key)
+            # (the target leaf keeps its spec and placement alive: their ids stay theirs for the load)
         if into is None and not devices:  # (a new leaf on the host, this rank's shard: what follows, for one)
-            return _own_shard_dest(meta, spec, position, placement, buffers)
+            return _own_shard_dest(meta, mine, buffers)
+        position = mine[2]
         ranks = [] if position is None else [position]
     rank_of = _rank_of(placement)
     if placement is not None:  # memory and devices by global rank from here on
@@ -1018,7 +1035,7 @@ def _dest_for(
             return problem, None
         if leaf.spec is None:
             return None, _full_dest(stored, False, None, None, comm, buffers=buffers)
-        positions = range(leaf.spec.world_size)  # (all of them, one process; a rank's own in a process group)
+        positions = range(leaf.spec.world_size) if comm is None else ()  # (all, one process; a group: its own)
         return None, _sharded_dest(stored, leaf.spec, positions, {}, comm, None, leaf.placement, buffers=buffers)
     if isinstance(leaf, torch.Tensor):
         problem = _target_problem(key, stored, tuple(leaf.shape), dtype_of_torch(leaf.dtype).name)

@@ -12,17 +12,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Any
 
 import numpy as np
 
 from pytreeckpt.core._errors import LayoutError
 from pytreeckpt.core._grid import ChunkGrid
-from pytreeckpt.core._region import Region
+from pytreeckpt.core._region import Region, region_of
 
 from ._balance import Scopes, scope_key, scope_loads
 from ._tables import _I64, PieceTable, Placed, _Memo, first_of_runs, placed, unique_rows
-from ._types import ArrayLoadPlan, ArraySpec, Fragment, LoadPlan, ReadOp, check_placement
+from ._types import ArrayLoadPlan, ArraySpec, Fragment, LoadPlan, ReadOp, check_placement, fragment_of
 
 __all__ = ["plan_load"]
 
@@ -208,70 +209,93 @@ class _RankReads:
     reads: dict[tuple[int, ...], tuple[ReadOp, ...]] = field(default_factory=dict)
 
 
-def _rank_reads(p: Placed, cuts: _Cuts, pos: int, chunk: tuple[int, ...], itemsize: int, own: bool) -> _RankReads:
-    key = ("load-rank", chunk, itemsize, pos, own)
-    got = p.derived.get(key)
-    if got is None:
-        rows = cuts.regions_of(pos).tolist()
-        single, nbytes = cuts.single[rows].tolist(), cuts.nbytes[rows].tolist()
-        choices = []
-        for r, s, nb in zip(rows, single, nbytes, strict=True):
-            if s < 0:
-                held, skey = cuts.scope(r, p.ranks, p.place)
-                choices.append((skey, len(held), nb))
-        got = p.derived[key] = _RankReads(rows, choices)
-    return got  # type: ignore[no-any-return]
+def _rank_reads(p: Placed, cuts: _Cuts, pos: int) -> _RankReads:
+    rows = cuts.regions_of(pos).tolist()
+    single, nbytes = cuts.single[rows].tolist(), cuts.nbytes[rows].tolist()
+    choices = []
+    for r, s, nb in zip(rows, single, nbytes, strict=True):
+        if s < 0:
+            held, skey = cuts.scope(r, p.ranks, p.place)
+            choices.append((skey, len(held), nb))
+    return _RankReads(rows, choices)
 
 
 def _outside(p: Placed) -> int:
-    """The first row of a placed table reaching outside its array, or -1 (memoised)."""
-    got = p.derived.get("outside")
-    if got is None:
-        got = p.derived["outside"] = _first_outside(p.table, p.shape)
-    return got  # type: ignore[no-any-return]
+    """The first row of a placed table reaching outside its array, or -1 (memoised, shared by its placements)."""
+    return p.per_table("outside", _OUTSIDE, lambda: _first_outside(p.table, p.shape))
+
+
+_OUTSIDE = _Memo(4096)
 
 
 def _array_reads(spec: ArraySpec, chunk: tuple[int, ...], scopes: Scopes, rank: int | None) -> tuple[ReadOp, ...]:
-    p = placed(spec)
-    table, ranks = p.table, p.ranks
-    own = rank is not None and table.disjoint  # (a rank's own cuts suffice)
-    bad = _outside(p) if own else _cuts(p, chunk, spec.itemsize).outside
-    if bad >= 0:
-        region = Region(tuple(table.lo[bad].tolist()), tuple(table.ext[bad].tolist()))
-        raise LayoutError(
-            f"leaf {spec.key!r}: rank {int(ranks[table.pos[bad]])} wants {region}, outside the stored shape "
-            f"{spec.shape}"
-        )
     if rank is None:
+        p = placed(spec)
         cuts = _cuts(p, chunk, spec.itemsize)
+        _check_inside(spec, p, cuts.outside)
         rows: Sequence[int] = range(len(cuts.lo))
         return tuple(_reads(p, cuts, _targets(p, chunk, spec.itemsize), rows, _choose(p, cuts, rows, scopes)))
+    view = _rank_view(spec, chunk, rank)
+    return () if view is None else view.reads(scopes)
+
+
+def _check_inside(spec: ArraySpec, p: Placed, bad: int) -> None:
+    """Raise LayoutError naming the leaf if row ``bad`` (>= 0) of its placed table reaches outside the array."""
+    if bad >= 0:
+        table = p.table
+        region = Region(tuple(table.lo[bad].tolist()), tuple(table.ext[bad].tolist()))
+        raise LayoutError(
+            f"leaf {spec.key!r}: rank {int(p.ranks[table.pos[bad]])} wants {region}, outside the stored shape "
+            f"{spec.shape}"
+        )
+
+
+@dataclass(eq=False)
+class _RankView:
+    """What one rank's reads of a placed target layout cut along a stored chunk grid depend on."""
+
+    p: Placed
+    cuts: _Cuts
+    mine: _RankReads
+    targets: dict[int, tuple[Region, tuple[Fragment, ...]]]
+
+    def reads(self, scopes: Scopes) -> tuple[ReadOp, ...]:
+        """The rank's reads of one array, its shared regions handed out by ``scopes``' loads, which it updates."""
+        mine = self.mine
+        decided = []
+        for skey, n, nb in mine.choices:
+            loads = scopes.get(skey)
+            if loads is None:
+                loads = scopes[skey] = np.zeros(n, dtype=_I64)
+            at = int(loads.argmin())
+            loads[at] += nb
+            decided.append(at)
+        key = tuple(decided)
+        got = mine.reads.get(key)
+        if got is None:
+            got = mine.reads[key] = tuple(_reads(self.p, self.cuts, self.targets, mine.rows, key))
+        return got
+
+
+def _rank_view(spec: ArraySpec, chunk: tuple[int, ...], rank: int) -> _RankView | None:
+    """The rank's view of ``spec``'s placed layout cut along ``chunk`` (None: it wants nothing of it), memoised."""
+    p = placed(spec)
+    table = p.table
+    own = table.disjoint  # (a rank's own cuts suffice)
+    _check_inside(spec, p, _outside(p) if own else _cuts(p, chunk, spec.itemsize).outside)
     pos = p.position(rank)
     if pos is None:
-        return ()
-    if own:
-        memo = ("own-cuts", chunk, spec.itemsize, pos)
-        got_cuts = p.derived.get(memo)
-        if got_cuts is None:
-            got_cuts = p.derived[memo] = _own_cuts(table, p.shape, chunk, spec.itemsize, pos)
-        cuts = got_cuts
-    else:
-        cuts = _cuts(p, chunk, spec.itemsize)
-    mine = _rank_reads(p, cuts, pos, chunk, spec.itemsize, own)
-    decided = []
-    for skey, n, nb in mine.choices:
-        loads = scopes.get(skey)
-        if loads is None:
-            loads = scopes[skey] = np.zeros(n, dtype=_I64)
-        at = int(loads.argmin())
-        loads[at] += nb
-        decided.append(at)
-    key = tuple(decided)
-    got = mine.reads.get(key)
+        return None
+    key = ("load-view", chunk, spec.itemsize, pos)
+    got = p.derived.get(key)
     if got is None:
-        targets = _targets(p, chunk, spec.itemsize, pos if own else None)
-        got = mine.reads[key] = tuple(_reads(p, cuts, targets, mine.rows, key))
-    return got
+        if own:
+            cuts = _own_cuts(table, p.shape, chunk, spec.itemsize, pos)
+        else:
+            cuts = _cuts(p, chunk, spec.itemsize)
+        mine = _rank_reads(p, cuts, pos)
+        got = p.derived[key] = _RankView(p, cuts, mine, _targets(p, chunk, spec.itemsize, pos if own else None))
+    return got  # type: ignore[no-any-return]
 
 
 def _targets(
@@ -314,12 +338,10 @@ def _reads(
     for r in rows:
         got = memo.get(r)
         if got is None:
-            region = Region(tuple(cuts.lo[r].tolist()), tuple(cuts.ext[r].tolist()))
+            region = region_of(tuple(cuts.lo[r].tolist()), tuple(cuts.ext[r].tolist()))
             a, b = cuts.wanted_ptr[r], cuts.wanted_ptr[r + 1]
-            targets = tuple(
-                Fragment(int(ranks[q]), pi, region)
-                for q, pi in zip(cuts.want_pos[a:b].tolist(), cuts.want_piece[a:b].tolist(), strict=True)
-            )
+            wanting = ranks[cuts.want_pos[a:b]].tolist()
+            targets = tuple(map(fragment_of, wanting, cuts.want_piece[a:b].tolist(), repeat(region, len(wanting))))
             got = memo[r] = (region, targets)
         region, targets = got
         s = int(single[r])
@@ -357,8 +379,29 @@ def plan_load(
     scopes: Scopes = {}
     out = []
     checked: set[tuple[int, Any]] = set()
+    if rank is None:
+        for spec, chunk in zip(specs, chunk_shapes, strict=True):
+            check_placement(spec, world, checked, "target")
+            reads = _array_reads(spec, tuple(chunk), scopes, rank)
+            out.append(ArrayLoadPlan(spec.key, spec.shape, spec.itemsize, reads))
+        return LoadPlan(world, tuple(out))
+    # A rank's part: arrays of one (layout, shape, element size, placement, chunk) object, as a
+    # model's layers are, are looked up once per plan (the objects live as long as the call).
+    views: dict[tuple[Any, ...], tuple[Any, _RankView | None]] = {}
     for spec, chunk in zip(specs, chunk_shapes, strict=True):
-        check_placement(spec, world, checked, "target")
-        reads = _array_reads(spec, tuple(chunk), scopes, rank)
+        ranks = spec.ranks
+        where = (
+            id(spec.layout),
+            spec.shape,
+            spec.itemsize,
+            ranks if ranks is None or type(ranks) is range else id(ranks),
+            tuple(chunk),
+        )
+        got = views.get(where)
+        if got is None:
+            check_placement(spec, world, checked, "target")
+            got = views[where] = (spec, _rank_view(spec, tuple(chunk), rank))
+        view = got[1]
+        reads = () if view is None else view.reads(scopes)
         out.append(ArrayLoadPlan(spec.key, spec.shape, spec.itemsize, reads))
     return LoadPlan(world, tuple(out))
