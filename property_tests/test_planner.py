@@ -6,7 +6,7 @@ import pytest
 from _oracle import array_layout, load_rank_part, rank_part
 from _oracle import plan_load as oracle_load
 from _oracle import plan_save as oracle_save
-from hypothesis import event, given
+from hypothesis import assume, event, given
 from hypothesis import strategies as st
 
 from pytreeckpt import ChunkingOptions, Layout, LayoutError
@@ -114,3 +114,32 @@ def test_a_ranks_part_does_not_depend_on_arrays_it_holds_nothing_of(
     together = {a.key: a for a in plan_save(mixed, world, rank=rank, options=options).arrays}
     assert [together[a.key] for a in alone] == list(alone)
     assert all(not together[f.key].writes for f in foreign)
+
+
+@given(st.data())
+def test_a_ranks_own_structure_is_its_part_of_the_whole_one(data: st.DataObject) -> None:
+    # A rank planning a mesh layout (pieces equal or disjoint) builds only its own cells,
+    # groups and merged chunks (plan/_save.py _make_rank_structure); they must be exactly
+    # the whole structure's that involve it, for every position.
+    from pytreeckpt.plan import _save as planner
+    from pytreeckpt.plan._tables import placed
+
+    shape = data.draw(shapes(max_side=9, min_dims=1))
+    layout = data.draw(specs(shape, irregular=False))
+    itemsize = data.draw(st.sampled_from([1, 2, 4]))
+    options = data.draw(chunking_options()) or ChunkingOptions()
+    p = placed(ArraySpec("a", shape, itemsize, layout))
+    assume(p.table.disjoint)  # (every mesh table but a zero-size array's)
+    whole = planner._make_structure(p.table, shape, itemsize, options)
+    for pos in range(p.table.positions):
+        own = planner._make_rank_structure(p.table, shape, itemsize, options, pos)
+        assert own.grid == whole.grid
+        w_singles, w_groups, w_merged = whole.involving(pos)
+        o_singles, o_groups, o_merged = own.involving(pos)
+        assert o_merged == w_merged
+        assert [(g.holders, g.chunks, g.sizes, g.pieces) for g in o_groups] == [
+            (g.holders, g.chunks, g.sizes, g.pieces) for g in w_groups
+        ]
+        for name in ("single_pos", "single_piece", "single_lo", "single_hi"):
+            assert (getattr(own, name)[o_singles] == getattr(whole, name)[w_singles]).all(), name
+        assert own.single_box == whole.single_box

@@ -121,7 +121,7 @@ class _Merge:
     _sources: dict[int, list[Part]] = field(default_factory=dict)
     _scopes: dict[Any, bytes] = field(default_factory=dict)
     _tied: np.ndarray | None = None
-    _sent: dict[int, list[tuple[int, Part]]] = field(default_factory=dict)
+    _sent: dict[int, tuple[list[tuple[int, Part]], frozenset[int]]] = field(default_factory=dict)
     _ptr: list[int] | None = None
 
     def scope_key(self, ranks: np.ndarray, placement: Any) -> bytes:
@@ -180,18 +180,42 @@ class _Merge:
         """The fragments position ``pos`` (not the writer) sends to ``writer``."""
         if not self.is_grid:
             return [p for p in self.sources(key, writer) if p[0] == pos]
-        mine = self._sent.get(pos)
-        if mine is None:
-            # pos's parts among the distinct boxes, in the shared order, with their boxes
-            idx = self.base[self.pos[self.base] == pos]
-            mine = self._sent[pos] = list(zip(self.box[idx].tolist(), self._parts(idx), strict=True))
+        mine, boxes = self._mine(pos)
         if not mine:
             return []
+        held = self._held_by(writer)
+        if held.isdisjoint(boxes):
+            return [part for _, part in mine]
+        return [part for box, part in mine if box not in held]
+
+    def sent(
+        self, key: str, writer: int, pos: int, ranks: np.ndarray, memo: dict[tuple[Part, ...], tuple[Fragment, ...]]
+    ) -> tuple[Fragment, ...]:
+        """:meth:`sources_from` as fragments of world ranks ``ranks``, memoised in ``memo`` (the placement's) on
+        what ``pos`` sends: mostly the same whoever writes (a writer holds nothing ``pos`` holds but replicas)."""
+        sources = self.sources_from(key, writer, pos)
+        fkey = tuple(sources)
+        got = memo.get(fkey)
+        if got is None:
+            got = memo[fkey] = _fragments(ranks, sources)
+        return got
+
+    def _mine(self, pos: int) -> tuple[list[tuple[int, Part]], frozenset[int]]:
+        """Position ``pos``'s parts among the distinct boxes, in the shared order, with their boxes (memoised)."""
+        got = self._sent.get(pos)
+        if got is None:
+            idx = self.base[self.pos[self.base] == pos]
+            mine = list(zip(self.box[idx].tolist(), self._parts(idx), strict=True))
+            got = self._sent[pos] = (mine, frozenset(b for b, _ in mine))
+        return got
+
+    def _held_by(self, writer: int) -> set[int]:
+        """The boxes position ``writer`` holds itself."""
         if self._ptr is None:
             self._ptr = np.searchsorted(self.pos, np.asarray((*self.feeders, self.feeders[-1] + 1))).tolist()
         k = bisect_left(self.feeders, writer)
-        held = set(self.box[self._ptr[k] : self._ptr[k + 1]].tolist())  # the boxes the writer holds itself
-        return [part for box, part in mine if box not in held]
+        a, b = self._ptr[k], self._ptr[k + 1]
+        return {int(self.box[a])} if b == a + 1 else set(self.box[a:b].tolist())
 
 
 def _cover(key: str, chunk: Region, order: list[Part]) -> list[Part]:
@@ -280,7 +304,9 @@ class _Structure:
         hi = (t.lo[rows] + t.ext[rows] - 1) // np.asarray(self.grid.chunk, dtype=_I64) + 1
         nonempty = (t.ext[rows] > 0).all(axis=1)
         _, flat = self.grid.cells(lo[nonempty], hi[nonempty])
-        return np.intersect1d(flat, self.uncovered).tolist()  # type: ignore[no-any-return]
+        u = self.uncovered  # (ascending: a search finds the few chunks of a position among many)
+        at = np.minimum(np.searchsorted(u, flat), len(u) - 1)
+        return np.unique(flat[u[at] == flat]).tolist()  # type: ignore[no-any-return]
 
     def merge(self, flat: int) -> _Merge:
         got = self._merges.get(flat)
@@ -438,18 +464,7 @@ def _make_structure(table: PieceTable, shape: tuple[int, ...], itemsize: int, op
     by_holders: dict[tuple[int, ...], list[tuple[int, tuple[int, ...]]]] = defaultdict(list)
     for cell, s, n in zip(cell_ids[~one].tolist(), starts[~one].tolist(), nholders[~one].tolist(), strict=True):
         by_holders[tuple(p_sorted[s : s + n].tolist())].append((cell, tuple(pi_sorted[s : s + n].tolist())))
-    groups = []
-    for holders in sorted(by_holders, key=lambda h: (len(h), h)):
-        chunks: list[int] = []
-        pieces: list[tuple[int, ...]] = []
-        for cell, pis in by_holders[holders]:
-            _, flat = grid.cells(cell_lo[cell : cell + 1], cell_hi[cell : cell + 1])
-            chunks.extend(flat.tolist())
-            pieces.extend([pis] * len(flat))
-        order_c = sorted(range(len(chunks)), key=chunks.__getitem__)
-        chunks = [chunks[i] for i in order_c]
-        pieces = [pieces[i] for i in order_c]
-        groups.append(_Group(holders, chunks, _chunk_bytes(grid, chunks, itemsize), pieces))
+    groups = _groups(grid, cell_lo, cell_hi, by_holders, itemsize)
     # chunks no piece holds whole
     covered = int(np.prod(cell_hi - cell_lo, axis=1).sum()) if nd else len(cell_ids)
     if covered >= grid.count:
@@ -471,6 +486,106 @@ def _make_structure(table: PieceTable, shape: tuple[int, ...], itemsize: int, op
         groups,
         uncovered,
     )
+
+
+def _groups(
+    grid: ChunkGrid,
+    cell_lo: np.ndarray,
+    cell_hi: np.ndarray,
+    by_holders: dict[tuple[int, ...], list[tuple[int, tuple[int, ...]]]],
+    itemsize: int,
+) -> list[_Group]:
+    """The groups of replicated cells: per holders (fewest first, then ascending), the chunks of their cells
+    ``(cell, each holder's piece)`` in flat order."""
+    groups = []
+    for holders in sorted(by_holders, key=lambda h: (len(h), h)):
+        chunks: list[int] = []
+        pieces: list[tuple[int, ...]] = []
+        for cell, pis in by_holders[holders]:
+            _, flat = grid.cells(cell_lo[cell : cell + 1], cell_hi[cell : cell + 1])
+            chunks.extend(flat.tolist())
+            pieces.extend([pis] * len(flat))
+        order_c = sorted(range(len(chunks)), key=chunks.__getitem__)
+        chunks = [chunks[i] for i in order_c]
+        pieces = [pieces[i] for i in order_c]
+        groups.append(_Group(holders, chunks, _chunk_bytes(grid, chunks, itemsize), pieces))
+    return groups
+
+
+def _rank_structure(p: Placed, itemsize: int, opts: ChunkingOptions, pos: int) -> _Structure:
+    """The save structure of a placed layout as far as position ``pos`` takes part in it (memoised).
+
+    A table whose pieces are equal or disjoint (every mesh layout's) is planned from ``pos``'s
+    own boxes (:func:`_make_rank_structure`); any other from its whole structure.
+    """
+    if not p.table.disjoint or not p.shape:
+        return _structure(p, itemsize, opts)
+    return p.per_table(
+        ("save-rank", itemsize, opts, pos),
+        _STRUCTURES,
+        lambda: _make_rank_structure(p.table, p.shape, itemsize, opts, pos),
+    )
+
+
+def _make_rank_structure(
+    table: PieceTable, shape: tuple[int, ...], itemsize: int, opts: ChunkingOptions, pos: int
+) -> _Structure:
+    """:func:`_make_structure`'s cells, groups and merged chunks involving position ``pos`` (what
+    ``involving(pos)`` gives), for a table whose pieces are equal or disjoint, of one or more dims.
+
+    In such a table a chunk held whole by a piece lies in no other piece but its equals: the
+    cells ``pos`` holds are its own boxes, each held by the rows of an equal piece; and a
+    chunk ``pos`` touches but holds whole in none of its boxes is held whole by no piece (a
+    piece holding it would meet ``pos``'s, so equal it): a merged chunk. So ``pos``'s part
+    comes from its few rows and a scan of the table per box, not from every row's cells.
+    """
+    grid = ChunkGrid(shape, chunk_shape_of_table(table, shape, itemsize, opts))
+    nd = len(shape)
+    empty = np.zeros((0, nd), dtype=_I64)
+    none = np.zeros(0, dtype=_I64)
+    if grid.count == 0:
+        return _Structure(grid, table, itemsize, none, none, empty, empty, True, [], none)
+    a, b = (int(i) for i in np.searchsorted(table.pos, [pos, pos + 1]))
+    lo, ext = table.lo[a:b], table.ext[a:b]
+    clo, chi = grid.contained(lo, ext)
+    has = np.flatnonzero((chi > clo).all(axis=1))
+    # pos's distinct boxes of whole chunks, in the order of the whole structure's cells
+    ubox, _, first = unique_rows(np.concatenate([clo[has], chi[has]], axis=1))
+    cell_lo, cell_hi = ubox[:, :nd], ubox[:, nd:]
+    singles: list[int] = []
+    single_piece: list[int] = []
+    by_holders: dict[tuple[int, ...], list[tuple[int, tuple[int, ...]]]] = defaultdict(list)
+    for cell, r in enumerate((a + has[first]).tolist()):
+        same = np.flatnonzero((table.lo == table.lo[r]).all(axis=1) & (table.ext == table.ext[r]).all(axis=1))
+        keep = same[first_of_runs(table.pos[same])]  # (rows by position, then piece: each one's lowest piece)
+        holders = tuple(table.pos[keep].tolist())
+        pieces = tuple(table.piece[keep].tolist())
+        if len(holders) == 1:
+            singles.append(cell)
+            single_piece.append(pieces[0])
+        else:
+            by_holders[holders].append((cell, pieces))
+    groups = _groups(grid, cell_lo, cell_hi, by_holders, itemsize)
+    # the chunks pos touches but holds whole in none of its boxes
+    nonempty = (ext > 0).all(axis=1)
+    c = np.asarray(grid.chunk, dtype=_I64)
+    _, touched = grid.cells(lo[nonempty] // c, (lo[nonempty] + ext[nonempty] - 1) // c + 1)
+    _, inside = grid.cells(clo[has], chi[has])
+    merged = np.setdiff1d(touched, inside)
+    s = _Structure(
+        grid,
+        table,
+        itemsize,
+        np.full(len(singles), pos, dtype=_I64),
+        np.asarray(single_piece, dtype=_I64),
+        cell_lo[singles],
+        cell_hi[singles],
+        True,
+        groups,
+        merged,
+    )
+    s._by_pos[pos] = (np.arange(len(singles), dtype=_I64), groups, merged.tolist())
+    return s
 
 
 def _chunk_bytes(grid: ChunkGrid, flat: list[int], itemsize: int) -> list[int]:
@@ -603,13 +718,13 @@ class _RankPart:
 def _rank_part(spec: ArraySpec, opts: ChunkingOptions, rank: int) -> tuple[tuple[int, ...], _RankPart | None]:
     """The chunk shape of ``spec``'s array and what ``rank`` takes part in (None: nothing), memoised per placement."""
     p = placed(spec)
-    s = _structure(p, spec.itemsize, opts)
     pos = p.position(rank)
     if pos is None:
-        return s.grid.chunk, None
+        return chunk_shape_of_table(p.table, p.shape, spec.itemsize, opts), None
     key = ("rank", spec.itemsize, opts, pos)
     got = p.derived.get(key)
     if got is None:
+        s = _rank_structure(p, spec.itemsize, opts, pos)
         singles, groups, merges = s.involving(pos)
         ms = []
         for flat in merges:
@@ -617,7 +732,7 @@ def _rank_part(spec: ArraySpec, opts: ChunkingOptions, rank: int) -> tuple[tuple
             ms.append((flat, m, m.scope_key(p.ranks, p.place)))
         gs = [(g, g.scope_key(p.ranks, p.place)) for g in groups]
         got = p.derived[key] = _RankPart(p, s, pos, singles.tolist(), gs, ms)
-    return s.grid.chunk, got
+    return got.s.grid.chunk, got
 
 
 _OFFSET = operator.attrgetter("region.offset")
@@ -707,18 +822,12 @@ def _merged_write(key: str, s: _Structure, p: Placed, pos: int | None, flat: int
     writer_pos = m.feeders[at]
     if pos is None or pos == writer_pos:
         return write_of(m.chunk, int(ranks[writer_pos]), _fragments(ranks, m.sources(key, writer_pos)))
-    sources = m.sources_from(key, writer_pos, pos)
-    if not sources:
-        return None
     # what a feeder sends is mostly the same whoever writes: its fragments are shared
     frag_memo = p.derived.get("fragments")
     if frag_memo is None:
         frag_memo = p.derived["fragments"] = {}
-    fkey = tuple(sources)
-    frags = frag_memo.get(fkey)
-    if frags is None:
-        frags = frag_memo[fkey] = _fragments(ranks, sources)
-    return write_of(m.chunk, int(ranks[writer_pos]), frags)
+    frags = m.sent(key, writer_pos, pos, ranks, frag_memo)
+    return write_of(m.chunk, int(ranks[writer_pos]), frags) if frags else None
 
 
 def _fragments(ranks: np.ndarray, parts: Sequence[Part]) -> tuple[Fragment, ...]:

@@ -163,9 +163,13 @@ def _mesh_table(spec: ShardingSpec, shape: tuple[int, ...]) -> PieceTable:
             idx_l.append(np.array([i], dtype=_I64))
             lo_l.append(np.array([[per_dim[d][k][0] for d, k in enumerate(combo)]], dtype=_I64).reshape(1, -1))
             ext_l.append(np.array([[per_dim[d][k][1] for d, k in enumerate(combo)]], dtype=_I64).reshape(1, -1))
+    if len(pos_l) == 1:  # one run each: in order already
+        return PieceTable(
+            positions, sel, idx_l[0], lo.reshape(len(sel), len(shape)), ext.reshape(len(sel), len(shape)), disjoint=True
+        )
     pos_a = np.concatenate(pos_l)
     idx_a = np.concatenate(idx_l)
-    order = np.lexsort((idx_a, pos_a)) if len(pos_l) > 1 else np.arange(len(pos_a))  # one run each: in order
+    order = np.lexsort((idx_a, pos_a))
     return PieceTable(
         positions,
         pos_a[order],
