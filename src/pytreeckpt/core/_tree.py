@@ -470,7 +470,14 @@ def flatten(
                 f"without end)"
             )
         node = _one_level(x, path, namespace)
-        node.children = [walk(c, (*path, e)) for e, c in zip(node.entries, node.extra.pop("_kids"), strict=True)]
+        node.children = children = []
+        for e, c in zip(node.entries, node.extra.pop("_kids"), strict=True):
+            if is_leaf(c):  # (most children are leaves: taken here, without a call of walk)
+                leaves.append(c)
+                paths.append((*path, e))
+                children.append(Node("leaf", leaf=len(leaves) - 1))
+            else:
+                children.append(walk(c, (*path, e)))
         return node
 
     root = walk(tree, ())

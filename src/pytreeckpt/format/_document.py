@@ -739,7 +739,8 @@ def _document_of(
         tree = Node.from_json(tree_json, len(leaves), namespace)
     except RecursionError:
         raise MetadataError("tree structure is nested too deeply") from None
-    if sorted(n for n in _leaf_ids(tree)) != list(range(len(leaves))):
+    ids = _leaf_ids(tree)
+    if ids != list(range(len(leaves))) and sorted(ids) != list(range(len(leaves))):  # (saves name them in order)
         raise MetadataError("tree structure must name every leaf exactly once")
     if not isinstance(user, dict):
         raise MetadataError("'user_metadata' must be a JSON object")

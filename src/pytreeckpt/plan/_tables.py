@@ -133,8 +133,18 @@ def _mesh_table(spec: ShardingSpec, shape: tuple[int, ...]) -> PieceTable:
                 starts, lens = _take(starts, lens, off, size)
         runs.append((starts, lens, row))
     # Runs per position and dim: merge adjacent ones, as ShardingSpec.intervals does.
+    per_row = [_run_count(s, ln) for s, ln, _ in runs]
+    if shape and all(bool((n == 1).all()) for n in per_row):  # (every position one box: the common case)
+        firsts = [_first_run(s, ln) for s, ln, _ in runs]
+        lo = np.stack([f[0][row] for f, (_, _, row) in zip(firsts, runs, strict=True)], axis=1)
+        ext = np.stack([f[1][row] for f, (_, _, row) in zip(firsts, runs, strict=True)], axis=1)
+        return PieceTable(
+            positions, np.arange(positions, dtype=_I64), np.zeros(positions, _I64), lo, ext, disjoint=True
+        )
     counts = (
-        np.stack([_run_count(s, ln)[row] for s, ln, row in runs], axis=1) if shape else np.ones((positions, 0), _I64)
+        np.stack([n[row] for n, (_, _, row) in zip(per_row, runs, strict=True)], axis=1)
+        if shape
+        else np.ones((positions, 0), _I64)
     )
     holds = (counts > 0).all(axis=1)
     simple = holds & (counts == 1).all(axis=1)
