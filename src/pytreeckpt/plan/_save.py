@@ -122,6 +122,7 @@ class _Merge:
     _scopes: dict[Any, bytes] = field(default_factory=dict)
     _tied: np.ndarray | None = None
     _sent: dict[int, tuple[list[tuple[int, Part]], frozenset[int]]] = field(default_factory=dict)
+    _holding: dict[int, frozenset[int]] = field(default_factory=dict)
     _ptr: list[int] | None = None
 
     def scope_key(self, ranks: np.ndarray, placement: Any) -> bytes:
@@ -164,14 +165,27 @@ class _Merge:
         _, first = np.unique(self.box[idx], return_index=True)
         return idx[np.sort(first)]
 
+    def _order(self, writer: int) -> np.ndarray:
+        """The part indices ``writer`` takes fragments from: its own, then each other distinct box once."""
+        own = self._own(writer)
+        rest = self.base[~np.isin(self.box[self.base], self.box[own])]
+        return np.concatenate([own, rest])
+
+    def written(self, key: str, writer: int, ranks: np.ndarray) -> tuple[Fragment, ...]:
+        """The fragments, of world ranks ``ranks``, assembling the chunk when position ``writer`` writes it."""
+        if not self.is_grid:
+            return _fragments(ranks, self.sources(key, writer))
+        idx = self._order(writer)  # (grid cells are taken whole: fragments straight from the columns)
+        lo = map(tuple, self.lo[idx].tolist())
+        ext = map(tuple, (self.hi[idx] - self.lo[idx]).tolist())
+        return tuple(map(fragment_of, ranks[self.pos[idx]].tolist(), self.piece[idx].tolist(), map(region_of, lo, ext)))
+
     def sources(self, key: str, writer: int) -> list[Part]:
         """The fragments assembling the chunk when position ``writer`` writes it (memoised)."""
         got = self._sources.get(writer)
         if got is not None:
             return got
-        own = self._own(writer)
-        rest = self.base[~np.isin(self.box[self.base], self.box[own])]
-        order = self._parts(np.concatenate([own, rest]))
+        order = self._parts(self._order(writer))
         got = order if self.is_grid else _cover(key, self.chunk, order)  # grid cells are taken whole
         self._sources[writer] = got
         return got
@@ -189,10 +203,20 @@ class _Merge:
         return [part for box, part in mine if box not in held]
 
     def sent(
-        self, key: str, writer: int, pos: int, ranks: np.ndarray, memo: dict[tuple[Part, ...], tuple[Fragment, ...]]
+        self, key: str, writer: int, pos: int, ranks: np.ndarray, memo: dict[Any, tuple[Fragment, ...]]
     ) -> tuple[Fragment, ...]:
         """:meth:`sources_from` as fragments of world ranks ``ranks``, memoised in ``memo`` (the placement's) on
         what ``pos`` sends: mostly the same whoever writes (a writer holds nothing ``pos`` holds but replicas)."""
+        if self.is_grid:
+            holding = self._holding.get(pos)
+            if holding is None:  # the positions holding a box of pos's (pos's replicas, and pos)
+                boxes = self._mine(pos)[1]
+                holding = self._holding[pos] = frozenset(self.pos[np.isin(self.box, list(boxes))].tolist())
+            if writer not in holding:  # (the writer holds none of pos's boxes: pos sends them all)
+                got = memo.get((self, pos))
+                if got is None:
+                    got = memo[(self, pos)] = _fragments(ranks, [part for _, part in self._mine(pos)[0]])
+                return got
         sources = self.sources_from(key, writer, pos)
         fkey = tuple(sources)
         got = memo.get(fkey)
@@ -821,7 +845,7 @@ def _merged_write(key: str, s: _Structure, p: Placed, pos: int | None, flat: int
     ranks = p.ranks
     writer_pos = m.feeders[at]
     if pos is None or pos == writer_pos:
-        return write_of(m.chunk, int(ranks[writer_pos]), _fragments(ranks, m.sources(key, writer_pos)))
+        return write_of(m.chunk, int(ranks[writer_pos]), m.written(key, writer_pos, ranks))
     # what a feeder sends is mostly the same whoever writes: its fragments are shared
     frag_memo = p.derived.get("fragments")
     if frag_memo is None:
