@@ -763,12 +763,17 @@ def _load(
                     f"leaf {_where(key)}: the checkpoint has the value {stored.value!r}, the target has an array"
                 )
                 continue
-            with carried.catch(key):
+            try:  # (what carried.catch(key) does, without entering a block per leaf)
                 problem, dest = _dest_for(key, stored, leaf, buffers, comm, inplace)
-                if problem is not None:
-                    problems.append(problem)
-                elif dest is not None:
-                    dests.append((i, dest))
+            except Exception as e:
+                if comm is None:
+                    raise
+                carried.keep(e, key)
+                continue
+            if problem is not None:
+                problems.append(problem)
+            elif dest is not None:
+                dests.append((i, dest))
         if problems:
             raise TargetMismatchError(
                 f"the target does not match the checkpoint at {describe(path)}:\n  " + "\n  ".join(problems)

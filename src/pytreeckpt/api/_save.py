@@ -548,14 +548,17 @@ def _plan_state(
                 arrays.append(_plain_in(key, leaf))  # the common case, many thousand times per save: kept lean
                 entries.append(None)
                 continue
-            with carried.catch(key):
+            try:  # (what carried.catch(key) does, without entering a block per leaf)
                 if _is_value(leaf):
                     entries.append(_value_entry(key, leaf))
                     values.append(key)
                 else:
                     arrays.append(_array_in(key, leaf, sp, comm, plan_only, kinds))
                     entries.append(None)
-            if carried.error is not None:
+            except Exception as e:
+                if comm is None:
+                    raise
+                carried.keep(e, key)
                 break
     # In a single process of one rank, arrays held whole as one chunk are planned by
     # plan_whole, without tables (the same plans: tests/test_plan.py); the others by plan_save.

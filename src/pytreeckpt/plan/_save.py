@@ -354,14 +354,18 @@ class _Structure:
         hi = np.minimum(t.lo[rows] + t.ext[rows], np.asarray(chunk.stop, dtype=_I64))
         pos, piece = t.pos[rows], t.piece[rows]
         sizes = np.prod(hi - lo, axis=1) if nd else np.ones(len(rows), dtype=_I64)
-        feeders, inverse = np.unique(pos, return_inverse=True)
-        inverse = inverse.reshape(-1)
-        overlap = np.zeros(len(feeders), dtype=_I64)
-        np.add.at(overlap, inverse, sizes)
+        # (rows are in table order, by position then piece: each feeder's parts are a run)
+        starts = first_of_runs(pos)
+        feeders = pos[starts]
+        inverse = np.cumsum(np.r_[False, pos[1:] != pos[:-1]]) if len(pos) else np.zeros(0, dtype=_I64)
+        overlap = np.add.reduceat(sizes, starts) if len(pos) else np.zeros(0, dtype=_I64)
         ubox, box, _ = unique_rows(np.concatenate([lo, hi], axis=1))
         # the shared order: most of the chunk first, then position, then piece; each
         # distinct box from its first part in that order, the boxes in that order
-        shared = np.lexsort((piece, pos, -overlap[inverse]))
+        if len(overlap) and overlap.min() == overlap.max():
+            shared = np.arange(len(pos))  # (every feeder holds as much: table order)
+        else:
+            shared = np.lexsort((piece, pos, -overlap[inverse]))
         _, first = np.unique(box[shared], return_index=True)
         base = shared[np.sort(first)]
         return _Merge(
