@@ -400,7 +400,9 @@ def plan_load(
         got = views.get(where)
         if got is None:
             check_placement(spec, world, checked, "target")
-            got = views[where] = (spec, _rank_view(spec, tuple(chunk), rank))
+            # (a rank wanting nothing of it plans nothing: the ranks placing it find any fault of its layout)
+            view = _rank_view(spec, tuple(chunk), rank) if spec.placed_on(rank) else None
+            got = views[where] = (spec, view)
         view = got[1]
         reads = () if view is None else view.reads(scopes)
         out.append(ArrayLoadPlan(spec.key, spec.shape, spec.itemsize, reads))

@@ -37,7 +37,7 @@ from pytreeckpt.core._region import Region, region_of
 
 from ._balance import Box, Scopes, coalesce, scope_key, scope_loads, subtract_box, water_fill
 from ._chunking import chunk_shape_of_table
-from ._tables import _I64, PieceTable, Placed, _Memo, first_of_runs, placed, unique_rows
+from ._tables import _I64, PieceTable, Placed, _Memo, first_of_runs, piece_table, placed, unique_rows
 from ._types import (
     ArraySavePlan,
     ArraySpec,
@@ -951,7 +951,11 @@ def plan_save(
         got = parts.get(where)
         if got is None:
             check_placement(spec, world, checked, "layout")
-            got = parts[where] = _rank_part(spec, opts, rank)
+            if spec.placed_on(rank):
+                got = parts[where] = _rank_part(spec, opts, rank)
+            else:  # (nothing of it here: its chunk shape only, from its layout's table, unplaced)
+                table = piece_table(spec.layout, spec.shape)
+                got = parts[where] = (chunk_shape_of_table(table, spec.shape, spec.itemsize, opts), None)
         chunk, part = got
         writes = () if part is None else part.writes(spec.key, scopes)
         out.append(ArraySavePlan(spec.key, spec.shape, spec.itemsize, chunk, writes))

@@ -235,6 +235,12 @@ class ArraySpec:
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.itemsize
 
+    def placed_on(self, rank: int) -> bool:
+        """True when a position of the layout sits on world rank ``rank``."""
+        if self.ranks is None:
+            return 0 <= rank < self.layout.world_size
+        return rank in self.ranks
+
     def rank_array(self) -> np.ndarray:
         """The world rank of each layout position."""
         n = self.layout.world_size
