@@ -23,7 +23,16 @@ from pytreeckpt.core._region import Region, region_of
 
 from ._balance import Scopes, scope_key, scope_loads
 from ._tables import _I64, PieceTable, Placed, _Memo, first_of_runs, placed, unique_rows
-from ._types import ArrayLoadPlan, ArraySpec, Fragment, LoadPlan, ReadOp, check_placement, fragment_of
+from ._types import (
+    ArraySpec,
+    Fragment,
+    LoadPlan,
+    ReadOp,
+    array_load_plan_of,
+    check_placement,
+    fragment_of,
+    read_of,
+)
 
 __all__ = ["plan_load"]
 
@@ -350,7 +359,7 @@ def _reads(
         else:
             held, _ = cuts.scope(r, ranks, p.place)
             reader = int(ranks[held[next(choice)]])
-        reads.append(ReadOp(region, reader, targets))
+        reads.append(read_of(region, reader, targets))
     return reads
 
 
@@ -383,7 +392,7 @@ def plan_load(
         for spec, chunk in zip(specs, chunk_shapes, strict=True):
             check_placement(spec, world, checked, "target")
             reads = _array_reads(spec, tuple(chunk), scopes, rank)
-            out.append(ArrayLoadPlan(spec.key, spec.shape, spec.itemsize, reads))
+            out.append(array_load_plan_of(spec.key, spec.shape, spec.itemsize, reads))
         return LoadPlan(world, tuple(out))
     # A rank's part: arrays of one (layout, shape, element size, placement, chunk) object, as a
     # model's layers are, are looked up once per plan (the objects live as long as the call).
@@ -405,5 +414,5 @@ def plan_load(
             got = views[where] = (spec, view)
         view = got[1]
         reads = () if view is None else view.reads(scopes)
-        out.append(ArrayLoadPlan(spec.key, spec.shape, spec.itemsize, reads))
+        out.append(array_load_plan_of(spec.key, spec.shape, spec.itemsize, reads))
     return LoadPlan(world, tuple(out))

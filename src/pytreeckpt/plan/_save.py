@@ -45,6 +45,7 @@ from ._types import (
     Fragment,
     SavePlan,
     WriteOp,
+    array_save_plan_of,
     check_placement,
     fragment_of,
     write_of,
@@ -935,7 +936,7 @@ def plan_save(
         for spec in specs:
             check_placement(spec, world, checked, "layout")
             chunk, writes = _array_writes(spec, opts, scopes)
-            out.append(ArraySavePlan(spec.key, spec.shape, spec.itemsize, chunk, writes))
+            out.append(array_save_plan_of(spec.key, spec.shape, spec.itemsize, chunk, writes))
         return SavePlan(world, tuple(out))
     # A rank's part: arrays of one (layout, shape, element size, placement) object, as a
     # model's layers are, are looked up once per plan (the objects live as long as the call).
@@ -958,7 +959,7 @@ def plan_save(
                 got = parts[where] = (chunk_shape_of_table(table, spec.shape, spec.itemsize, opts), None)
         chunk, part = got
         writes = () if part is None else part.writes(spec.key, scopes)
-        out.append(ArraySavePlan(spec.key, spec.shape, spec.itemsize, chunk, writes))
+        out.append(array_save_plan_of(spec.key, spec.shape, spec.itemsize, chunk, writes))
     return SavePlan(world, tuple(out))
 
 

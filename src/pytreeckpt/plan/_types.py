@@ -303,3 +303,42 @@ def write_of(region: Region, writer: int, sources: tuple[Fragment, ...]) -> Writ
     _W_WRITER(w, writer)
     _W_SOURCES(w, sources)
     return w
+
+
+_AS = [ArraySavePlan.__dict__[f].__set__ for f in ("key", "shape", "itemsize", "chunk_shape", "writes")]
+_AL = [ArrayLoadPlan.__dict__[f].__set__ for f in ("key", "shape", "itemsize", "reads")]
+_R_REGION, _R_READER, _R_TARGETS = (ReadOp.__dict__[f].__set__ for f in ("region", "reader", "targets"))
+
+
+def array_save_plan_of(
+    key: str, shape: tuple[int, ...], itemsize: int, chunk_shape: tuple[int, ...], writes: tuple[WriteOp, ...]
+) -> ArraySavePlan:
+    """``ArraySavePlan(key, shape, itemsize, chunk_shape, writes)``, made as :func:`fragment_of` makes a fragment."""
+    a = _new(ArraySavePlan)
+    set_key, set_shape, set_itemsize, set_chunk, set_writes = _AS
+    set_key(a, key)
+    set_shape(a, shape)
+    set_itemsize(a, itemsize)
+    set_chunk(a, chunk_shape)
+    set_writes(a, writes)
+    return a
+
+
+def array_load_plan_of(key: str, shape: tuple[int, ...], itemsize: int, reads: tuple[ReadOp, ...]) -> ArrayLoadPlan:
+    """``ArrayLoadPlan(key, shape, itemsize, reads)``, made as :func:`fragment_of` makes a fragment."""
+    a = _new(ArrayLoadPlan)
+    set_key, set_shape, set_itemsize, set_reads = _AL
+    set_key(a, key)
+    set_shape(a, shape)
+    set_itemsize(a, itemsize)
+    set_reads(a, reads)
+    return a
+
+
+def read_of(region: Region, reader: int, targets: tuple[Fragment, ...]) -> ReadOp:
+    """``ReadOp(region, reader, targets)``, made as :func:`fragment_of` makes a fragment."""
+    r = _new(ReadOp)
+    _R_REGION(r, region)
+    _R_READER(r, reader)
+    _R_TARGETS(r, targets)
+    return r
