@@ -141,6 +141,12 @@ def main() -> None:
                 r = small.run(count, args.repeat if count <= 10_000 else max(1, args.repeat - 1), workdir, cold)
                 report["runs"][key] = r
                 print(json.dumps(r["seconds"]), flush=True)
+            if len(args.small) > 1:  # the growth with the leaves, both counts in the same rounds
+                lo, hi = min(args.small), max(args.small)
+                print(f"-- {lo} and {hi} small leaves, alternated", flush=True)
+                r = small.paired(lo, hi, args.repeat, workdir, cold)
+                report["runs"][f"{hi} small leaves"]["paired"] = r
+                print(json.dumps(r["seconds"]), flush=True)
             key = f"mixed state {args.mixed_gib:g} GiB of weights"
             print(f"-- {key}", flush=True)
             r = small.run_mixed(args.mixed_gib, args.repeat, workdir, cold)
@@ -259,6 +265,15 @@ def main() -> None:
                 + "); the later saves above (the state recognised): "
                 + ", ".join(f"{p} {later.get(p, 0):.3f}" for p in phases)
                 + " s (medians)",
+                "",
+            ]
+        if "paired" in r:
+            lo, hi = r["paired"]["leaves"]
+            p = r["paired"]["seconds"]
+            md += [
+                f"pytreeckpt alone, {lo} and {hi} leaves alternated in the same rounds (the growth targets use "
+                f"these): save {p['small save']:.3f} s and {p['big save']:.3f} s, load {p['small load']:.3f} s and "
+                f"{p['big load']:.3f} s",
                 "",
             ]
     md += ["## Plots", "", *_plot(report, args.out)]
