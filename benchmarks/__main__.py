@@ -144,7 +144,7 @@ def main() -> None:
             if len(args.small) > 1:  # the growth with the leaves, both counts in the same rounds
                 lo, hi = min(args.small), max(args.small)
                 print(f"-- {lo} and {hi} small leaves, alternated", flush=True)
-                r = small.paired(lo, hi, args.repeat, workdir, cold)
+                r = small.paired(lo, hi, max(5, args.repeat), workdir, cold)  # (a ratio of two noisy times)
                 report["runs"][f"{hi} small leaves"]["paired"] = r
                 print(json.dumps(r["seconds"]), flush=True)
             key = f"mixed state {args.mixed_gib:g} GiB of weights"
