@@ -17,6 +17,7 @@ from pytreeckpt.format._document import (
     ChecksumFile,
     Compression,
     DocumentHead,
+    array_leaf_parts,
     array_leaf_texts,
     build_document,
 )
@@ -94,3 +95,7 @@ def test_a_document_of_texts_is_the_document_of_dicts(
     texts = iter(array_leaf_texts(metas, *([x[k] for x in cases] for k in (1, 2, 3))))
     mixed = [e if e["kind"] == "value" else next(texts) for e in entries]
     assert DocumentHead.of(tree, user).document(mixed, (m.database for m in metas), checksums) == want
+    if not values_at:  # arrays only: a save joins their parts into the document at once
+        heads, tails = array_leaf_parts(metas, *([x[k] for x in cases] for k in (1, 2, 3)))
+        got = DocumentHead.of(tree, user).document_of_parts(heads, tails, (m.database for m in metas), checksums)
+        assert got == want

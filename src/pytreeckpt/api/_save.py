@@ -48,7 +48,7 @@ from pytreeckpt.format._document import (
     DocumentHead,
     ValueMeta,
     array_leaf_heads,
-    array_leaf_texts,
+    array_leaf_parts,
     array_names,
     chunk_count,
     crc32c_chars,
@@ -359,13 +359,13 @@ class _SaveJob:
         limit = self.storage.location.options.max_inline_checksum_bytes
         refs, file, blob = place_checksums(crcs, limit, generation_name(CHECKSUMS_FILE, self.generation))
         # under this save's generation's names (see _name), in their databases, with their chunks' checksums
-        texts = array_leaf_texts(self.metas, crcs, hashes, refs, self._heads())
-        if len(texts) == len(entries):  # (no Python values among the leaves)
-            leaves: list[Any] = texts
+        firsts, rests = array_leaf_parts(self.metas, crcs, hashes, refs, self._heads())
+        if len(firsts) == len(entries):  # (no Python values among the leaves: the parts joined at once)
+            document = head.document_of_parts(firsts, rests, databases, file)
         else:
-            arrays = iter(texts)
+            arrays = map(operator.add, firsts, rests)
             leaves = [e if e is not None else next(arrays) for e in entries]
-        document = head.document(leaves, databases, file)
+            document = head.document(leaves, databases, file)
         return document, None if file is None or blob is None else (file.path, blob), databases
 
     def _commit(self, gathered: list[Any] | None) -> None:

@@ -62,6 +62,7 @@ __all__ = [
     "DocumentHead",
     "ValueMeta",
     "array_leaf_heads",
+    "array_leaf_parts",
     "array_leaf_texts",
     "array_names",
     "chunk_count",
@@ -1012,20 +1013,44 @@ class DocumentHead:
         dicts), stored in ``databases`` (its version says which kinds of database it needs), and
         ``checksums``: the file its leaves' ``chunk_crc32c_at`` name. Byte for byte ``json.dumps``'s
         text of the whole document (compact separators)."""
-        stored = {d for d in set(databases) if d is not None}  # (the set first: a few among 10^5 leaves)
-        version = 3 if any(d.startswith(ARCHIVE_DIR + "/") for d in stored) else 2 if stored else 1
         try:
             texts = cast("list[str]", leaves)
             if not set(map(type, leaves)) <= {str}:  # (values' entries among them, as dicts)
                 texts = [x if type(x) is str else _dumps(x) for x in leaves]
         except (TypeError, ValueError) as e:
             raise _not_json(e) from None
-        parts = [f'{{"format":{_dumps(FORMAT_NAME)},"version":{version},"tree":', self.tree, ',"leaves":[']
-        parts += [",".join(texts), '],"user_metadata":', self.user]
+        before, after = self._frame(databases, checksums)
+        return "".join([before, ",".join(texts), after]).encode()
+
+    def document_of_parts(
+        self,
+        heads: Sequence[str],
+        tails: Sequence[str],
+        databases: Iterable[str | None],
+        checksums: ChecksumFile | None = None,
+    ) -> bytes:
+        """:meth:`document` of the leaves whose entries are ``heads[i] + tails[i]`` (as
+        :func:`array_leaf_parts` gives them), joined into the document once (a save of
+        100,000 leaves spent 30 ms making each leaf's text and joining them twice)."""
+        n = len(heads)
+        before, after = self._frame(databases, checksums)
+        body = [","] * (3 * n + 1)  # the frame's start; then per leaf its head, its tail and a comma
+        body[0] = before
+        body[1::3] = heads
+        body[2::3] = tails
+        body[-1] = after  # (in place of the last leaf's comma)
+        return "".join(body).encode() if n else (before + after).encode()
+
+    def _frame(self, databases: Iterable[str | None], checksums: ChecksumFile | None) -> tuple[str, str]:
+        """The document's text before its leaves' entries and after them."""
+        stored = {d for d in set(databases) if d is not None}  # (the set first: a few among 10^5 leaves)
+        version = 3 if any(d.startswith(ARCHIVE_DIR + "/") for d in stored) else 2 if stored else 1
+        before = f'{{"format":{_dumps(FORMAT_NAME)},"version":{version},"tree":{self.tree},"leaves":['
+        after = ['],"user_metadata":', self.user]
         if checksums is not None:
-            parts += [',"checksums":', _dumps(checksums.to_json())]
-        parts.append("}")
-        return "".join(parts).encode()
+            after += [',"checksums":', _dumps(checksums.to_json())]
+        after.append("}")
+        return before, "".join(after)
 
 
 def build_document(
@@ -1091,11 +1116,23 @@ def array_leaf_texts(
     encoded together. Leaves with compression or chunk hashes, or without checksums, go
     through ``to_json``.
     """
+    return list(map(operator.add, *array_leaf_parts(metas, crcs, hashes, refs, heads)))
+
+
+def array_leaf_parts(
+    metas: Sequence[ArrayMeta],
+    crcs: Sequence[bytes | None],
+    hashes: Sequence[Sequence[str] | None],
+    refs: Sequence[tuple[int, int] | None],
+    heads: Sequence[str | None] | None = None,
+) -> tuple[list[str], list[str]]:
+    """:func:`array_leaf_texts`, each entry as two texts to put one after the other (its head and the rest),
+    for :meth:`DocumentHead.document_of_parts` to join into the document at once."""
     if heads is None:
         heads = array_leaf_heads(metas)
     single = _single_chunk_sums(crcs)
     if None not in single and None not in heads and not any(hashes) and not any(refs):
-        return list(map(operator.add, heads, single))  # type: ignore[arg-type]  # (the common case, in C)
+        return list(heads), single  # type: ignore[arg-type, return-value]  # (the common case)
     out: list[str] = []
     for m, head, crc, hashed, at, sums in zip(metas, heads, crcs, hashes, refs, single, strict=True):
         if head is None or hashed or (at is None and crc is None):
@@ -1106,7 +1143,7 @@ def array_leaf_texts(
             out.append(head + sums)
         else:
             out.append(f'{head},"chunk_crc32c":"{base64.b64encode(crc).decode()}"}}')  # type: ignore[arg-type]
-    return out
+    return out, [""] * len(out)
 
 
 _SUMS_OPEN = ',"chunk_crc32c":"'
