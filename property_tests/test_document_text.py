@@ -5,6 +5,7 @@ it plans, each array leaf's entry from the fragments its kind shares): byte for 
 from __future__ import annotations
 
 import json
+import operator
 from typing import Any
 
 from hypothesis import given, settings
@@ -18,7 +19,6 @@ from pytreeckpt.format._document import (
     Compression,
     DocumentHead,
     array_leaf_parts,
-    array_leaf_texts,
     build_document,
 )
 from pytreeckpt.testing import shapes, specs
@@ -57,10 +57,10 @@ def leaves(draw: st.DrawFn) -> tuple[ArrayMeta, bytes | None, tuple[str, ...] | 
 
 @settings(max_examples=100)  # (a deterministic encoder: 100 examples of every kind of field suffice)
 @given(st.lists(leaves(), max_size=8))
-def test_array_leaf_texts_are_their_entries_serialised(cases: list[Any]) -> None:
+def test_array_leaf_parts_are_their_entries_serialised(cases: list[Any]) -> None:
     metas, crcs, hashes, refs = (list(x) for x in zip(*cases, strict=True)) if cases else ([], [], [], [])
     want = [_dumps(m.to_json(c, h, at)) for m, c, h, at in cases]
-    assert array_leaf_texts(metas, crcs, hashes, refs) == want
+    assert list(map(operator.add, *array_leaf_parts(metas, crcs, hashes, refs))) == want
 
 
 @settings(max_examples=100)
@@ -92,7 +92,7 @@ def test_a_document_of_texts_is_the_document_of_dicts(
         doc["checksums"] = checksums.to_json()
     want = _dumps(doc).encode()
     assert build_document(tree, entries, user, checksums) == want
-    texts = iter(array_leaf_texts(metas, *([x[k] for x in cases] for k in (1, 2, 3))))
+    texts = map(operator.add, *array_leaf_parts(metas, *([x[k] for x in cases] for k in (1, 2, 3))))
     mixed = [e if e["kind"] == "value" else next(texts) for e in entries]
     assert DocumentHead.of(tree, user).document(mixed, (m.database for m in metas), checksums) == want
     if not values_at:  # arrays only: a save joins their parts into the document at once

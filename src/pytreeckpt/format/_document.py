@@ -28,7 +28,6 @@ import collections
 import dataclasses
 import json
 import math
-import operator
 import re
 import threading
 from collections.abc import Callable, Iterable, Sequence
@@ -63,7 +62,6 @@ __all__ = [
     "ValueMeta",
     "array_leaf_heads",
     "array_leaf_parts",
-    "array_leaf_texts",
     "array_names",
     "chunk_count",
     "crc32c_chars",
@@ -1009,7 +1007,7 @@ class DocumentHead:
         databases: Iterable[str | None],
         checksums: ChecksumFile | None = None,
     ) -> bytes:
-        """The document of these leaves' entries (JSON texts as :func:`array_leaf_texts` makes them, or
+        """The document of these leaves' entries (JSON texts, as :func:`array_leaf_parts` makes them joined, or
         dicts), stored in ``databases`` (its version says which kinds of database it needs), and
         ``checksums``: the file its leaves' ``chunk_crc32c_at`` name. Byte for byte ``json.dumps``'s
         text of the whole document (compact separators)."""
@@ -1069,7 +1067,7 @@ _encode_str = json.encoder.encode_basestring_ascii  # (what json.dumps uses for 
 
 def array_leaf_heads(metas: Sequence[ArrayMeta]) -> list[str | None]:
     """Each array leaf's entry in the metadata document up to its checksums, as JSON text (see
-    :func:`array_leaf_texts`); None for a leaf with compression or chunk hashes, whose entry
+    :func:`array_leaf_parts`); None for a leaf with compression or chunk hashes, whose entry
     ``to_json`` makes. A save of a tree like one before keeps them (api/_recall.py).
 
     What leaves of one kind share (container, dtypes and shapes; layout and database) is
@@ -1100,25 +1098,6 @@ def array_leaf_heads(metas: Sequence[ArrayMeta]) -> list[str | None]:
     return out
 
 
-def array_leaf_texts(
-    metas: Sequence[ArrayMeta],
-    crcs: Sequence[bytes | None],
-    hashes: Sequence[Sequence[str] | None],
-    refs: Sequence[tuple[int, int] | None],
-    heads: Sequence[str | None] | None = None,
-) -> list[str]:
-    """Each array leaf's entry in the metadata document, as JSON text: ``meta.to_json(crc, hashes, ref)``
-    serialised as the document serialises it (tests check it byte for byte).
-
-    ``heads``: :func:`array_leaf_heads` of ``metas``, if made before. A save of 100,000
-    small leaves spent a quarter of its commit on a dict per leaf and its serialisation;
-    each leaf's entry is now its head and its checksums, those of leaves of one chunk
-    encoded together. Leaves with compression or chunk hashes, or without checksums, go
-    through ``to_json``.
-    """
-    return list(map(operator.add, *array_leaf_parts(metas, crcs, hashes, refs, heads)))
-
-
 def array_leaf_parts(
     metas: Sequence[ArrayMeta],
     crcs: Sequence[bytes | None],
@@ -1126,8 +1105,17 @@ def array_leaf_parts(
     refs: Sequence[tuple[int, int] | None],
     heads: Sequence[str | None] | None = None,
 ) -> tuple[list[str], list[str]]:
-    """:func:`array_leaf_texts`, each entry as two texts to put one after the other (its head and the rest),
-    for :meth:`DocumentHead.document_of_parts` to join into the document at once."""
+    """Each array leaf's entry in the metadata document, as two JSON texts to put one after the other (its
+    head and the rest): together ``meta.to_json(crc, hashes, ref)`` serialised as the document serialises
+    it (tests check it byte for byte); :meth:`DocumentHead.document_of_parts` joins them into the document
+    at once.
+
+    ``heads``: :func:`array_leaf_heads` of ``metas``, if made before. A save of 100,000
+    small leaves spent a quarter of its commit on a dict per leaf and its serialisation;
+    each leaf's entry is now its head and its checksums, those of leaves of one chunk
+    encoded together. Leaves with compression or chunk hashes, or without checksums, go
+    through ``to_json`` (their whole text the head, the rest empty).
+    """
     if heads is None:
         heads = array_leaf_heads(metas)
     single = _single_chunk_sums(crcs)
