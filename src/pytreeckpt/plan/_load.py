@@ -31,6 +31,7 @@ from ._types import (
     array_load_plan_of,
     check_placement,
     fragment_of,
+    placement_of,
     read_of,
 )
 
@@ -237,15 +238,13 @@ def _outside(p: Placed) -> int:
 _OUTSIDE = _Memo(4096)
 
 
-def _array_reads(spec: ArraySpec, chunk: tuple[int, ...], scopes: Scopes, rank: int | None) -> tuple[ReadOp, ...]:
-    if rank is None:
-        p = placed(spec)
-        cuts = _cuts(p, chunk, spec.itemsize)
-        _check_inside(spec, p, cuts.outside)
-        rows: Sequence[int] = range(len(cuts.lo))
-        return tuple(_reads(p, cuts, _targets(p, chunk, spec.itemsize), rows, _choose(p, cuts, rows, scopes)))
-    view = _rank_view(spec, chunk, rank)
-    return () if view is None else view.reads(scopes)
+def _array_reads(spec: ArraySpec, chunk: tuple[int, ...], scopes: Scopes) -> tuple[ReadOp, ...]:
+    """Every read of ``spec``'s array (a rank's own reads: :func:`_rank_view`)."""
+    p = placed(spec)
+    cuts = _cuts(p, chunk, spec.itemsize)
+    _check_inside(spec, p, cuts.outside)
+    rows: Sequence[int] = range(len(cuts.lo))
+    return tuple(_reads(p, cuts, _targets(p, chunk, spec.itemsize), rows, _choose(p, cuts, rows, scopes)))
 
 
 def _check_inside(spec: ArraySpec, p: Placed, bad: int) -> None:
@@ -287,7 +286,13 @@ class _RankView:
 
 
 def _rank_view(spec: ArraySpec, chunk: tuple[int, ...], rank: int) -> _RankView | None:
-    """The rank's view of ``spec``'s placed layout cut along ``chunk`` (None: it wants nothing of it), memoised."""
+    """The rank's view of ``spec``'s placed layout cut along ``chunk`` (None: it wants nothing of it), memoised.
+
+    A rank wanting nothing of it plans nothing, not even its placed table: the ranks placing
+    it find any fault of its layout (every rank learns it at the planning's agreement).
+    """
+    if not spec.placed_on(rank):
+        return None
     p = placed(spec)
     table = p.table
     own = table.disjoint  # (a rank's own cuts suffice)
@@ -391,28 +396,19 @@ def plan_load(
     if rank is None:
         for spec, chunk in zip(specs, chunk_shapes, strict=True):
             check_placement(spec, world, checked, "target")
-            reads = _array_reads(spec, tuple(chunk), scopes, rank)
+            reads = _array_reads(spec, tuple(chunk), scopes)
             out.append(array_load_plan_of(spec.key, spec.shape, spec.itemsize, reads))
         return LoadPlan(world, tuple(out))
     # A rank's part: arrays of one (layout, shape, element size, placement, chunk) object, as a
     # model's layers are, are looked up once per plan (the objects live as long as the call).
-    views: dict[tuple[Any, ...], tuple[Any, _RankView | None]] = {}
+    views: dict[tuple[Any, ...], tuple[_RankView | None]] = {}
     for spec, chunk in zip(specs, chunk_shapes, strict=True):
-        ranks = spec.ranks
-        where = (
-            id(spec.layout),
-            spec.shape,
-            spec.itemsize,
-            ranks if ranks is None or type(ranks) is range else id(ranks),
-            tuple(chunk),
-        )
+        where = (*placement_of(spec), spec.shape, spec.itemsize, tuple(chunk))
         got = views.get(where)
         if got is None:
             check_placement(spec, world, checked, "target")
-            # (a rank wanting nothing of it plans nothing: the ranks placing it find any fault of its layout)
-            view = _rank_view(spec, tuple(chunk), rank) if spec.placed_on(rank) else None
-            got = views[where] = (spec, view)
-        view = got[1]
+            got = views[where] = (_rank_view(spec, tuple(chunk), rank),)
+        view = got[0]
         reads = () if view is None else view.reads(scopes)
         out.append(array_load_plan_of(spec.key, spec.shape, spec.itemsize, reads))
     return LoadPlan(world, tuple(out))

@@ -48,6 +48,7 @@ from ._types import (
     array_save_plan_of,
     check_placement,
     fragment_of,
+    placement_of,
     write_of,
 )
 
@@ -441,13 +442,22 @@ def _structure(p: Placed, itemsize: int, opts: ChunkingOptions) -> _Structure:
     return p.per_table(("save", itemsize, opts), _STRUCTURES, lambda: _make_structure(p.table, p.shape, itemsize, opts))
 
 
-def _make_structure(table: PieceTable, shape: tuple[int, ...], itemsize: int, opts: ChunkingOptions) -> _Structure:
+def _grid_of(
+    table: PieceTable, shape: tuple[int, ...], itemsize: int, opts: ChunkingOptions
+) -> tuple[ChunkGrid, _Structure | None]:
+    """The chunk grid of an array laid out as ``table``, and its structure if it has no chunk (a zero-size array)."""
     grid = ChunkGrid(shape, chunk_shape_of_table(table, shape, itemsize, opts))
+    if grid.count:
+        return grid, None
+    empty, none = np.zeros((0, len(shape)), dtype=_I64), np.zeros(0, dtype=_I64)
+    return grid, _Structure(grid, table, itemsize, none, none, empty, empty, True, [], none)
+
+
+def _make_structure(table: PieceTable, shape: tuple[int, ...], itemsize: int, opts: ChunkingOptions) -> _Structure:
+    grid, nothing = _grid_of(table, shape, itemsize, opts)
+    if nothing is not None:
+        return nothing
     nd = len(shape)
-    empty = np.zeros((0, nd), dtype=_I64)
-    none = np.zeros(0, dtype=_I64)
-    if grid.count == 0:
-        return _Structure(grid, table, itemsize, none, none, empty, empty, True, [], none)
     clo, chi = grid.contained(table.lo, table.ext)
     rows = np.flatnonzero((chi > clo).all(axis=1)) if nd else np.arange(len(table.pos), dtype=_I64)
     ubox, inverse, _ = unique_rows(np.concatenate([clo[rows], chi[rows]], axis=1))
@@ -497,7 +507,7 @@ def _make_structure(table: PieceTable, shape: tuple[int, ...], itemsize: int, op
     # chunks no piece holds whole
     covered = int(np.prod(cell_hi - cell_lo, axis=1).sum()) if nd else len(cell_ids)
     if covered >= grid.count:
-        uncovered = none
+        uncovered = np.zeros(0, dtype=_I64)
     else:
         _, flat = grid.cells(cell_lo, cell_hi)
         mask = np.ones(grid.count, dtype=bool)
@@ -568,12 +578,10 @@ def _make_rank_structure(
     piece holding it would meet ``pos``'s, so equal it): a merged chunk. So ``pos``'s part
     comes from its few rows and a scan of the table per box, not from every row's cells.
     """
-    grid = ChunkGrid(shape, chunk_shape_of_table(table, shape, itemsize, opts))
+    grid, nothing = _grid_of(table, shape, itemsize, opts)
+    if nothing is not None:
+        return nothing
     nd = len(shape)
-    empty = np.zeros((0, nd), dtype=_I64)
-    none = np.zeros(0, dtype=_I64)
-    if grid.count == 0:
-        return _Structure(grid, table, itemsize, none, none, empty, empty, True, [], none)
     a, b = (int(i) for i in np.searchsorted(table.pos, [pos, pos + 1]))
     lo, ext = table.lo[a:b], table.ext[a:b]
     clo, chi = grid.contained(lo, ext)
@@ -745,11 +753,15 @@ class _RankPart:
 
 
 def _rank_part(spec: ArraySpec, opts: ChunkingOptions, rank: int) -> tuple[tuple[int, ...], _RankPart | None]:
-    """The chunk shape of ``spec``'s array and what ``rank`` takes part in (None: nothing), memoised per placement."""
+    """The chunk shape of ``spec``'s array and what ``rank`` takes part in (None: nothing), memoised per placement.
+
+    An array placed on other ranks only is not placed: its chunk shape comes from its layout's table.
+    """
+    if not spec.placed_on(rank):
+        return chunk_shape_of_table(piece_table(spec.layout, spec.shape), spec.shape, spec.itemsize, opts), None
     p = placed(spec)
     pos = p.position(rank)
-    if pos is None:
-        return chunk_shape_of_table(p.table, p.shape, spec.itemsize, opts), None
+    assert pos is not None  # (placed on rank, so it has a position)
     key = ("rank", spec.itemsize, opts, pos)
     got = p.derived.get(key)
     if got is None:
@@ -942,21 +954,11 @@ def plan_save(
     # model's layers are, are looked up once per plan (the objects live as long as the call).
     parts: dict[tuple[Any, ...], tuple[tuple[int, ...], _RankPart | None]] = {}
     for spec in specs:
-        ranks = spec.ranks
-        where = (
-            id(spec.layout),
-            spec.shape,
-            spec.itemsize,
-            ranks if ranks is None or type(ranks) is range else id(ranks),
-        )
+        where = (*placement_of(spec), spec.shape, spec.itemsize)
         got = parts.get(where)
         if got is None:
             check_placement(spec, world, checked, "layout")
-            if spec.placed_on(rank):
-                got = parts[where] = _rank_part(spec, opts, rank)
-            else:  # (nothing of it here: its chunk shape only, from its layout's table, unplaced)
-                table = piece_table(spec.layout, spec.shape)
-                got = parts[where] = (chunk_shape_of_table(table, spec.shape, spec.itemsize, opts), None)
+            got = parts[where] = _rank_part(spec, opts, rank)
         chunk, part = got
         writes = () if part is None else part.writes(spec.key, scopes)
         out.append(array_save_plan_of(spec.key, spec.shape, spec.itemsize, chunk, writes))

@@ -268,9 +268,17 @@ class ArraySpec:
             raise LayoutError(f"leaf {self.key!r}: its layout places two positions on one rank: {self.ranks}")
 
 
+def placement_of(spec: ArraySpec) -> tuple[int, Any]:
+    """``spec``'s layout and placement *objects*, as a key (a range or None by value: equal ones are the same
+    placement). Arrays sharing them, as a model's layers do, are planned alike; the specs keep the objects
+    alive, so their ids are theirs while they are planned."""
+    ranks = spec.ranks
+    return id(spec.layout), ranks if ranks is None or type(ranks) is range else id(ranks)
+
+
 def check_placement(spec: ArraySpec, world: int, checked: set[tuple[int, Any]], what: str) -> None:
     """Raise unless ``spec``'s layout sits on ranks of the world; each placement is checked once."""
-    where = (id(spec.layout), spec.ranks if spec.ranks is None or isinstance(spec.ranks, range) else id(spec.ranks))
+    where = placement_of(spec)
     if where in checked:
         return
     if spec.layout.world_size > world:
