@@ -10,6 +10,7 @@ PURE = [
     "pytreeckpt.core._region",
     "pytreeckpt.core._sharding",
     "pytreeckpt.core._grid",
+    "pytreeckpt.core._rows",
     "pytreeckpt.core._tree",
     "pytreeckpt.plan",
 ]

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pytreeckpt.core._region import Region
+from pytreeckpt.core._rows import rows_prod
 
 __all__ = ["ChunkGrid"]
 
@@ -150,7 +151,7 @@ class ChunkGrid:
         """Every chunk of each chunk-index box ``[lo, hi)``: (box row, flat chunk index), row-major per box."""
         nd = self.ndim
         span = np.maximum(hi - lo, 0)
-        counts = np.prod(span, axis=1) if nd else np.ones(len(lo), dtype=_I64)
+        counts = rows_prod(span) if nd else np.ones(len(lo), dtype=_I64)
         box = np.repeat(np.arange(len(lo), dtype=_I64), counts)
         local = np.arange(len(box), dtype=_I64) - np.repeat(np.cumsum(counts) - counts, counts)
         flat = np.zeros(len(box), dtype=_I64)

@@ -20,6 +20,7 @@ import numpy as np
 from pytreeckpt.core._errors import LayoutError
 from pytreeckpt.core._grid import ChunkGrid
 from pytreeckpt.core._region import Region, region_of
+from pytreeckpt.core._rows import rows_all, rows_any, rows_prod
 
 from ._balance import Scopes, scope_key, scope_loads
 from ._tables import _I64, PieceTable, Placed, _Memo, first_of_runs, placed, unique_rows
@@ -90,7 +91,7 @@ def _cuts(p: Placed, chunk: tuple[int, ...], itemsize: int) -> _Cuts:
 def _first_outside(table: PieceTable, shape: tuple[int, ...]) -> int:
     """The first row of ``table`` reaching outside an array of ``shape``, or -1."""
     hi = table.lo + table.ext
-    outside = np.flatnonzero(((table.lo < 0) | (hi > np.asarray(shape, dtype=_I64))).any(axis=1))
+    outside = np.flatnonzero(rows_any((table.lo < 0) | (hi > np.asarray(shape, dtype=_I64))))
     return int(outside[0]) if len(outside) else -1
 
 
@@ -118,7 +119,7 @@ def _make_cuts(table: PieceTable, shape: tuple[int, ...], chunk: tuple[int, ...]
         return _Cuts(
             np.zeros((0, nd), _I64), np.zeros((0, nd), _I64), none, np.zeros(1, _I64), none, none, none, outside
         )
-    nonempty = np.asarray((table.ext > 0).all(axis=1)) if nd else np.ones(len(table.pos), dtype=bool)
+    nonempty = np.asarray(rows_all(table.ext > 0)) if nd else np.ones(len(table.pos), dtype=bool)
     if grid.count == 0:
         nonempty[:] = False
     rows = np.flatnonzero(nonempty)
@@ -159,7 +160,7 @@ def _make_cuts(table: PieceTable, shape: tuple[int, ...], chunk: tuple[int, ...]
     nwanting = np.bincount(reg[distinct], minlength=len(lo))
     first_pos = wpos[ptr[:-1]] if len(wpos) else np.zeros(len(lo), dtype=_I64)
     single = np.where(nwanting == 1, first_pos, -1)
-    nbytes = (np.prod(ext, axis=1) if nd else np.ones(len(lo), dtype=_I64)) * itemsize
+    nbytes = (rows_prod(ext) if nd else np.ones(len(lo), dtype=_I64)) * itemsize
     return _Cuts(lo, ext, nbytes, ptr, wpos, wpiece, single.astype(_I64))
 
 
@@ -177,15 +178,13 @@ def _own_cuts(table: PieceTable, shape: tuple[int, ...], chunk: tuple[int, ...],
     a, b = np.searchsorted(table.pos, [pos, pos + 1])
     mine = np.arange(a, b, dtype=_I64)
     if nd:
-        mine = mine[(table.ext[a:b] > 0).all(axis=1)]
+        mine = mine[rows_all(table.ext[a:b] > 0)]
     if grid.count == 0:
         mine = mine[:0]
-    nonempty = (table.ext > 0).all(axis=1) if nd else np.ones(len(table.pos), dtype=bool)
+    nonempty = rows_all(table.ext > 0) if nd else np.ones(len(table.pos), dtype=bool)
     holders, firsts = [], []
     for row in mine.tolist():  # (a position holds a few boxes)
-        same = np.flatnonzero(
-            nonempty & (table.lo == table.lo[row]).all(axis=1) & (table.ext == table.ext[row]).all(axis=1)
-        )
+        same = np.flatnonzero(nonempty & rows_all(table.lo == table.lo[row]) & rows_all(table.ext == table.ext[row]))
         holders.append(same)
         firsts.append(int(same[0]))
     order = sorted(range(len(holders)), key=firsts.__getitem__)
@@ -202,7 +201,7 @@ def _own_cuts(table: PieceTable, shape: tuple[int, ...], chunk: tuple[int, ...],
     positions = [np.unique(table.pos[h]) for h in per_box]
     single_of_box = np.asarray([int(u[0]) if len(u) == 1 else -1 for u in positions], dtype=_I64)
     single = single_of_box[box] if len(box) else np.zeros(0, dtype=_I64)
-    nbytes = (np.prod(ext, axis=1) if nd else np.ones(len(lo), dtype=_I64)) * itemsize
+    nbytes = (rows_prod(ext) if nd else np.ones(len(lo), dtype=_I64)) * itemsize
     return _Cuts(lo, ext, nbytes, ptr, wpos, wpiece, single)
 
 

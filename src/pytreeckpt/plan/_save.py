@@ -34,6 +34,7 @@ import numpy as np
 from pytreeckpt.core._errors import LayoutError
 from pytreeckpt.core._grid import ChunkGrid
 from pytreeckpt.core._region import Region, region_of
+from pytreeckpt.core._rows import rows_all, rows_prod
 
 from ._balance import Box, Scopes, coalesce, scope_key, scope_loads, subtract_box, water_fill
 from ._chunking import chunk_shape_of_table
@@ -328,7 +329,7 @@ class _Structure:
             return []
         lo = t.lo[rows] // np.asarray(self.grid.chunk, dtype=_I64)
         hi = (t.lo[rows] + t.ext[rows] - 1) // np.asarray(self.grid.chunk, dtype=_I64) + 1
-        nonempty = (t.ext[rows] > 0).all(axis=1)
+        nonempty = rows_all(t.ext[rows] > 0)
         _, flat = self.grid.cells(lo[nonempty], hi[nonempty])
         u = self.uncovered  # (ascending: a search finds the few chunks of a position among many)
         at = np.minimum(np.searchsorted(u, flat), len(u) - 1)
@@ -355,7 +356,7 @@ class _Structure:
         lo = np.maximum(t.lo[rows], np.asarray(chunk.offset, dtype=_I64))
         hi = np.minimum(t.lo[rows] + t.ext[rows], np.asarray(chunk.stop, dtype=_I64))
         pos, piece = t.pos[rows], t.piece[rows]
-        sizes = np.prod(hi - lo, axis=1) if nd else np.ones(len(rows), dtype=_I64)
+        sizes = rows_prod(hi - lo) if nd else np.ones(len(rows), dtype=_I64)
         # (rows are in table order, by position then piece: each feeder's parts are a run)
         starts = first_of_runs(pos)
         feeders = pos[starts]
@@ -391,9 +392,9 @@ def _meeting(table: PieceTable, box: Region) -> np.ndarray:
     if not box.ndim:
         return np.arange(len(table.pos))
     meets = (
-        (lo < np.asarray(box.stop, dtype=_I64)).all(axis=1)
-        & (lo + ext > np.asarray(box.offset, dtype=_I64)).all(axis=1)
-        & (ext > 0).all(axis=1)
+        rows_all(lo < np.asarray(box.stop, dtype=_I64))
+        & rows_all(lo + ext > np.asarray(box.offset, dtype=_I64))
+        & rows_all(ext > 0)
     )
     return np.flatnonzero(meets)
 
@@ -404,7 +405,7 @@ class _PartIndex:
     def __init__(self, table: PieceTable) -> None:
         self.table = table
         nd = table.lo.shape[1]
-        nonempty = np.flatnonzero((table.ext > 0).all(axis=1)) if nd else np.arange(len(table.pos))
+        nonempty = np.flatnonzero(rows_all(table.ext > 0)) if nd else np.arange(len(table.pos))
         self.rows = nonempty
         if nd == 0 or not len(nonempty):
             self.dim = -1
@@ -427,9 +428,7 @@ class _PartIndex:
         last = int(np.searchsorted(self.start, b, side="left"))
         cand = self.rows[first:last]
         lo, hi = t.lo[cand], t.lo[cand] + t.ext[cand]
-        meets = (lo < np.asarray(box.stop, dtype=_I64)).all(axis=1) & (hi > np.asarray(box.offset, dtype=_I64)).all(
-            axis=1
-        )
+        meets = rows_all(lo < np.asarray(box.stop, dtype=_I64)) & rows_all(hi > np.asarray(box.offset, dtype=_I64))
         return np.sort(cand[meets])
 
 
@@ -459,7 +458,7 @@ def _make_structure(table: PieceTable, shape: tuple[int, ...], itemsize: int, op
         return nothing
     nd = len(shape)
     clo, chi = grid.contained(table.lo, table.ext)
-    rows = np.flatnonzero((chi > clo).all(axis=1)) if nd else np.arange(len(table.pos), dtype=_I64)
+    rows = np.flatnonzero(rows_all(chi > clo)) if nd else np.arange(len(table.pos), dtype=_I64)
     ubox, inverse, _ = unique_rows(np.concatenate([clo[rows], chi[rows]], axis=1))
     ulo, uhi = ubox[:, :nd], ubox[:, nd:]
     # (a table whose pieces are equal or disjoint holds distinct chunks in distinct boxes: a chunk held whole
@@ -505,7 +504,7 @@ def _make_structure(table: PieceTable, shape: tuple[int, ...], itemsize: int, op
         by_holders[tuple(p_sorted[s : s + n].tolist())].append((cell, tuple(pi_sorted[s : s + n].tolist())))
     groups = _groups(grid, cell_lo, cell_hi, by_holders, itemsize)
     # chunks no piece holds whole
-    covered = int(np.prod(cell_hi - cell_lo, axis=1).sum()) if nd else len(cell_ids)
+    covered = int(rows_prod(cell_hi - cell_lo).sum()) if nd else len(cell_ids)
     if covered >= grid.count:
         uncovered = np.zeros(0, dtype=_I64)
     else:
@@ -585,7 +584,7 @@ def _make_rank_structure(
     a, b = (int(i) for i in np.searchsorted(table.pos, [pos, pos + 1]))
     lo, ext = table.lo[a:b], table.ext[a:b]
     clo, chi = grid.contained(lo, ext)
-    has = np.flatnonzero((chi > clo).all(axis=1))
+    has = np.flatnonzero(rows_all(chi > clo))
     # pos's distinct boxes of whole chunks, in the order of the whole structure's cells
     ubox, _, first = unique_rows(np.concatenate([clo[has], chi[has]], axis=1))
     cell_lo, cell_hi = ubox[:, :nd], ubox[:, nd:]
@@ -593,7 +592,7 @@ def _make_rank_structure(
     single_piece: list[int] = []
     by_holders: dict[tuple[int, ...], list[tuple[int, tuple[int, ...]]]] = defaultdict(list)
     for cell, r in enumerate((a + has[first]).tolist()):
-        same = np.flatnonzero((table.lo == table.lo[r]).all(axis=1) & (table.ext == table.ext[r]).all(axis=1))
+        same = np.flatnonzero(rows_all(table.lo == table.lo[r]) & rows_all(table.ext == table.ext[r]))
         keep = same[first_of_runs(table.pos[same])]  # (rows by position, then piece: each one's lowest piece)
         holders = tuple(table.pos[keep].tolist())
         pieces = tuple(table.piece[keep].tolist())
@@ -604,7 +603,7 @@ def _make_rank_structure(
             by_holders[holders].append((cell, pieces))
     groups = _groups(grid, cell_lo, cell_hi, by_holders, itemsize)
     # the chunks pos touches but holds whole in none of its boxes
-    nonempty = (ext > 0).all(axis=1)
+    nonempty = rows_all(ext > 0)
     c = np.asarray(grid.chunk, dtype=_I64)
     _, touched = grid.cells(lo[nonempty] // c, (lo[nonempty] + ext[nonempty] - 1) // c + 1)
     _, inside = grid.cells(clo[has], chi[has])
@@ -632,7 +631,7 @@ def _chunk_bytes(grid: ChunkGrid, flat: list[int], itemsize: int) -> list[int]:
     idx = grid.unflat_columns(np.asarray(flat, dtype=_I64))
     c = np.asarray(grid.chunk, dtype=_I64)
     ext = np.minimum(c, np.asarray(grid.shape, dtype=_I64) - idx * c)
-    return (np.prod(ext, axis=1) * itemsize).tolist()  # type: ignore[no-any-return]
+    return (rows_prod(ext) * itemsize).tolist()  # type: ignore[no-any-return]
 
 
 def _sweep_dim(lo: np.ndarray) -> int:
@@ -667,7 +666,7 @@ def _disjoint(lo: np.ndarray, hi: np.ndarray) -> bool:
     for s in range(0, total, step):
         i = first[s : s + step]
         j = i + 1 + offs[s : s + step]
-        if ((lo[i] < hi[j]) & (lo[j] < hi[i])).all(axis=1).any():
+        if rows_all((lo[i] < hi[j]) & (lo[j] < hi[i])).any():
             return False
     return True
 

@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from pytreeckpt.core._region import Region
+from pytreeckpt.core._rows import rows_all, rows_any
 from pytreeckpt.core._sharding import (
     FlatRanges,
     Layout,
@@ -146,8 +147,8 @@ def _mesh_table(spec: ShardingSpec, shape: tuple[int, ...]) -> PieceTable:
         if shape
         else np.ones((positions, 0), _I64)
     )
-    holds = (counts > 0).all(axis=1)
-    simple = holds & (counts == 1).all(axis=1)
+    holds = rows_all(counts > 0)
+    simple = holds & rows_all(counts == 1)
     pos_l: list[np.ndarray] = []
     lo_l: list[np.ndarray] = []
     ext_l: list[np.ndarray] = []
@@ -300,7 +301,7 @@ def unique_rows(a: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     order = np.lexsort(a.T[::-1]) if a.shape[1] else np.arange(n, dtype=_I64)
     s = a[order]
     new = np.ones(n, dtype=bool)
-    new[1:] = (s[1:] != s[:-1]).any(axis=1)
+    new[1:] = rows_any(s[1:] != s[:-1])
     inverse = np.empty(n, dtype=_I64)
     inverse[order] = np.cumsum(new) - 1
     return s[new], inverse, order[new]
