@@ -10,7 +10,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pytreeckpt import FlatRanges, Layout, Mesh, Replicate, Shard, ShardedLeaf, ShardingSpec
+from pytreeckpt import FlatRanges, Layout, Mesh, Replicate, Shard, ShardedLeaf, ShardingSpec, StridedShard
 from pytreeckpt.core._sharding import flat_range_regions, layout_from_json
 from pytreeckpt.testing import meshes, placements, shapes, specs
 
@@ -163,6 +163,34 @@ def test_spec_equality_is_the_equality_of_its_mesh_and_placements(
     if fields_equal:
         assert hash(x) == hash(y)
         assert x is not y
+
+
+@st.composite
+def fsdp_tp_specs(draw: st.DrawFn) -> tuple[ShardingSpec, tuple[int, ...]]:
+    """FSDP2 with tensor parallelism: ``StridedShard`` then ``Shard`` (maybe more) on one dim, sides of any
+    remainder, so that a position's window of its strided runs lies in one run or spans several."""
+    dims = draw(st.integers(1, 2))
+    dim = draw(st.integers(0, dims - 1))
+    shape = tuple(draw(st.integers(0, 40)) for _ in range(dims))
+    sizes = draw(st.lists(st.integers(1, 5), min_size=2, max_size=3))
+    split = draw(st.integers(1, 4))
+    rest: list[Shard | Replicate] = [
+        draw(st.sampled_from([Shard(dim), Replicate(), Shard(dims - 1 - dim)])) for _ in sizes[2:]
+    ]
+    return ShardingSpec(Mesh(tuple(sizes)), [StridedShard(dim, split), Shard(dim), *rest]), shape
+
+
+@given(fsdp_tp_specs())
+def test_the_piece_table_of_a_strided_then_plain_shard_holds_every_positions_pieces(
+    case: tuple[ShardingSpec, tuple[int, ...]],
+) -> None:
+    """(The table takes a window within one run without keeping the row's empty runs: the same pieces.)"""
+    from pytreeckpt.plan._tables import _mesh_table
+
+    spec, shape = case
+    table = _mesh_table(spec, shape)
+    want = tuple(tuple(p.region for p in ps if not p.region.is_empty) for ps in spec.rank_pieces(shape))
+    assert tuple(tuple(p.region for p in ps) for ps in table.pieces()) == want
 
 
 @given(mesh_specs())
