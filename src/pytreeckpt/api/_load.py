@@ -20,7 +20,7 @@ from pytreeckpt.core._errors import CheckpointError, LayoutError, MetadataError,
 from pytreeckpt.core._leaf import Abstract, ShardedLeaf, piece_view
 from pytreeckpt.core._region import Region
 from pytreeckpt.core._sharding import ExplicitRegions, Layout, Mesh, Piece, Replicate, ShardingSpec
-from pytreeckpt.core._tree import KeyEntry, Node, flatten, keystr, resolve_value, typed_keystr
+from pytreeckpt.core._tree import KeyEntry, Node, flatten, keystr, leaf_node, resolve_value, typed_keystr
 from pytreeckpt.distributed._comm import data_comm
 from pytreeckpt.execute._executor import read_arrays
 from pytreeckpt.execute._memory import Prefault, empty_host, empty_numpy
@@ -694,7 +694,7 @@ def _load(
             t_leaves = [None] * len(chosen)
             t_paths = [p for p, _ in chosen]
             structure = Node(
-                "dict", [("s", leaf.key) for _, leaf in chosen], [Node("leaf", leaf=i) for i in range(len(chosen))]
+                "dict", [("s", leaf.key) for _, leaf in chosen], [leaf_node(i) for i in range(len(chosen))]
             )
             target_given = False
         elif target is not None:

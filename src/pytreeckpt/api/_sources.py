@@ -199,11 +199,19 @@ def _abstract_in(
         if kinds is not None:
             kinds[kind] = got  # (the leaf keeps its spec and placement alive, so their ids stay theirs)
     _, _, layout, pieces, dtype = got
+    return _ArrayIn(key, "torch", dtype, leaf.shape, layout, leaf.spec, pieces, _NoData(key), ranks=placement)
 
-    def get(rank: int, pi: int) -> tuple[np.ndarray, Region]:
-        raise CheckpointError(f"leaf {_where(key)} is an Abstract placeholder: it has no data (a plan only)")
 
-    return _ArrayIn(key, "torch", dtype, leaf.shape, layout, leaf.spec, pieces, get, ranks=placement)
+class _NoData:
+    """The data getter of an Abstract leaf: it has none (one object a leaf, where a closure makes three)."""
+
+    __slots__ = ("key",)
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+    def __call__(self, rank: int, pi: int) -> tuple[np.ndarray, Region]:
+        raise CheckpointError(f"leaf {_where(self.key)} is an Abstract placeholder: it has no data (a plan only)")
 
 
 _WHOLE: dict[tuple[int, ...], tuple[Region, dict[int, tuple[Piece, ...]]]] = {}  # shape -> its region, pieces

@@ -45,6 +45,7 @@ __all__ = [
     "encode_value",
     "flatten",
     "keystr",
+    "leaf_node",
     "resolve_value",
     "typed_keystr",
 ]
@@ -165,8 +166,8 @@ class Node:
     """
 
     kind: str
-    entries: list[KeyEntry] = field(default_factory=list)
-    children: list[Node] = field(default_factory=list)
+    entries: Sequence[KeyEntry] = field(default_factory=list)
+    children: Sequence[Node] = field(default_factory=list)
     type: Any = None
     type_name: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
@@ -229,7 +230,7 @@ class Node:
         if type(data) is int:
             if not 0 <= data < num_leaves:
                 raise MetadataError(f"tree structure names leaf {data} but there are {num_leaves} leaves")
-            return cls("leaf", leaf=data)
+            return leaf_node(data)
         if not isinstance(data, dict) or not isinstance(data.get("c"), list):
             raise MetadataError(f"malformed tree node {str(data)[:200]}")
         kind = data.get("k")
@@ -446,6 +447,15 @@ def resolve_value(value: Any, like: Any) -> Any:
 # --------------------------------------------------------------------------- flatten
 
 
+def leaf_node(index: int) -> Node:
+    """The node of leaf ``index`` (in flatten order).
+
+    Its entries and children are the one empty tuple: a tree of 100,000 leaves does not
+    make 200,000 empty lists, which the cyclic collector would then walk.
+    """
+    return Node("leaf", (), (), leaf=index)
+
+
 def flatten(
     tree: Any, is_leaf: Callable[[Any], bool], *, namespace: str = ""
 ) -> tuple[list[Any], list[tuple[KeyEntry, ...]], Node]:
@@ -462,7 +472,7 @@ def flatten(
         if is_leaf(x):
             leaves.append(x)
             paths.append(path)
-            return Node("leaf", leaf=len(leaves) - 1)
+            return leaf_node(len(leaves) - 1)
         if len(path) >= MAX_DEPTH:
             raise CheckpointError(
                 f"the tree nests deeper than {MAX_DEPTH} levels (below key path {keystr(path[:8])!r}...); "
@@ -475,7 +485,7 @@ def flatten(
             if is_leaf(c):  # (most children are leaves: taken here, without a call of walk)
                 leaves.append(c)
                 paths.append((*path, e))
-                children.append(Node("leaf", leaf=len(leaves) - 1))
+                children.append(leaf_node(len(leaves) - 1))
             else:
                 children.append(walk(c, (*path, e)))
         return node
