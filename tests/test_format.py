@@ -202,7 +202,8 @@ def test_array_leaves_made_by_their_slots_are_the_ones_init_makes() -> None:
             assert getattr(made, field.name) == getattr(want, field.name), field.name
         assert made.nbytes == 30
         assert made._decoded is not like._decoded
-        assert made == want and hash(made) == hash(want)  # (hashed by its compared fields, as when it was frozen)
+        assert made == want
+        assert hash(made) == hash(want)  # (hashed by its compared fields, as when it was frozen)
     # and as a save makes its leaves: any layout, compression and database
     layout = pytreeckpt.ShardingSpec(pytreeckpt.Mesh(4), [pytreeckpt.Shard(1)])
     for compression, database in ((Compression("zstd", level=5), None), (None, "ocdbt/3"), (None, None)):
