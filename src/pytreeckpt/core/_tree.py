@@ -234,9 +234,12 @@ class Node:
         if not isinstance(data, dict) or not isinstance(data.get("c"), list):
             raise MetadataError(f"malformed tree node {str(data)[:200]}")
         kind = data.get("k")
-        children = [cls.from_json(c, num_leaves, namespace) for c in data["c"]]
+        children = [  # (most children are leaves, most keys strings: taken here, without a call each)
+            leaf_node(c) if type(c) is int and 0 <= c < num_leaves else cls.from_json(c, num_leaves, namespace)
+            for c in data["c"]
+        ]
         keys = data.get("keys")
-        entries = [_entry_from_json(k) for k in keys] if isinstance(keys, list) else []
+        entries = [("s", k) if type(k) is str else _entry_from_json(k) for k in keys] if isinstance(keys, list) else []
         if kind in ("list", "tuple", "deque"):
             entries = [("i", i) for i in range(len(children))]
         if len(entries) != len(children):
@@ -298,7 +301,10 @@ class Node:
             out.append(prefix)
             return
         for e, c in zip(self.entries, self.children, strict=True):
-            c._paths((*prefix, e), out)
+            if c.kind == "leaf":  # (most children are leaves: taken here, without a call each)
+                out.append((*prefix, e))
+            else:
+                c._paths((*prefix, e), out)
 
 
 _SAFE_FACTORIES: dict[str, Callable[[], Any]] = {

@@ -961,7 +961,10 @@ def _leaf_ids(node: Node) -> list[int]:
         return [node.leaf]
     out: list[int] = []
     for c in node.children:
-        out.extend(_leaf_ids(c))
+        if c.kind == "leaf":
+            out.append(c.leaf)
+        else:
+            out.extend(_leaf_ids(c))
     return out
 
 
