@@ -163,3 +163,46 @@ def test_a_ranks_load_part_is_built_once_per_layout_and_shared_by_its_layers() -
     targets = [op.targets for a in part.arrays for op in a.reads]
     assert len({id(t) for t in targets}) < len(targets)
     assert part == plan_load([(64, 512)] * 6, [layout(f"r{i}", (1024, 512), replicated) for i in range(6)], 4, rank=2)
+
+
+def test_plan_objects_made_by_their_slots_are_the_ones_init_makes() -> None:
+    """The planner makes its many small objects by setting their slots (``*_of``): every field is what
+    the dataclass's ``__init__`` gives, and a field added and not set there fails here."""
+    import dataclasses
+
+    from pytreeckpt.core._region import Region, region_of
+    from pytreeckpt.plan._types import (
+        ArrayLoadPlan,
+        ArraySavePlan,
+        ArraySpec,
+        Fragment,
+        ReadOp,
+        WriteOp,
+        array_load_plan_of,
+        array_save_plan_of,
+        array_spec_of,
+        fragment_of,
+        read_of,
+        write_of,
+    )
+
+    layout = ShardingSpec(Mesh((2, 2)), [Replicate(), Shard(0)])
+    region = Region((0, 2), (3, 4))
+    frag = Fragment(1, 0, region)
+    write, read = WriteOp(region, 1, (frag,)), ReadOp(region, 1, (frag,))
+    pairs = [
+        (region_of((0, 2), (3, 4)), region),
+        (fragment_of(1, 0, region), frag),
+        (write_of(region, 1, (frag,)), write),
+        (read_of(region, 1, (frag,)), read),
+        (array_spec_of("w", (8, 4), 2, layout, (4, 5, 6, 7)), ArraySpec("w", (8, 4), 2, layout, (4, 5, 6, 7))),
+        (array_spec_of("w", (8, 4), 2, layout, None), ArraySpec("w", (8, 4), 2, layout)),
+        (array_save_plan_of("w", (8, 4), 2, (4, 4), (write,)), ArraySavePlan("w", (8, 4), 2, (4, 4), (write,))),
+        (array_load_plan_of("w", (8, 4), 2, (read,)), ArrayLoadPlan("w", (8, 4), 2, (read,))),
+    ]
+    for made, want in pairs:
+        assert type(made) is type(want)
+        for f in dataclasses.fields(want):
+            assert getattr(made, f.name) == getattr(want, f.name), (type(want).__name__, f.name)
+        assert made == want
+        assert hash(made) == hash(want)

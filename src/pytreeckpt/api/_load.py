@@ -31,7 +31,7 @@ from pytreeckpt.format._document import (
     ValueMeta,
     parse_document,
 )
-from pytreeckpt.plan import ArraySpec, LoadPlan, PlanCache, plan_load, spec_plan_key
+from pytreeckpt.plan import ArraySpec, LoadPlan, PlanCache, array_spec_of, plan_load, spec_plan_key
 from pytreeckpt.storage import ExecutorOptions, Storage, available_memory
 from pytreeckpt.storage._location import describe
 
@@ -249,7 +249,8 @@ class _Dest:
     ranks: range | tuple[int, ...] | None = None  # the rank of each position of ``layout``; None: position i on rank i
 
     def spec(self) -> ArraySpec:
-        return ArraySpec(self.meta.key, self.meta.shape, self.meta.dtype.itemsize, self.layout, self.ranks)
+        meta = self.meta
+        return array_spec_of(meta.key, meta.shape, meta.dtype.itemsize, self.layout, self.ranks)
 
     def get(self, rank: int, pi: int) -> tuple[np.ndarray, Region]:
         piece = self.pieces[rank][pi]

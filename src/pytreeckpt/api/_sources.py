@@ -17,7 +17,7 @@ from pytreeckpt.core._region import Region
 from pytreeckpt.core._sharding import Layout, Mesh, Piece, Replicate, ShardingSpec
 from pytreeckpt.execute._executor import PieceData
 from pytreeckpt.format._document import MAX_NDIM
-from pytreeckpt.plan import ArraySpec
+from pytreeckpt.plan import ArraySpec, array_spec_of
 
 from ._shared import (
     _SINGLE,
@@ -50,7 +50,7 @@ class _ArrayIn:
 
     def spec(self) -> ArraySpec:
         """What the planner needs of this array: its key, shape, element size and placed layout."""
-        return ArraySpec(self.key, self.shape, self.dtype.itemsize, self.layout, self.ranks)
+        return array_spec_of(self.key, self.shape, self.dtype.itemsize, self.layout, self.ranks)
 
 
 def _global_source(arr: np.ndarray, pieces: Mapping[int, tuple[Piece, ...]]) -> PieceData:

@@ -25,6 +25,7 @@ from ._types import LoadPlan as LoadPlan
 from ._types import ReadOp as ReadOp
 from ._types import SavePlan as SavePlan
 from ._types import WriteOp as WriteOp
+from ._types import array_spec_of as array_spec_of
 
 __all__ = [
     "ArrayLoadPlan",
@@ -37,6 +38,7 @@ __all__ = [
     "ReadOp",
     "SavePlan",
     "WriteOp",
+    "array_spec_of",
     "check_complete",
     "clear_caches",
     "plan_load",

@@ -313,6 +313,24 @@ def write_of(region: Region, writer: int, sources: tuple[Fragment, ...]) -> Writ
     return w
 
 
+_SPEC = [ArraySpec.__dict__[f].__set__ for f in ("key", "shape", "itemsize", "layout", "ranks")]
+
+
+def array_spec_of(
+    key: str, shape: tuple[int, ...], itemsize: int, layout: Layout, ranks: range | tuple[int, ...] | None
+) -> ArraySpec:
+    """``ArraySpec(key, shape, itemsize, layout, ranks)``, made as :func:`fragment_of` makes a fragment
+    (a save or load describes each of its leaves so: 0.7 us against 1.4 us)."""
+    a = _new(ArraySpec)
+    set_key, set_shape, set_itemsize, set_layout, set_ranks = _SPEC
+    set_key(a, key)
+    set_shape(a, shape)
+    set_itemsize(a, itemsize)
+    set_layout(a, layout)
+    set_ranks(a, ranks)
+    return a
+
+
 _AS = [ArraySavePlan.__dict__[f].__set__ for f in ("key", "shape", "itemsize", "chunk_shape", "writes")]
 _AL = [ArrayLoadPlan.__dict__[f].__set__ for f in ("key", "shape", "itemsize", "reads")]
 _R_REGION, _R_READER, _R_TARGETS = (ReadOp.__dict__[f].__set__ for f in ("region", "reader", "targets"))
