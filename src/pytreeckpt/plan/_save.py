@@ -77,13 +77,19 @@ class _Group:
             got = self.scopes[placement] = scope_key(ranks[list(self.holders)])
         return got
 
-    def fill(self, loads: np.ndarray) -> tuple[bytes, list[int]]:
+    def fill(self, loads: np.ndarray) -> tuple[bytes | int, list[int]]:
         """Each chunk's holder index given the holders' loads, which it updates in place (memoised).
 
         The filling depends on the loads' differences only, so equal patterns of loads
         (layer after layer of a model) share one computation; that pattern is returned
-        with the filling, as the key of the decision.
+        with the filling, as the key of the decision. A group of one chunk hands it to the
+        least loaded holder, the lowest of ties (as :func:`water_fill` does), and that
+        holder is the key: a norm weight held by 1,024 ranks costs no pattern of 1,024 loads.
         """
+        if len(self.sizes) == 1:
+            at = int(loads.argmin())
+            loads[at] += self.sizes[0]
+            return at, [at]
         rel = loads - loads.min()
         key = rel.tobytes()
         got = self.memo.get(key)
@@ -710,7 +716,7 @@ class _RankPart:
     singles: list[int]
     groups: list[tuple[_Group, bytes]]  # each with the key of its scope
     merges: list[tuple[int, _Merge, bytes]]  # (flat chunk, merge, scope key)
-    direct: dict[tuple[bytes, ...], tuple[WriteOp, ...]] = field(default_factory=dict)
+    direct: dict[tuple[bytes | int, ...], tuple[WriteOp, ...]] = field(default_factory=dict)
     merged: dict[tuple[int, int], WriteOp | None] = field(default_factory=dict)
 
     def writes(self, key: str, scopes: Scopes) -> tuple[WriteOp, ...]:
