@@ -23,7 +23,7 @@ from pytreeckpt.core._region import Region, region_of
 from pytreeckpt.core._rows import rows_all, rows_any, rows_prod
 
 from ._balance import Scopes, scope_key, scope_loads
-from ._tables import _I64, PieceTable, Placed, _Memo, first_of_runs, placed, unique_rows
+from ._tables import _I64, PieceTable, Placed, _Memo, first_of_runs, placed, rows_like, unique_rows
 from ._types import (
     ArraySpec,
     Fragment,
@@ -181,10 +181,9 @@ def _own_cuts(table: PieceTable, shape: tuple[int, ...], chunk: tuple[int, ...],
         mine = mine[rows_all(table.ext[a:b] > 0)]
     if grid.count == 0:
         mine = mine[:0]
-    nonempty = rows_all(table.ext > 0) if nd else np.ones(len(table.pos), dtype=bool)
     holders, firsts = [], []
-    for row in mine.tolist():  # (a position holds a few boxes)
-        same = np.flatnonzero(nonempty & rows_all(table.lo == table.lo[row]) & rows_all(table.ext == table.ext[row]))
+    for row in mine.tolist():  # (a position holds a few boxes, none empty: so none of their equals is)
+        same = rows_like(table, row)
         holders.append(same)
         firsts.append(int(same[0]))
     order = sorted(range(len(holders)), key=firsts.__getitem__)

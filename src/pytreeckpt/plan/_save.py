@@ -38,7 +38,7 @@ from pytreeckpt.core._rows import rows_all, rows_prod
 
 from ._balance import Box, Scopes, coalesce, scope_key, scope_loads, subtract_box, water_fill
 from ._chunking import chunk_shape_of_table
-from ._tables import _I64, PieceTable, Placed, _Memo, first_of_runs, piece_table, placed, unique_rows
+from ._tables import _I64, PieceTable, Placed, _Memo, first_of_runs, piece_table, placed, rows_like, unique_rows
 from ._types import (
     ArraySavePlan,
     ArraySpec,
@@ -598,7 +598,7 @@ def _make_rank_structure(
     single_piece: list[int] = []
     by_holders: dict[tuple[int, ...], list[tuple[int, tuple[int, ...]]]] = defaultdict(list)
     for cell, r in enumerate((a + has[first]).tolist()):
-        same = np.flatnonzero(rows_all(table.lo == table.lo[r]) & rows_all(table.ext == table.ext[r]))
+        same = rows_like(table, r)
         keep = same[first_of_runs(table.pos[same])]  # (rows by position, then piece: each one's lowest piece)
         holders = tuple(table.pos[keep].tolist())
         pieces = tuple(table.piece[keep].tolist())

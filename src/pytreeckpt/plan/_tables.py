@@ -427,6 +427,25 @@ def clear_placed() -> None:
     _PLACED_BY_ID.clear()
 
 
+def rows_like(table: PieceTable, row: int) -> np.ndarray:
+    """The rows of ``table`` whose box equals row ``row``'s (itself among them), in table order.
+
+    One column is compared over the whole table, the others over its matches only: a
+    position's few boxes among 16,384 positions cost a column's scan each, not a scan of
+    every column (a sixth of the work for boxes of 2 dims).
+    """
+    lo, ext = table.lo, table.ext
+    nd = lo.shape[1]
+    if nd == 0:
+        return np.arange(len(table.pos), dtype=_I64)
+    rows = np.flatnonzero(lo[:, 0] == lo[row, 0])
+    for d in range(nd):
+        if d:
+            rows = rows[lo[rows, d] == lo[row, d]]
+        rows = rows[ext[rows, d] == ext[row, d]]
+    return rows
+
+
 def first_of_runs(keys: np.ndarray) -> np.ndarray:
     """Indices where a sorted 1-D array starts a run of equal values."""
     if len(keys) == 0:
