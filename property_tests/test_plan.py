@@ -228,3 +228,32 @@ def test_plan_whole_is_what_plan_save_plans_for_an_array_held_whole_in_one_chunk
         if 0 not in spec.shape and math.prod(spec.shape) * spec.itemsize <= limit:
             event("one chunk")
             assert plan_whole(spec.key, spec.shape, spec.itemsize) == plan
+
+
+@st.composite
+def int_rows(draw: st.DrawFn) -> np.ndarray:
+    """Up to 600 rows of 0 to 4 int64 columns: values few (many equal rows) or spread to 2**40 and below
+    zero (no number per row fits)."""
+    n, d = draw(st.integers(0, 600)), draw(st.integers(0, 4))
+    spread = draw(st.sampled_from([2, 5, 1000, 1 << 40]))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    a = rng.integers(-spread, spread, size=(n, d), dtype=np.int64)
+    if draw(st.booleans()):  # (mostly in order already, as the planner's rows come)
+        a = a[np.lexsort(a.T[::-1])] if d else a
+    return a
+
+
+@given(int_rows())
+def test_unique_rows_is_numpys_unique_of_rows(a: np.ndarray) -> None:
+    """The planner's distinct rows (a number per row sorted once, when it fits, past 256 rows; else a
+    lexsort): numpy's ``unique(axis=0)`` with first indices and inverse, whatever the values' spread."""
+    from pytreeckpt.plan._tables import unique_rows
+
+    u, inverse, first = unique_rows(a)
+    if not len(a):
+        assert len(u) == len(inverse) == len(first) == 0
+        return
+    want, want_first, want_inverse = np.unique(a, axis=0, return_index=True, return_inverse=True)
+    assert u.tolist() == want.tolist()
+    assert first.tolist() == want_first.tolist()
+    assert inverse.tolist() == want_inverse.ravel().tolist()

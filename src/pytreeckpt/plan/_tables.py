@@ -9,6 +9,7 @@ the layers of a model share a few. Nothing here does I/O.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -331,6 +332,16 @@ def unique_rows(a: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     n = len(a)
     if n == 0:
         return a, np.zeros(0, _I64), np.zeros(0, _I64)
+    key = _row_key(a) if n >= 256 else None
+    if key is not None:  # (one stable sort of a number per row, for many rows: half the time of lexsort's)
+        order = np.argsort(key, kind="stable")
+        k = key[order]
+        new = np.ones(n, dtype=bool)
+        np.not_equal(k[1:], k[:-1], out=new[1:])
+        inverse = np.empty(n, dtype=_I64)
+        inverse[order] = np.cumsum(new) - 1
+        first = order[new]
+        return a[first], inverse, first
     order = np.lexsort(a.T[::-1]) if a.shape[1] else np.arange(n, dtype=_I64)
     s = a[order]
     new = np.ones(n, dtype=bool)
@@ -338,6 +349,24 @@ def unique_rows(a: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     inverse = np.empty(n, dtype=_I64)
     inverse[order] = np.cumsum(new) - 1
     return s[new], inverse, order[new]
+
+
+def _row_key(a: np.ndarray) -> np.ndarray | None:
+    """One int64 per row of ``a`` ordered as the rows are lexicographically (each column's offset from
+    its least value, in mixed radix, the first column most significant); None when it would not fit."""
+    if not a.shape[1]:
+        return None
+    cols = [a[:, j] for j in range(a.shape[1])]
+    lows = [int(c.min()) for c in cols]
+    spans = [int(c.max()) - lo + 1 for c, lo in zip(cols, lows, strict=True)]
+    if math.prod(spans) >= 1 << 62:
+        return None
+    key = cols[0].astype(_I64) - lows[0]
+    for c, lo, span in zip(cols[1:], lows[1:], spans[1:], strict=True):
+        key *= span
+        key += c
+        key -= lo
+    return key  # type: ignore[no-any-return]
 
 
 def placed_table(layout: Layout, shape: tuple[int, ...], ranks: np.ndarray) -> tuple[PieceTable, np.ndarray, Any]:
