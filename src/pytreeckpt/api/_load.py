@@ -725,7 +725,8 @@ def _load(
             ):
                 small.append((i, stored, None))
                 continue
-            key = keystr(t_paths[i]) if t_paths is not None else stored.key  # type: ignore[union-attr]
+            # (a leaf found by its path has the key the save gave that path: keystr's, made once then)
+            key = stored.key if stored is not None else keystr(t_paths[i])  # type: ignore[index]
             if stored is None:
                 problems.append(f"leaf {_where(key)} of the target is not in the checkpoint")
                 continue
