@@ -746,15 +746,17 @@ class _RankPart:
                 loads = scopes[skey] = np.zeros(len(m.feeders), dtype=np.int64)
             at = m.writer_at(loads)
             loads[at] += m.nbytes
-            try:
-                op = self.merged[(flat, at)]
-            except KeyError:
+            op = self.merged.get((flat, at), _UNSEEN)  # (mostly unseen: the writer rotates as the loads grow)
+            if op is _UNSEEN:
                 op = self.merged[(flat, at)] = _merged_write(key, self.s, self.p, self.pos, flat, at)
             if op is not None:
                 merged.append(op)
         if not direct and len(merged) < 2:
             return tuple(merged)
         return tuple(sorted((*direct, *merged), key=_OFFSET))
+
+
+_UNSEEN: Any = object()
 
 
 def _rank_part(spec: ArraySpec, opts: ChunkingOptions, rank: int) -> tuple[tuple[int, ...], _RankPart | None]:
