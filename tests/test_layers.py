@@ -11,6 +11,7 @@ PURE = [
     "pytreeckpt.core._sharding",
     "pytreeckpt.core._grid",
     "pytreeckpt.core._rows",
+    "pytreeckpt.core._slots",
     "pytreeckpt.core._tree",
     "pytreeckpt.plan",
 ]
