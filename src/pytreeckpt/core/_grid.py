@@ -140,6 +140,20 @@ class ChunkGrid:
         chi = np.where(end < n, end // c, -(-n // c))
         return clo, np.maximum(clo, chi)
 
+    def touched(self, lo: np.ndarray, ext: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """For boxes ``lo``/``ext`` ((n, ndim) columns), the box ``[tlo, thi)`` of chunks each touches.
+
+        An empty box touches none (``thi == tlo`` along its empty dims), so :meth:`cells` of
+        the result are the chunks the boxes touch.
+
+        >>> tlo, thi = ChunkGrid((10, 4), (4, 4)).touched(np.array([[3, 0], [5, 1]]), np.array([[2, 4], [0, 2]]))
+        >>> tlo.tolist(), thi.tolist()
+        ([[0, 0], [1, 0]], [[2, 1], [1, 1]])
+        """
+        c = np.asarray(self.chunk, dtype=_I64)
+        tlo = lo // c
+        return tlo, np.where(ext > 0, (lo + ext - 1) // c + 1, tlo)
+
     def chunk_boxes(self, lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The element boxes (offset, extent columns) of the chunk-index boxes ``[lo, hi)``."""
         c = np.asarray(self.chunk, dtype=_I64)

@@ -102,7 +102,7 @@ def _cut_boxes(grid: ChunkGrid, blo: np.ndarray, bhi: np.ndarray) -> tuple[np.nd
         return np.arange(len(blo), dtype=_I64), np.zeros((len(blo), 0), _I64), np.zeros((len(blo), 0), _I64)
     c = np.asarray(grid.chunk, dtype=_I64)
     n = np.asarray(grid.shape, dtype=_I64)
-    box, flat = grid.cells(blo // c, (bhi - 1) // c + 1)
+    box, flat = grid.cells(*grid.touched(blo, bhi - blo))
     idx = grid.unflat_columns(flat)
     lo = np.maximum(idx * c, blo[box])
     ext = np.minimum(np.minimum((idx + 1) * c, n), bhi[box]) - lo

@@ -333,10 +333,7 @@ class _Structure:
         rows = np.flatnonzero(t.pos == pos)
         if not len(rows):
             return []
-        lo = t.lo[rows] // np.asarray(self.grid.chunk, dtype=_I64)
-        hi = (t.lo[rows] + t.ext[rows] - 1) // np.asarray(self.grid.chunk, dtype=_I64) + 1
-        nonempty = rows_all(t.ext[rows] > 0)
-        _, flat = self.grid.cells(lo[nonempty], hi[nonempty])
+        _, flat = self.grid.cells(*self.grid.touched(t.lo[rows], t.ext[rows]))
         u = self.uncovered  # (ascending: a search finds the few chunks of a position among many)
         at = np.minimum(np.searchsorted(u, flat), len(u) - 1)
         return np.unique(flat[u[at] == flat]).tolist()  # type: ignore[no-any-return]
@@ -609,9 +606,7 @@ def _make_rank_structure(
             by_holders[holders].append((cell, pieces))
     groups = _groups(grid, cell_lo, cell_hi, by_holders, itemsize)
     # the chunks pos touches but holds whole in none of its boxes
-    nonempty = rows_all(ext > 0)
-    c = np.asarray(grid.chunk, dtype=_I64)
-    _, touched = grid.cells(lo[nonempty] // c, (lo[nonempty] + ext[nonempty] - 1) // c + 1)
+    _, touched = grid.cells(*grid.touched(lo, ext))
     _, inside = grid.cells(clo[has], chi[has])
     merged = np.setdiff1d(touched, inside)
     s = _Structure(
