@@ -768,9 +768,7 @@ def _load(
             try:  # (what carried.catch(key) does, without entering a block per leaf)
                 problem, dest = _dest_for(key, stored, leaf, buffers, comm, inplace)
             except Exception as e:
-                if comm is None:
-                    raise
-                carried.keep(e, key)
+                carried.carry(e, key)
                 continue
             if problem is not None:
                 problems.append(problem)

@@ -556,9 +556,7 @@ def _plan_state(
                     arrays.append(_array_in(key, leaf, sp, comm, plan_only, kinds))
                     entries.append(None)
             except Exception as e:
-                if comm is None:
-                    raise
-                carried.keep(e, key)
+                carried.carry(e, key)
                 break
     # In a single process of one rank, arrays held whole as one chunk are planned by
     # plan_whole, without tables (the same plans: tests/test_plan.py); the others by plan_save.

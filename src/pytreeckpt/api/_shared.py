@@ -144,6 +144,13 @@ class _Carried:
         """Keep an exception of the block (as a CheckpointError naming ``key``, if given and it is not one)."""
         return _Catch(self, key)
 
+    def carry(self, e: Exception, key: str | None) -> None:
+        """What :meth:`catch`'s block does with ``e``, for a loop that catches it itself (a try per leaf
+        costs less than entering a block): raise it in a single process, else keep it."""
+        if self.comm is None:
+            raise e
+        self.keep(e, key)
+
     def keep(self, e: Exception, key: str | None) -> None:
         if self.error is None:
             if key is not None and not isinstance(e, CheckpointError):
