@@ -4,8 +4,8 @@ it plans, each array leaf's entry from the fragments its kind shares): byte for 
 
 from __future__ import annotations
 
+import dataclasses
 import json
-import operator
 from typing import Any
 
 from hypothesis import given, settings
@@ -18,7 +18,9 @@ from pytreeckpt.format._document import (
     ChecksumFile,
     Compression,
     DocumentHead,
-    array_leaf_parts,
+    SumsTemplate,
+    array_leaf_heads,
+    array_leaf_texts,
     build_document,
 )
 from pytreeckpt.testing import shapes, specs
@@ -57,10 +59,10 @@ def leaves(draw: st.DrawFn) -> tuple[ArrayMeta, bytes | None, tuple[str, ...] | 
 
 @settings(max_examples=100)  # (a deterministic encoder: 100 examples of every kind of field suffice)
 @given(st.lists(leaves(), max_size=8))
-def test_array_leaf_parts_are_their_entries_serialised(cases: list[Any]) -> None:
+def test_array_leaf_texts_are_their_entries_serialised(cases: list[Any]) -> None:
     metas, crcs, hashes, refs = (list(x) for x in zip(*cases, strict=True)) if cases else ([], [], [], [])
     want = [_dumps(m.to_json(c, h, at)) for m, c, h, at in cases]
-    assert list(map(operator.add, *array_leaf_parts(metas, crcs, hashes, refs))) == want
+    assert array_leaf_texts(metas, crcs, hashes, refs) == want
 
 
 @settings(max_examples=100)
@@ -92,10 +94,30 @@ def test_a_document_of_texts_is_the_document_of_dicts(
         doc["checksums"] = checksums.to_json()
     want = _dumps(doc).encode()
     assert build_document(tree, entries, user, checksums) == want
-    texts = map(operator.add, *array_leaf_parts(metas, *([x[k] for x in cases] for k in (1, 2, 3))))
+    texts = iter(array_leaf_texts(metas, *([x[k] for x in cases] for k in (1, 2, 3))))
     mixed = [e if e["kind"] == "value" else next(texts) for e in entries]
     assert DocumentHead.of(tree, user).document(mixed, (m.database for m in metas), checksums) == want
-    if not values_at:  # arrays only: a save joins their parts into the document at once
-        heads, tails = array_leaf_parts(metas, *([x[k] for x in cases] for k in (1, 2, 3)))
-        got = DocumentHead.of(tree, user).document_of_parts(heads, tails, (m.database for m in metas), checksums)
-        assert got == want
+
+
+@settings(max_examples=100)
+@given(
+    st.lists(leaves(), max_size=6),
+    st.lists(st.binary(min_size=4, max_size=4), min_size=2, max_size=2),
+    st.dictionaries(_TEXT, st.integers() | _TEXT, max_size=3),
+)
+def test_a_filled_template_is_the_document_of_dicts(
+    cases: list[Any], rounds: list[bytes], user: dict[str, Any]
+) -> None:
+    """A document of arrays whose checksums are 4 bytes each, filled into its template (twice, as two saves
+    of one tree do): the document ``json.dumps`` makes of it as dicts."""
+    metas = [dataclasses.replace(m, compression=None, chunk_hashes=None) for m, *_ in cases]
+    n = len(metas)
+    tree = Node("dict", [("s", str(i)) for i in range(n)], [Node("leaf", leaf=i) for i in range(n)])
+    head = DocumentHead.of(tree, user)
+    heads = array_leaf_heads(metas)
+    template = SumsTemplate([h for h in heads if h is not None], *head.frame(m.database for m in metas))
+    for salt in rounds:
+        crcs = [bytes(a ^ b for a, b in zip(salt, i.to_bytes(4, "little"), strict=True)) for i in range(n)]
+        want = build_document(tree, [m.to_json(c, None, None) for m, c in zip(metas, crcs, strict=True)], user)
+        with template.filled(b"".join(crcs)) as got:
+            assert got == want

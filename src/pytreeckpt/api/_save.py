@@ -25,7 +25,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
 
@@ -46,9 +46,10 @@ from pytreeckpt.format._document import (
     ArrayMeta,
     Compression,
     DocumentHead,
+    SumsTemplate,
     ValueMeta,
     array_leaf_heads,
-    array_leaf_parts,
+    array_leaf_texts,
     array_names,
     chunk_count,
     crc32c_chars,
@@ -322,24 +323,27 @@ class _SaveJob:
         generation = self.generation
         return generation_name(PACKED_DIR, generation) if generation else PACKED_DIR
 
-    def _heads(self) -> list[str | None]:
-        """The array leaves' entries up to their checksums (array_leaf_heads): those of the last save of a
-        tree like this one, under these names, if it made them."""
+    def _texts(self) -> _Texts:
+        """What the document says of the array leaves before their checksums (see _Texts): that of the last
+        save of a tree like this one, under these names, if it made it."""
         derived = self.derived
         if derived is None:
-            return array_leaf_heads(self.metas)
-        made = derived.heads.get(self.generation)
-        if made is not None and len(made[0]) == len(self.metas) and all(map(operator.is_, made[0], self.metas)):
-            return made[1]
-        heads = array_leaf_heads(self.metas)
-        derived.heads[self.generation] = (tuple(self.metas), heads)
-        return heads
+            return _Texts.of(self.metas)
+        made = derived.texts.get(self.generation)
+        if made is not None and len(made.metas) == len(self.metas) and all(map(operator.is_, made.metas, self.metas)):
+            return made
+        made = derived.texts[self.generation] = _Texts.of(self.metas)
+        return made
 
-    def _final_document(self, gathered: list[Any] | None) -> tuple[bytes, tuple[str, bytes] | None, set[str | None]]:
-        """The metadata document: every packed array in its writer's database, every array's chunk checksums
-        (and chunk hashes when they were computed); the checksums file (its name and bytes) if they
-        are too many to keep in the document (``StorageOptions.max_inline_checksum_bytes``); and the
-        databases the arrays are in (None for an array stored on its own)."""
+    @contextlib.contextmanager
+    def _final_document(
+        self, gathered: list[Any] | None
+    ) -> Iterator[tuple[bytes | bytearray, tuple[str, bytes] | None, frozenset[str]]]:
+        """The metadata document (valid within the block: it may be a template's text, see SumsTemplate):
+        every packed array in its writer's database, every array's chunk checksums (and chunk hashes
+        when they were computed); the checksums file (its name and bytes) if they are too many to keep
+        in the document (``StorageOptions.max_inline_checksum_bytes``); and every name the document
+        references (arrays, databases, checksums file)."""
         sums = self._sums()
         if gathered is not None:  # every rank's packed arrays and records, on rank 0 (its own among them)
             for packed, _ in gathered:
@@ -347,33 +351,42 @@ class _SaveJob:
                     self.metas[i] = dataclasses.replace(self.metas[i], database=db)
             for _, other in gathered[1:]:
                 sums.merge(other)
+        texts = self._texts()
+        databases = texts.databases
         placeholder = self._placeholder
-        databases = set(map(_DATABASE, self.metas))
         missing = [m.key for m in self.metas if m.database == placeholder] if placeholder in databases else []
         if missing:
             raise CheckpointError(f"internal error: no rank wrote the packed arrays {missing[:5]}")
-        crcs = sums.crc32c_all()
         n = len(self.metas)
-        hashes = [sums.chunk_hashes(i) for i in range(n)] if self.reuse is not None else [None] * n
         head, entries = self.parts
         limit = self.storage.location.options.max_inline_checksum_bytes
+        # Arrays alone, each of one chunk, their checksums in the document: a template's (see SumsTemplate)
+        single = sums.single_crc32c() if self.reuse is None and len(entries) == n and texts.plain else None
+        if single is not None and crc32c_chars(1) * n <= limit:
+            frame = head.frame(databases)
+            template = texts.template
+            if template is None or template.frame != frame:
+                template = texts.template = SumsTemplate(cast("list[str]", texts.heads), *frame)
+            with template.filled(single) as text:
+                yield text, None, texts.names
+            return
+        crcs = sums.crc32c_all()
+        hashes = [sums.chunk_hashes(i) for i in range(n)] if self.reuse is not None else [None] * n
         refs, file, blob = place_checksums(crcs, limit, generation_name(CHECKSUMS_FILE, self.generation))
         # under this save's generation's names (see _name), in their databases, with their chunks' checksums
-        firsts, rests = array_leaf_parts(self.metas, crcs, hashes, refs, self._heads())
-        if len(firsts) == len(entries):  # (no Python values among the leaves: the parts joined at once)
-            document = head.document_of_parts(firsts, rests, databases, file)
+        arrays = iter(array_leaf_texts(self.metas, crcs, hashes, refs, texts.heads))
+        leaves = [e if e is not None else next(arrays) for e in entries]
+        document = head.document(leaves, databases, file)
+        if file is None or blob is None:
+            yield document, None, texts.names
         else:
-            arrays = map(operator.add, firsts, rests)
-            leaves = [e if e is not None else next(arrays) for e in entries]
-            document = head.document(leaves, databases, file)
-        return document, None if file is None or blob is None else (file.path, blob), databases
+            yield document, (file.path, blob), texts.names | {file.path}
 
     def _commit(self, gathered: list[Any] | None) -> None:
         """Commit the final document (and its checksums file, if any), naming what it references: the
         arrays, the databases and the checksums file."""
-        document, checksums, databases = self._final_document(gathered)
-        names = frozenset(map(_PATH, self.metas)) | {d for d in databases if d is not None}
-        self.storage.commit(document, checksums, names if checksums is None else names | {checksums[0]})
+        with self._final_document(gathered) as (document, checksums, names):
+            self.storage.commit(document, checksums, names)
 
     def _settle_packing(self) -> None:
         """Which small arrays no single rank writes whole: they are not packed (a collective).
@@ -726,7 +739,28 @@ class _Derived:
     metas: tuple[ArrayMeta, ...]
     tree: str  # the tree's JSON text
     bounds: dict[bool, int]  # _array_bytes_bound's, with chunk hashes and without
-    heads: dict[int, tuple[tuple[ArrayMeta, ...], list[str | None]]]  # by generation: the metas, their heads
+    texts: dict[int, _Texts]  # by generation
+
+
+@dataclass(slots=True)
+class _Texts:
+    """What a save's document says of its array leaves (these metas) before their checksums: each one's
+    entry up to them (array_leaf_heads); the databases the arrays are in; every name the document
+    references but its checksums file; and the document's template, once made (SumsTemplate)."""
+
+    metas: tuple[ArrayMeta, ...]
+    heads: list[str | None]
+    databases: set[str | None]
+    names: frozenset[str]
+    plain: bool  # no leaf's entry made by to_json (compression or chunk hashes): every head a text
+    template: SumsTemplate | None = None
+
+    @classmethod
+    def of(cls, metas: Sequence[ArrayMeta]) -> _Texts:
+        heads = array_leaf_heads(metas)
+        databases = set(map(_DATABASE, metas))
+        names = frozenset(map(_PATH, metas)) | {d for d in databases if d is not None}
+        return cls(tuple(metas), heads, databases, names, None not in heads)
 
 
 def _array_metas(storage: Storage, planned: _Planned) -> list[ArrayMeta]:

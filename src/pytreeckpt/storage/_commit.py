@@ -172,7 +172,10 @@ class CommitProtocol(StorageBase):
         return 1 + max(generation_of(name) for name in stored) if stored else 0
 
     def commit(
-        self, document: bytes, checksums: tuple[str, bytes] | None = None, names: frozenset[str] | None = None
+        self,
+        document: bytes | bytearray,
+        checksums: tuple[str, bytes] | None = None,
+        names: frozenset[str] | None = None,
     ) -> None:
         """Write the metadata document atomically, then delete the arrays it does not reference.
 
@@ -190,7 +193,7 @@ class CommitProtocol(StorageBase):
         if checksums is not None:
             self._write_checksums(*checksums)
         if self.kv is not None:
-            self.kv.write(METADATA_FILE, document)
+            self.kv.write(METADATA_FILE, bytes(document))
         else:
             try:
                 tmp = self.root / f".tmp-{os.getpid()}-{secrets.token_hex(8)}"
@@ -421,7 +424,7 @@ class _Lock:
             self.fd = None
 
 
-def _write_synced(fd: int, data: bytes) -> None:
+def _write_synced(fd: int, data: bytes | bytearray) -> None:
     """Write ``data`` to the new file open at ``fd`` (closed after), and make it durable."""
     with os.fdopen(fd, "wb") as f:
         f.write(data)
@@ -429,7 +432,7 @@ def _write_synced(fd: int, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
-def _referenced(document: bytes) -> frozenset[str] | None:
+def _referenced(document: bytes | bytearray) -> frozenset[str] | None:
     """The arrays, databases and checksums file a document uses (``arrays/``, ``ocdbt/``, ``packed/<name>``,
     ``checksums/crc32c``); None if unreadable.
 
