@@ -257,3 +257,27 @@ def test_unique_rows_is_numpys_unique_of_rows(a: np.ndarray) -> None:
     assert u.tolist() == want.tolist()
     assert first.tolist() == want_first.tolist()
     assert inverse.tolist() == want_inverse.ravel().tolist()
+
+
+@given(
+    st.integers(1, 40),
+    st.lists(
+        st.tuples(st.sampled_from(["least", "least", "least", "some", "all"]), st.integers(0, 39), st.integers(0, 3)),
+        max_size=120,
+    ),
+)
+def test_the_least_loaded_rank_is_the_argmin_of_the_loads(size: int, steps: list[tuple[str, int, int]]) -> None:
+    """Loads.least() (the last found or the next, else a scan) is ``argmin`` of the loads after any growth the
+    planner makes: to the rank it picked (by 0 to 3 bytes), to another rank, or to every rank at once."""
+    from pytreeckpt.plan._balance import Loads
+
+    loads = Loads(size)
+    for what, at, nbytes in steps:
+        got = loads.least()
+        assert got == int(loads.values.argmin()), (loads.values.tolist(), got)
+        if what == "least":
+            loads.values[got] += nbytes
+        elif what == "some":
+            loads.values[at % size] += nbytes
+        else:
+            loads.values += np.arange(size) % (nbytes + 1)

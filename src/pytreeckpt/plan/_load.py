@@ -22,7 +22,7 @@ from pytreeckpt.core._grid import ChunkGrid
 from pytreeckpt.core._region import Region, region_of
 from pytreeckpt.core._rows import rows_all, rows_any, rows_prod
 
-from ._balance import Scopes, scope_key, scope_loads
+from ._balance import Loads, Scopes, scope_key, scope_loads
 from ._tables import _I64, PieceTable, Placed, _Memo, first_of_runs, placed, rows_like, unique_rows
 from ._types import (
     ArraySpec,
@@ -272,9 +272,9 @@ class _RankView:
         for skey, n, nb in mine.choices:
             loads = scopes.get(skey)
             if loads is None:
-                loads = scopes[skey] = np.zeros(n, dtype=_I64)
-            at = int(loads.argmin())
-            loads[at] += nb
+                loads = scopes[skey] = Loads(n)
+            at = loads.least()
+            loads.values[at] += nb
             decided.append(at)
         key = tuple(decided)
         got = mine.reads.get(key)
@@ -329,8 +329,8 @@ def _choose(p: Placed, cuts: _Cuts, rows: Sequence[int], scopes: Scopes) -> tupl
         if cuts.single[r] < 0:
             held, key = cuts.scope(r, p.ranks, p.place)
             loads = scope_loads(scopes, key, len(held))
-            at = int(np.argmin(loads))
-            loads[at] += cuts.nbytes[r]
+            at = loads.least()
+            loads.values[at] += cuts.nbytes[r]
             decided.append(at)
     return tuple(decided)
 

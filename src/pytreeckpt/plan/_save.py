@@ -36,7 +36,7 @@ from pytreeckpt.core._grid import ChunkGrid
 from pytreeckpt.core._region import Region, region_of
 from pytreeckpt.core._rows import rows_all, rows_prod
 
-from ._balance import Box, Scopes, coalesce, scope_key, scope_loads, subtract_box, water_fill
+from ._balance import Box, Loads, Scopes, coalesce, scope_key, scope_loads, subtract_box, water_fill
 from ._chunking import chunk_shape_of_table
 from ._tables import _I64, PieceTable, Placed, _Memo, first_of_runs, piece_table, placed, rows_like, unique_rows
 from ._types import (
@@ -77,7 +77,7 @@ class _Group:
             got = self.scopes[placement] = scope_key(ranks[list(self.holders)])
         return got
 
-    def fill(self, loads: np.ndarray) -> tuple[bytes | int, list[int]]:
+    def fill(self, loads: Loads) -> tuple[bytes | int, list[int]]:
         """Each chunk's holder index given the holders' loads, which it updates in place (memoised).
 
         The filling depends on the loads' differences only, so equal patterns of loads
@@ -87,17 +87,18 @@ class _Group:
         holder is the key: a norm weight held by 1,024 ranks costs no pattern of 1,024 loads.
         """
         if len(self.sizes) == 1:
-            at = int(loads.argmin())
-            loads[at] += self.sizes[0]
+            at = loads.least()
+            loads.values[at] += self.sizes[0]
             return at, [at]
-        rel = loads - loads.min()
+        values = loads.values
+        rel = values - values.min()
         key = rel.tobytes()
         got = self.memo.get(key)
         if got is None:
             after = rel.tolist()
             assign = water_fill(self.sizes, after)
             got = self.memo[key] = (assign, np.asarray(after, dtype=np.int64) - rel)
-        loads += got[1]
+        values += got[1]
         return key, got[0]
 
 
@@ -140,16 +141,16 @@ class _Merge:
             got = self._scopes[placement] = scope_key(ranks[list(self.feeders)])
         return got
 
-    def writer_at(self, loads: np.ndarray) -> int:
+    def writer_at(self, loads: Loads) -> int:
         """The index (in ``feeders``) of the writer: most of the chunk, then least loaded, then lowest."""
         if self._tied is None:
             self._tied = np.flatnonzero(self.overlap == self.overlap.max())
         tied = self._tied
         if len(tied) == 1:
             return int(tied[0])
-        if len(tied) == len(loads):
-            return int(loads.argmin())
-        return int(tied[loads[tied].argmin()])
+        if len(tied) == len(loads.values):
+            return loads.least()
+        return int(tied[loads.values[tied].argmin()])
 
     def _parts(self, idx: np.ndarray) -> list[Part]:
         nd = self.lo.shape[1]
@@ -721,7 +722,7 @@ class _RankPart:
         for g, skey in self.groups:
             loads = scopes.get(skey)
             if loads is None:
-                loads = scopes[skey] = np.zeros(len(g.holders), dtype=np.int64)
+                loads = scopes[skey] = Loads(len(g.holders))
             rel, assign = g.fill(loads)
             rels.append(rel)
             assigns.append(assign)
@@ -738,12 +739,12 @@ class _RankPart:
         for flat, m, skey in self.merges:
             loads = scopes.get(skey)
             if loads is None:
-                loads = scopes[skey] = np.zeros(len(m.feeders), dtype=np.int64)
+                loads = scopes[skey] = Loads(len(m.feeders))
             at = m.writer_at(loads)
-            loads[at] += m.nbytes
+            loads.values[at] += m.nbytes
             op = self.merged.get((flat, at), _UNSEEN)  # (mostly unseen: the writer rotates as the loads grow)
             if op is _UNSEEN:
-                op = self.merged[(flat, at)] = _merged_write(key, self.s, self.p, self.pos, flat, at)
+                op = self.merged[(flat, at)] = _merged_write(key, m, self.p, self.pos, at)
             if op is not None:
                 merged.append(op)
         if not direct and len(merged) < 2:
@@ -803,7 +804,7 @@ def _decide(
             raise LayoutError(f"leaf {key!r}: elements {m.chunk} are held by no rank, so they cannot be saved")
         loads = scope_loads(scopes, m.scope_key(ranks, place), len(m.feeders))
         at = m.writer_at(loads)
-        loads[at] += m.nbytes
+        loads.values[at] += m.nbytes
         writers.append(at)
         decided.append(at)
     return assigns, writers, tuple(decided)
@@ -848,19 +849,18 @@ def _writes(
         for box in coalesce(idxs):
             writes.append(_direct(grid, box, int(ranks[q]), pi))
     for flat, at in zip(merges, writers, strict=True):
-        op = _merged_write(key, s, p, pos, flat, at)
+        op = _merged_write(key, s.merge(flat), p, pos, at)
         if op is not None:
             writes.append(op)
     writes.sort(key=_OFFSET)
     return tuple(writes)
 
 
-def _merged_write(key: str, s: _Structure, p: Placed, pos: int | None, flat: int, at: int) -> WriteOp | None:
-    """The merged write of chunk ``flat`` by its feeder ``at``, as position ``pos`` takes part in it (None: whole).
+def _merged_write(key: str, m: _Merge, p: Placed, pos: int | None, at: int) -> WriteOp | None:
+    """The merged write of ``m``'s chunk by its feeder ``at``, as position ``pos`` takes part in it (None: whole).
 
     None when ``pos`` neither writes it nor sends it anything.
     """
-    m = s.merge(flat)
     ranks = p.ranks
     writer_pos = m.feeders[at]
     if pos is None or pos == writer_pos:
