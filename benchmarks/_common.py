@@ -139,6 +139,13 @@ def alternating(
     what was written lately; measured in turns, each of those weighs on every
     contender alike instead of favouring whichever ran at the better moment.
     """
+    return {name: statistics.median(t) for name, t in rounds(runs, repeat, timer).items()}
+
+
+def rounds(
+    runs: dict[str, tuple[Callable[[], Any], Callable[[], Any] | None]], repeat: int, timer: Timer = timed
+) -> dict[str, list[float]]:
+    """The seconds of each ``(fn, setup)`` in each of ``repeat`` rounds, every one taking its turn in every round."""
     times: dict[str, list[float]] = {name: [] for name in runs}
     for r in range(repeat):
         # In a new order each round (seeded): what one tool leaves behind, such as the
@@ -149,7 +156,7 @@ def alternating(
         for name in names:
             fn, setup = runs[name]
             times[name].append(timer(fn, 1, setup))
-    return {name: statistics.median(t) for name, t in times.items()}
+    return times
 
 
 def alternating_loads(

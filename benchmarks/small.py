@@ -20,6 +20,7 @@
 
 from __future__ import annotations
 
+import statistics
 import time
 import warnings
 from pathlib import Path
@@ -29,7 +30,7 @@ import torch
 
 import pytreeckpt
 
-from ._common import GiB, alternating, count_files, drop_caches, fresh, fsync_tree
+from ._common import GiB, alternating, count_files, drop_caches, fresh, fsync_tree, rounds
 
 
 def small_state(count: int, seed: int = 0) -> dict[str, dict[str, torch.Tensor]]:
@@ -135,16 +136,27 @@ def paired(small_count: int, big_count: int, repeat: int, workdir: Path, cold: b
         f"{name} save": (lambda name=name: pytreeckpt.save(paths[name], states[name]), fresh(paths[name]))
         for name in states
     }
-    s = alternating(saves, repeat)
+    times = rounds(saves, repeat)
     for name, state in states.items():
         fresh(paths[name])()
         pytreeckpt.save(paths[name], state)
     setup = drop_caches if cold else None
     loads = {f"{name} load": (lambda name=name: pytreeckpt.load(paths[name]), setup) for name in states}
-    s.update(alternating(loads, repeat))
+    times.update(rounds(loads, repeat))
     for p in paths.values():
         fresh(p)()
-    return {"leaves": [small_count, big_count], "seconds": s}
+    # The growth: each round's big over its small (timed a second apart, on the same machine's speed), the
+    # median of those; the medians' ratio pairs a fast moment's time with a slow one's.
+    growth = {
+        op: statistics.median(b / a for a, b in zip(times[f"small {op}"], times[f"big {op}"], strict=True))
+        for op in ("save", "load")
+    }
+    return {
+        "leaves": [small_count, big_count],
+        "seconds": {name: statistics.median(t) for name, t in times.items()},
+        "growth": growth,
+        "rounds": times,
+    }
 
 
 def mixed_state(gib: float, seed: int = 0) -> dict[str, Any]:
@@ -218,7 +230,8 @@ def scale_targets(
     """10x the leaves: time grows at most 11x; planning and committing stay under 20% of the save.
 
     The growth is taken from the big run's ``paired`` rounds when it has them (both states
-    saved and loaded in the same rounds, :func:`paired`), else from the two runs.
+    saved and loaded in the same rounds, :func:`paired`: the median of each round's ratio), else
+    from the two runs.
     """
     mode = "cold" if cold else "warm"
     a, b = small_run["seconds"], big_run["seconds"]
@@ -226,7 +239,10 @@ def scale_targets(
     ph = big_run["save_phases"]
     share = (ph.get("plan", 0.0) + ph.get("commit", 0.0)) / b["pytreeckpt.save"]
     pair = big_run.get("paired")
-    if pair is not None:
+    if pair is not None and "growth" in pair:
+        how = ", median of the rounds' ratios"
+        save, load = pair["growth"]["save"], pair["growth"]["load"]
+    elif pair is not None:
         p, how = pair["seconds"], ", alternated in the same rounds"
         save, load = p["big save"] / p["small save"], p["big load"] / p["small load"]
     else:
