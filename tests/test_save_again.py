@@ -120,3 +120,40 @@ def test_the_plan_of_equal_specs_made_anew_is_recognised_and_equal() -> None:
     assert _recall.hits() == hits + 1
     _recall.forget()
     assert other == pytreeckpt.plan_save(tree(32), process_group=SimComm(3, 8))
+
+
+def test_trees_alike_saved_at_once_from_two_threads_each_get_their_own_checksums(tmp_path: Path) -> None:
+    """Two states of one structure (other tensors, other values) share the remembered description and the
+    document template it keeps (format.SumsTemplate); saved at the same time from two threads, each
+    checkpoint's document holds its own data's checksums: every one verifies and loads back as saved."""
+    import threading
+
+    _recall.forget()
+    states = [{f"p{i}": torch.full((16,), float(k * 10_000 + i)) for i in range(2000)} for k in range(2)]
+    pytreeckpt.save(tmp_path / "warm", states[0])  # (described once: every save below recognises it)
+    hits = _recall.hits()
+    rounds = 20
+    errors: list[BaseException] = []
+    start = threading.Barrier(2)
+
+    def saves(k: int) -> None:
+        try:
+            start.wait()
+            for r in range(rounds):
+                pytreeckpt.save(tmp_path / f"s{k}-{r}", states[k])
+        except BaseException as e:  # (raised in the test's thread below)
+            errors.append(e)
+
+    threads = [threading.Thread(target=saves, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert _recall.hits() == hits + 2 * rounds
+    for k in range(2):
+        for r in range(rounds):
+            path = tmp_path / f"s{k}-{r}"
+            report = pytreeckpt.verify(path)
+            assert report.ok, (path, report.damaged_leaves[:5])
+            _same(pytreeckpt.load(path), states[k])
