@@ -22,12 +22,8 @@ class Loads:
     """The bytes given so far to each rank of a scope (int64 ``values``, updated in place by the planner;
     they only grow), and which rank is least loaded.
 
-    >>> loads, picks = Loads(3), []
-    >>> for _ in range(4):
-    ...     at = loads.least()
-    ...     loads.values[at] += 5
-    ...     picks.append(at)
-    >>> picks
+    >>> loads = Loads(3)
+    >>> [loads.give(5) for _ in range(4)]
     [0, 1, 2, 0]
     """
 
@@ -37,6 +33,12 @@ class Loads:
         self.values = np.zeros(size, dtype=np.int64)
         self._at = 0  # the least loaded rank found last
         self._floor = 0  # and its load: no load is lower, and every load before it is higher
+
+    def give(self, nbytes: int) -> int:
+        """Give ``nbytes`` to the least loaded rank (:meth:`least`), and return it."""
+        at = self.least()
+        self.values[at] += nbytes
+        return at
 
     def least(self) -> int:
         """The lowest of the least loaded ranks (``values.argmin()``): the one found last or the next while

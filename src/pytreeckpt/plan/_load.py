@@ -273,9 +273,7 @@ class _RankView:
             loads = scopes.get(skey)
             if loads is None:
                 loads = scopes[skey] = Loads(n)
-            at = loads.least()
-            loads.values[at] += nb
-            decided.append(at)
+            decided.append(loads.give(nb))
         key = tuple(decided)
         got = mine.reads.get(key)
         if got is None:
@@ -329,9 +327,7 @@ def _choose(p: Placed, cuts: _Cuts, rows: Sequence[int], scopes: Scopes) -> tupl
         if cuts.single[r] < 0:
             held, key = cuts.scope(r, p.ranks, p.place)
             loads = scope_loads(scopes, key, len(held))
-            at = loads.least()
-            loads.values[at] += cuts.nbytes[r]
-            decided.append(at)
+            decided.append(loads.give(cuts.nbytes[r]))
     return tuple(decided)
 
 

@@ -87,8 +87,7 @@ class _Group:
         holder is the key: a norm weight held by 1,024 ranks costs no pattern of 1,024 loads.
         """
         if len(self.sizes) == 1:
-            at = loads.least()
-            loads.values[at] += self.sizes[0]
+            at = loads.give(self.sizes[0])
             return at, [at]
         values = loads.values
         rel = values - values.min()
