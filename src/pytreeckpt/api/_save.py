@@ -361,8 +361,9 @@ class _SaveJob:
         head, entries = self.parts
         limit = self.storage.location.options.max_inline_checksum_bytes
         # Arrays alone, each of one chunk, their checksums in the document: a template's (see SumsTemplate)
-        single = sums.single_crc32c() if self.reuse is None and len(entries) == n and texts.plain else None
-        if single is not None and crc32c_chars(1) * n <= limit:
+        inline = self.reuse is None and len(entries) == n and texts.plain and crc32c_chars(1) * n <= limit
+        single = sums.single_crc32c() if inline else None  # (None unless every array is one chunk)
+        if single is not None:
             frame = head.frame(databases)
             template = texts.template
             if template is None or template.frame != frame:
