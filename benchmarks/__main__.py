@@ -272,19 +272,16 @@ def main() -> None:
         if "paired" in r:
             lo, hi = r["paired"]["leaves"]
             p = r["paired"]["seconds"]
-            growth = r["paired"].get("growth")
-            each = r["paired"].get("rounds")
+            ratios = r["paired"].get("ratios")
             md += [
                 f"pytreeckpt alone, {lo} and {hi} leaves alternated in the same rounds (medians): save "
                 f"{p['small save']:.3f} s and {p['big save']:.3f} s (ratio {p['big save'] / p['small save']:.2f}), "
                 f"load {p['small load']:.3f} s and {p['big load']:.3f} s (ratio {p['big load'] / p['small load']:.2f})"
                 + (
                     ""
-                    if growth is None or each is None
-                    else "; each round's ratio (the growth targets take their median): save "
-                    + ", ".join(f"{b / a:.2f}" for a, b in zip(each["small save"], each["big save"], strict=True))
-                    + ", load "
-                    + ", ".join(f"{b / a:.2f}" for a, b in zip(each["small load"], each["big load"], strict=True))
+                    if ratios is None
+                    else "; each round's ratio (the growth targets take their median): "
+                    + "; ".join(f"{op} " + ", ".join(f"{x:.2f}" for x in ratios[op]) for op in ("save", "load"))
                 ),
                 "",
             ]

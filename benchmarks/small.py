@@ -147,14 +147,14 @@ def paired(small_count: int, big_count: int, repeat: int, workdir: Path, cold: b
         fresh(p)()
     # The growth: each round's big over its small (timed a second apart, on the same machine's speed), the
     # median of those; the medians' ratio pairs a fast moment's time with a slow one's.
-    growth = {
-        op: statistics.median(b / a for a, b in zip(times[f"small {op}"], times[f"big {op}"], strict=True))
-        for op in ("save", "load")
+    ratios = {
+        op: [b / a for a, b in zip(times[f"small {op}"], times[f"big {op}"], strict=True)] for op in ("save", "load")
     }
     return {
         "leaves": [small_count, big_count],
         "seconds": {name: statistics.median(t) for name, t in times.items()},
-        "growth": growth,
+        "growth": {op: statistics.median(r) for op, r in ratios.items()},
+        "ratios": ratios,
         "rounds": times,
     }
 
