@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from . import cold as cold_bench
-from . import dist, single, small, train_loop
+from . import dist, revisions, single, small, train_loop
 from ._common import GiB, can_drop_caches
 
 _FSYNC_NOTE = (
@@ -53,10 +53,12 @@ def _table(title: str, r: dict[str, Any]) -> list[str]:
 
 
 def _check_rows(rows: list[tuple[str, float, str, float]]) -> list[str]:
+    """The rows as a table; a row named "(stretch: ...)" is a bound beyond its issue's, missed quietly."""
     out = ["| target | measured | bound | |", "| --- | ---: | ---: | --- |"]
     for name, value, op, bound in rows:
         ok = {"<=": value <= bound, ">=": value >= bound, ">": value > bound, "<": value < bound}[op]
-        out.append(f"| {name} | {value:.2f} | {op} {bound} | {'met' if ok else 'MISSED'} |")
+        verdict = "met" if ok else "missed (stretch)" if "(stretch" in name else "MISSED"
+        out.append(f"| {name} | {value:.2f} | {op} {bound} | {verdict} |")
     return [*out, ""]
 
 
@@ -98,6 +100,11 @@ def main() -> None:
     p.add_argument("--dist-gib", type=float, default=2.0)
     p.add_argument("--small", type=int, nargs="+", default=[10_000, 100_000], help="leaf counts (issue 18)")
     p.add_argument("--mixed-gib", type=float, default=0.5, help="weights of the mixed state (x3 with AdamW)")
+    p.add_argument(
+        "--before",
+        default=revisions.BEFORE,
+        help="the revision the mixed state is also run with, in turns (issue 18: no worse than before); '' skips it",
+    )
     p.add_argument("--rss-gib", type=float, default=4.0)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--train-gib", type=float, default=1.0, help="state saved while the loop trains (issue 18)")
@@ -154,6 +161,11 @@ def main() -> None:
             r = small.run_mixed(args.mixed_gib, max(5, args.repeat), workdir, cold)
             report["runs"][key] = r
             print(json.dumps(r["seconds"]), flush=True)
+            if args.before:  # issue 18's "no worse than today": against the code it was filed on, in turns
+                print(f"-- {key}, against {args.before}", flush=True)
+                r = revisions.run(args.before, max(4, args.repeat), args.mixed_gib, workdir / "revisions")
+                report["runs"][f"{key}, against {args.before}"] = r
+                print(json.dumps(r["seconds"]), flush=True)
         if "rss" in only:
             for pool in (None, 1.0):
                 key = f"async_save peak RSS {args.rss_gib:g} GiB, pool {'= state' if pool is None else f'{pool:g} GiB'}"
@@ -219,8 +231,10 @@ def main() -> None:
             rows = single.targets(r, cold)
         elif "gloo ranks" in key:
             rows = dist.targets(r, cold)
+        elif key.startswith("mixed state") and ", against " in key:
+            rows = revisions.targets(r)
         elif key.endswith("small leaves") or key.startswith("mixed state"):
-            rows = small.targets(r, cold)
+            rows = small.targets(r, cold, mixed=key.startswith("mixed state"))
             counts = sorted(c for c in args.small if f"{c} small leaves" in report["runs"])
             if key == f"{counts[-1]} small leaves" and len(counts) > 1:
                 rows += small.scale_targets(report["runs"][f"{counts[0]} small leaves"], r, cold)
@@ -255,6 +269,12 @@ def main() -> None:
             md += _table(key, r)
         else:
             md += [f"### {key}", "", "```", json.dumps(r, indent=2), "```", ""]
+        if "before" in r and "ratios" in r:
+            md += [
+                f"This tree over {r['before']}, each round's ratio (the targets take their median): "
+                + "; ".join(f"{op} " + ", ".join(f"{x:.2f}" for x in r["ratios"][op]) for op in ("save", "load")),
+                "",
+            ]
         if "files" in r:
             md += ["Files written: " + ", ".join(f"{k} {v}" for k, v in r["files"].items()), ""]
         if "first_save" in r:

@@ -208,13 +208,20 @@ def run_mixed(gib: float, repeat: int, workdir: Path, cold: bool) -> dict[str, A
     return {"leaves": len(tensors) + 501, "bytes": nbytes, **r}
 
 
-def targets(r: dict[str, Any], cold: bool) -> list[tuple[str, float, str, float]]:
+def targets(r: dict[str, Any], cold: bool, mixed: bool = False) -> list[tuple[str, float, str, float]]:
+    """Issue 18's bounds for small leaves; for the ``mixed`` state they are a stretch.
+
+    The issue asks the mixed state to be no worse than before its work, which
+    ``revisions.targets`` checks (both versions run in turns); the 10,000-leaf bounds are
+    kept beside it as a stretch. Its load reads 1,011 files against safetensors' one.
+    """
     s = r["seconds"]
     mode = "cold" if cold else "warm"
+    stretch = " (stretch: the 10,000-leaf bound)" if mixed else ""
     return [
-        ("pytreeckpt save time / torch.save's", s["pytreeckpt.save"] / s["torch.save"], "<=", 1.2),
+        (f"pytreeckpt save time / torch.save's{stretch}", s["pytreeckpt.save"] / s["torch.save"], "<=", 1.2),
         (
-            "pytreeckpt load time / safetensors.load's",
+            f"pytreeckpt load time / safetensors.load's{stretch}",
             s[f"pytreeckpt.load {mode}"] / s[f"safetensors.load {mode}"],
             "<=",
             1.2,
