@@ -163,9 +163,13 @@ def main() -> None:
             print(json.dumps(r["seconds"]), flush=True)
             if args.before:  # issue 18's "no worse than today": against the code it was filed on, in turns
                 print(f"-- {key}, against {args.before}", flush=True)
-                r = revisions.run(args.before, max(4, args.repeat), args.mixed_gib, workdir / "revisions")
-                report["runs"][f"{key}, against {args.before}"] = r
-                print(json.dumps(r["seconds"]), flush=True)
+                try:
+                    r = revisions.run(args.before, max(4, args.repeat), args.mixed_gib, workdir / "revisions", cold)
+                except RuntimeError as e:  # (not a git checkout, or no such revision: said, not fatal)
+                    print(f"(skipped: {e})", flush=True)
+                else:
+                    report["runs"][f"{key}, against {args.before}"] = r
+                    print(json.dumps(r["seconds"]), flush=True)
         if "rss" in only:
             for pool in (None, 1.0):
                 key = f"async_save peak RSS {args.rss_gib:g} GiB, pool {'= state' if pool is None else f'{pool:g} GiB'}"

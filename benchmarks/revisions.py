@@ -35,7 +35,7 @@ BEFORE = "9da069d"
 """The last commit before issue 18's work began (its first, 1d285ea, added ``load(..., inplace=True)``)."""
 
 
-def _child(src: str, workdir: Path, gib: float) -> dict[str, Any]:
+def _child(src: str, workdir: Path, gib: float, cold: bool) -> dict[str, Any]:
     """In a process whose ``pytreeckpt`` is ``src``'s: the mixed state's save and load, timed."""
     import warnings
 
@@ -59,7 +59,7 @@ def _child(src: str, workdir: Path, gib: float) -> dict[str, Any]:
     t0 = time.perf_counter()
     pytreeckpt.save(workdir / "ckpt", state)
     save = time.perf_counter() - t0  # (a save returns once its files are durable)
-    cold = drop_caches()
+    cold = cold and drop_caches()
     t0 = time.perf_counter()
     pytreeckpt.load(workdir / "ckpt")
     load = time.perf_counter() - t0
@@ -68,15 +68,21 @@ def _child(src: str, workdir: Path, gib: float) -> dict[str, Any]:
 
 
 def _worktree(rev: str, where: Path) -> Path:
-    subprocess.run(
-        ["git", "-C", str(ROOT), "worktree", "add", "--detach", "--force", str(where), rev],
-        check=True,
-        capture_output=True,
-    )
+    """A checkout of ``rev`` at ``where`` (RuntimeError, with git's words, where there is none to make)."""
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(ROOT), "worktree", "add", "--detach", "--force", str(where), rev],
+            capture_output=True,
+            text=True,
+        )
+    except OSError as e:  # (no git)
+        raise RuntimeError(f"cannot check out {rev}: {e}") from e
+    if out.returncode != 0:
+        raise RuntimeError(f"cannot check out {rev} of {ROOT}: {out.stderr.strip()}")
     return where
 
 
-def _run_child(src: Path, workdir: Path, gib: float) -> dict[str, Any]:
+def _run_child(src: Path, workdir: Path, gib: float, cold: bool) -> dict[str, Any]:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(src / "src"), str(ROOT)]))
     out = subprocess.run(
         [
@@ -89,6 +95,7 @@ def _run_child(src: Path, workdir: Path, gib: float) -> dict[str, Any]:
             str(workdir),
             "--mixed-gib",
             str(gib),
+            *([] if cold else ["--warm"]),
         ],
         env=env,
         cwd=ROOT,
@@ -100,8 +107,14 @@ def _run_child(src: Path, workdir: Path, gib: float) -> dict[str, Any]:
     return json.loads(out.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
 
 
-def run(before: str = BEFORE, rounds: int = 4, gib: float = 0.5, workdir: Path | None = None) -> dict[str, Any]:
-    """Both versions' times over ``rounds`` rounds, and this tree's over ``before``'s (median of the rounds' ratios)."""
+def run(
+    before: str = BEFORE, rounds: int = 4, gib: float = 0.5, workdir: Path | None = None, cold: bool = True
+) -> dict[str, Any]:
+    """Both versions' times over ``rounds`` rounds, and this tree's over ``before``'s (median of the rounds' ratios).
+
+    With ``cold``, each load starts from an empty page cache where the machine lets us drop it.
+    RuntimeError where ``before`` cannot be checked out or a run fails.
+    """
     tmp = Path(tempfile.mkdtemp(prefix="pytreeckpt-revisions-"))
     work = workdir or tmp / "work"
     work.mkdir(parents=True, exist_ok=True)
@@ -114,7 +127,7 @@ def run(before: str = BEFORE, rounds: int = 4, gib: float = 0.5, workdir: Path |
             names = list(versions)
             random.Random(r).shuffle(names)
             for name in names:
-                times[name].append(_run_child(versions[name], work, gib))
+                times[name].append(_run_child(versions[name], work, gib, cold))
     finally:
         subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], capture_output=True)
         shutil.rmtree(tmp, ignore_errors=True)
@@ -162,12 +175,13 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--mixed-gib", type=float, default=0.5)
     p.add_argument("--workdir", type=Path, default=None)
+    p.add_argument("--warm", action="store_true", help="loads from the page cache as it is (no drop)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
-        print(json.dumps(_child(args.child, args.workdir, args.mixed_gib)))
+        print(json.dumps(_child(args.child, args.workdir, args.mixed_gib, not args.warm)))
         return
-    r = run(args.before, args.rounds, args.mixed_gib, args.workdir)
+    r = run(args.before, args.rounds, args.mixed_gib, args.workdir, not args.warm)
     print(json.dumps(r, indent=2))
     for name, value, op, bound in targets(r):
         print(f"{name}: {value:.2f} ({op} {bound})")

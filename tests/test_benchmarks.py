@@ -42,6 +42,35 @@ def test_the_per_leaf_benchmark_times_every_tool_and_checks_its_targets(tmp_path
     assert mixed["seconds"]["pytreeckpt.save"] > 0
 
 
+def test_the_revisions_benchmark_runs_each_version_from_its_own_tree(tmp_path: Path) -> None:
+    """Against HEAD (a worktree of this repository's last commit): both runs, from their trees, then removed."""
+    from benchmarks import revisions
+
+    if not (revisions.ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    worktrees = _worktrees()
+    r = revisions.run("HEAD", 1, 0.001, tmp_path, cold=False)
+    assert set(r["seconds"]) == {"before save", "before load", "now save", "now load"}
+    assert r["ratio"]["save"] == r["rounds"]["now"][0]["save"] / r["rounds"]["before"][0]["save"]
+    assert not r["cold"]
+    rows = revisions.targets(r)
+    assert [row[2:] for row in rows] == [("<=", 1.0), ("<=", 1.0)]
+    assert "(before issue 18)" in rows[0][0]
+    assert _worktrees() == worktrees  # (the earlier revision's checkout is gone)
+    with pytest.raises(RuntimeError, match="cannot check out no-such-revision"):
+        revisions.run("no-such-revision", 1, 0.001, tmp_path, cold=False)
+
+
+def _worktrees() -> str:
+    import subprocess
+
+    from benchmarks import revisions
+
+    return subprocess.run(
+        ["git", "-C", str(revisions.ROOT), "worktree", "list"], capture_output=True, text=True, check=True
+    ).stdout
+
+
 def test_the_scale_benchmark_plans_through_the_public_entry_points() -> None:
     import json
     import subprocess
