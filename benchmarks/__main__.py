@@ -62,6 +62,12 @@ def _check_rows(rows: list[tuple[str, float, str, float]]) -> list[str]:
     return [*out, ""]
 
 
+def _each_ratio(ratios: dict[str, list[float]]) -> str:
+    """bench.md's line of each round's save and load ratio (round_ratios), whose medians the targets take."""
+    each = "; ".join(f"{op} " + ", ".join(f"{x:.2f}" for x in ratios[op]) for op in ("save", "load"))
+    return f"each round's ratio (the targets take their median): {each}"
+
+
 def _plot(report: dict[str, Any], out: Path) -> list[str]:
     try:
         import matplotlib
@@ -274,11 +280,7 @@ def main() -> None:
         else:
             md += [f"### {key}", "", "```", json.dumps(r, indent=2), "```", ""]
         if "before" in r and "ratios" in r:
-            md += [
-                f"This tree over {r['before']}, each round's ratio (the targets take their median): "
-                + "; ".join(f"{op} " + ", ".join(f"{x:.2f}" for x in r["ratios"][op]) for op in ("save", "load")),
-                "",
-            ]
+            md += [f"This tree over {r['before']}, {_each_ratio(r['ratios'])}", ""]
         if "files" in r:
             md += ["Files written: " + ", ".join(f"{k} {v}" for k, v in r["files"].items()), ""]
         if "first_save" in r:
@@ -301,12 +303,7 @@ def main() -> None:
                 f"pytreeckpt alone, {lo} and {hi} leaves alternated in the same rounds (medians): save "
                 f"{p['small save']:.3f} s and {p['big save']:.3f} s (ratio {p['big save'] / p['small save']:.2f}), "
                 f"load {p['small load']:.3f} s and {p['big load']:.3f} s (ratio {p['big load'] / p['small load']:.2f})"
-                + (
-                    ""
-                    if ratios is None
-                    else "; each round's ratio (the growth targets take their median): "
-                    + "; ".join(f"{op} " + ", ".join(f"{x:.2f}" for x in ratios[op]) for op in ("save", "load"))
-                ),
+                + ("" if ratios is None else f"; {_each_ratio(ratios)}"),
                 "",
             ]
     md += ["## Plots", "", *_plot(report, args.out)]

@@ -159,6 +159,13 @@ def rounds(
     return times
 
 
+def round_ratios(top: list[float], bottom: list[float]) -> list[float]:
+    """Each round's ``top / bottom``, for two timings taken in the same rounds: each ratio compares
+    times taken at one machine speed (their median is what a target takes; the ratio of the
+    medians would pair a fast moment's time with a slow one's)."""
+    return [t / b for t, b in zip(top, bottom, strict=True)]
+
+
 def alternating_loads(
     runs: dict[str, Callable[[], Any]], repeat: int, cold: bool, drop: Callable[[], Any], timer: Timer = timed
 ) -> dict[str, float]:

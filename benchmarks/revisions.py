@@ -30,6 +30,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks._common import round_ratios
+
 ROOT = Path(__file__).resolve().parent.parent
 BEFORE = "9da069d"
 """The last commit before issue 18's work began (its first, 1d285ea, added ``load(..., inplace=True)``)."""
@@ -132,7 +134,7 @@ def run(
         subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], capture_output=True)
         shutil.rmtree(tmp, ignore_errors=True)
     ratios = {
-        op: [n[op] / b[op] for n, b in zip(times["now"], times["before"], strict=True)] for op in ("save", "load")
+        op: round_ratios([t[op] for t in times["now"]], [t[op] for t in times["before"]]) for op in ("save", "load")
     }
     return {
         "before": before,

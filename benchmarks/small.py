@@ -30,7 +30,7 @@ import torch
 
 import pytreeckpt
 
-from ._common import GiB, alternating, count_files, drop_caches, fresh, fsync_tree, rounds
+from ._common import GiB, alternating, count_files, drop_caches, fresh, fsync_tree, round_ratios, rounds
 
 
 def small_state(count: int, seed: int = 0) -> dict[str, dict[str, torch.Tensor]]:
@@ -145,11 +145,8 @@ def paired(small_count: int, big_count: int, repeat: int, workdir: Path, cold: b
     times.update(rounds(loads, repeat))
     for p in paths.values():
         fresh(p)()
-    # The growth: each round's big over its small (timed a second apart, on the same machine's speed), the
-    # median of those; the medians' ratio pairs a fast moment's time with a slow one's.
-    ratios = {
-        op: [b / a for a, b in zip(times[f"small {op}"], times[f"big {op}"], strict=True)] for op in ("save", "load")
-    }
+    # The growth: the median of each round's big over its small (timed a second apart)
+    ratios = {op: round_ratios(times[f"big {op}"], times[f"small {op}"]) for op in ("save", "load")}
     return {
         "leaves": [small_count, big_count],
         "seconds": {name: statistics.median(t) for name, t in times.items()},
