@@ -1140,7 +1140,7 @@ def _single_chunk_sums(crcs: Sequence[bytes | None]) -> list[str | None]:
     if not where:
         return out
     joined_crcs = b"".join(crcs) if every else b"".join([crcs[i] for i in where])  # type: ignore[misc, arg-type]
-    width = len(_SUMS_OPEN) + 10  # 8 base64 characters (the last two "=="), '"}'
+    width = len(_SUMS_FILLER)  # (the opening, 8 base64 characters, the last two "==", and '"}')
     text = np.empty((len(where), width), dtype=np.uint8)
     text[:] = np.frombuffer(_SUMS_FILLER.encode(), dtype=np.uint8)
     text[:, len(_SUMS_OPEN) : len(_SUMS_OPEN) + 6] = _base64_of_sums(joined_crcs)
