@@ -91,6 +91,9 @@ def main() -> None:
     parser.add_argument("--dir", type=Path, default=None, help="where to write checkpoints (default: a temp dir)")
     args = parser.parse_args()
     root = args.dir or Path(tempfile.mkdtemp(prefix="pytreeckpt-quickstart-"))
+    # Step 4 compares losses bit for bit, so the arithmetic must not depend on how many threads
+    # a matmul gets (MKL may pick fewer while the async save writes behind the training).
+    torch.set_num_threads(1)
 
     model = TinyLM()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)

@@ -49,6 +49,11 @@ def main() -> None:
     parser.add_argument("--fast-every", type=int, default=2, help="with --fast-dir: save there every N steps")
     args = parser.parse_args()
 
+    # Identical losses need identical arithmetic. torch's CPU matmul rounds differently with
+    # another number of threads, and MKL may pick fewer threads for a call while the machine
+    # is busy (a checkpoint being written behind the loop, other programs): one intra-op
+    # thread makes every run's arithmetic the same, so a difference can only be the checkpoint's.
+    torch.set_num_threads(1)
     model = make_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     dropout = nn.Dropout(0.1)  # uses the RNG: its state is part of the checkpoint
