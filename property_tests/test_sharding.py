@@ -166,21 +166,23 @@ def test_spec_equality_is_the_equality_of_its_mesh_and_placements(
 
 
 @st.composite
-def fsdp_tp_specs(draw: st.DrawFn) -> tuple[ShardingSpec, tuple[int, ...]]:
+def fsdp_tp_specs(draw: st.DrawFn, matched: bool = False) -> tuple[ShardingSpec, tuple[int, ...]]:
     """FSDP2 with tensor parallelism: ``StridedShard`` then ``Shard`` (maybe more) on one dim, sides of any
-    remainder, so that a position's window of its strided runs lies in one run or spans several."""
+    remainder, so that a position's window of its strided runs lies in one run or spans several.
+
+    ``matched``: the split factor is the size of the ``Shard`` axis, as FSDP2 makes it."""
     dims = draw(st.integers(1, 2))
     dim = draw(st.integers(0, dims - 1))
     shape = tuple(draw(st.integers(0, 40)) for _ in range(dims))
     sizes = draw(st.lists(st.integers(1, 5), min_size=2, max_size=3))
-    split = draw(st.integers(1, 4))
+    split = sizes[1] if matched else draw(st.integers(1, 4))
     rest: list[Shard | Replicate] = [
         draw(st.sampled_from([Shard(dim), Replicate(), Shard(dims - 1 - dim)])) for _ in sizes[2:]
     ]
     return ShardingSpec(Mesh(tuple(sizes)), [StridedShard(dim, split), Shard(dim), *rest]), shape
 
 
-@given(fsdp_tp_specs())
+@given(fsdp_tp_specs() | fsdp_tp_specs(matched=True))
 def test_the_piece_table_of_a_strided_then_plain_shard_holds_every_positions_pieces(
     case: tuple[ShardingSpec, tuple[int, ...]],
 ) -> None:
@@ -203,3 +205,23 @@ def test_the_piece_table_holds_every_positions_pieces(case: tuple[ShardingSpec, 
     table = _mesh_table(spec, shape)
     want = tuple(tuple(p.region for p in ps if not p.region.is_empty) for ps in spec.rank_pieces(shape))
     assert tuple(tuple(p.region for p in ps) for ps in table.pieces()) == want
+
+
+@given(fsdp_tp_specs(matched=True) | fsdp_tp_specs() | mesh_specs())
+def test_the_closed_form_of_a_strided_then_plain_shard_makes_the_table_the_loop_makes(
+    case: tuple[ShardingSpec, tuple[int, ...]],
+) -> None:
+    """Where ``_nested_runs`` computes a dim's runs in closed form, the table is, column for column, the one
+    the general loop over the placements makes."""
+    from unittest import mock
+
+    from pytreeckpt.plan import _tables
+
+    spec, shape = case
+    fast = _tables._mesh_table(spec, shape)
+    with mock.patch.object(_tables, "_nested_runs", return_value=None):
+        loop = _tables._mesh_table(spec, shape)
+    assert fast.positions == loop.positions
+    assert fast.disjoint == loop.disjoint
+    for name in ("pos", "piece", "lo", "ext"):
+        assert np.array_equal(getattr(fast, name), getattr(loop, name)), name

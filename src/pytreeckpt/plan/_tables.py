@@ -141,6 +141,10 @@ def _mesh_table(spec: ShardingSpec, shape: tuple[int, ...]) -> PieceTable:
     # and each position reads its row. Runs are kept (runs, rows), as _take takes them.
     runs: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
     for d, n in enumerate(shape):
+        nested = _nested_runs(spec, d, n, coords)
+        if nested is not None:
+            runs.append(nested)
+            continue
         starts = np.zeros((1, 1), dtype=_I64)
         lens = np.full((1, 1), n, dtype=_I64)
         row = np.zeros(positions, dtype=_I64)
@@ -220,6 +224,38 @@ def _mesh_table(spec: ShardingSpec, shape: tuple[int, ...]) -> PieceTable:
         np.concatenate(ext_l).reshape(len(pos_a), len(shape))[order],
         disjoint=True,
     )
+
+
+def _nested_runs(
+    spec: ShardingSpec, d: int, n: int, coords: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """Dim ``d``'s runs as :func:`_mesh_table`'s loop makes them, for FSDP2 with tensor parallelism, in closed form.
+
+    When dim ``d`` is cut by ``StridedShard(d, b)`` on a mesh axis of ``a`` positions and then
+    by ``Shard(d)`` on a later axis of ``b`` (nothing else cuts it), position ``(i, j)`` takes
+    window ``j`` of the ``b`` runs ``i`` holds; where every window is exactly run ``j`` (the
+    runs' lengths are how ``Shard`` cuts their sum: checked here), it holds ``i``'s cut of
+    part ``j``, as ``torch.chunk`` nests. One run per row then, as ``_take_within_runs``
+    leaves it; None when the pattern or the check does not hold (the loop computes it).
+    """
+    axes = [k for k, p in enumerate(spec.placements) if not isinstance(p, Replicate) and p.dim == d]
+    if len(axes) != 2:
+        return None
+    first, second = (spec.placements[k] for k in axes)
+    a, b = (spec.mesh.shape[k] for k in axes)
+    if not (isinstance(first, StridedShard) and type(second) is not StridedShard and first.split_factor == b):
+        return None
+    j = np.arange(b, dtype=_I64)
+    part_size, part_off = _chunk_split(np.full(b, n, dtype=_I64), b, j)  # (b,)
+    i = np.arange(a, dtype=_I64)[:, None]
+    size, off = _chunk_split(np.broadcast_to(part_size, (a, b)), a, np.broadcast_to(i, (a, b)))  # (a, b)
+    held = size.sum(axis=1, keepdims=True)
+    window, _ = _chunk_split(np.broadcast_to(held, (a, b)), b, np.broadcast_to(j, (a, b)))
+    if not bool((window == size).all()):
+        return None
+    lens = size.reshape(1, -1)
+    starts = np.where(lens > 0, (part_off + off).reshape(1, -1), 0)
+    return starts, lens, coords[:, axes[0]] * b + coords[:, axes[1]]
 
 
 def _run_count(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
