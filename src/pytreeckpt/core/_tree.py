@@ -25,6 +25,7 @@ import dataclasses
 import enum
 import math
 import sys
+import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -453,13 +454,17 @@ def resolve_value(value: Any, like: Any) -> Any:
 # --------------------------------------------------------------------------- flatten
 
 
+_NO_EXTRA: Any = types.MappingProxyType({})  # (read-only: a leaf's extra is never written)
+
+
 def leaf_node(index: int) -> Node:
     """The node of leaf ``index`` (in flatten order).
 
-    Its entries and children are the one empty tuple: a tree of 100,000 leaves does not
-    make 200,000 empty lists, which the cyclic collector would then walk.
+    Its entries and children are the one empty tuple, its extra one read-only empty mapping:
+    a tree of 100,000 leaves does not make 200,000 empty lists and 100,000 empty dicts,
+    which the cyclic collector would then walk (and it is made in half the time).
     """
-    return Node("leaf", (), (), leaf=index)
+    return Node("leaf", (), (), None, None, _NO_EXTRA, index)
 
 
 def flatten(
