@@ -464,7 +464,7 @@ def leaf_node(index: int) -> Node:
     a tree of 100,000 leaves does not make 200,000 empty lists and 100,000 empty dicts,
     which the cyclic collector would then walk (and it is made in half the time).
     """
-    return Node("leaf", (), (), None, None, _NO_EXTRA, index)
+    return Node("leaf", (), (), None, None, _NO_EXTRA, index)  # (positional, in field order: the faster call)
 
 
 def flatten(
