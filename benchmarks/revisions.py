@@ -47,14 +47,11 @@ def _child(src: str, workdir: Path, gib: float, cold: bool) -> dict[str, Any]:
     here = Path(pytreeckpt.__file__).resolve()
     if not here.is_relative_to(Path(src).resolve()):
         raise RuntimeError(f"pytreeckpt was imported from {here}, not from {src}")
-    import torch
-    from optree import tree_leaves as optree_leaves
-
-    from benchmarks._common import drop_caches
-    from benchmarks.small import mixed_state
+    from benchmarks._common import drop_caches, nbytes_of
+    from benchmarks.small import _flat, mixed_state
 
     state = mixed_state(gib)
-    nbytes = sum(v.numel() * v.element_size() for v in optree_leaves(state) if isinstance(v, torch.Tensor))
+    nbytes = nbytes_of(_flat(state))  # (its tensors' bytes, as run_mixed counts them)
     pytreeckpt.save(workdir / "first", state)  # (untimed: the first save of the tree in the process)
     shutil.rmtree(workdir / "first")
     os.sync()

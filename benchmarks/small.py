@@ -30,7 +30,7 @@ import torch
 
 import pytreeckpt
 
-from ._common import GiB, alternating, count_files, drop_caches, fresh, fsync_tree, round_ratios, rounds
+from ._common import GiB, alternating, count_files, drop_caches, fresh, fsync_tree, nbytes_of, round_ratios, rounds
 
 
 def small_state(count: int, seed: int = 0) -> dict[str, dict[str, torch.Tensor]]:
@@ -200,7 +200,7 @@ def run_mixed(gib: float, repeat: int, workdir: Path, cold: bool) -> dict[str, A
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     state = mixed_state(gib)
     tensors = _flat(state)
-    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    nbytes = nbytes_of(tensors)
     r = _tools(state, workdir, cold, repeat)
     return {"leaves": len(tensors) + 501, "bytes": nbytes, **r}
 
