@@ -351,3 +351,34 @@ def test_a_tree_nested_too_deeply_is_refused_by_name(tmp_path: Path) -> None:
         ok = {"k": ok}
     pytreeckpt.save(tmp_path / "e", ok)
     assert pytreeckpt.load(tmp_path / "e") == ok
+
+
+class _Colour(enum.IntEnum):
+    RED = 1
+
+
+class _Name(str):
+    pass
+
+
+class _Wrapped(torch.Tensor):
+    pass
+
+
+def test_leaf_and_value_checks_answer_as_isinstance_does() -> None:
+    """The exact-type shortcuts of _is_leaf and _is_value answer as the isinstance checks they stand for."""
+    from pytreeckpt.api._shared import _LEAF_TYPES, _is_leaf, _is_value
+    from pytreeckpt.core._tree import PYTHON_LEAF_TYPES, StoredEnum
+
+    spec = ShardingSpec(Mesh(2), [Shard(0)])
+    things = [
+        True, 3, 2.5, "s", None, _Colour.RED, _Name("n"), StoredEnum("pkg:Colour", 1),
+        np.float64(1.0), np.int32(2), np.bool_(True), np.zeros(2), np.ma.zeros(2),
+        torch.zeros(2), torch.nn.Parameter(torch.zeros(2)), torch.zeros(2).as_subclass(_Wrapped),
+        Abstract((4,), torch.float32), Abstract((4,), torch.float32, spec),
+        pytreeckpt.ShardedLeaf((4,), torch.float32, spec, {0: torch.zeros(2)}),
+        {}, [], (), collections.OrderedDict(), Point(1, 2), object(), b"bytes", 1j,
+    ]  # fmt: skip
+    for x in things:
+        assert _is_leaf(x) == isinstance(x, _LEAF_TYPES), x
+        assert _is_value(x) == (isinstance(x, PYTHON_LEAF_TYPES) and not isinstance(x, np.generic)), x

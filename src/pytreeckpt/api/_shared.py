@@ -103,12 +103,24 @@ def _placed(placement: Sequence[int]) -> tuple[int, dict[int, int]]:
 _LEAF_TYPES = (torch.Tensor, np.ndarray, np.generic, ShardedLeaf, Abstract, *PYTHON_LEAF_TYPES)
 
 
+# The leaf types met most, exactly: a set lookup answers for them (isinstance against a tuple
+# holding enum.Enum, whose metaclass is not type, costs ten times as much for every non-value).
+_VALUE_TYPES = frozenset({bool, int, float, str, type(None)})
+_ARRAY_TYPES = frozenset({torch.Tensor, torch.nn.Parameter, np.ndarray, ShardedLeaf, Abstract})
+_LEAF_EXACT = _VALUE_TYPES | _ARRAY_TYPES
+
+
 def _is_leaf(x: Any) -> bool:
-    return isinstance(x, _LEAF_TYPES)
+    return type(x) in _LEAF_EXACT or isinstance(x, _LEAF_TYPES)
 
 
 def _is_value(x: Any) -> bool:
     """A plain Python leaf, stored inline (numpy scalars, though float subclasses, are arrays)."""
+    t = type(x)
+    if t in _VALUE_TYPES:
+        return True
+    if t in _ARRAY_TYPES:
+        return False
     return isinstance(x, PYTHON_LEAF_TYPES) and not isinstance(x, np.generic)
 
 
