@@ -15,7 +15,14 @@ from pytreeckpt.core._tree import Node, decode_value, encode_value, flatten, key
 Point = collections.namedtuple("Point", "x y")
 Triple = collections.namedtuple("Triple", ["first", "second", "third"])
 
-keys = st.one_of(st.text(max_size=5), st.integers(-5, 2**40))
+keys = st.one_of(
+    st.text(max_size=5),
+    st.integers(-5, 2**40),
+    st.booleans(),
+    st.floats(allow_nan=False),
+    st.none(),
+    st.tuples(st.integers(0, 3), st.text(max_size=2)),
+)
 leaves = st.one_of(st.integers(), st.floats(), st.booleans(), st.text(max_size=5), st.none())
 trees = st.recursive(
     leaves,
@@ -76,3 +83,11 @@ def test_plain_leaves_round_trip_through_json_exactly(tree: Any) -> None:
         assert _same(again, value)
         if isinstance(value, float) and math.isnan(value):
             assert math.isnan(again)
+
+
+@given(trees)
+def test_keys_made_while_flattening_are_the_paths_keys(tree: Any) -> None:
+    named: list[str] = []
+    flat, paths, _ = flatten(tree, _is_leaf, keys=named)
+    assert named == [keystr(p) for p in paths]
+    assert len(named) == len(flat)

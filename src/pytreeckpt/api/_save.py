@@ -552,8 +552,8 @@ def _plan_state(
     keys: list[str] = []
     kinds: dict[Any, Any] = {}  # what Abstract leaves of one spec, shape, dtype and placement share
     with carried.catch():
-        leaves, paths, root = flatten(tree, _is_leaf, namespace=namespace)
-        keys = check_unique_keys(paths)
+        leaves, paths, root = flatten(tree, _is_leaf, namespace=namespace, keys=keys)
+        keys = check_unique_keys(paths, keys)
         user = _user_metadata(user_metadata)
         leaf_specs = broadcast_prefix(spec, root, lambda x: isinstance(x, Layout), len(leaves), namespace=namespace)
         codecs = _compressions(compression, root, keys, len(leaves), namespace)

@@ -136,13 +136,16 @@ def typed_keystr(path: Sequence[KeyEntry]) -> str:
     return "".join(f"[{_entry_key(e)!r}]" for e in path) or "(root)"
 
 
-def check_unique_keys(paths: Sequence[Sequence[KeyEntry]]) -> list[str]:
+def check_unique_keys(paths: Sequence[Sequence[KeyEntry]], keys: list[str] | None = None) -> list[str]:
     """The leaves' dotted key paths; refuse a tree in which two leaves have the same one.
+
+    ``keys``: those key paths if known (:func:`flatten` makes them as it walks).
 
     Raises:
       CheckpointError: naming both leaves by their typed paths, and how to tell them apart.
     """
-    keys = [keystr(path) for path in paths]
+    if keys is None:
+        keys = [keystr(path) for path in paths]
     if len(set(keys)) == len(keys):
         return keys
     seen: dict[str, Sequence[KeyEntry]] = {}
@@ -468,9 +471,12 @@ def leaf_node(index: int) -> Node:
 
 
 def flatten(
-    tree: Any, is_leaf: Callable[[Any], bool], *, namespace: str = ""
+    tree: Any, is_leaf: Callable[[Any], bool], *, namespace: str = "", keys: list[str] | None = None
 ) -> tuple[list[Any], list[tuple[KeyEntry, ...]], Node]:
     """Flatten ``tree`` into leaves, their typed key paths, and its structure.
+
+    ``keys``, if given, gets each leaf's dotted key path (:func:`keystr` of its typed
+    path), made as the tree is walked: a container's path is joined once, not once per leaf.
 
     Raises:
       CheckpointError: a leaf of a type pytreeckpt cannot store, naming its key path, or
@@ -478,11 +484,14 @@ def flatten(
     """
     leaves: list[Any] = []
     paths: list[tuple[KeyEntry, ...]] = []
+    named = [] if keys is None else keys
 
-    def walk(x: Any, path: tuple[KeyEntry, ...]) -> Node:
+    def walk(x: Any, path: tuple[KeyEntry, ...], prefix: str) -> Node:
+        # prefix: the container's dotted key path and a dot ("" at the root), which its children's extend
         if is_leaf(x):
             leaves.append(x)
             paths.append(path)
+            named.append(prefix[:-1])
             return leaf_node(len(leaves) - 1)
         if len(path) >= MAX_DEPTH:
             raise CheckpointError(
@@ -493,15 +502,17 @@ def flatten(
         node = _one_level(x, path, namespace)
         node.children = children = []
         for e, c in zip(node.entries, node.extra.pop("_kids"), strict=True):
+            name = e[1] if e[0] == "s" else _entry_str(e)
             if is_leaf(c):  # (most children are leaves: taken here, without a call of walk)
                 leaves.append(c)
                 paths.append((*path, e))
+                named.append(prefix + name)
                 children.append(leaf_node(len(leaves) - 1))
             else:
-                children.append(walk(c, (*path, e)))
+                children.append(walk(c, (*path, e), prefix + name + "."))
         return node
 
-    root = walk(tree, ())
+    root = walk(tree, (), "")
     return leaves, paths, root
 
 
@@ -509,7 +520,7 @@ def _one_level(x: Any, path: tuple[KeyEntry, ...], namespace: str) -> Node:
     t = type(x)
     try:
         if t is dict or t is collections.OrderedDict or t is collections.defaultdict:
-            entries = [_entry(k) for k in x]
+            entries = [("s", k) if type(k) is str else _entry(k) for k in x]  # (str keys, mostly: no call)
             kind = {dict: "dict", collections.OrderedDict: "odict", collections.defaultdict: "defaultdict"}[t]
             node = Node(kind, entries)
             if t is collections.defaultdict:
