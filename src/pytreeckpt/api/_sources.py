@@ -179,10 +179,10 @@ def _abstract_in(
         raise CheckpointError(
             f"leaf {_where(key)} is an Abstract in layout {leaf.spec}, but the spec tree gives {spec}"
         )
-    placement = leaf.placement
-    kind = (id(leaf.spec), leaf.shape, leaf.dtype, id(placement))
+    placement, saved = leaf.placement, leaf.spec
+    kind = (id(saved), leaf.shape, leaf.dtype, id(placement))
     got = None if kinds is None else kinds.get(kind)
-    if got is None or got[0] is not leaf.spec or got[1] is not placement:
+    if got is None or got[0] is not saved or got[1] is not placement:
         _check_ndim(key, len(leaf.shape))
         layout = (
             leaf.spec
@@ -198,20 +198,12 @@ def _abstract_in(
         got = (leaf.spec, placement, layout, pieces, dtype_of_torch(leaf.dtype))
         if kinds is not None:
             kinds[kind] = got  # (the leaf keeps its spec and placement alive, so their ids stay theirs)
-    _, _, layout, pieces, dtype = got
-    return _ArrayIn(key, "torch", dtype, leaf.shape, layout, leaf.spec, pieces, _NoData(key), ranks=placement)
+    return _ArrayIn(key, "torch", got[4], leaf.shape, got[2], saved, got[3], _no_data, None, None, (), placement)
 
 
-class _NoData:
-    """The data getter of an Abstract leaf: it has none (one object a leaf, where a closure makes three)."""
-
-    __slots__ = ("key",)
-
-    def __init__(self, key: str) -> None:
-        self.key = key
-
-    def __call__(self, rank: int, pi: int) -> tuple[np.ndarray, Region]:
-        raise CheckpointError(f"leaf {_where(self.key)} is an Abstract placeholder: it has no data (a plan only)")
+def _no_data(rank: int, pi: int) -> tuple[np.ndarray, Region]:
+    """The data getter of every Abstract leaf: it has none (they are planned only, never saved: :func:`_array_in`)."""
+    raise CheckpointError("an Abstract placeholder has no data (a plan only)")
 
 
 _WHOLE: dict[tuple[int, ...], tuple[Region, dict[int, tuple[Piece, ...]]]] = {}  # shape -> its region, pieces
