@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import fnmatch
+import functools
 import math
 import threading
 import time
@@ -401,18 +402,13 @@ def _own_shard_dest(meta: ArrayMeta, own: tuple[Any, ...], buffers: _Buffers) ->
     :func:`_own_shard`), read into new host memory."""
     shape, dtype = meta.shape, meta.dtype.torch
     spec, placement, position, rank, local_shape, pieces = own
+    # (finish: a partial, not a closure, for the many thousand leaves of a rank's load: one object, not seven)
     if position is None:
-        return _Dest(meta, spec, {}, {}, lambda: ShardedLeaf(shape, dtype, spec, {}, placement), 0, placement)
+        none = functools.partial(ShardedLeaf, shape, dtype, spec, {}, placement)
+        return _Dest(meta, spec, {}, {}, none, 0, placement)
     local = buffers.tensor(local_shape, dtype, False)
-    return _Dest(
-        meta,
-        spec,
-        pieces,
-        {rank: local},
-        lambda: ShardedLeaf(shape, dtype, spec, {position: local}, placement),
-        0,
-        placement,
-    )
+    finish = functools.partial(ShardedLeaf, shape, dtype, spec, {position: local}, placement)
+    return _Dest(meta, spec, pieces, {rank: local}, finish, 0, placement)
 
 
 def _sharded_dest(
