@@ -137,7 +137,7 @@ class _Merge:
     def scope_key(self, ranks: np.ndarray, placement: Any) -> bytes:
         got = self._scopes.get(placement)
         if got is None:
-            got = self._scopes[placement] = scope_key(ranks[list(self.feeders)])
+            got = self._scopes[placement] = scope_key(ranks[self.pos[first_of_runs(self.pos)]])
         return got
 
     def writer_at(self, loads: Loads) -> int:
@@ -390,16 +390,21 @@ class _Structure:
 
 
 def _meeting(table: PieceTable, box: Region) -> np.ndarray:
-    """Rows of ``table`` whose non-empty boxes meet ``box``, in table order (what :class:`_PartIndex` finds)."""
+    """Rows of ``table`` whose non-empty boxes meet ``box``, in table order (what :class:`_PartIndex` finds).
+
+    A dim at a time, each over the rows the dims before it left: a chunk meets a few of 16,384
+    positions' boxes along the dim they are sharded on, so the later dims cost little.
+    """
     lo, ext = table.lo, table.ext
     if not box.ndim:
         return np.arange(len(table.pos))
-    meets = (
-        rows_all(lo < np.asarray(box.stop, dtype=_I64))
-        & rows_all(lo + ext > np.asarray(box.offset, dtype=_I64))
-        & rows_all(ext > 0)
-    )
-    return np.flatnonzero(meets)
+    rows = None
+    for d, (a, b) in enumerate(zip(box.offset, box.stop, strict=True)):
+        start, e = (lo[:, d], ext[:, d]) if rows is None else (lo[rows, d], ext[rows, d])
+        hit = (start < b) & (start + e > a) & (e > 0)
+        rows = np.flatnonzero(hit) if rows is None else rows[hit]
+    assert rows is not None
+    return rows
 
 
 class _PartIndex:
