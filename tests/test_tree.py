@@ -382,3 +382,19 @@ def test_leaf_and_value_checks_answer_as_isinstance_does() -> None:
     for x in things:
         assert _is_leaf(x) == isinstance(x, _LEAF_TYPES), x
         assert _is_value(x) == (isinstance(x, PYTHON_LEAF_TYPES) and not isinstance(x, np.generic)), x
+
+
+def test_leaf_node_sets_every_field_as_the_constructor_does() -> None:
+    """leaf_node stores a leaf's slots itself: each field of Node, one added later too, as Node(...) gives it."""
+    import dataclasses
+
+    from pytreeckpt.core._tree import Node, leaf_node
+
+    made, expected = leaf_node(3), Node("leaf", leaf=3)
+    for f in dataclasses.fields(Node):
+        got, want = getattr(made, f.name), getattr(expected, f.name)  # (an unset slot raises AttributeError)
+        if isinstance(want, list | dict):
+            assert type(got) not in (list, dict), f.name  # (shared, read-only: () and a proxy)
+            assert list(got) == list(want), f.name
+        else:
+            assert got == want, f.name
