@@ -9,7 +9,7 @@ import functools
 import math
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +21,7 @@ from pytreeckpt.core._errors import CheckpointError, LayoutError, MetadataError,
 from pytreeckpt.core._leaf import Abstract, ShardedLeaf, piece_view
 from pytreeckpt.core._region import Region
 from pytreeckpt.core._sharding import ExplicitRegions, Layout, Mesh, Piece, Replicate, ShardingSpec
+from pytreeckpt.core._slots import slots_constructor
 from pytreeckpt.core._tree import KeyEntry, Node, flatten, keystr, leaf_node, resolve_value, typed_keystr
 from pytreeckpt.distributed._comm import data_comm
 from pytreeckpt.execute._executor import read_arrays
@@ -382,6 +383,9 @@ class _Buffers:
         return a
 
 
+_dest_of: Callable[..., _Dest] = slots_constructor(_Dest)  # (every field, in order)
+
+
 def _own_shard(
     spec: Layout, placement: range | tuple[int, ...] | None, shape: tuple[int, ...], comm: Comm, key: str
 ) -> tuple[Any, ...]:
@@ -405,10 +409,10 @@ def _own_shard_dest(meta: ArrayMeta, own: tuple[Any, ...], buffers: _Buffers) ->
     # (finish: a partial, not a closure, for the many thousand leaves of a rank's load: one object, not seven)
     if position is None:
         none = functools.partial(ShardedLeaf, shape, dtype, spec, {}, placement)
-        return _Dest(meta, spec, {}, {}, none, 0, placement)
+        return _dest_of(meta, spec, {}, {}, none, 0, placement)
     local = buffers.tensor(local_shape, dtype, False)
     finish = functools.partial(ShardedLeaf, shape, dtype, spec, {position: local}, placement)
-    return _Dest(meta, spec, pieces, {rank: local}, finish, 0, placement)
+    return _dest_of(meta, spec, pieces, {rank: local}, finish, 0, placement)
 
 
 def _sharded_dest(

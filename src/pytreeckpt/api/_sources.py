@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -15,6 +15,7 @@ from pytreeckpt.core._errors import CheckpointError, LayoutError
 from pytreeckpt.core._leaf import Abstract, ShardedLeaf, piece_view
 from pytreeckpt.core._region import Region
 from pytreeckpt.core._sharding import Layout, Mesh, Piece, Replicate, ShardingSpec
+from pytreeckpt.core._slots import slots_constructor
 from pytreeckpt.execute._executor import PieceData
 from pytreeckpt.format._document import MAX_NDIM
 from pytreeckpt.plan import ArraySpec, array_spec_of
@@ -198,7 +199,10 @@ def _abstract_in(
         got = (leaf.spec, placement, layout, pieces, dtype_of_torch(leaf.dtype))
         if kinds is not None:
             kinds[kind] = got  # (the leaf keeps its spec and placement alive, so their ids stay theirs)
-    return _ArrayIn(key, "torch", got[4], leaf.shape, got[2], saved, got[3], _no_data, None, None, (), placement)
+    return _array_in_of(key, "torch", got[4], leaf.shape, got[2], saved, got[3], _no_data, None, None, (), placement)
+
+
+_array_in_of: Callable[..., _ArrayIn] = slots_constructor(_ArrayIn)  # (every field, in order)
 
 
 def _no_data(rank: int, pi: int) -> tuple[np.ndarray, Region]:

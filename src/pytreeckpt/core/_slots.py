@@ -4,6 +4,8 @@ A frozen dataclass's ``__init__`` sets each field through ``object.__setattr__``
 ``__post_init__``'s checks). The planner and a save or load make thousands of regions,
 fragments, writes, reads, specs and array plans from values their callers computed;
 setting the slots directly costs half as much (a ``Fragment`` in 0.35 us against 0.78 us).
+A class that is not frozen has its slots stored as plain attributes, without the call of
+its ``__init__`` (a save's description of each of 4,548 leaves: 1.1 k instructions fewer).
 """
 
 from __future__ import annotations
@@ -34,9 +36,13 @@ def slots_constructor(cls: type[T]) -> Callable[..., T]:
     names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
     assert not {"obj", "new", "cls"} & set(names)  # (the generated body's own names)
     scope: dict[str, Any] = {"new": object.__new__, "cls": cls}
-    scope.update((f"set_{n}", cls.__dict__[n].__set__) for n in names)
     lines = [f"def make({', '.join(names)}):", "    obj = new(cls)"]
-    lines += [f"    set_{n}(obj, {n})" for n in names]
+    if cls.__dataclass_params__.frozen:  # type: ignore[attr-defined]
+        # (its __setattr__ refuses: each slot's descriptor sets it)
+        scope.update((f"set_{n}", cls.__dict__[n].__set__) for n in names)
+        lines += [f"    set_{n}(obj, {n})" for n in names]
+    else:  # (plain stores, which the interpreter specialises to slot stores: a third of a descriptor call)
+        lines += [f"    obj.{n} = {n}" for n in names]
     lines.append("    return obj")
     exec("\n".join(lines), scope)
     make: Callable[..., T] = scope["make"]
