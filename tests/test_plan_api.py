@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -81,6 +82,26 @@ def test_plan_load_reads_what_each_rank_wants_and_a_simulated_rank_its_part(tmp_
         for a, b in zip(part.arrays, whole.arrays, strict=True):
             wanted = [op for op in b.reads if any(t.rank == rank for t in op.targets)]
             assert list(a.reads) == wanted, (a.key, rank)
+
+
+@pytest.mark.parametrize(
+    ("target", "found"),
+    [
+        (
+            Abstract((64, 40), torch.float32, ShardingSpec(Mesh(4), [Shard(0)])),
+            "shape (64, 48), the target has (64, 40)",
+        ),
+        (Abstract((64, 48), torch.float64, ShardingSpec(Mesh(4), [Shard(0)])), "dtype float32, the target has float64"),
+    ],
+)
+def test_a_rank_refuses_a_sharded_target_of_another_shape_or_dtype(
+    tmp_path: Path, target: Abstract, found: str
+) -> None:
+    """A rank's new shard of a sharded Abstract target (the lean path of a distributed load) is checked as any."""
+    pytreeckpt.save(tmp_path / "c", _state(None))
+    document = (tmp_path / "c" / "pytreeckpt.json").read_bytes()
+    with pytest.raises(pytreeckpt.TargetMismatchError, match=rf"leaf 'w': the checkpoint has {re.escape(found)}"):
+        pytreeckpt.plan_load(tmp_path / "c", {"w": target}, process_group=SimComm(1, 4, document=document))
 
 
 def _staged(rank: int | None, abstract: bool = False) -> dict[str, object]:

@@ -415,6 +415,18 @@ def _own_shard_dest(meta: ArrayMeta, own: tuple[Any, ...], buffers: _Buffers) ->
     return _dest_of(meta, spec, pieces, {rank: local}, finish, 0, placement)
 
 
+def _own_shard_of(
+    spec: Layout, placement: range | tuple[int, ...] | None, meta: ArrayMeta, comm: Comm, buffers: _Buffers
+) -> tuple[Any, ...]:
+    """:func:`_own_shard` of a target leaf, memoised in ``buffers`` on its spec, shape and placement objects."""
+    kind = (id(spec), meta.shape, id(placement))
+    mine = buffers.shards.get(kind)
+    if mine is None or mine[0] is not spec or mine[1] is not placement:
+        mine = buffers.shards[kind] = _own_shard(spec, placement, meta.shape, comm, meta.key)
+        # (the target leaf keeps its spec and placement alive: their ids stay theirs for the load)
+    return mine  # type: ignore[no-any-return]
+
+
 def _sharded_dest(
     meta: ArrayMeta,
     spec: Layout,
@@ -433,11 +445,7 @@ def _sharded_dest(
     Pieces and memory go by global rank, the result's shards by position.
     """
     if comm is not None:
-        kind = (id(spec), meta.shape, id(placement))
-        mine = buffers.shards.get(kind)
-        if mine is None or mine[0] is not spec or mine[1] is not placement:
-            mine = buffers.shards[kind] = _own_shard(spec, placement, meta.shape, comm, meta.key)
-            # (the target leaf keeps its spec and placement alive: their ids stay theirs for the load)
+        mine = _own_shard_of(spec, placement, meta, comm, buffers)
         if into is None and not devices:  # (a new leaf on the host, this rank's shard: what follows, for one)
             return _own_shard_dest(meta, mine, buffers)
         position = mine[2]
@@ -1022,6 +1030,11 @@ def _meta_problem(key: str, leaf: Any) -> str | None:
 def _dest_for(
     key: str, stored: ArrayMeta, leaf: Any, buffers: _Buffers, comm: Comm | None = None, inplace: bool = False
 ) -> tuple[str | None, _Dest | None]:
+    if comm is not None and type(leaf) is Abstract and leaf.spec is not None and not inplace:
+        # (a rank's new shard of a sharded Abstract target: every leaf of a job's first load, thousands a rank)
+        if stored.shape != leaf.shape or stored.dtype.name != dtype_of_torch(leaf.dtype).name:
+            return _target_problem(key, stored, leaf.shape, dtype_of_torch(leaf.dtype).name), None
+        return None, _own_shard_dest(stored, _own_shard_of(leaf.spec, leaf.placement, stored, comm, buffers), buffers)
     meta_problem = _meta_problem(key, leaf)
     if meta_problem is not None:
         return meta_problem, None
