@@ -206,3 +206,16 @@ def test_plan_objects_made_by_their_slots_are_the_ones_init_makes() -> None:
             assert getattr(made, f.name) == getattr(want, f.name), (type(want).__name__, f.name)
         assert made == want
         assert hash(made) == hash(want)
+
+
+def test_equal_scope_keys_are_one_object() -> None:
+    """A scope's key is interned: the planner's dict of scopes finds it by identity, not by comparing its bytes."""
+    import numpy as np
+
+    from pytreeckpt.plan._balance import scope_key
+
+    a = scope_key(np.arange(16384, dtype=np.int64))
+    b = scope_key(list(range(16384)))
+    assert a is b
+    assert a == np.arange(16384, dtype=np.int64).tobytes()
+    assert scope_key([1, 2]) is not a

@@ -53,7 +53,7 @@ def clear_caches() -> None:
     """Forget the memoised tables and structures (benchmarks time cold planning with this)."""
     from pytreeckpt.core import _sharding
 
-    from . import _chunking, _load, _save, _tables
+    from . import _balance, _chunking, _load, _save, _tables
 
     _sharding._spec_intervals.cache_clear()
     _sharding._spec_pieces.cache_clear()
@@ -66,3 +66,4 @@ def clear_caches() -> None:
     _save._WHOLE_WRITES.clear()
     _save._PART_INDEXES.clear()
     _tables.clear_placed()
+    _balance.clear_scope_keys()

@@ -61,8 +61,35 @@ Scopes = dict[bytes, Loads]
 
 
 def scope_key(ranks: Sequence[int] | np.ndarray) -> bytes:
-    """The key of the scope of ``ranks`` (ascending): their int64 bytes, whose hash Python caches."""
-    return np.asarray(ranks, dtype=np.int64).tobytes()
+    """The key of the scope of ``ranks`` (ascending): their int64 bytes, whose hash Python caches.
+
+    Equal keys are one object (interned): the planner looks a scope up once per array, and
+    a dict compares a key it holds with an equal one of another object byte by byte (128 KB
+    for a scope of 16,384 ranks, a model's norm weights shared by the weights and the
+    optimizer's copies), where one object is found by identity.
+    """
+    key = np.asarray(ranks, dtype=np.int64).tobytes()
+    got = _INTERNED.get(key)
+    if got is not None:
+        return got
+    global _interned_bytes
+    if _interned_bytes + len(key) > _INTERNED_BYTES:  # (a bound: a process planning ever new scopes)
+        clear_scope_keys()
+    _INTERNED[key] = key
+    _interned_bytes += len(key)
+    return key
+
+
+_INTERNED: dict[bytes, bytes] = {}
+_INTERNED_BYTES = 64 << 20
+_interned_bytes = 0
+
+
+def clear_scope_keys() -> None:
+    """Forget the interned scope keys."""
+    global _interned_bytes
+    _INTERNED.clear()
+    _interned_bytes = 0
 
 
 def scope_loads(scopes: Scopes, key: bytes, size: int) -> Loads:
