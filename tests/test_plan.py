@@ -219,3 +219,20 @@ def test_equal_scope_keys_are_one_object() -> None:
     assert a is b
     assert a == np.arange(16384, dtype=np.int64).tobytes()
     assert scope_key([1, 2]) is not a
+
+
+def test_the_plan_cache_key_compares_shapes_by_value() -> None:
+    """Every leaf's shape is a tuple of its own: equal shapes key alike, and one different shape keys apart."""
+    from pytreeckpt import Mesh, Shard, ShardingSpec
+    from pytreeckpt.plan import ArraySpec
+    from pytreeckpt.plan._cache import spec_plan_key
+
+    spec = ShardingSpec(Mesh(4), [Shard(0)])
+
+    def specs(rows: list[int]) -> list[ArraySpec]:
+        return [ArraySpec(f"w{i}", (r, 8), 4, spec) for i, r in enumerate(rows)]  # (a new tuple each)
+
+    same = [16] * 300
+    assert spec_plan_key(specs(same), 4) == spec_plan_key(specs(same), 4)
+    other = [*same[:150], 32, *same[151:]]
+    assert spec_plan_key(specs(other), 4) != spec_plan_key(specs(same), 4)

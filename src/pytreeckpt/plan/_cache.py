@@ -8,6 +8,7 @@ identity; only distinct layouts are compared by value). Nothing here does I/O.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import operator
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
@@ -71,14 +72,17 @@ def spec_plan_key(specs: Sequence[ArraySpec], *extra: Hashable) -> tuple[Any, ..
     >>> spec_plan_key(a, 2) == spec_plan_key(b, 2)
     True
     """
-    # Arrays of one (layout, shape, itemsize, ranks) *objects* share a number, found with
-    # numpy over their ids (hashing every shape and range by value, or a Python loop per
-    # array, costs more at thousands of arrays); the distinct combinations are few (the
-    # model's layer shapes) and are compared by value next, in order of first use.
+    # Arrays of one (layout, itemsize, ranks) *objects* and one shape share a number, found
+    # with numpy over their ids and shape numbers (a Python loop per array costs more at
+    # thousands of arrays); the distinct combinations are few (the model's layer shapes)
+    # and are compared by value next, in order of first use. Shapes are numbered by value
+    # (in C: a dict's setdefault mapped over them), as every leaf's shape is a tuple of its
+    # own: numbered by identity, each array was its own combination, hashed in Python.
     n = len(specs)
+    shapes: dict[tuple[int, ...], int] = {}
     columns = [
         np.fromiter(map(id, map(_LAYOUT, specs)), dtype=_I64, count=n),
-        np.fromiter(map(id, map(_SHAPE, specs)), dtype=_I64, count=n),
+        np.fromiter(map(shapes.setdefault, map(_SHAPE, specs), itertools.count()), dtype=_I64, count=n),
         np.fromiter(map(_ITEMSIZE, specs), dtype=_I64, count=n),
         np.fromiter(map(id, map(_RANKS, specs)), dtype=_I64, count=n),
     ]
