@@ -856,7 +856,10 @@ def _parse_typed(raw: bytes, namespace: str) -> CheckpointDoc:
             chunks = chunk_count(meta.shape, meta.chunk_shape)
             kinds[kind] = (meta, chunks, crc32c_chars(chunks))
         leaves.append(meta)
-    return _document_of(version, tuple(leaves), _json(doc.tree), _json(doc.user_metadata), checksums, namespace)
+    # (the tree's JSON decoded by msgspec, a third of json.loads's work: what it refuses, a number
+    # out of range or a lone surrogate, goes to the parse of the JSON, as any refusal here)
+    tree = msgspec.json.decode(doc.tree)
+    return _document_of(version, tuple(leaves), tree, _json(doc.user_metadata), checksums, namespace)
 
 
 def _parse_alike(leaf: _ArrayJSON, kind: _Kind, checksums: ChecksumFile | None) -> ArrayMeta | None:
