@@ -497,14 +497,15 @@ def flatten(
     """
     leaves: list[Any] = []
     paths: list[tuple[KeyEntry, ...]] = []
-    named = [] if keys is None else keys
 
     def walk(x: Any, path: tuple[KeyEntry, ...], prefix: str) -> Node:
         # prefix: the container's dotted key path and a dot ("" at the root), which its children's extend
+        # (made only when the keys are asked for)
         if is_leaf(x):
             leaves.append(x)
             paths.append(path)
-            named.append(prefix[:-1])
+            if keys is not None:
+                keys.append(prefix[:-1])
             return leaf_node(len(leaves) - 1)
         if len(path) >= MAX_DEPTH:
             raise CheckpointError(
@@ -514,15 +515,18 @@ def flatten(
             )
         node = _one_level(x, path, namespace)
         node.children = children = []
+        key = ""
         for e, c in zip(node.entries, node.extra.pop("_kids"), strict=True):
-            name = e[1] if e[0] == "s" else _entry_str(e)
+            if keys is not None:
+                key = prefix + (e[1] if e[0] == "s" else _entry_str(e))
             if is_leaf(c):  # (most children are leaves: taken here, without a call of walk)
                 leaves.append(c)
                 paths.append((*path, e))
-                named.append(prefix + name)
+                if keys is not None:
+                    keys.append(key)
                 children.append(leaf_node(len(leaves) - 1))
             else:
-                children.append(walk(c, (*path, e), prefix + name + "."))
+                children.append(walk(c, (*path, e), key + "."))
         return node
 
     root = walk(tree, (), "")
