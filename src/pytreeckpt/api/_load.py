@@ -1032,8 +1032,9 @@ def _dest_for(
 ) -> tuple[str | None, _Dest | None]:
     if comm is not None and type(leaf) is Abstract and leaf.spec is not None and not inplace:
         # (a rank's new shard of a sharded Abstract target: every leaf of a job's first load, thousands a rank)
-        if stored.shape != leaf.shape or stored.dtype.name != dtype_of_torch(leaf.dtype).name:
-            return _target_problem(key, stored, leaf.shape, dtype_of_torch(leaf.dtype).name), None
+        problem = _target_problem(key, stored, leaf.shape, dtype_of_torch(leaf.dtype).name)
+        if problem:
+            return problem, None
         return None, _own_shard_dest(stored, _own_shard_of(leaf.spec, leaf.placement, stored, comm, buffers), buffers)
     meta_problem = _meta_problem(key, leaf)
     if meta_problem is not None:

@@ -199,7 +199,8 @@ def _abstract_in(
         got = (leaf.spec, placement, layout, pieces, dtype_of_torch(leaf.dtype))
         if kinds is not None:
             kinds[kind] = got  # (the leaf keeps its spec and placement alive, so their ids stay theirs)
-    return _array_in_of(key, "torch", got[4], leaf.shape, got[2], saved, got[3], _no_data, None, None, (), placement)
+    _, _, layout, pieces, dtype = got
+    return _array_in_of(key, "torch", dtype, leaf.shape, layout, saved, pieces, _no_data, None, None, (), placement)
 
 
 _array_in_of: Callable[..., _ArrayIn] = slots_constructor(_ArrayIn)  # (every field, in order)
