@@ -613,10 +613,7 @@ def _make_rank_structure(
     # the chunks pos touches but holds whole in none of its boxes
     _, touched = grid.cells(*grid.touched(lo, ext))
     _, inside = grid.cells(clo[has], chi[has])
-    if len(touched) <= 4096:  # (a rank touches a few chunks: sets cost less than numpy's setdiff1d machinery)
-        merged = np.asarray(sorted(set(touched.tolist()).difference(inside.tolist())), dtype=_I64)
-    else:
-        merged = np.setdiff1d(touched, inside)
+    merged = np.setdiff1d(touched, inside)
     s = _Structure(
         grid,
         table,
