@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -136,3 +138,15 @@ def swap_zip_entries(archive: Any, a: str, b: str) -> None:
 def unpacked(path: Any) -> pytreeckpt.Location:
     """``path`` with packing off: every array in files of its own, for tests that look at or damage them."""
     return pytreeckpt.Location(path, pytreeckpt.StorageOptions(pack_small_leaves=False))
+
+
+def document_text(path: Any) -> str:
+    """A checkpoint's metadata document as text to edit by hand: without its own checksum (its last member,
+    ``,"document_crc32c":"<8 hex digits>"``), which an edit makes stale (a document without one loads)."""
+    text = (Path(path) / "pytreeckpt.json").read_text()
+    return re.sub(r',"document_crc32c":"[0-9a-f]{8}"\}\Z', "}", text)
+
+
+def document(path: Any) -> dict[str, Any]:
+    """A checkpoint's metadata document, parsed, to edit by hand (see :func:`document_text`)."""
+    return json.loads(document_text(path))  # type: ignore[no-any-return]

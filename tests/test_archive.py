@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import tensorstore as ts
 import torch
+from helpers import document
 
 import pytreeckpt
 from pytreeckpt import Location, StorageOptions
@@ -33,7 +34,7 @@ def _tree() -> dict[str, Any]:
 
 
 def _doc(path: Path) -> dict[str, Any]:
-    return json.loads((path / "pytreeckpt.json").read_text())
+    return document(path)
 
 
 def _equal(a: Any, b: Any) -> bool:

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import bits
+from helpers import bits, document
 
 import pytreeckpt
 from pytreeckpt import ChunkingOptions, Location, StorageOptions
@@ -37,7 +37,7 @@ def state(seed: int) -> dict[str, Any]:
 
 
 def doc(path: Path) -> dict[str, Any]:
-    return json.loads((path / "pytreeckpt.json").read_bytes())
+    return document(path)
 
 
 def save(path: Path | str, seed: int = 1, **kw: Any) -> dict[str, Any]:

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import unpacked
+from helpers import document, unpacked
 
 import pytreeckpt
 from pytreeckpt.format._document import array_names, parse_document
@@ -17,7 +17,7 @@ from pytreeckpt.format._document import array_names, parse_document
 
 def saved(tmp_path: Path) -> tuple[Path, dict[str, Any]]:
     pytreeckpt.save(unpacked(tmp_path / "c"), {"w": torch.arange(4.0), "step": 1})
-    return tmp_path / "c", json.loads((tmp_path / "c" / "pytreeckpt.json").read_text())
+    return tmp_path / "c", document(tmp_path / "c")
 
 
 def rewrite(path: Path, doc: Any) -> None:

@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 import tensorstore as ts
 import torch
-from helpers import packed_in, swap_zip_entries, unpacked
+from helpers import document, packed_in, swap_zip_entries, unpacked
 
 import pytreeckpt
 from pytreeckpt import ChunkingOptions, Location, StorageOptions
@@ -119,7 +119,7 @@ def test_load_and_verify_agree_on_a_chunk_of_the_wrong_size(tmp_path: Path, chan
 def test_swapped_chunks_of_a_packed_array_are_caught(tmp_path: Path, pack_format: str) -> None:
     path = tmp_path / "c"
     _save(packed_in(path, pack_format))  # 64 bytes: packed by rank 0
-    (leaf,) = json.loads((path / "pytreeckpt.json").read_text())["leaves"]
+    (leaf,) = document(path)["leaves"]
     if pack_format == "zip":
         assert leaf["database"] == "packed/0"
         swap_zip_entries(path / "packed" / "0" / "0.zip", "arrays/w/c/1", "arrays/w/c/2")
@@ -181,7 +181,7 @@ def test_every_chunk_crc32c_is_recorded_compactly(tmp_path: Path) -> None:
 def test_checkpoints_without_recorded_checksums_still_load_and_verify(tmp_path: Path) -> None:
     path = tmp_path / "c"
     _save(unpacked(path))
-    doc = json.loads((path / "pytreeckpt.json").read_text())
+    doc = document(path)
     del doc["leaves"][0]["chunk_crc32c"]  # as written before checksums were recorded
     (path / "pytreeckpt.json").write_text(json.dumps(doc))
     assert torch.equal(pytreeckpt.load(path)["w"], _tree()["w"])
@@ -204,7 +204,7 @@ def test_checkpoints_without_recorded_checksums_still_load_and_verify(tmp_path: 
 def test_a_malformed_checksum_field_is_a_metadata_error(tmp_path: Path, value: Any, message: str) -> None:
     path = tmp_path / "c"
     _save(unpacked(path))
-    doc = json.loads((path / "pytreeckpt.json").read_text())
+    doc = document(path)
     doc["leaves"][0]["chunk_crc32c"] = value
     (path / "pytreeckpt.json").write_text(json.dumps(doc))
     with pytest.raises(pytreeckpt.MetadataError, match=message):
@@ -216,7 +216,7 @@ def test_a_damaged_checksum_field_fails_the_load_that_reads_it_not_the_parse(tmp
     # of them and reads few): a leaf nobody reads does not fail a load of the others.
     path = tmp_path / "c"
     pytreeckpt.save(unpacked(path), {"a": torch.arange(8.0), "b": torch.ones(8)})
-    doc = json.loads((path / "pytreeckpt.json").read_text())
+    doc = document(path)
     bad = next(leaf for leaf in doc["leaves"] if leaf["key"] == "b")
     bad["chunk_crc32c"] = "*" * len(bad["chunk_crc32c"])
     (path / "pytreeckpt.json").write_text(json.dumps(doc))
@@ -240,7 +240,7 @@ def test_leaves_saved_in_one_layout_share_it_and_a_retyped_layout_is_still_refus
     a, b, c = (leaf.layout for leaf in parse_document(raw).leaves)
     assert a == spec
     assert a is b is c
-    doc = json.loads(raw)
+    doc = document(path)
     doc["leaves"][2]["layout"]["placements"] = [["shard", True]]  # equal to ["shard", 1] as a Python key
     with pytest.raises(pytreeckpt.MetadataError, match=r"malformed saved layout"):
         parse_document(json.dumps(doc).encode())
@@ -341,7 +341,7 @@ def test_special_files_are_refused_not_waited_on(tmp_path: Path, kind: str, name
 def test_a_zero_size_array_with_a_huge_dimension_loads_at_once(tmp_path: Path) -> None:
     path = tmp_path / "c"
     pytreeckpt.save(unpacked(path), {"e": torch.empty(4, 0), "w": torch.ones(2)})
-    doc = json.loads((path / "pytreeckpt.json").read_text())
+    doc = document(path)
     doc["leaves"][0]["shape"] = [10**15, 0]
     (path / "pytreeckpt.json").write_text(json.dumps(doc))
     zarr = json.loads((path / "arrays" / "e" / "zarr.json").read_text())
@@ -359,7 +359,7 @@ def _claiming(tmp_path: Path, nbytes: int) -> Path:
     """A checkpoint whose one uint8 array claims ``nbytes`` in one chunk, backed by a sparse chunk file."""
     path = tmp_path / "c"
     pytreeckpt.save(unpacked(path), {"w": torch.zeros(4, dtype=torch.uint8)})
-    doc = json.loads((path / "pytreeckpt.json").read_text())
+    doc = document(path)
     doc["leaves"][0].update(shape=[nbytes], chunk_shape=[nbytes])
     del doc["leaves"][0]["chunk_crc32c"]
     (path / "pytreeckpt.json").write_text(json.dumps(doc))
@@ -387,7 +387,7 @@ def test_a_grid_no_chunk_files_back_is_refused_before_looping(tmp_path: Path) ->
     """A compressed leaf may claim 65,536 times its bytes; its chunk grid must still be backed by files."""
     path = tmp_path / "c"
     pytreeckpt.save(unpacked(path), {"w": torch.zeros(1 << 16, dtype=torch.bool)}, compression="zstd")
-    doc = json.loads((path / "pytreeckpt.json").read_text())
+    doc = document(path)
     doc["leaves"][0].update(shape=[1 << 30], chunk_shape=[1])
     del doc["leaves"][0]["chunk_crc32c"]
     (path / "pytreeckpt.json").write_text(json.dumps(doc))
@@ -435,6 +435,100 @@ def test_the_metadata_size_limit_is_an_option(tmp_path: Path) -> None:
     with pytest.raises(pytreeckpt.MetadataError, match=r"would hold about .* more than the 200 bytes a load reads"):
         _save(Location(tmp_path / "small", StorageOptions(max_metadata_bytes=200)))  # never saved unreadable
     assert not (tmp_path / "small").exists()
+
+
+# --------------------------------------------------------------------------- the metadata document's bytes
+
+
+def test_every_single_bit_flip_of_the_metadata_document_is_refused(tmp_path: Path) -> None:
+    # The document is compact JSON (no whitespace, where a flip could be harmless): every one of
+    # its bits changed alone makes a document that no load accepts. (Before its checksum was
+    # recorded, 2 in 101 such flips loaded other values.)
+    path = tmp_path / "c"
+    tree = {"w": torch.arange(4.0), "n": 3, "s": "ab"}
+    pytreeckpt.save(unpacked(path), tree)
+    doc = path / "pytreeckpt.json"
+    raw = doc.read_bytes()
+    assert b" " not in raw
+    accepted = []
+    for bit in range(8 * len(raw)):
+        flipped = bytearray(raw)
+        flipped[bit // 8] ^= 1 << (bit % 8)
+        doc.write_bytes(flipped)
+        try:
+            pytreeckpt.load(path)
+        except pytreeckpt.MetadataError:
+            continue
+        except pytreeckpt.CheckpointError as e:
+            accepted.append((bit, f"{type(e).__name__}: {e}"))
+        else:
+            accepted.append((bit, "loaded"))
+    assert accepted == [], f"{len(accepted)} of {8 * len(raw)} flips not refused by the parse: {accepted[:10]}"
+    assert re.fullmatch(rb'.*,"document_crc32c":"[0-9a-f]{8}"}', raw)
+    doc.write_bytes(raw)
+    got = pytreeckpt.load(path)
+    assert torch.equal(got["w"], tree["w"])
+    assert (got["n"], got["s"]) == (3, "ab")
+
+
+def test_a_document_edited_by_hand_keeping_its_checksum_is_refused_and_without_it_loads(tmp_path: Path) -> None:
+    path = tmp_path / "c"
+    _save(unpacked(path))
+    doc = json.loads((path / "pytreeckpt.json").read_bytes())
+    doc["user_metadata"] = {"edited": True}
+    (path / "pytreeckpt.json").write_text(json.dumps(doc))  # the member kept, not in its form
+    with pytest.raises(pytreeckpt.MetadataError, match=r"document_crc32c is not its last member in the form"):
+        pytreeckpt.load(path)
+    (path / "pytreeckpt.json").write_text(json.dumps(doc, separators=(",", ":")))  # in its form: checked
+    with pytest.raises(pytreeckpt.MetadataError, match=r"the metadata document is damaged: its bytes have crc32c"):
+        pytreeckpt.load(path)
+    del doc["document_crc32c"]  # a document without one is read as one written before it was recorded
+    (path / "pytreeckpt.json").write_text(json.dumps(doc))
+    assert pytreeckpt.metadata(path).user_metadata == {"edited": True}
+    doc["extra"] = 1
+    (path / "pytreeckpt.json").write_text(json.dumps(doc))
+    with pytest.raises(pytreeckpt.MetadataError, match=r"has members \['extra'\], which no document has"):
+        pytreeckpt.load(path)
+
+
+@pytest.mark.parametrize("pack_format", ["zip", "ocdbt"])
+def test_a_database_name_with_a_newline_after_it_is_refused(tmp_path: Path, pack_format: str) -> None:
+    path = tmp_path / "c"
+    _save(packed_in(path, pack_format))
+    doc = document(path)
+    assert doc["leaves"][0]["database"] == f"{'packed' if pack_format == 'zip' else 'ocdbt'}/0"
+    doc["leaves"][0]["database"] += "\n"
+    (path / "pytreeckpt.json").write_text(json.dumps(doc))
+    for op in (pytreeckpt.load, pytreeckpt.metadata, pytreeckpt.verify):
+        with pytest.raises(pytreeckpt.MetadataError, match=r"leaf 'w': database must be 'ocdbt/<rank>' or 'packed/"):
+            op(path)
+
+
+@pytest.mark.parametrize(
+    ("encode", "message"),
+    [
+        (lambda raw: b"\xef\xbb\xbf" + raw, "starts with a UTF-8 byte order mark; the format is UTF-8 without"),
+        (lambda raw: raw.decode().encode("utf-16"), "starts with a UTF-16 or UTF-32 byte order mark"),
+        (lambda raw: raw.decode().encode("utf-16-be"), r"holds a NUL byte \(at byte 0\): it is not UTF-8 JSON"),
+        (lambda raw: raw.decode().encode("utf-32-le"), r"holds a NUL byte \(at byte 1\): it is not UTF-8 JSON"),
+        (lambda raw: raw.replace(b'"w"', b'"\xe9"'), r"is not UTF-8 \(at byte \d+: invalid continuation byte\)"),
+    ],
+    ids=["utf-8-bom", "utf-16", "utf-16-be", "utf-32-le", "latin-1"],
+)
+def test_a_document_not_in_utf8_is_refused(tmp_path: Path, encode: Any, message: str) -> None:
+    path = tmp_path / "c"
+    _save(unpacked(path))
+    sealed = (path / "pytreeckpt.json").read_bytes()  # as saved, its checksum that of its UTF-8 bytes
+    plain = document(path)
+    for raw in [sealed, json.dumps(plain).encode()]:  # and without one (as written before it was recorded)
+        (path / "pytreeckpt.json").write_bytes(encode(raw))
+        for op in (pytreeckpt.load, pytreeckpt.metadata, pytreeckpt.verify):
+            with pytest.raises(pytreeckpt.MetadataError, match=message):
+                op(path)
+    # Non-ASCII UTF-8 is UTF-8: a document another writer wrote unescaped loads.
+    plain["user_metadata"] = {"name": "\u00e9t\u00e9 \u2603"}
+    (path / "pytreeckpt.json").write_bytes(json.dumps(plain, ensure_ascii=False).encode())
+    assert pytreeckpt.metadata(path).user_metadata == {"name": "\u00e9t\u00e9 \u2603"}
 
 
 # --------------------------------------------------------------------------- permissions

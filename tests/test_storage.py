@@ -21,7 +21,7 @@ import seaweed
 import tensorstore as ts
 import torch
 from crash_workers import save_when_told, state
-from helpers import bits, packed_in
+from helpers import bits, document, packed_in
 from safetensors.torch import load_file
 
 import pytreeckpt
@@ -121,7 +121,7 @@ def test_packed_arrays_are_few_files_and_damage_to_them_is_found(tmp_path: Path)
 
 def test_a_packed_leaf_claiming_a_huge_shape_is_refused(tmp_path: Path) -> None:
     pytreeckpt.save(tmp_path / "c", {"w": torch.ones(3)})
-    doc = json.loads((tmp_path / "c" / "pytreeckpt.json").read_text())
+    doc = document(tmp_path / "c")
     doc["leaves"][0]["shape"] = [1 << 40]
     doc["leaves"][0]["chunk_shape"] = [1 << 40]
     (tmp_path / "c" / "pytreeckpt.json").write_text(json.dumps(doc))

@@ -15,7 +15,17 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from helpers import NAMESPACE, Config, Pair, Point, assert_trees_equal, every_node_kind, unpacked
+from helpers import (
+    NAMESPACE,
+    Config,
+    Pair,
+    Point,
+    assert_trees_equal,
+    document,
+    document_text,
+    every_node_kind,
+    unpacked,
+)
 
 import pytreeckpt
 from pytreeckpt import Abstract, Mesh, Shard, ShardingSpec
@@ -104,7 +114,7 @@ def test_key_paths_are_dotted_and_readable(tmp_path: Path) -> None:
 def test_namedtuple_and_dataclass_types_are_resolved_only_when_imported(tmp_path: Path) -> None:
     tree = {"p": Point(1, 2), "c": Config(0.5, (0.1, 0.2), torch.ones(1))}
     pytreeckpt.save(tmp_path / "c", tree)
-    doc = (tmp_path / "c" / "pytreeckpt.json").read_text()
+    doc = document_text(tmp_path / "c")
     # A checkpoint naming a type in a module that is not imported: rebuilt without importing it.
     (tmp_path / "c" / "pytreeckpt.json").write_text(doc.replace("helpers:", "not_imported_module_xyz:"))
     out = pytreeckpt.load(tmp_path / "c")
@@ -201,7 +211,7 @@ def _old_document_with_a_duplicate_key(path: Path) -> None:
     """A checkpoint as an older pytreeckpt wrote ``{"a.b": x, "a": {"b": y}}``: two leaves keyed 'a.b'."""
     pytreeckpt.save(unpacked(path), {"a.b": torch.ones(2), "a": {"c": torch.arange(3.0)}, "n": {"0": 1, "1": 2}})
     doc_path = path / "pytreeckpt.json"
-    doc = json.loads(doc_path.read_text())
+    doc = document(path)
     text = json.dumps(doc).replace('"a.c"', '"a.b"').replace('"keys": ["c"]', '"keys": ["b"]')
     doc = json.loads(text.replace('"n.1"', '"n.0"'))
     assert doc["tree"]["c"][2]["keys"] == ["0", "1"]

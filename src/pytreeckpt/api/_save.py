@@ -43,6 +43,7 @@ from pytreeckpt.format._document import (
     CHECKSUMS_FILE,
     MAX_PACKED_BYTES,
     PACKED_DIR,
+    SEAL_BYTES,
     ArrayMeta,
     Compression,
     DocumentHead,
@@ -702,7 +703,7 @@ def _plan_job(
         bound = derived.bounds.get(hashed)
         if bound is None:
             bound = derived.bounds[hashed] = _array_bytes_bound(metas, hashed)
-        if len(values) + bound > opts.max_metadata_bytes:
+        if len(values) + SEAL_BYTES + bound > opts.max_metadata_bytes:  # (SEAL_BYTES: the document's own checksum)
             it = iter(metas)
             leaf_json = [e if e is not None else next(it).to_json() for e in planned.entries]
             _check_document_size(head.document(leaf_json, (m.database for m in metas)), metas, storage)
@@ -880,7 +881,7 @@ def _check_document_size(document: bytes, metas: list[ArrayMeta], storage: Stora
     # place_checksums decides), the document then naming each array's part and the file
     inline = sum(crc32c_chars(chunk_count(m.shape, m.chunk_shape)) for m in metas)
     in_file = inline > options.max_inline_checksum_bytes
-    size = len(document) + (48 * len(metas) + 80 if in_file else inline + 20 * len(metas))
+    size = len(document) + SEAL_BYTES + (48 * len(metas) + 80 if in_file else inline + 20 * len(metas))
     if size > limit:
         raise MetadataError(
             f"the metadata document of this checkpoint would hold about {size} bytes, more than the {limit} "

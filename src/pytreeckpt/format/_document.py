@@ -53,6 +53,7 @@ __all__ = [
     "MAX_NDIM",
     "METADATA_FILE",
     "PACKED_DIR",
+    "SEAL_BYTES",
     "STORED_DIRS",
     "ArrayMeta",
     "CheckpointDoc",
@@ -72,6 +73,8 @@ __all__ = [
     "parse_document",
     "place_checksums",
     "plain_array_meta",
+    "seal_document",
+    "unseal_document",
     "zarr_metadata",
 ]
 
@@ -101,9 +104,11 @@ MAX_PACKED_BYTES = 64 << 20
 MAX_NDIM = 32
 """The most dims a saved array may have: TensorStore's limit (``kMaxRank``) for the arrays it opens."""
 
-_DATABASE = re.compile(r"^(ocdbt|packed)/(0|[1-9][0-9]{0,8})(~g[1-9][0-9]{0,8})?$")
+# Patterns on names a document gives are applied with fullmatch (or end in \Z): "$" also
+# matches before a final newline, and "packed/0\n" is no database.
+_DATABASE = re.compile(r"(ocdbt|packed)/(0|[1-9][0-9]{0,8})(~g[1-9][0-9]{0,8})?")  # (fullmatch)
 _CHECKSUMS = re.compile(r"checksums/crc32c(~g[1-9][0-9]{0,8})?")  # (fullmatch)
-_GENERATION = re.compile(r"~g([1-9][0-9]{0,8})$")
+_GENERATION = re.compile(r"~g([1-9][0-9]{0,8})\Z")
 
 _SAFE_PATH = re.compile(r"arrays/[A-Za-z0-9_][A-Za-z0-9_.~-]{0,199}")  # (fullmatch: no newline at the end either)
 
@@ -494,6 +499,79 @@ def check_relative_path(path: Any, key: str) -> str:
     return path
 
 
+# --------------------------------------------------------------------------- the document's checksum
+
+DOCUMENT_CRC32C = "document_crc32c"
+_SEAL_OPEN = b',"document_crc32c":"'
+SEAL_BYTES = len(_SEAL_OPEN) + 8 + 2
+"""The bytes the document's checksum adds to it: ``,"document_crc32c":"<8 hex digits>"}`` in place of its ``}``."""
+_SEAL = re.compile(rb',"document_crc32c":"([0-9a-f]{8})"\}\Z')
+_SEAL_FORM = _SEAL_OPEN.decode() + '<8 lowercase hex digits>"}'
+_TOP_KEYS = frozenset(("format", "version", "tree", "leaves", "user_metadata", "checksums", DOCUMENT_CRC32C))
+
+
+def seal_document(document: bytes | bytearray) -> tuple[memoryview, bytes]:
+    """The document as it is stored: its bytes up to its closing ``}``, and the member that ends it in
+    their place, ``,"document_crc32c":"<crc32c of those bytes, 8 lowercase hex digits>"}`` (write one after
+    the other: a document of 10^5 leaves is not copied to append 30 bytes).
+
+    >>> body, tail = seal_document(b'{"a":1}')
+    >>> bytes(body) + tail
+    b'{"a":1,"document_crc32c":"149cdbb2"}'
+    >>> unseal_document(bytes(body) + tail)
+    True
+    """
+    view = memoryview(document)
+    if not len(view) or view[-1] != ord("}"):
+        raise ValueError("a metadata document is a JSON object: it ends with '}'")
+    body = view[:-1]
+    return body, b'%s%08x"}' % (_SEAL_OPEN, crc32c(body))
+
+
+def unseal_document(raw: bytes | bytearray) -> bool:
+    """Whether ``raw`` ends in its checksum (:func:`seal_document`), checked against the bytes before it:
+    MetadataError if they differ. False for a document without one (written before it was recorded).
+
+    Any change of one bit is refused: in the bytes the checksum covers, by the checksum; in the
+    member itself, by the checksum (another hex digit), or by the parse (a document whose last
+    member is not this exact form: it is not JSON, or has a key no document has, or a
+    ``document_crc32c`` the parse refuses where this did not check it).
+    """
+    if len(raw) < SEAL_BYTES or raw[-2:] != b'"}':
+        return False
+    m = _SEAL.match(raw, len(raw) - SEAL_BYTES)
+    if m is None:
+        return False
+    recorded = int(m.group(1), 16)
+    found = crc32c(memoryview(raw)[: len(raw) - SEAL_BYTES])
+    if found != recorded:
+        raise MetadataError(
+            f"the metadata document is damaged: its bytes have crc32c {found:08x}, its {DOCUMENT_CRC32C} "
+            f"records {recorded:08x}"
+        )
+    return True
+
+
+def _check_encoding(raw: bytes | bytearray) -> None:
+    """MetadataError unless ``raw`` is UTF-8 without a byte order mark, as the format says (json.loads
+    would read UTF-16 and UTF-32 too, and skip a BOM)."""
+    if raw[:3] == b"\xef\xbb\xbf":
+        raise MetadataError("the metadata document starts with a UTF-8 byte order mark; the format is UTF-8 without")
+    if raw[:2] in (b"\xff\xfe", b"\xfe\xff") or raw[:4] == b"\x00\x00\xfe\xff":
+        raise MetadataError("the metadata document starts with a UTF-16 or UTF-32 byte order mark; the format is UTF-8")
+    nul = raw.find(b"\x00")  # (no JSON text in UTF-8 holds a NUL byte; UTF-16 and UTF-32 of ASCII do)
+    if nul >= 0:
+        raise MetadataError(
+            f"the metadata document holds a NUL byte (at byte {nul}): it is not UTF-8 JSON (UTF-16 or UTF-32?); "
+            f"the format is UTF-8"
+        )
+    if not raw.isascii():
+        try:
+            bytes(raw).decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise MetadataError(f"the metadata document is not UTF-8 (at byte {e.start}: {e.reason})") from None
+
+
 # --------------------------------------------------------------------------- parsing
 
 
@@ -556,7 +634,7 @@ def _parse_leaf(
     path = check_relative_path(data.get("path"), key)
     database = data.get("database")
     if database is not None:
-        if not isinstance(database, str) or not _DATABASE.match(database):
+        if not isinstance(database, str) or not _DATABASE.fullmatch(database):
             raise MetadataError(
                 f"leaf {key!r}: database must be 'ocdbt/<rank>' or 'packed/<rank>', maybe with '~g<generation>', "
                 f"found {str(database)[:200]!r}"
@@ -699,8 +777,10 @@ def parse_document(
             f"parsing the metadata document ({len(raw)} bytes) could take up to {need} bytes of memory, "
             f"more than the {available} bytes available"
         )
+    _check_encoding(raw)
+    sealed = unseal_document(raw)  # (checked before it is parsed: a damaged document is said to be damaged)
     try:
-        return _parse_typed(raw, namespace)
+        return _parse_typed(raw, namespace, sealed)
     except Exception:  # (what the typed parse refuses, the parse of the JSON below reads or refuses in its words)
         pass
     try:
@@ -710,6 +790,7 @@ def parse_document(
     if not isinstance(data, dict):
         raise MetadataError(f"metadata must be a JSON object, found {type(data).__name__}")
     version = _check_header(data.get("format"), data.get("version"))
+    _check_members(data, sealed)
     leaves_json = data.get("leaves")
     if not isinstance(leaves_json, list):
         raise MetadataError("metadata 'leaves' must be a list")
@@ -717,6 +798,22 @@ def parse_document(
     checksums = _parse_checksums(data.get("checksums"))
     leaves = tuple(_parse_leaf(leaf, i, layouts, checksums) for i, leaf in enumerate(leaves_json))
     return _document_of(version, leaves, data.get("tree"), data.get("user_metadata", {}), checksums, namespace)
+
+
+def _check_members(data: dict[str, Any], sealed: bool) -> None:
+    """MetadataError for a top-level member no document has, or a ``document_crc32c`` not checked as the
+    document's last member (:func:`unseal_document`): a bit flipped in that member is no document without one."""
+    unknown = sorted(set(data) - _TOP_KEYS)
+    if unknown:
+        raise MetadataError(
+            f"the metadata document has members {unknown[:5]!r}, which no document has (expected "
+            f"{sorted(_TOP_KEYS)}): it is damaged, or of a newer format"
+        )
+    if DOCUMENT_CRC32C in data and not sealed:
+        raise MetadataError(
+            f"the metadata document's {DOCUMENT_CRC32C} is not its last member in the form "
+            f"{_SEAL_FORM}: the document is damaged"
+        )
 
 
 def _check_header(name: Any, version: Any) -> int:
@@ -763,6 +860,7 @@ def _document_of(
 # (property_tests/test_parse_memo.py).
 
 _NULL = msgspec.Raw(b"null")
+_ABSENT = msgspec.Raw(b"")
 
 
 class _ArrayJSON(msgspec.Struct, tag_field="kind", tag="array"):
@@ -805,13 +903,14 @@ class _ValueJSON(msgspec.Struct, tag_field="kind", tag="value"):
     value: msgspec.Raw
 
 
-class _DocumentJSON(msgspec.Struct):
+class _DocumentJSON(msgspec.Struct, forbid_unknown_fields=True):
     leaves: list[_ArrayJSON | _ValueJSON]
     format: msgspec.Raw = _NULL
     version: msgspec.Raw = _NULL
     tree: msgspec.Raw = _NULL
     user_metadata: msgspec.Raw = msgspec.Raw(b"{}")
     checksums: msgspec.Raw = _NULL
+    document_crc32c: msgspec.Raw = _ABSENT
 
 
 _DECODER = msgspec.json.Decoder(_DocumentJSON)
@@ -824,8 +923,10 @@ def _json(raw: msgspec.Raw) -> Any:
     return json.loads(bytes(raw), parse_constant=_reject_constant)
 
 
-def _parse_typed(raw: bytes, namespace: str) -> CheckpointDoc:
+def _parse_typed(raw: bytes, namespace: str, sealed: bool) -> CheckpointDoc:
     doc = _DECODER.decode(raw)
+    if doc.document_crc32c != _ABSENT and not sealed:
+        raise ValueError("document_crc32c not checked")  # (the parse of the JSON says what is wrong)
     version = _check_header(_json(doc.format), _json(doc.version))
     checksums = _parse_checksums(_json(doc.checksums))
     kinds: dict[tuple[Any, ...], _Kind] = {}

@@ -25,6 +25,7 @@ from pytreeckpt.format._document import (
     STEP_DIR,
     STORED_DIRS,
     generation_of,
+    seal_document,
 )
 from pytreeckpt.storage._base import StorageBase, _os_failure
 from pytreeckpt.storage._chunkfiles import open_regular
@@ -179,6 +180,9 @@ class CommitProtocol(StorageBase):
     ) -> None:
         """Write the metadata document atomically, then delete the arrays it does not reference.
 
+        The document is stored ending in the checksum of its bytes (:func:`seal_document`), which
+        a reader checks before it parses them.
+
         ``checksums``: the checksums file the document names (its name and bytes), written
         and made durable first. ``names``: the arrays, databases and checksums file the
         document references, where the caller knows them (else they are read from the document).
@@ -192,14 +196,15 @@ class CommitProtocol(StorageBase):
         """
         if checksums is not None:
             self._write_checksums(*checksums)
+        body, tail = seal_document(document)  # (ending in its checksum: a damaged document is refused)
         if self.kv is not None:
-            self.kv.write(METADATA_FILE, bytes(document))
+            self.kv.write(METADATA_FILE, b"".join((body, tail)))
         else:
             try:
                 tmp = self.root / f".tmp-{os.getpid()}-{secrets.token_hex(8)}"
                 fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
                 try:
-                    _write_synced(fd, document)
+                    _write_synced(fd, body, tail)
                     os.replace(tmp, self.metadata_path)
                 except BaseException:
                     tmp.unlink(missing_ok=True)
@@ -424,10 +429,12 @@ class _Lock:
             self.fd = None
 
 
-def _write_synced(fd: int, data: bytes | bytearray) -> None:
-    """Write ``data`` to the new file open at ``fd`` (closed after), and make it durable."""
+def _write_synced(fd: int, *data: bytes | bytearray | memoryview) -> None:
+    """Write ``data`` (its parts one after the other) to the new file open at ``fd`` (closed after), and make
+    it durable."""
     with os.fdopen(fd, "wb") as f:
-        f.write(data)
+        for part in data:
+            f.write(part)
         f.flush()
         os.fsync(f.fileno())
 
