@@ -391,6 +391,9 @@ def _own_shard(
 ) -> tuple[Any, ...]:
     """This rank's shard of a leaf of ``spec``, ``placement`` and ``shape``: (spec, placement, its position
     (None: it holds none), its rank, its shard's shape, its pieces by rank)."""
+    problem = _spec_problem(key, spec, shape)
+    if problem is not None:
+        raise LayoutError(problem)
     try:
         position = _position(key, spec, placement, comm)
     except LayoutError as e:
@@ -495,6 +498,15 @@ def _sharded_dest(
 
     device_bytes = sum(locals_[r].numel() * locals_[r].element_size() for r in moved)
     return _Dest(meta, spec, pieces, dict(locals_), finish, device_bytes, placement)
+
+
+def _spec_problem(key: str, spec: Layout, shape: tuple[int, ...]) -> str | None:
+    """Why a target's ``spec`` cannot lay out its ``shape`` (an :class:`Abstract` is made without checking)."""
+    try:
+        spec.check(shape)
+    except LayoutError as e:
+        return f"leaf {_where(key)}: the target's spec does not fit its shape {shape}: {e}"
+    return None
 
 
 def _target_problem(key: str, stored: ArrayMeta, shape: tuple[int, ...], dtype_name: str) -> str | None:
@@ -1054,6 +1066,9 @@ def _dest_for(
             return problem, None
         if leaf.spec is None:
             return None, _full_dest(stored, False, None, None, comm, buffers=buffers)
+        problem = _spec_problem(key, leaf.spec, leaf.shape)
+        if problem:
+            return problem, None
         positions = range(leaf.spec.world_size) if comm is None else ()  # (all, one process; a group: its own)
         return None, _sharded_dest(stored, leaf.spec, positions, {}, comm, None, leaf.placement, buffers=buffers)
     if isinstance(leaf, torch.Tensor):
