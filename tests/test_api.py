@@ -466,6 +466,27 @@ def test_spec_errors_name_the_leaf(tmp_path: Path, spec: Any, why: str) -> None:
         assert not (tmp_path / "c").exists()
 
 
+@pytest.mark.parametrize(
+    ("spec", "why"),
+    [
+        (lambda: ShardingSpec(Mesh(2), [Shard(2)]), r"Shard\(2\) .*more than 2 dims"),
+        (lambda: ShardingSpec(Mesh((2, 2)), [Shard(0)]), r"a mesh of 2 axes .* needs 2 placements"),
+        (lambda: FlatRanges([(0, 3), (3, 99)]), r"rank 1: flat range ends at 99"),
+        (lambda: ExplicitRegions([[((0, 0), (6, 3))]]), r"rank 0: box .* does not lie inside"),
+    ],
+)
+def test_an_abstract_whose_spec_does_not_fit_its_shape_is_an_error_naming_the_leaf(
+    tmp_path: Path, spec: Any, why: str
+) -> None:
+    pytreeckpt.save(tmp_path / "c", {"model": {"w": torch.ones(5, 3)}})
+    target = {"model": {"w": Abstract((5, 3), torch.float32, spec())}}
+    fits = rf"leaf 'model\.w': the target's spec does not fit its shape \(5, 3\): {why}"
+    with pytest.raises(pytreeckpt.CheckpointError, match=fits):
+        pytreeckpt.load(tmp_path / "c", target)
+    with pytest.raises(pytreeckpt.CheckpointError, match=rf"leaf 'model\.w': {why}"):
+        pytreeckpt.plan_save(target)
+
+
 # --------------------------------------------------------------------------- many dims
 
 

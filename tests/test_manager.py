@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import pwd
+import shutil
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import dist_workers as w
@@ -72,6 +78,82 @@ def test_restore_after_a_crash_skips_and_cleans_the_uncommitted_step(tmp_path: P
         m.restore(1)
     with pytest.raises(pytreeckpt.NotCommittedError):
         m.delete(1)
+
+
+def run_without_write_access(directory: Path, code: str) -> subprocess.CompletedProcess[str]:
+    """Run ``code`` (``sys.argv[1]``: ``directory``) in a process that can read ``directory`` but not write to it.
+
+    Through a read-only bind mount of it; where mounting is not permitted, as user ``nobody`` over a
+    copy it can read (root), or over the directory made read-only (another user).
+    """
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    run = [sys.executable, "-c", code]
+    view = directory.with_name(directory.name + "-read-only")
+    view.mkdir()
+    if subprocess.run(["mount", "--bind", str(directory), str(view)], capture_output=True).returncode == 0:
+        try:
+            ro = subprocess.run(["mount", "-o", "remount,ro,bind", str(view)], capture_output=True, text=True)
+            assert ro.returncode == 0, ro.stderr
+            return subprocess.run([*run, str(view)], capture_output=True, text=True, env=env, timeout=300)
+        finally:
+            subprocess.run(["umount", str(view)], check=True)
+    if os.geteuid() != 0:
+        for d, _, files in os.walk(directory):
+            for name in [d, *(os.path.join(d, f) for f in files)]:
+                os.chmod(name, os.stat(name).st_mode & ~0o222)
+        return subprocess.run([*run, str(directory)], capture_output=True, text=True, env=env, timeout=300)
+    nobody = pwd.getpwnam("nobody")
+
+    def as_nobody(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [*run[:1], *args],
+            capture_output=True,
+            text=True,
+            env={**env, "HOME": "/"},
+            timeout=300,
+            preexec_fn=lambda: (os.setgid(nobody.pw_gid), os.setuid(nobody.pw_uid)),
+        )
+
+    try:
+        probe = as_nobody("-c", "import pytreeckpt")
+    except PermissionError as e:
+        pytest.skip(f"neither a read-only mount nor user nobody running {sys.executable} is possible here: {e}")
+    if probe.returncode != 0:
+        pytest.skip(f"neither a read-only mount nor user nobody importing pytreeckpt is possible here: {probe.stderr}")
+    outside = Path(tempfile.mkdtemp())  # (under /tmp: nobody can reach it, unlike pytest's 0700 tmp_path)
+    try:
+        outside.chmod(0o755)
+        shutil.copytree(directory, outside / "run")
+        return as_nobody(*run[1:], str(outside / "run"))
+    finally:
+        shutil.rmtree(outside)
+
+
+def test_a_restore_needs_no_write_access_even_beside_an_uncommitted_step(tmp_path: Path) -> None:
+    """A manager made over a directory it may only read lists and restores; the crashed step stays for a save."""
+    run = tmp_path / "run"
+    with CheckpointManager(run, async_=False) as m:
+        m.save(1, state(1))
+        m.save(2, state(2))
+    crashed = run / "step_3"  # a save killed before its commit
+    (crashed / "arrays" / "w").mkdir(parents=True)
+    (crashed / "arrays" / "w" / "zarr.json").write_text("{}")
+    removing = run / ".pytreeckpt-removing-step_0-0123456789ab"  # a removal killed midway
+    (removing / "arrays").mkdir(parents=True)
+    code = (
+        "import sys, pytreeckpt\n"
+        "m = pytreeckpt.CheckpointManager(sys.argv[1])\n"
+        "print(m.all_steps(), m.restore()['step'], m.restore(1)['step'], m.latest_step())\n"
+    )
+    done = run_without_write_access(run, code)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[-2] == "[1, 2] 2 1 2"
+    assert crashed.exists()  # left for the next save to remove
+    assert removing.exists()
+    with CheckpointManager(run, async_=False) as m:
+        m.save(4, state(4))
+    assert not crashed.exists()
+    assert not removing.exists()
 
 
 def test_an_empty_directory_has_no_latest_step(tmp_path: Path) -> None:

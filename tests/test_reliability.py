@@ -205,6 +205,81 @@ def test_loads_racing_a_process_that_replaces_the_checkpoint_get_one_state_whole
     print(f"{loads} loads beside {saves} replacements, {retried} started again after a replacement")
 
 
+REPLACER = """
+import sys, torch, pytreeckpt
+path = sys.argv[1]
+for i in range(2, 10**9):  # version i: every element of every leaf is i
+    v = float(i)
+    pytreeckpt.save(path, {"big": torch.full((300, 1024), v), "small": {"x": torch.full((300,), v)}}, overwrite=True)
+    print(i, flush=True)
+"""
+
+
+def test_load_slice_and_verify_racing_a_process_that_replaces_the_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each load_slice reads one version whole and each verify finds no damage, or they say it was replaced.
+
+    The arrays of a replaced checkpoint are deleted after the new commit: a read that lost that
+    race starts again from the new document, as load does; never an error blaming the document.
+    """
+    import sys
+
+    from pytreeckpt.api import _load
+
+    restarts = [0]
+    real = _load._raise_unless_replaced
+
+    def counting(*args: Any) -> None:
+        real(*args)
+        restarts[0] += 1  # it returned: the checkpoint was replaced under this read, which starts again
+
+    monkeypatch.setattr(_load, "_raise_unless_replaced", counting)
+    path = tmp_path / "c"
+    pytreeckpt.save(path, {"big": torch.full((300, 1024), 1.0), "small": {"x": torch.full((300,), 1.0)}})
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    writer = subprocess.Popen([sys.executable, "-c", REPLACER, str(path)], stdout=subprocess.PIPE, env=env, text=True)
+    outcomes: dict[str, int] = {}
+    wrong: list[str] = []
+    slices = verifies = 0
+    try:
+        assert writer.stdout is not None
+        writer.stdout.readline()  # (the writer has started replacing)
+        deadline = time.monotonic() + 8
+        while time.monotonic() < deadline:
+            for key, index in (("big", (slice(100, 102),)), ("small.x", ())):
+                try:
+                    got = pytreeckpt.load_slice(path, key, index)
+                except pytreeckpt.CheckpointError as e:
+                    outcome = f"{type(e).__name__}: {e}"
+                else:
+                    slices += 1
+                    first = float(got.flatten()[0]) if got.numel() else -1.0
+                    whole = first >= 1 and first.is_integer() and bool((got == first).all())
+                    outcome = "ok" if whole else f"not one version: {got}"
+                outcomes[outcome] = outcomes.get(outcome, 0) + 1
+                if outcome != "ok" and not re.match(r"NotCommittedError: .* was replaced \d+ times while", outcome):
+                    wrong.append(f"load_slice {key}: {outcome}")
+            try:
+                report = pytreeckpt.verify(path)
+            except pytreeckpt.CheckpointError as e:
+                if not re.search(r" was replaced \d+ times while", str(e)):
+                    wrong.append(f"verify: {type(e).__name__}: {e}")
+            else:
+                verifies += 1
+                if not report.ok:
+                    wrong.append(f"verify: {report.problems}")
+    finally:
+        writer.kill()
+        replaced = writer.communicate()[0].split()
+    assert not wrong, (len(wrong), wrong[:5])
+    assert len(replaced) > 20  # the checkpoint was replaced under the reads, many times
+    assert slices > 50
+    assert verifies > 20
+    assert restarts[0] > 0  # some reads did lose the race, and started again
+    print(f"{slices} slices, {verifies} verifies, {restarts[0]} restarts, {len(replaced)} replacements: {outcomes}")
+
+
 @pytest.mark.parametrize("async_", [False, True], ids=["sync", "async"])
 def test_two_managers_in_two_processes_share_one_directory(tmp_path: Path, async_: bool) -> None:
     """Each saves its own steps; retention and cleanup of either never fail the other's saves or restores.

@@ -11,7 +11,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import torch
@@ -57,6 +57,8 @@ from ._shared import (
 
 if TYPE_CHECKING:
     from pytreeckpt.distributed._comm import Comm
+
+_T = TypeVar("_T")
 
 __all__ = ["CheckpointMetadata", "VerifyReport", "load", "load_slice", "metadata", "read_array", "verify"]
 
@@ -214,8 +216,12 @@ def verify(path: PathLike, *, executor: ExecutorOptions | None = None) -> Verify
     moved, swapped or taken from another checkpoint is found), and its own checksum,
     size, presence, file kind and place are checked; a load fails on exactly these.
 
+    A checkpoint replaced while it is verified (another process saving there) is verified
+    again, as :func:`load` starts again; the report is of one checkpoint, whole.
+
     Raises:
-      NotCommittedError: ``path`` holds no committed checkpoint.
+      NotCommittedError: ``path`` holds no committed checkpoint, or it was removed, or
+        replaced 4 times, while it was verified.
       MetadataError: the metadata document itself is damaged.
 
     >>> import tempfile, torch, pytreeckpt
@@ -224,11 +230,20 @@ def verify(path: PathLike, *, executor: ExecutorOptions | None = None) -> Verify
     >>> pytreeckpt.verify(d).ok
     True
     """
-    storage, doc = _open(path, "", executor)
-    metas = [leaf for leaf in doc.leaves if isinstance(leaf, ArrayMeta)]
-    problems, chunks, nbytes = storage.verify(metas)
-    unrecorded = tuple(m.key for m in metas if not m.records_crc32c)
-    return VerifyReport(describe(path), tuple(problems), len(metas), chunks, nbytes, unrecorded)
+
+    def attempt(seen: list[bytes]) -> VerifyReport:
+        storage = Storage(path, executor)
+        raw = storage.read_metadata()
+        seen.append(raw)
+        doc = _parse(storage, raw, "")
+        metas = [leaf for leaf in doc.leaves if isinstance(leaf, ArrayMeta)]
+        problems, chunks, nbytes = storage.verify(metas)
+        if problems and _replaced(storage, raw):  # (its arrays deleted by the new commit: not damage)
+            raise CheckpointError(f"{describe(path)} was replaced while it was verified: {problems[0][2]}")
+        unrecorded = tuple(m.key for m in metas if not m.records_crc32c)
+        return VerifyReport(describe(path), tuple(problems), len(metas), chunks, nbytes, unrecorded)
+
+    return _again_if_replaced(path, executor, "verified", attempt)
 
 
 def _abstract_of(meta: ArrayMeta) -> Any:
@@ -391,6 +406,9 @@ def _own_shard(
 ) -> tuple[Any, ...]:
     """This rank's shard of a leaf of ``spec``, ``placement`` and ``shape``: (spec, placement, its position
     (None: it holds none), its rank, its shard's shape, its pieces by rank)."""
+    problem = _spec_problem(key, spec, shape)
+    if problem is not None:
+        raise LayoutError(problem)
     try:
         position = _position(key, spec, placement, comm)
     except LayoutError as e:
@@ -497,6 +515,15 @@ def _sharded_dest(
     return _Dest(meta, spec, pieces, dict(locals_), finish, device_bytes, placement)
 
 
+def _spec_problem(key: str, spec: Layout, shape: tuple[int, ...]) -> str | None:
+    """Why a target's ``spec`` cannot lay out its ``shape`` (an :class:`Abstract` is made without checking)."""
+    try:
+        spec.check(shape)
+    except LayoutError as e:
+        return f"leaf {_where(key)}: the target's spec does not fit its shape {shape}: {e}"
+    return None
+
+
 def _target_problem(key: str, stored: ArrayMeta, shape: tuple[int, ...], dtype_name: str) -> str | None:
     if stored.shape != shape:
         return f"leaf {_where(key)}: the checkpoint has shape {stored.shape}, the target has {shape}"
@@ -574,22 +601,12 @@ def load(
         try:
             if comm is not None:
                 return _load(path, target, namespace, executor, include, comm, spans, inplace=inplace)
-            seen: list[bytes] = []
-            attempts = 0
-            while True:
-                seen.clear()
-                try:
-                    return _load(path, target, namespace, executor, include, comm, spans, seen, inplace=inplace)
-                except (CheckpointError, OSError) as e:
-                    if not seen or isinstance(e, (NotCommittedError, TargetMismatchError)):
-                        raise
-                    _raise_unless_replaced(path, executor, seen[0], e)
-                    attempts += 1
-                    if attempts == LOAD_ATTEMPTS:
-                        raise NotCommittedError(
-                            f"{describe(path)} was replaced {attempts} times while it was being loaded (another "
-                            f"process saving there); the last failure: {e}"
-                        ) from e
+            return _again_if_replaced(
+                path,
+                executor,
+                "loaded",
+                lambda seen: _load(path, target, namespace, executor, include, comm, spans, seen, inplace=inplace),
+            )
         except BaseException as e:
             if inplace and not isinstance(e, TargetMismatchError):  # (a mismatch is found before any read)
                 e.add_note("load(..., inplace=True) failed: the target's tensors may hold part of the checkpoint")
@@ -623,26 +640,64 @@ def plan_load_of(
 
 
 LOAD_ATTEMPTS = 4
-"""How many times a load starts again when the checkpoint is replaced under it (another process saving there)."""
+"""How many times a read starts again when the checkpoint is replaced under it (another process saving there)."""
 
 
-def _raise_unless_replaced(path: PathLike, executor: ExecutorOptions | None, document: bytes, error: Exception) -> None:
-    """Return if the load that read ``document`` and failed with ``error`` lost a race with a new save there.
+def _again_if_replaced(
+    path: PathLike, executor: ExecutorOptions | None, what: str, read: Callable[[list[bytes]], _T]
+) -> _T:
+    """``read(seen)``, started again when it failed because the checkpoint was replaced under it.
+
+    ``read`` appends the metadata document it read to ``seen``; after its failure the
+    document is read again (:func:`_raise_unless_replaced`), and ``read`` starts again if
+    it changed, up to ``LOAD_ATTEMPTS`` times in all: then a NotCommittedError says the
+    checkpoint kept being replaced while it was being ``what``.
+    """
+    seen: list[bytes] = []
+    attempts = 0
+    while True:
+        seen.clear()
+        try:
+            return read(seen)
+        except (CheckpointError, OSError) as e:
+            if not seen or isinstance(e, (NotCommittedError, TargetMismatchError)):
+                raise
+            _raise_unless_replaced(path, executor, seen[0], e, what)
+            attempts += 1
+            if attempts == LOAD_ATTEMPTS:
+                raise NotCommittedError(
+                    f"{describe(path)} was replaced {attempts} times while it was being {what} (another "
+                    f"process saving there); the last failure: {e}"
+                ) from e
+
+
+def _replaced(storage: Storage, document: bytes) -> bool:
+    """Whether the metadata document at ``storage`` is no longer ``document`` (or is gone)."""
+    try:
+        return storage.read_metadata() != document
+    except NotCommittedError:
+        return True
+
+
+def _raise_unless_replaced(
+    path: PathLike, executor: ExecutorOptions | None, document: bytes, error: Exception, what: str = "loaded"
+) -> None:
+    """Return if the read that read ``document`` and failed with ``error`` lost a race with a new save there.
 
     Each save names its arrays anew and deletes the replaced ones only after its commit,
-    so a load that read the old document may find its arrays gone: the new document is
-    then loaded instead. When the document is unchanged the failure is the checkpoint's
-    own, and ``error`` is raised (as a CheckpointError); NotCommittedError when it is gone.
+    so a read of the old document may find its arrays gone: the new document is then
+    read instead. When the document is unchanged the failure is the checkpoint's own,
+    and ``error`` is raised (as a CheckpointError); NotCommittedError when it is gone.
     """
     try:
         now = Storage(path, executor).read_metadata()
     except NotCommittedError:
-        raise NotCommittedError(f"{describe(path)} was removed while it was being loaded") from error
+        raise NotCommittedError(f"{describe(path)} was removed while it was being {what}") from error
     if now != document:
         return
     if isinstance(error, CheckpointError):
         raise error
-    raise CheckpointError(f"loading {describe(path)}: {error}") from error
+    raise CheckpointError(f"{describe(path)} could not be {what}: {error}") from error
 
 
 def _load(
@@ -954,7 +1009,11 @@ def read_array(
 
     Only the chunks the region touches are read.
     """
-    storage = Storage(path, executor)
+    return _read_region(Storage(path, executor), path, meta, region)
+
+
+def _read_region(storage: Storage, path: PathLike, meta: ArrayMeta, region: Region | None) -> torch.Tensor:
+    """:func:`read_array` on ``storage`` (the location ``path``)."""
     storage.check_stored_sizes([meta])
     region = Region.full(meta.shape) if region is None else region
     _check_memory(path, [(meta.key, region.size * meta.dtype.itemsize)])
@@ -1001,6 +1060,9 @@ def load_slice(path: PathLike, key: str, index: Any = (), *, executor: ExecutorO
     ``index`` is an int, a step-1 slice or a tuple of them, as in ``t[index]`` (ints keep
     their dim, of size 1).
 
+    A checkpoint replaced while it is read (another process saving there) is read again,
+    from the new metadata, as :func:`load` does.
+
     >>> import tempfile, torch, pytreeckpt
     >>> d = tempfile.mkdtemp() + "/ckpt"
     >>> pytreeckpt.save(d, {"emb": torch.arange(12.0).reshape(4, 3)})
@@ -1008,10 +1070,17 @@ def load_slice(path: PathLike, key: str, index: Any = (), *, executor: ExecutorO
     tensor([[5.],
             [8.]])
     """
-    meta = metadata(path).arrays.get(key)
-    if meta is None:
-        raise TargetMismatchError(f"leaf {_where(key)} is not an array of the checkpoint at {describe(path)}")
-    return read_array(path, meta, _region_of(index, meta.shape, key), executor)
+
+    def attempt(seen: list[bytes]) -> torch.Tensor:
+        storage = Storage(path, executor)
+        raw = storage.read_metadata()
+        seen.append(raw)
+        meta = _Arrays(path, _parse(storage, raw, "")).get(key)
+        if meta is None:
+            raise TargetMismatchError(f"leaf {_where(key)} is not an array of the checkpoint at {describe(path)}")
+        return _read_region(storage, path, meta, _region_of(index, meta.shape, key))
+
+    return _again_if_replaced(path, executor, "read", attempt)
 
 
 def _meta_problem(key: str, leaf: Any) -> str | None:
@@ -1054,6 +1123,9 @@ def _dest_for(
             return problem, None
         if leaf.spec is None:
             return None, _full_dest(stored, False, None, None, comm, buffers=buffers)
+        problem = _spec_problem(key, leaf.spec, leaf.shape)
+        if problem:
+            return problem, None
         positions = range(leaf.spec.world_size) if comm is None else ()  # (all, one process; a group: its own)
         return None, _sharded_dest(stored, leaf.spec, positions, {}, comm, None, leaf.placement, buffers=buffers)
     if isinstance(leaf, torch.Tensor):

@@ -185,6 +185,11 @@ def _abstract_in(
     got = None if kinds is None else kinds.get(kind)
     if got is None or got[0] is not saved or got[1] is not placement:
         _check_ndim(key, len(leaf.shape))
+        if saved is not None:
+            try:
+                saved.check(leaf.shape)
+            except LayoutError as e:
+                raise LayoutError(f"leaf {_where(key)}: {e}") from None
         layout = (
             leaf.spec
             if leaf.spec is not None

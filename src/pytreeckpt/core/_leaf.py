@@ -226,9 +226,8 @@ class Abstract:
         if spec is not None and not isinstance(spec, Layout):
             raise LayoutError(f"spec must be a ShardingSpec, FlatRanges, ExplicitRegions or None, found {spec!r}")
         object.__setattr__(self, "spec", spec)
-        if spec is not None:
-            spec.check(self.shape)
-        elif placement is not None:
+        # (whether the spec fits the shape is checked where the leaf is used, load or plan_save, naming it)
+        if spec is None and placement is not None:
             raise LayoutError("a placement places a spec's positions on ranks: give a spec with it")
         object.__setattr__(self, "placement", None if spec is None else check_placement(placement, spec))
 

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import functools
+import logging
 import os
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -18,9 +20,11 @@ from pytreeckpt.core._errors import CheckpointError, NotCommittedError
 from pytreeckpt.execute._staging import staging_pool
 from pytreeckpt.format._document import METADATA_FILE, STEP_DIR
 from pytreeckpt.storage import LOCK_WAIT, Storage, remove_tree
-from pytreeckpt.storage._location import Location, Where, resolve
+from pytreeckpt.storage._location import Location, Where, describe, resolve
 
 __all__ = ["CheckpointManager"]
+
+logger = logging.getLogger("pytreeckpt")
 
 _TRASH = ".pytreeckpt-removing-"
 """A step directory being deleted is first renamed to this prefix (atomically: it is never half there)."""
@@ -44,7 +48,8 @@ class CheckpointManager:
     step and hard-links the others from it (see ``base`` in :func:`pytreeckpt.save`), so
     retention may delete any step. A failed save removes what it wrote; directories of
     saves that never committed (a crash) are never listed or restored, and are removed,
-    once no writer holds them, by the next manager and by every save. Several managers
+    once no writer holds them, by every save and by the next manager (one that may only
+    read the directory leaves them: listing and restoring need no write access). Several managers
     (processes) may share one local directory: a step is removed by renaming it away
     under its lock, and steps another manager removes meanwhile are skipped. On an object
     store (``s3://bucket/run``, or a :class:`Location`) there are no locks: an
@@ -92,7 +97,7 @@ class CheckpointManager:
         if self._is_leader:
             if isinstance(self.directory, Path):
                 self.directory.mkdir(parents=True, exist_ok=True)
-            self._clean_uncommitted()
+            self._clean_uncommitted(may_fail=True)  # (a manager that only restores may have no write access)
 
     # ------------------------------------------------------------------ paths and listing
     @property
@@ -216,7 +221,18 @@ class CheckpointManager:
             time.sleep(0.01)
         return True
 
-    def _clean_uncommitted(self) -> None:
+    def _clean_uncommitted(self, may_fail: bool = False) -> None:
+        """Remove what crashed saves and removals left; with ``may_fail``, what cannot be removed (a directory
+        this process may only read) is left for the next save."""
+
+        def attempt(remove: Callable[[], object], what: Path | Location) -> None:
+            try:
+                remove()
+            except (CheckpointError, OSError) as e:
+                if not may_fail:
+                    raise
+                logger.info("%s: left for the next save to remove: %s", describe(what), e)
+
         listed = self._listed()
         newest = max((s for s, _, c in listed if c), default=None)
         for step, path, committed in listed:
@@ -226,14 +242,14 @@ class CheckpointManager:
                 # No lock tells a crashed save from one in progress: only steps older than
                 # the newest commit are taken as crashed.
                 if newest is not None and step < newest:
-                    Storage(path).remove()
+                    attempt(Storage(path).remove, path)
                 continue
-            _discard(path, committed=False)  # skipped while a save is writing it
+            attempt(functools.partial(_discard, path, committed=False), path)  # skipped while a save is writing it
         if isinstance(self.directory, Path):  # removals a crash interrupted
             with contextlib.suppress(FileNotFoundError):
                 for p in self.directory.iterdir():
                     if p.name.startswith(_TRASH):
-                        remove_tree(p)
+                        attempt(functools.partial(remove_tree, p), p)
 
     def delete(self, step: int) -> None:
         """Delete a committed step."""
