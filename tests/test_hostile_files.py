@@ -513,3 +513,71 @@ def test_permission_denied_is_said_naming_the_path(shared: Path, target: str, mo
         assert re.search(message, lines["metadata"]), lines["metadata"]
         assert "FAILED:" in done.stdout  # the command line printed a status
         assert "permission denied" in done.stderr
+
+
+# --------------------------------------------------------------------------- zip archives
+
+
+def _rewrite_archive(archive: Path, change: dict[str, bytes | None]) -> None:
+    """Rewrite a zip archive (as Python's zipfile writes one) with entries changed (None: left out)."""
+    import zipfile
+
+    with zipfile.ZipFile(archive) as z:
+        entries = [(name, z.read(name)) for name in z.namelist()]
+    with zipfile.ZipFile(archive, "w") as z:
+        for name, value in entries:
+            new = change.get(name, value)
+            if new is not None:
+                z.writestr(name, new)
+
+
+def _zarr_json_of(archive: Path, name: str) -> dict[str, Any]:
+    import zipfile
+
+    with zipfile.ZipFile(archive) as z:
+        return json.loads(z.read(name))  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("mutation", ["dtype", "shape", "chunks", "missing"])
+def test_a_zip_packed_arrays_own_zarr_json_must_describe_it(tmp_path: Path, mutation: str) -> None:
+    """TensorStore and zarr read a zip-packed array through its zarr.json: one that says another dtype,
+    shape or chunk grid than the document (or none) is refused by load, load_slice and verify."""
+    path = tmp_path / "c"
+    tree = {"w": torch.arange(16.0), "v": torch.ones(4)}
+    pytreeckpt.save(packed_in(path, "zip"), tree)
+    archive = path / "packed" / "0" / "0.zip"
+    name = "arrays/w/zarr.json"
+    zarr = _zarr_json_of(archive, name)
+    if mutation == "dtype":
+        zarr["data_type"] = "int32"
+    elif mutation == "shape":
+        zarr["shape"] = [8]
+    elif mutation == "chunks":
+        zarr["chunk_grid"]["configuration"]["chunk_shape"] = [8]
+    _rewrite_archive(archive, {name: None if mutation == "missing" else json.dumps(zarr).encode()})
+    pattern = r"leaf 'w': arrays/w/zarr.json in the packed archives 'packed/0' " + (
+        "is missing" if mutation == "missing" else "does not describe the array"
+    )
+    with pytest.raises(pytreeckpt.CheckpointError, match=pattern):
+        pytreeckpt.load(path)
+    with pytest.raises(pytreeckpt.CheckpointError, match=pattern):
+        pytreeckpt.load(path, {"w": torch.zeros(16), "v": torch.zeros(4)}, inplace=True)  # (the planned read)
+    with pytest.raises(pytreeckpt.CheckpointError, match=pattern):
+        pytreeckpt.load_slice(path, "w", slice(2, 5))
+    report = pytreeckpt.verify(path)
+    assert report.damaged_leaves == ("w",), report.problems
+    assert re.search(pattern, report.problems[0][2]), report.problems
+    assert torch.equal(pytreeckpt.load(path, include=["v"])["v"], tree["v"])  # (the other leaf's is intact)
+
+
+def test_a_zarr_json_written_otherwise_but_saying_the_same_is_accepted(tmp_path: Path) -> None:
+    """The same description in other bytes (another key order, spacing): what TensorStore reads is the same."""
+    path = tmp_path / "c"
+    tree = {"w": torch.arange(16.0)}
+    pytreeckpt.save(packed_in(path, "zip"), tree)
+    archive = path / "packed" / "0" / "0.zip"
+    zarr = _zarr_json_of(archive, "arrays/w/zarr.json")
+    again = json.dumps(dict(reversed(zarr.items())), indent=2).encode()
+    _rewrite_archive(archive, {"arrays/w/zarr.json": again})
+    assert torch.equal(pytreeckpt.load(path)["w"], tree["w"])
+    assert pytreeckpt.verify(path).ok
