@@ -353,6 +353,10 @@ class ArchiveReader:
                 left -= 1
             if left and read >= cd_size and p > stop:
                 raise self._damaged(name, "its central directory is shorter than it says")
+        if read - len(block) + p != cd_size:  # (a claim of more is not read, nor allocated)
+            raise self._damaged(
+                name, f"its central directory of {n} entries takes {read - len(block) + p} bytes, it says {cd_size}"
+            )
 
     def read(self, key: str, size: int | None = None) -> _Read:
         """Key ``key``'s value, as TensorStore's key-value stores give it (a future of a read result)."""

@@ -294,10 +294,37 @@ class _Landing:
 
 
 def available_memory() -> int | None:
-    """Bytes this process may still allocate: MemAvailable plus free swap, at most its cgroup's limit.
+    """Bytes this process may still allocate: MemAvailable plus free swap, at most its cgroup's limit, and at
+    most what its address-space limit (``RLIMIT_AS``) leaves beyond what it maps already (``VmSize``).
 
     None where the system does not say (no ``/proc/meminfo``).
     """
+    free = _system_memory()
+    room = _address_space_left()
+    if room is None:
+        return free
+    return room if free is None else min(free, room)
+
+
+def _address_space_left() -> int | None:
+    """What ``RLIMIT_AS`` leaves this process to map (None: no limit, or the system does not say)."""
+    try:
+        import resource
+
+        limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+    except (ImportError, OSError, ValueError):
+        return None
+    if limit == resource.RLIM_INFINITY or limit < 0:
+        return None
+    try:
+        with open("/proc/self/status", "rb") as f:
+            mapped = next(int(line.split()[1]) * 1024 for line in f if line.startswith(b"VmSize:"))
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+    return max(0, limit - mapped)
+
+
+def _system_memory() -> int | None:
     try:
         with open("/proc/meminfo", "rb") as f:
             info = {line.split(b":")[0]: int(line.split()[1]) * 1024 for line in f if line.split()[1:2]}
