@@ -607,3 +607,192 @@ def test_permission_denied_is_said_naming_the_path(shared: Path, target: str, mo
         assert re.search(message, lines["metadata"]), lines["metadata"]
         assert "FAILED:" in done.stdout  # the command line printed a status
         assert "permission denied" in done.stderr
+
+
+# --------------------------------------------------------------------------- zip archives
+
+
+def _rewrite_archive(archive: Path, change: dict[str, bytes | None]) -> None:
+    """Rewrite a zip archive (as Python's zipfile writes one) with entries changed (None: left out)."""
+    import zipfile
+
+    with zipfile.ZipFile(archive) as z:
+        entries = [(name, z.read(name)) for name in z.namelist()]
+    with zipfile.ZipFile(archive, "w") as z:
+        for name, value in entries:
+            new = change.get(name, value)
+            if new is not None:
+                z.writestr(name, new)
+
+
+def _zarr_json_of(archive: Path, name: str) -> dict[str, Any]:
+    import zipfile
+
+    with zipfile.ZipFile(archive) as z:
+        return json.loads(z.read(name))  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("mutation", ["dtype", "shape", "chunks", "missing"])
+def test_a_zip_packed_arrays_own_zarr_json_must_describe_it(tmp_path: Path, mutation: str) -> None:
+    """TensorStore and zarr read a zip-packed array through its zarr.json: one that says another dtype,
+    shape or chunk grid than the document (or none) is refused by load, load_slice and verify."""
+    path = tmp_path / "c"
+    tree = {"w": torch.arange(16.0), "v": torch.ones(4)}
+    pytreeckpt.save(packed_in(path, "zip"), tree)
+    archive = path / "packed" / "0" / "0.zip"
+    name = "arrays/w/zarr.json"
+    zarr = _zarr_json_of(archive, name)
+    if mutation == "dtype":
+        zarr["data_type"] = "int32"
+    elif mutation == "shape":
+        zarr["shape"] = [8]
+    elif mutation == "chunks":
+        zarr["chunk_grid"]["configuration"]["chunk_shape"] = [8]
+    _rewrite_archive(archive, {name: None if mutation == "missing" else json.dumps(zarr).encode()})
+    pattern = r"leaf 'w': arrays/w/zarr.json in the packed archives 'packed/0' " + (
+        "is missing" if mutation == "missing" else "does not describe the array"
+    )
+    with pytest.raises(pytreeckpt.CheckpointError, match=pattern):
+        pytreeckpt.load(path)
+    with pytest.raises(pytreeckpt.CheckpointError, match=pattern):
+        pytreeckpt.load(path, {"w": torch.zeros(16), "v": torch.zeros(4)}, inplace=True)  # (the planned read)
+    with pytest.raises(pytreeckpt.CheckpointError, match=pattern):
+        pytreeckpt.load_slice(path, "w", slice(2, 5))
+    report = pytreeckpt.verify(path)
+    assert report.damaged_leaves == ("w",), report.problems
+    assert re.search(pattern, report.problems[0][2]), report.problems
+    assert torch.equal(pytreeckpt.load(path, include=["v"])["v"], tree["v"])  # (the other leaf's is intact)
+
+
+def test_a_zarr_json_written_otherwise_but_saying_the_same_is_accepted(tmp_path: Path) -> None:
+    """The same description in other bytes (another key order, spacing): what TensorStore reads is the same."""
+    path = tmp_path / "c"
+    tree = {"w": torch.arange(16.0)}
+    pytreeckpt.save(packed_in(path, "zip"), tree)
+    archive = path / "packed" / "0" / "0.zip"
+    zarr = _zarr_json_of(archive, "arrays/w/zarr.json")
+    again = json.dumps(dict(reversed(zarr.items())), indent=2).encode()
+    _rewrite_archive(archive, {"arrays/w/zarr.json": again})
+    assert torch.equal(pytreeckpt.load(path)["w"], tree["w"])
+    assert pytreeckpt.verify(path).ok
+
+
+def _sparse_archive(tmp_path: Path, claim: str) -> Path:
+    """A zip-packed checkpoint whose archive is a few KB of data in a 2 GiB sparse file: its end record claims a
+    2 GiB central directory (``"directory"``), or leaf w's chunk entry claims 2 GiB of holes (``"entry"``)."""
+    import struct
+    import zipfile
+
+    path = tmp_path / "c"
+    pytreeckpt.save(packed_in(path, "zip"), {"w": torch.arange(16.0), "v": torch.ones(4)})
+    archive = path / "packed" / "0" / "0.zip"
+    raw = archive.read_bytes()
+    n, cd_size, cd_start = struct.unpack_from("<HII", raw, len(raw) - 22 + 10)
+    huge = 2 << 30
+    if claim == "directory":  # the real entries, then holes the directory is said to fill, then the end record
+        with open(archive, "r+b") as f:
+            f.truncate(cd_start + huge)
+            f.seek(cd_start + huge)
+            f.write(struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, n, n, huge, cd_start, 0))
+        return path
+    with zipfile.ZipFile(archive) as z:
+        info = z.getinfo("arrays/w/c/0")
+    directory = bytearray(raw[cd_start : cd_start + cd_size])
+    p = 0
+    while p < len(directory):  # the chunk's central entry claims 2 GiB; the directory goes after them
+        name_len = struct.unpack_from("<H", directory, p + 28)[0]
+        if bytes(directory[p + 46 : p + 46 + name_len]) == info.filename.encode():
+            struct.pack_into("<II", directory, p + 20, huge, huge)
+        p += 46 + name_len
+    at = cd_start + huge
+    with open(archive, "r+b") as f:
+        f.truncate(at)
+        f.seek(at)
+        f.write(bytes(directory) + struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, n, n, cd_size, at, 0))
+    return path
+
+
+PEAK = """
+import resource
+PATH = {path!r}
+for name, op in [
+    ("load", lambda: pytreeckpt.load(PATH)),
+    ("include", lambda: pytreeckpt.load(PATH, include=["w"])),
+    ("load_slice", lambda: pytreeckpt.load_slice(PATH, "w", slice(0, 4))),
+    ("verify", lambda: pytreeckpt.verify(PATH)),
+]:
+    try:
+        out = op()
+        print(name, "ok" if name != "verify" or out.ok else "PROBLEMS " + str(out.problems).replace(chr(10), " "))
+    except pytreeckpt.CheckpointError as e:
+        print(name, "CheckpointError", str(e).replace(chr(10), " "))
+print("peak", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+"""
+
+LIMIT = """
+import resource
+with open("/proc/self/status") as f:
+    vm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+resource.setrlimit(resource.RLIMIT_AS, (vm + {room}, vm + {room}))
+"""
+
+
+@pytest.mark.parametrize("claim", ["directory", "entry"])
+def test_a_sparse_archive_claiming_gigabytes_is_refused_in_little_memory(tmp_path: Path, claim: str) -> None:
+    path = _sparse_archive(tmp_path, claim)
+    assert os.stat(path / "packed" / "0" / "0.zip").st_blocks * 512 < 1 << 20  # (holes: nearly nothing stored)
+    for limit in ("", LIMIT.format(room=1 << 30)):  # free, and under an address-space limit of 1 GiB more
+        done = _run(limit + PEAK.format(path=str(path)))
+        assert done.returncode == 0, done.stderr
+        lines = done.stdout.splitlines()
+        *ops, peak = lines
+        assert len(ops) == 4, done.stdout
+        expected = "central directory" if claim == "directory" else "holds 2147483648 bytes, expected"
+        for line in ops:
+            assert "CheckpointError" in line or "PROBLEMS" in line, line
+            assert expected in line, line
+        assert int(peak.split()[1]) < 1 << 30, peak  # (a Python with torch: some hundreds of MB)
+
+
+_OPS = """
+for name, op in [("load", lambda: pytreeckpt.load({path!r})), ("slice", lambda: pytreeckpt.load_slice({path!r}, "w"))]:
+    try:
+        op()
+        print(name, "ok")
+    except pytreeckpt.CheckpointError as e:
+        print(name, "CheckpointError", e)
+"""
+
+
+def test_a_claim_past_the_address_space_limit_is_refused_before_allocating(tmp_path: Path) -> None:
+    """16 GiB claimed, backed by a sparse chunk file, under an address-space limit far below it (and far
+    below this machine's memory): refused before allocating, naming the leaf and the bytes."""
+    path = _claiming(tmp_path, 16 << 30)
+    done = _run(
+        LIMIT.format(room=4 << 30)
+        + """
+from pytreeckpt.storage import available_memory
+print("available", available_memory())
+OPS""".replace("OPS", _OPS.format(path=str(path)))
+    )
+    assert done.returncode == 0, done.stderr
+    available, load, load_slice = done.stdout.splitlines()
+    assert 0 < int(available.split()[1]) <= 4 << 30, available
+    for line in (load, load_slice):
+        assert re.match(r"\w+ CheckpointError .*would allocate 17179869184 bytes .*leaf 'w'", line), line
+
+
+def test_an_allocation_that_fails_is_a_checkpoint_error_naming_the_leaf(tmp_path: Path) -> None:
+    """Where the system does not say how much memory is left, the allocation itself fails under the limit:
+    a CheckpointError naming the leaf and the bytes, not torch's RuntimeError or a MemoryError."""
+    path = _claiming(tmp_path, 16 << 30)
+    done = _run(
+        LIMIT.format(room=4 << 30)
+        + """
+import pytreeckpt.api._load as load_module
+load_module.available_memory = lambda: None  # (as on a system without /proc/meminfo)
+OPS""".replace("OPS", _OPS.format(path=str(path)))
+    )
+    assert done.returncode == 0, done.stderr
+    for line in done.stdout.splitlines():
+        assert re.match(r"\w+ CheckpointError leaf 'w': cannot allocate 17179869184 bytes", line), line

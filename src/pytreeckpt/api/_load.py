@@ -11,7 +11,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
 import numpy as np
 import torch
@@ -25,7 +25,7 @@ from pytreeckpt.core._slots import slots_constructor
 from pytreeckpt.core._tree import KeyEntry, Node, flatten, keystr, leaf_node, resolve_value, typed_keystr
 from pytreeckpt.distributed._comm import data_comm
 from pytreeckpt.execute._executor import read_arrays
-from pytreeckpt.execute._memory import Prefault, empty_host, empty_numpy
+from pytreeckpt.execute._memory import AllocationFailed, Prefault, empty_host, empty_numpy
 from pytreeckpt.execute._monitor import Monitor, Progress, Span
 from pytreeckpt.format._document import (
     ArrayMeta,
@@ -115,7 +115,8 @@ def _check_memory(where: PathLike, claims: Sequence[tuple[str, int]]) -> None:
     raise CheckpointError(
         f"loading {describe(where)} would allocate {total} bytes for {len(claims)} arrays as the metadata claims "
         f"them (the largest, leaf {key!r}, {largest} bytes), more than the {available} bytes this machine has "
-        f"available (MemAvailable and free swap); load part of it (include=, a target tree, load_slice)"
+        f"available (MemAvailable and free swap, within the process's address-space limit); load part of it "
+        f"(include=, a target tree, load_slice)"
     )
 
 
@@ -305,6 +306,24 @@ def _small_result(meta: ArrayMeta, value: bytes, target: Any) -> Any:
     return t
 
 
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _naming_leaf(make: Callable[Concatenate[ArrayMeta, _P], _R]) -> Callable[Concatenate[ArrayMeta, _P], _R]:
+    """``make(meta, ...)``, a buffer it cannot allocate said as a CheckpointError naming ``meta``'s leaf."""
+
+    @functools.wraps(make)
+    def named(meta: ArrayMeta, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        try:
+            return make(meta, *args, **kwargs)
+        except AllocationFailed as e:
+            raise CheckpointError(f"leaf {meta.key!r}: {e}") from e
+
+    return named
+
+
+@_naming_leaf
 def _full_dest(
     meta: ArrayMeta,
     as_numpy: bool,
@@ -445,6 +464,7 @@ def _own_shard_of(
     return mine  # type: ignore[no-any-return]
 
 
+@_naming_leaf
 def _sharded_dest(
     meta: ArrayMeta,
     spec: Layout,
@@ -1018,7 +1038,10 @@ def _read_region(storage: Storage, path: PathLike, meta: ArrayMeta, region: Regi
     region = Region.full(meta.shape) if region is None else region
     _check_memory(path, [(meta.key, region.size * meta.dtype.itemsize)])
     buffers = _Buffers(huge=storage.options.huge_pages)
-    out = buffers.tensor(region.shape, meta.dtype.torch, pinned=False)
+    try:
+        out = buffers.tensor(region.shape, meta.dtype.torch, pinned=False)
+    except AllocationFailed as e:
+        raise CheckpointError(f"leaf {meta.key!r}: {e}") from e
 
     def get(rank: int, pi: int) -> tuple[np.ndarray, Region]:
         return numpy_view(out), region

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 import sys
 import threading
 from pathlib import Path
@@ -27,7 +28,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-__all__ = ["Prefault", "advise_huge_pages", "empty_host", "empty_numpy"]
+from pytreeckpt.core._errors import CheckpointError
+
+__all__ = ["AllocationFailed", "Prefault", "advise_huge_pages", "empty_host", "empty_numpy"]
 
 HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14  # linux/mman.h
@@ -75,17 +78,33 @@ def advise_huge_pages(address: int, nbytes: int) -> bool:
     return bool(fn(lo, hi - lo, _MADV_HUGEPAGE) == 0)
 
 
+class AllocationFailed(CheckpointError):
+    """A buffer could not be allocated (the caller names the leaf it was for)."""
+
+
+def _failed(shape: tuple[int, ...], itemsize: int, e: BaseException) -> AllocationFailed:
+    nbytes = math.prod(shape) * itemsize
+    return AllocationFailed(f"cannot allocate {nbytes} bytes of memory for an array of shape {shape}: {e}")
+
+
 def empty_host(shape: tuple[int, ...], dtype: torch.dtype, *, pin: bool = False, huge: bool = True) -> torch.Tensor:
-    """``torch.empty`` on the CPU, its pages advised huge when ``huge`` (pinned memory never is)."""
-    t = torch.empty(shape, dtype=dtype, pin_memory=pin)
+    """``torch.empty`` on the CPU, its pages advised huge when ``huge`` (pinned memory never is);
+    :class:`AllocationFailed` where the memory cannot be had."""
+    try:
+        t = torch.empty(shape, dtype=dtype, pin_memory=pin)
+    except (MemoryError, RuntimeError) as e:  # (torch's allocator raises RuntimeError)
+        raise _failed(shape, dtype.itemsize, e) from e
     if huge and not pin:
         advise_huge_pages(t.data_ptr(), t.numel() * t.element_size())
     return t
 
 
 def empty_numpy(shape: tuple[int, ...], dtype: np.dtype, *, huge: bool = True) -> np.ndarray:
-    """``np.empty``, its pages advised huge when ``huge``."""
-    a = np.empty(shape, dtype=dtype)
+    """``np.empty``, its pages advised huge when ``huge``; :class:`AllocationFailed` where it cannot be had."""
+    try:
+        a = np.empty(shape, dtype=dtype)
+    except MemoryError as e:
+        raise _failed(shape, dtype.itemsize, e) from e
     if huge:
         advise_huge_pages(a.ctypes.data, a.nbytes)
     return a

@@ -10,6 +10,7 @@ import binascii
 import collections
 import contextlib
 import logging
+import math
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -41,6 +42,8 @@ from pytreeckpt.storage._integrity import (
 )
 from pytreeckpt.storage._location import OCDBT_CACHE
 from pytreeckpt.storage._packed import (
+    MAX_ZARR_JSON_BYTES,
+    check_zarr_json,
     decode_chunk,
     describe_database,
     encode_chunk,
@@ -144,7 +147,7 @@ class ArrayIO(FileChecks, Durability):
                 assert meta.database is not None
                 try:
                     if create:
-                        self.packed.write(meta.database, meta.path + "/zarr.json", zarr_json(meta))
+                        self.packed.begin(meta)
                         futures.append(_Ready(None))
                     else:
                         futures.append(_Ready(self.packed.reader(meta.database)))
@@ -239,7 +242,7 @@ class ArrayIO(FileChecks, Durability):
             value, crc = encode_chunk(data, chunk)
             if record is not None:
                 record(index, crc)
-            future = self.packed.write(meta.database, f"{meta.path}/{_chunk_key(index)}", value)
+            future = self.packed.write(meta.database, f"{meta.path}/{_chunk_key(index)}", value, meta.path)
             return _DONE if future is None else future
         futures = []
         for index in region.chunk_indices(chunk):
@@ -247,7 +250,7 @@ class ArrayIO(FileChecks, Durability):
             value, crc = encode_chunk(data[box], chunk)
             if record is not None:
                 record(index, crc)
-            future = self.packed.write(meta.database, f"{meta.path}/{_chunk_key(index)}", value)
+            future = self.packed.write(meta.database, f"{meta.path}/{_chunk_key(index)}", value, meta.path)
             if future is not None:
                 futures.append(future)
         return _all_of(futures) if futures else _DONE
@@ -263,7 +266,7 @@ class ArrayIO(FileChecks, Durability):
         one = chunk == meta.shape
         indices = [(0,) * len(chunk)] if one else list(Region.full(meta.shape).chunk_indices(chunk))
         try:
-            reads = [(index, store.read(f"{meta.path}/{_chunk_key(index)}")) for index in indices]
+            reads = [(index, _read_key(store, meta, index)) for index in indices]
         except Exception as e:
             raise CheckpointError(f"leaf {meta.key!r}: reading {meta.path!r} in {meta.database!r}: {e}") from e
 
@@ -302,7 +305,7 @@ class ArrayIO(FileChecks, Durability):
         with each chunk's checksum. The bytes are copied, so the data may change once this
         returns. Returns the bytes of elements written.
         """
-        batches: dict[str, list[tuple[str, bytes]]] = {}
+        batches: dict[str, list[tuple[tuple[str, bytes], tuple[str, bytes]]]] = {}
         written = 0
         for k, (meta, data) in enumerate(zip(metas, datas, strict=True)):
             database = meta.database
@@ -313,11 +316,11 @@ class ArrayIO(FileChecks, Durability):
             batch = batches.get(database)
             if batch is None:
                 batch = batches[database] = []
-            batch.append((meta.path + "/zarr.json", zarr_json(meta)))
-            batch.append((meta.path + _ZERO_KEYS[len(meta.shape)], value))
+            chunk_key = meta.path + _ZERO_KEYS[len(meta.shape)]
+            batch.append(((meta.path + "/zarr.json", zarr_json(meta)), (chunk_key, value)))
             written += data.nbytes
         for database, batch in batches.items():
-            self.packed.write_many(database, batch)
+            self.packed.write_groups(database, batch)  # (an array's two entries in one archive)
             if self.kv is None:
                 self._unsynced_trees.add(database)
         return written
@@ -328,24 +331,48 @@ class ArrayIO(FileChecks, Durability):
         Each is ``meta.nbytes`` bytes of elements (little-endian, C order) and the 4 of their crc32c.
 
         The lean path of a load of many small leaves, in the calling thread: each array's
-        archive entry is found in its mapped archive, and checked as every packed chunk is
+        archive entry is read from its open archive, and checked as every packed chunk is
         (the entry's header names it, its size, its own crc32c and the one the metadata
-        records); a missing entry is a CheckpointError naming the leaf. The archives'
-        directories are checked as :meth:`scan` says before the first read of each.
+        records), and its ``zarr.json`` as :func:`check_zarr_json` says; a missing entry is a
+        CheckpointError naming the leaf; so is an archive that changed while it was read. The
+        archives' directories are checked as :meth:`scan` says before the first read of each.
         """
         readers: dict[str, ArchiveReader] = {}
+        groups: dict[str, list[int]] = {}
+        for k, meta in enumerate(metas):
+            assert meta.database is not None
+            group = groups.get(meta.database)
+            if group is None:
+                group = groups[meta.database] = []
+            group.append(k)
+        read: list[tuple[bytes, bytes] | None] = [None] * len(metas)
+        for database, ks in groups.items():
+            if self.kv is None:
+                self.scan(database, metas[ks[0]].key)
+            reader = readers[database] = self.packed.reader(database)
+            try:
+                chosen = map(metas.__getitem__, ks)
+                wanted = [(m.path + "/zarr.json", m.path + _ZERO_KEYS[len(m.shape)], m.nbytes + 4) for m in chosen]
+                for k, got in zip(ks, reader.pairs(wanted, MAX_ZARR_JSON_BYTES), strict=True):
+                    read[k] = got
+            except CheckpointError as e:
+                raise CheckpointError(f"leaf {metas[ks[0]].key!r} and others: {e}") from e
         out = []
-        for meta in metas:
-            database = meta.database
-            assert database is not None
-            reader = readers.get(database)
-            if reader is None:
-                if self.kv is None:
-                    self.scan(database, meta.key)
-                reader = readers[database] = self.packed.reader(database)
+        for meta, got in zip(metas, read, strict=True):
+            db = meta.database
+            assert db is not None
             ndim = len(meta.shape)
-            value = reader.value(meta.path + _ZERO_KEYS[ndim])
             size = meta.nbytes
+            if got is None:  # (not in the common layout, or damaged: read alone, saying what is wrong)
+                reader = readers[db]
+                try:
+                    stored = reader.value(meta.path + "/zarr.json", limit=MAX_ZARR_JSON_BYTES, check=False)
+                    value = reader.value(meta.path + _ZERO_KEYS[ndim], size + 4, check=False)
+                except CheckpointError as e:
+                    raise CheckpointError(f"leaf {meta.key!r}: {e}") from e
+            else:
+                stored, value = got
+            check_zarr_json(meta, stored)
             expected = None
             text = meta.crc32c_text
             if text is not None and meta.chunk_crc32c is None:
@@ -368,11 +395,13 @@ class ArrayIO(FileChecks, Durability):
                 what = f"leaf {meta.key!r}: chunk {[0] * ndim}"
                 if value is None:
                     raise CheckpointError(
-                        f"{what} of {meta.path!r} is missing from {describe_database(database)} (leaf {meta.key!r})"
+                        f"{what} of {meta.path!r} is missing from {describe_database(db)} (leaf {meta.key!r})"
                     )
                 decode_chunk(value, meta, what, expected)  # (raises, saying what is wrong)
                 raise AssertionError("unreachable")
             out.append(value)
+        for reader in readers.values():
+            reader.check_unchanged()
         return out
 
     def _read_chunks(
@@ -535,6 +564,14 @@ def _write_recorded(
         record(index, crc)
 
 
+def _read_key(store: Any, meta: ArrayMeta, index: tuple[int, ...]) -> Any:
+    """Start the read of a packed chunk's key; from zip archives, only an entry of the chunk's size is read."""
+    key = f"{meta.path}/{_chunk_key(index)}"
+    if isinstance(store, ArchiveReader):
+        return store.read(key, math.prod(meta.chunk_shape) * meta.dtype.itemsize + 4)
+    return store.read(key)
+
+
 def _landed(landing: Any, meta: ArrayMeta, what: str, expected: int | None) -> np.ndarray:
     """A packed chunk's key-value read, waited for and checked (see :func:`decode_chunk`): the whole chunk."""
     try:
@@ -572,7 +609,7 @@ class _PackedRead:
         self._checked = False
         self._out: Future[Any] | None = None
         try:
-            self._landing = store.read(f"{meta.path}/{_chunk_key(index)}")
+            self._landing = _read_key(store, meta, index)
         except Exception as e:
             self._landing = None
             self._error = CheckpointError(f"{what}: {e}")

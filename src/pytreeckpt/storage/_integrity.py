@@ -29,7 +29,13 @@ from pytreeckpt.format._document import (
 )
 from pytreeckpt.storage._base import StorageBase, _os_failure
 from pytreeckpt.storage._chunkfiles import chunk_crc, read_chunk
-from pytreeckpt.storage._packed import PackedStores, describe_database, in_archives
+from pytreeckpt.storage._packed import (
+    MAX_ZARR_JSON_BYTES,
+    PackedStores,
+    check_zarr_json,
+    describe_database,
+    in_archives,
+)
 
 logger = logging.getLogger("pytreeckpt")
 
@@ -125,13 +131,23 @@ class FileChecks(StorageBase):
 
     def check_files(self, metas: Sequence[ArrayMeta]) -> None:
         """Before TensorStore or the executor opens anything of these arrays: every file of each
-        (``zarr.json`` and chunks), or of its OCDBT database, is checked by :meth:`scan`; and
-        the chunk checksums the metadata records for it decode (MetadataError if not)."""
+        (``zarr.json`` and chunks), or of its OCDBT database or zip archives, is checked by
+        :meth:`scan`; the chunk checksums the metadata records for it decode (MetadataError if
+        not); and an array packed in zip archives has the ``zarr.json`` there that the document
+        implies (:func:`check_zarr_json`), so TensorStore and zarr read what this library does."""
         for meta in metas:
             meta.crc32c()
         if self.kv is None:
             for meta in metas:
                 self.scan(meta.path if meta.database is None else meta.database, meta.key)
+        for meta in metas:
+            if meta.database is not None and in_archives(meta.database):
+                reader = self.packed.reader(meta.database)
+                try:
+                    stored = reader.value(meta.path + "/zarr.json", limit=MAX_ZARR_JSON_BYTES)
+                except CheckpointError as e:
+                    raise CheckpointError(f"leaf {meta.key!r}: {e}") from e
+                check_zarr_json(meta, stored)
 
     def scan(self, where: str, key: str) -> tuple[int, int]:
         """Check the files of one stored array (or OCDBT database) before anything reads them.
@@ -278,10 +294,37 @@ class _Landing:
 
 
 def available_memory() -> int | None:
-    """Bytes this process may still allocate: MemAvailable plus free swap, at most its cgroup's limit.
+    """Bytes this process may still allocate: MemAvailable plus free swap, at most its cgroup's limit, and at
+    most what its address-space limit (``RLIMIT_AS``) leaves beyond what it maps already (``VmSize``).
 
     None where the system does not say (no ``/proc/meminfo``).
     """
+    free = _system_memory()
+    room = _address_space_left()
+    if room is None:
+        return free
+    return room if free is None else min(free, room)
+
+
+def _address_space_left() -> int | None:
+    """What ``RLIMIT_AS`` leaves this process to map (None: no limit, or the system does not say)."""
+    try:
+        import resource
+
+        limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+    except (ImportError, OSError, ValueError):
+        return None
+    if limit == resource.RLIM_INFINITY or limit < 0:
+        return None
+    try:
+        with open("/proc/self/status", "rb") as f:
+            mapped = next(int(line.split()[1]) * 1024 for line in f if line.startswith(b"VmSize:"))
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+    return max(0, limit - mapped)
+
+
+def _system_memory() -> int | None:
     try:
         with open("/proc/meminfo", "rb") as f:
             info = {line.split(b":")[0]: int(line.split()[1]) * 1024 for line in f if line.split()[1:2]}

@@ -17,7 +17,7 @@ import functools
 import json
 import math
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -28,8 +28,8 @@ from pytreeckpt.core._checksum import crc32c
 from pytreeckpt.core._dtypes import dtype_from_name
 from pytreeckpt.core._errors import CheckpointError
 from pytreeckpt.format._document import ARCHIVE_DIR, ArrayMeta, zarr_metadata
-from pytreeckpt.storage._archive import ArchiveReader, ArchiveWriter
-from pytreeckpt.storage._base import OCDBT_INLINE_BYTES
+from pytreeckpt.storage._archive import ArchiveReader, ArchiveWriter, entry_bytes
+from pytreeckpt.storage._base import OCDBT_INLINE_BYTES, _chunk_key
 from pytreeckpt.storage._chunkfiles import LITTLE_ENDIAN, _encoded_prefix
 from pytreeckpt.storage._location import OCDBT_CACHE, Resolved
 
@@ -90,6 +90,48 @@ def _zarr_json(storage: str, shape: tuple[int, ...], chunk_shape: tuple[int, ...
     chunk = ",".join(map(str, chunk_shape))
     joined = ",".join(map(str, shape))
     return f"{head}{chunk}{middle}{joined}{tail}".encode()
+
+
+MAX_ZARR_JSON_BYTES = 1 << 16
+"""The most a packed array's stored ``zarr.json`` may hold (this library's are a few hundred bytes)."""
+
+_ZARR_FIELDS = (
+    "zarr_format",
+    "node_type",
+    "shape",
+    "data_type",
+    "chunk_grid",
+    "chunk_key_encoding",
+    "codecs",
+    "fill_value",
+)
+
+
+def check_zarr_json(meta: ArrayMeta, stored: bytes | None) -> None:
+    """Refuse a packed array's stored ``zarr.json`` (None: missing) that does not describe the array as the
+    document does, as TensorStore or zarr would read it: its shape, data type, chunk grid, chunk key
+    encoding, codecs and fill value. What this library writes (:func:`zarr_json`) is compared byte for
+    byte; another writing of the same (another TensorStore version's) field by field."""
+    if stored is not None and stored == zarr_json(meta):
+        return
+    where = f"leaf {meta.key!r}: {meta.path}/zarr.json in {describe_database(meta.database)}"
+    if stored is None:
+        raise CheckpointError(
+            f"{where} is missing: TensorStore or zarr could not open the array this document describes"
+        )
+    try:
+        found = json.loads(stored)
+    except (ValueError, RecursionError) as e:
+        raise CheckpointError(f"{where} is not a JSON document ({e})") from e
+    if not isinstance(found, dict):
+        raise CheckpointError(f"{where} is not a JSON object")
+    expected = json.loads(zarr_json(meta))
+    for field in _ZARR_FIELDS:
+        if found.get(field) != expected.get(field):
+            raise CheckpointError(
+                f"{where} does not describe the array the document does: its {field} is "
+                f"{json.dumps(found.get(field))[:200]}, the document's array has {json.dumps(expected.get(field))}"
+            )
 
 
 def encode_chunk(data: np.ndarray, chunk: tuple[int, ...]) -> tuple[bytes, int]:
@@ -160,24 +202,53 @@ class PackedStores:
                     self._readers[database] = store
             return self._readers[database]
 
-    def write_many(self, database: str, items: Iterable[tuple[str, bytes]]) -> None:
-        """Append ``(key, value)`` entries to the database's zip archives (see :meth:`write`)."""
+    def _archive(self, database: str) -> ArchiveWriter:
         assert in_archives(database)
         with self._lock:
             writer = self._archives.get(database)
             if writer is None:
                 assert self.location.path is not None
                 writer = self._archives[database] = ArchiveWriter(self.location.path / database)
-        with _archive_errors(database):
-            writer.write_many(items)
+        return writer
 
-    def write(self, database: str, key: str, value: bytes) -> Future[Any] | None:
+    def begin(self, meta: ArrayMeta) -> None:
+        """Write a packed array's ``zarr.json`` as it is created; in zip archives, first place the array in
+        the archive that will hold all its entries (its chunks, written later, go there too)."""
+        assert meta.database is not None
+        key, value = meta.path + "/zarr.json", zarr_json(meta)
+        if not in_archives(meta.database):
+            self.write(meta.database, key, value)
+            return
+        grid = [-(-n // c) for n, c in zip(meta.shape, meta.chunk_shape, strict=True)]
+        chunks = math.prod(grid)
+        longest = f"{meta.path}/{_chunk_key(tuple(g - 1 for g in grid))}"  # (the most digits)
+        chunk_bytes = math.prod(meta.chunk_shape) * meta.dtype.itemsize + 4
+        writer = self._archive(meta.database)
+        with _archive_errors(meta.database):
+            nbytes = entry_bytes(key, len(value)) + chunks * entry_bytes(longest, chunk_bytes)
+            writer.reserve(meta.path, 1 + chunks, nbytes)
+            writer.write(key, value, meta.path)
+
+    def write_many(self, database: str, items: Iterable[tuple[str, bytes]], leaf: str | None = None) -> None:
+        """Append ``(key, value)`` entries to the database's zip archives: of array ``leaf`` (see :meth:`begin`),
+        or all the entries of one array."""
+        writer = self._archive(database)
+        with _archive_errors(database):
+            writer.write_many(items, leaf)
+
+    def write_groups(self, database: str, groups: Iterable[Sequence[tuple[str, bytes]]]) -> None:
+        """Append groups of ``(key, value)`` entries to the database's zip archives, each all of one array's."""
+        writer = self._archive(database)
+        with _archive_errors(database):
+            writer.write_groups(groups)
+
+    def write(self, database: str, key: str, value: bytes, leaf: str | None = None) -> Future[Any] | None:
         """Write one key in the database's open transaction; returns the commit's future when this one filled it.
 
-        In zip archives the key is appended to the open archive (nothing to wait for: None).
+        In zip archives the key is appended to the archive of array ``leaf`` (nothing to wait for: None).
         """
         if in_archives(database):
-            self.write_many(database, ((key, value),))
+            self.write_many(database, ((key, value),), leaf)
             return None
         with self._lock:
             if database not in self._writers:
@@ -251,7 +322,9 @@ def _commit(txn: Any, database: str) -> Future[Any]:
 
 __all__ = [
     "FLUSH_BYTES",
+    "MAX_ZARR_JSON_BYTES",
     "PackedStores",
+    "check_zarr_json",
     "decode_chunk",
     "describe_database",
     "encode_chunk",
