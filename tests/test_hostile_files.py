@@ -592,17 +592,27 @@ def test_permission_denied_is_said_naming_the_path(shared: Path, target: str, mo
                          ("verify", lambda: pytreeckpt.verify(PATH))]:
             try:
                 out = op()
-                print(name, "ok", *(out.problems if name == "verify" else ()))
+                if name == "verify":
+                    assert not out.ok and not out.problems and not out.damaged_leaves, out
+                    print(name, "unreadable", *out.unreadable)
+                else:
+                    print(name, "ok")
             except pytreeckpt.CheckpointError as e:
                 print(name, type(e).__name__, e)
         print("cli", _cli.main(["verify", PATH]))
     """)
     assert done.returncode == 0, done.stderr
-    lines = dict(line.split(" ", 1) for line in done.stdout.splitlines() if line.split(" ", 1)[0] != "FAILED:")
+    skip = ("FAILED:", "UNREADABLE", "1", "2")  # (the command line's own lines)
+    lines = dict(line.split(" ", 1) for line in done.stdout.splitlines() if line.split(" ", 1)[0] not in skip)
     assert re.search(message, lines["load"]), lines["load"]
     assert re.search(message, lines["verify"]), lines["verify"]
     assert "holds only" not in done.stdout  # not mistaken for damage
-    assert lines["cli"] in ("1", "2")
+    assert "damaged" not in done.stdout.lower(), done.stdout
+    assert lines["cli"] == "2"  # not 1, the status of damage
+    if target.startswith("arrays/"):  # the report says it could not read, and is not ok; nothing is damage
+        assert lines["verify"].startswith("unreadable"), lines["verify"]
+        assert re.search(r"UNREADABLE w \((whole array|chunk \[1\])\): .*permission denied", done.stdout)
+        assert "could not be read (permission denied)" in done.stdout
     if target in ("pytreeckpt.json", "."):
         assert re.search(message, lines["metadata"]), lines["metadata"]
         assert "FAILED:" in done.stdout  # the command line printed a status

@@ -28,6 +28,7 @@ from pytreeckpt.core._errors import CheckpointError as CheckpointError
 from pytreeckpt.core._errors import LayoutError as LayoutError
 from pytreeckpt.core._errors import MetadataError as MetadataError
 from pytreeckpt.core._errors import NotCommittedError as NotCommittedError
+from pytreeckpt.core._errors import PermissionDeniedError as PermissionDeniedError
 from pytreeckpt.core._errors import TargetMismatchError as TargetMismatchError
 from pytreeckpt.core._leaf import Abstract as Abstract
 from pytreeckpt.core._leaf import ShardedLeaf as ShardedLeaf
@@ -80,6 +81,7 @@ __all__ = [
     "MetadataError",
     "Monitor",
     "NotCommittedError",
+    "PermissionDeniedError",
     "Region",
     "Replicate",
     "SaveHandle",

@@ -215,6 +215,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 {"key": k, "chunk": None if c is None else list(c), "message": m} for k, c, m in report.problems
             ],
             "unrecorded": list(report.unrecorded),
+            "unreadable": [
+                {"key": k, "chunk": None if c is None else list(c), "message": m} for k, c, m in report.unreadable
+            ],
         }
         print(json.dumps(out, indent=2))
     elif report.ok:
@@ -228,8 +231,17 @@ def cmd_verify(args: argparse.Namespace) -> int:
         for key, chunk, message in report.problems:
             where = "whole array" if chunk is None else f"chunk {list(chunk)}"
             print(f"DAMAGED {key} ({where}): {message}")
-        print(f"{len(report.damaged_leaves)} of {report.arrays} arrays damaged")
-    return 0 if report.ok else 1
+        for key, chunk, message in report.unreadable:
+            where = "whole array" if chunk is None else f"chunk {list(chunk)}"
+            print(f"UNREADABLE {key} ({where}): {message}")
+        if report.problems:
+            print(f"{len(report.damaged_leaves)} of {report.arrays} arrays damaged")
+        if report.unreadable:
+            n = len(dict.fromkeys(key for key, _, _ in report.unreadable))
+            print(f"{n} of {report.arrays} arrays could not be read (permission denied): not checked")
+    if report.problems:
+        return 1
+    return 0 if report.ok else 2
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -274,7 +286,9 @@ def _parser() -> argparse.ArgumentParser:
     ins = sub.add_parser("inspect", help="the tree: key paths, dtypes, shapes, bytes, saved layouts, values")
     ins.add_argument("path")
     ins.set_defaults(run=cmd_inspect)
-    ver = sub.add_parser("verify", help="read every chunk and check it; exit status 1 on damage")
+    ver = sub.add_parser(
+        "verify", help="read every chunk and check it; exit status 1 on damage, 2 if some could not be read"
+    )
     ver.add_argument("path")
     ver.set_defaults(run=cmd_verify)
     exp = sub.add_parser("export", help="write consolidated safetensors files")

@@ -192,6 +192,9 @@ class VerifyReport:
       unrecorded: arrays whose metadata records no chunk checksums (checkpoints written
         before it did): each chunk's own checksum was checked, not that it is the chunk
         the metadata describes.
+      unreadable: ``(key path, chunk index or None, message)`` for every array directory
+        or chunk this process may not read (permission denied): not checked, and not
+        damage either; ``ok`` is False while any remain.
     """
 
     path: str
@@ -200,10 +203,12 @@ class VerifyReport:
     chunks: int
     nbytes: int
     unrecorded: tuple[str, ...] = ()
+    unreadable: tuple[tuple[str, tuple[int, ...] | None, str], ...] = ()
 
     @property
     def ok(self) -> bool:
-        return not self.problems
+        """Every chunk was read and found as the metadata describes it."""
+        return not self.problems and not self.unreadable
 
     @property
     def damaged_leaves(self) -> tuple[str, ...]:
@@ -238,11 +243,13 @@ def verify(path: PathLike, *, executor: ExecutorOptions | None = None) -> Verify
         seen.append(raw)
         doc = _parse(storage, raw, "")
         metas = [leaf for leaf in doc.leaves if isinstance(leaf, ArrayMeta)]
-        problems, chunks, nbytes = storage.verify(metas)
+        problems, unreadable, chunks, nbytes = storage.verify(metas)
         if problems and _replaced(storage, raw):  # (its arrays deleted by the new commit: not damage)
             raise CheckpointError(f"{describe(path)} was replaced while it was verified: {problems[0][2]}")
         unrecorded = tuple(m.key for m in metas if not m.records_crc32c)
-        return VerifyReport(describe(path), tuple(problems), len(metas), chunks, nbytes, unrecorded)
+        return VerifyReport(
+            describe(path), tuple(problems), len(metas), chunks, nbytes, unrecorded, unreadable=tuple(unreadable)
+        )
 
     return _again_if_replaced(path, executor, "verified", attempt)
 

@@ -7,6 +7,7 @@ __all__ = [
     "LayoutError",
     "MetadataError",
     "NotCommittedError",
+    "PermissionDeniedError",
     "TargetMismatchError",
 ]
 
@@ -29,3 +30,7 @@ class TargetMismatchError(CheckpointError):
 
 class LayoutError(CheckpointError, ValueError):
     """A sharding spec or a sharded leaf is inconsistent with its tensor."""
+
+
+class PermissionDeniedError(CheckpointError):
+    """A file or directory of the checkpoint exists but this process may not read it (not damage)."""

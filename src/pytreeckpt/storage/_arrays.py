@@ -21,7 +21,7 @@ import numpy as np
 import tensorstore as ts
 
 from pytreeckpt.core._checksum import crc32c
-from pytreeckpt.core._errors import CheckpointError
+from pytreeckpt.core._errors import CheckpointError, PermissionDeniedError
 from pytreeckpt.core._region import Region, chunk_region
 from pytreeckpt.format._document import (
     ARCHIVE_DIR,
@@ -507,17 +507,25 @@ class ArrayIO(FileChecks, Durability):
         landing.add_done_callback(landed)
         return out
 
-    def verify(self, metas: Sequence[ArrayMeta]) -> tuple[list[tuple[str, tuple[int, ...] | None, str]], int, int]:
-        """Read every chunk of every array and check it as a load does; returns ``(problems, chunks read, bytes read)``.
+    def verify(self, metas: Sequence[ArrayMeta]) -> tuple[list[Problem], list[Problem], int, int]:
+        """Read every chunk of every array and check it as a load does.
 
-        A problem is ``(key, chunk index or None for the whole array, message)``. Each
+        Returns ``(problems, unreadable, chunks read, bytes read)``. A problem is ``(key,
+        chunk index or None for the whole array, message)``: damage in ``problems``, a file
+        or directory this process may not read (permission denied, not damage) in
+        ``unreadable``. Each
         chunk goes through the very checks of :meth:`read` (its own checksum, its size, the
         checksum the metadata records for it, the files' kinds and places), so a load
         fails exactly where this finds a problem. Memory stays bounded: chunks are read
         a window at a time into scratch buffers.
         """
         problems: list[tuple[int, str, tuple[int, ...] | None, str]] = []  # (array, key, chunk, message)
+        unreadable: list[tuple[int, str, tuple[int, ...] | None, str]] = []
         chunks = nbytes = 0
+
+        def found(at: int, key: str, idx: tuple[int, ...] | None, e: BaseException) -> None:
+            (unreadable if _denied(e) else problems).append((at, key, idx, str(e)))
+
         pending: collections.deque[tuple[int, str, tuple[int, ...], Future[Any], int]] = collections.deque()
         inflight = 0
 
@@ -526,7 +534,7 @@ class ArrayIO(FileChecks, Durability):
             try:
                 future.result()
             except Exception as e:
-                problems.append((at, key, idx, str(e)))
+                found(at, key, idx, e)
             return size
 
         for at, meta in enumerate(metas):
@@ -535,7 +543,7 @@ class ArrayIO(FileChecks, Durability):
                 self.check_files([meta])
                 (store,) = self.open_arrays([meta], create=False)
             except CheckpointError as e:
-                problems.append((at, meta.key, None, str(e)))
+                found(at, meta.key, None, e)
                 continue
             for idx in Region.full(meta.shape).chunk_indices(meta.chunk_shape):
                 size = chunk_region(idx, meta.chunk_shape, meta.shape).size * meta.dtype.itemsize
@@ -548,7 +556,21 @@ class ArrayIO(FileChecks, Durability):
         while pending:
             settle()
         problems.sort(key=lambda p: p[0])  # in the order of the arrays (stable: chunks in grid order)
-        return [p[1:] for p in problems], chunks, nbytes
+        unreadable.sort(key=lambda p: p[0])
+        return [p[1:] for p in problems], [p[1:] for p in unreadable], chunks, nbytes
+
+
+Problem = tuple[str, tuple[int, ...] | None, str]  # (key, chunk index or None for the whole array, message)
+
+
+def _denied(e: BaseException | None) -> bool:
+    """Whether error ``e``, or one it was raised from, is a permission refusal rather than damage."""
+    seen = 0
+    while e is not None and seen < 16:
+        if isinstance(e, (PermissionDeniedError, PermissionError)):
+            return True
+        e, seen = e.__cause__ or e.__context__, seen + 1
+    return False
 
 
 def _write_recorded(

@@ -14,7 +14,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from pytreeckpt.core._errors import CheckpointError
+from pytreeckpt.core._errors import CheckpointError, PermissionDeniedError
 from pytreeckpt.plan import ChunkingOptions
 from pytreeckpt.storage._chunkfiles import IOPool, lower_priority
 from pytreeckpt.storage._location import OBJECT_STORE_CHUNKING, KvPrefix, Where, make_context, resolve
@@ -189,7 +189,7 @@ def _all_of(futures: list[Future[Any]]) -> Future[Any]:
 def _os_failure(e: OSError, path: Path | str, what: str, action: str) -> CheckpointError:
     """A CheckpointError for a failed file-system call, naming ``what`` and the path; permission said as such."""
     if isinstance(e, PermissionError):
-        return CheckpointError(f"{what}: permission denied: cannot {action} {path}")
+        return PermissionDeniedError(f"{what}: permission denied: cannot {action} {path}")
     if e.errno == errno.ELOOP:
         return CheckpointError(f"{what}: cannot {action} {path}: too many levels of symbolic links (a loop?)")
     return CheckpointError(f"{what}: cannot {action} {path}: {e.strerror or e}")

@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from pytreeckpt.core._checksum import crc32c
-from pytreeckpt.core._errors import CheckpointError
+from pytreeckpt.core._errors import CheckpointError, PermissionDeniedError
 
 __all__ = ["LITTLE_ENDIAN", "IOPool", "chunk_crc", "lower_priority", "open_regular", "read_chunk", "write_chunk"]
 
@@ -318,7 +318,7 @@ def _os_error(e: OSError, path: Path | str, what: str) -> BaseException:
     if isinstance(e, (FileNotFoundError, NotADirectoryError)):
         return e
     if isinstance(e, PermissionError):
-        return CheckpointError(f"{what}: permission denied reading {path}")
+        return PermissionDeniedError(f"{what}: permission denied reading {path}")
     if e.errno == errno.ELOOP:
         return CheckpointError(f"{what}: cannot open {path}: too many levels of symbolic links (a loop?)")
     return CheckpointError(f"{what}: cannot open {path}: {e.strerror or e}")
