@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from pytreeckpt.core._errors import CheckpointError
+from pytreeckpt.storage._chunkfiles import make_dirs
 
 MAX_ENTRIES = 65_000
 MAX_BYTES = (1 << 32) - (64 << 20)
@@ -44,10 +45,16 @@ def archive_name(n: int) -> str:
 
 
 class ArchiveWriter:
-    """Appends entries to the archives of one directory; thread-safe. :meth:`finish` writes their directories."""
+    """Appends entries to the archives of one directory, ``root / database``; thread-safe. :meth:`finish`
+    writes their directories.
 
-    def __init__(self, folder: Path) -> None:
-        self.folder = folder
+    The directory and its parents below ``root`` are made without following a link, and an
+    archive is never opened through one: a link there is a CheckpointError.
+    """
+
+    def __init__(self, root: Path, database: str) -> None:
+        self.root, self.database = root, database
+        self.folder = root / database
         self._lock = threading.Lock()
         self._n = -1
         self._fd: int | None = None
@@ -57,9 +64,9 @@ class ArchiveWriter:
 
     def _begin(self) -> None:
         self._n += 1
-        self.folder.mkdir(parents=True, exist_ok=True)
+        make_dirs(self.root, self.folder, f"the packed archives {self.database!r}")
         path = self.folder / archive_name(self._n)
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o666)
         self._entries, self._offset = [], 0
 
     def write(self, key: str, value: bytes) -> None:

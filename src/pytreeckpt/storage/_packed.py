@@ -167,7 +167,7 @@ class PackedStores:
             writer = self._archives.get(database)
             if writer is None:
                 assert self.location.path is not None
-                writer = self._archives[database] = ArchiveWriter(self.location.path / database)
+                writer = self._archives[database] = ArchiveWriter(self.location.path, database)
         with _archive_errors(database):
             writer.write_many(items)
 
