@@ -262,3 +262,28 @@ def test_a_distributed_save_writes_and_replaces_its_checksums_file(tmp_path: Pat
     assert got["second"] == ["arrays/big~g1", "checksums/crc32c~g1", "packed/0~g1", "packed/1~g1"]
     assert got["step"] == 2
     assert got["whole"]
+
+
+# --------------------------------------------------------------------------- leftovers of a crash
+
+
+def test_a_leftover_temporary_directory_is_removed_not_a_block(tmp_path: Path) -> None:
+    """A ``.tmp-*`` name is the commit's own (a half-written document a killed save left); whatever is
+    there, a directory tree or a link, goes as such, and nothing a link leads to is touched."""
+    path, outside = tmp_path / "c", tmp_path / "outside"
+    outside.mkdir()
+    (outside / "notes.txt").write_text("my notes")
+    pytreeckpt.save(unpacked(path), tree(1))
+    (path / ".tmp-123-dir" / "sub").mkdir(parents=True)
+    (path / ".tmp-123-dir" / "sub" / "half").write_bytes(b"{")
+    os.symlink(outside, path / ".tmp-123-dir" / "link")
+    os.symlink(outside, path / ".tmp-456-link")
+    pytreeckpt.save(unpacked(path), tree(2), overwrite=True)
+    assert sorted(p.name for p in path.iterdir()) == [".pytreeckpt.lock", "arrays", "pytreeckpt.json"]
+    assert pytreeckpt.load(path)["step"] == 2
+    assert [p.name for p in outside.iterdir()] == ["notes.txt"]
+    assert (outside / "notes.txt").read_text() == "my notes"
+    pytreeckpt.save(unpacked(tmp_path / "d"), tree(3))
+    (tmp_path / "d" / ".tmp-1").mkdir()
+    pytreeckpt.save(unpacked(tmp_path / "d"), tree(4), overwrite=True)
+    assert pytreeckpt.load(tmp_path / "d")["step"] == 4

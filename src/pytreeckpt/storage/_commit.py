@@ -356,10 +356,11 @@ class CommitProtocol(StorageBase):
                 remove_tree(self.root / name)
 
     def _remove_temporaries(self) -> None:
-        """Metadata documents a killed commit left half written (only under the lock)."""
+        """Metadata documents a killed commit left half written, and anything else under a ``.tmp-`` name
+        (only under the lock): a directory as a tree, a link as the link itself."""
         for p in self.root.iterdir():
             if p.name.startswith(".tmp-"):
-                p.unlink(missing_ok=True)
+                remove_tree(p)
 
     def read_metadata(self) -> bytes:
         """The metadata document, read only if it is at most ``max_metadata_bytes`` (checked before reading)."""
