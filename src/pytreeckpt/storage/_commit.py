@@ -38,6 +38,9 @@ logger = logging.getLogger("pytreeckpt")
 LOCK_WAIT = 1.0
 """Seconds a save waits for a checkpoint's lock held by another process before refusing."""
 
+MAX_GENERATION = 999_999_999
+"""The largest generation a stored name may have: the reader takes at most 9 digits after ``~g``."""
+
 
 class CommitProtocol(StorageBase):
     """Locks, prepares, commits, abandons and removes checkpoints; reads the committed document."""
@@ -179,7 +182,7 @@ class CommitProtocol(StorageBase):
                 make_dirs(self.root, self.root / ARRAYS_DIR, f"the checkpoint {self.root}")
         except OSError as e:
             raise CheckpointError(f"cannot prepare {self.url} for a new checkpoint: {e}") from e
-        return 1 + max(generation_of(name) for name in stored) if stored else 0
+        return next_generation(stored)
 
     def commit(
         self,
@@ -444,6 +447,27 @@ class _Lock:
             fcntl.flock(self.fd, fcntl.LOCK_UN)
             os.close(self.fd)
             self.fd = None
+
+
+def next_generation(stored: Iterable[str]) -> int:
+    """The generation a save names its arrays with, given the names ``stored`` here that it must not reuse.
+
+    0 (plain names) where nothing is stored; else the one after the newest, and after
+    :data:`MAX_GENERATION` the smallest that no stored name has: a generation the reader
+    accepts and names no stored array, database or checksums file has (a stored name of
+    another generation, or of none, never equals one of this generation's).
+
+    >>> next_generation([]), next_generation(["arrays/w"]), next_generation(["arrays/w~g7", "packed/0~g7"])
+    (0, 1, 8)
+    >>> next_generation(["arrays/w~g999999999"]), next_generation(["arrays/w~g999999999", "packed/0~g1"])
+    (1, 2)
+    """
+    used = {generation_of(name) for name in stored}
+    if not used:
+        return 0
+    if max(used) < MAX_GENERATION:
+        return max(used) + 1
+    return min(set(range(1, len(used) + 2)) - used)
 
 
 def _write_synced(fd: int, data: bytes | bytearray) -> None:
