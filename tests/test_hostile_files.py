@@ -648,3 +648,13 @@ def test_the_writers_files_and_folders_are_made_without_following_links(tmp_path
     with pytest.raises(OSError, match="Too many levels of symbolic links"):
         write_chunk(path / "chunk", torch.arange(4.0).numpy(), (4,), fsync=False)
     assert _snapshot(out) == before
+
+
+def test_a_save_over_a_document_that_is_a_fifo_does_not_wait_on_it(tmp_path: Path) -> None:
+    path = tmp_path / "c"
+    _save(unpacked(path))
+    (path / "pytreeckpt.json").unlink()
+    os.mkfifo(path / "pytreeckpt.json")
+    done = _run(f"pytreeckpt.save({str(path)!r}, {{'w': torch.ones(3)}}, overwrite=True); print('saved')", timeout=30)
+    assert done.stdout.strip() == "saved", done.stderr
+    assert torch.equal(pytreeckpt.load(path)["w"], torch.ones(3))

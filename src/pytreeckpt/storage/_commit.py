@@ -309,14 +309,25 @@ class CommitProtocol(StorageBase):
         remove_tree(self.root)
 
     def _committed_names(self) -> frozenset[str] | None:
-        """The arrays and databases the committed document uses; empty if none is committed, None if unreadable."""
+        """The arrays and databases the committed document uses; empty if none is committed, None if unreadable.
+
+        Locally the document is read only as a regular file inside the checkpoint: a FIFO,
+        device or link out of it is not read (nor waited on) but unreadable, so all is kept.
+        """
         if self.kv is not None:
             raw = self.kv.read(METADATA_FILE)
         else:
             try:
-                raw = self.metadata_path.read_bytes()
+                fd, _ = open_regular(self.metadata_path, self._real_root(), "the metadata document")
             except (FileNotFoundError, NotADirectoryError):
-                raw = None
+                return frozenset()
+            except CheckpointError:
+                return None
+            try:
+                with os.fdopen(fd, "rb") as f:
+                    raw = f.read()
+            except OSError:
+                return None
         return frozenset() if raw is None else _referenced(raw)
 
     def _stored_names(self, refuse_links: bool = True) -> set[str]:
