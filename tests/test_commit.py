@@ -262,3 +262,74 @@ def test_a_distributed_save_writes_and_replaces_its_checksums_file(tmp_path: Pat
     assert got["second"] == ["arrays/big~g1", "checksums/crc32c~g1", "packed/0~g1", "packed/1~g1"]
     assert got["step"] == 2
     assert got["whole"]
+
+
+# --------------------------------------------------------------------------- leftovers of a crash
+
+
+def test_a_leftover_temporary_directory_is_removed_not_a_block(tmp_path: Path) -> None:
+    """A ``.tmp-*`` name is the commit's own (a half-written document a killed save left); whatever is
+    there, a directory tree or a link, goes as such, and nothing a link leads to is touched."""
+    path, outside = tmp_path / "c", tmp_path / "outside"
+    outside.mkdir()
+    (outside / "notes.txt").write_text("my notes")
+    pytreeckpt.save(unpacked(path), tree(1))
+    (path / ".tmp-123-dir" / "sub").mkdir(parents=True)
+    (path / ".tmp-123-dir" / "sub" / "half").write_bytes(b"{")
+    os.symlink(outside, path / ".tmp-123-dir" / "link")
+    os.symlink(outside, path / ".tmp-456-link")
+    pytreeckpt.save(unpacked(path), tree(2), overwrite=True)
+    assert sorted(p.name for p in path.iterdir()) == [".pytreeckpt.lock", "arrays", "pytreeckpt.json"]
+    assert pytreeckpt.load(path)["step"] == 2
+    assert [p.name for p in outside.iterdir()] == ["notes.txt"]
+    assert (outside / "notes.txt").read_text() == "my notes"
+    pytreeckpt.save(unpacked(tmp_path / "d"), tree(3))
+    (tmp_path / "d" / ".tmp-1").mkdir()
+    pytreeckpt.save(unpacked(tmp_path / "d"), tree(4), overwrite=True)
+    assert pytreeckpt.load(tmp_path / "d")["step"] == 4
+
+
+# --------------------------------------------------------------------------- generations
+
+
+LAST = 999_999_999  # the largest generation a stored name may have (9 digits)
+
+
+def _at_generation(path: Path, generation: int) -> None:
+    """Rename a committed checkpoint's arrays, databases and checksums file to ``generation``'s names, by hand,
+    and its document with them."""
+    d = doc(path)
+    renamed: dict[str, str] = {}
+    for leaf in d["leaves"]:
+        for field in ("path", "database") if leaf.get("database") is None else ("database",):
+            if isinstance(leaf.get(field), str):
+                renamed[leaf[field]] = leaf[field] = f"{leaf[field]}~g{generation}"
+    if "checksums" in d:
+        renamed[d["checksums"]["path"]] = d["checksums"]["path"] = f"{d['checksums']['path']}~g{generation}"
+    for old, new in renamed.items():
+        os.rename(path / old, path / new)
+    (path / "pytreeckpt.json").write_text(json.dumps(d))
+
+
+@pytest.mark.parametrize("pack_format", ["zip", "ocdbt"])
+def test_a_checkpoint_at_the_last_generation_is_replaced_by_one_its_reader_accepts(
+    tmp_path: Path, pack_format: str
+) -> None:
+    path = tmp_path / "c"
+    where = Location(path, StorageOptions(pack_format=pack_format, pack_max_bytes=64, max_inline_checksum_bytes=0))
+    pytreeckpt.save(where, tree(1))
+    _at_generation(path, LAST)
+    top = "packed" if pack_format == "zip" else "ocdbt"
+    assert stored(path) == [f"arrays/w~g{LAST}", f"{top}/0~g{LAST}"]
+    assert pytreeckpt.load(path)["step"] == 1  # the renamed checkpoint is whole
+    pytreeckpt.save(where, tree(2), overwrite=True)
+    got = pytreeckpt.load(path)
+    assert stored(path) == ["arrays/w~g1", f"{top}/0~g1"]  # back to the smallest generation free
+    assert sorted(os.listdir(path / "checksums")) == ["crc32c~g1"]
+    assert got["step"] == 2
+    assert torch.equal(got["w"], tree(2)["w"])
+    assert torch.equal(got["W"], tree(2)["W"])
+    assert pytreeckpt.verify(path).ok
+    pytreeckpt.save(where, tree(3), overwrite=True)  # and on from there
+    assert stored(path) == ["arrays/w~g2", f"{top}/0~g2"]
+    assert pytreeckpt.load(path)["step"] == 3

@@ -806,3 +806,148 @@ OPS""".replace("OPS", _OPS.format(path=str(path)))
     assert done.returncode == 0, done.stderr
     for line in done.stdout.splitlines():
         assert re.match(r"\w+ CheckpointError leaf 'w': cannot allocate 17179869184 bytes", line), line
+
+
+# --------------------------------------------------------------------------- a save never works through a link
+
+
+def _outside(tmp_path: Path) -> Path:
+    """A user's directory beside the checkpoint: a file, and a folder with a file of its own."""
+    out = tmp_path / "outside"
+    (out / "sub").mkdir(parents=True)
+    (out / "notes.txt").write_text("my notes")
+    (out / "sub" / "more.txt").write_text("more notes")
+    return out
+
+
+def _snapshot(top: Path) -> dict[str, tuple[str, bytes]]:
+    """Every entry below ``top`` (links not followed): its kind and its bytes or the link's target."""
+    out: dict[str, tuple[str, bytes]] = {}
+    for p in sorted(top.rglob("*")):
+        if p.is_symlink():
+            out[str(p.relative_to(top))] = ("link", os.readlink(p).encode())
+        elif p.is_dir():
+            out[str(p.relative_to(top))] = ("dir", b"")
+        else:
+            out[str(p.relative_to(top))] = ("file", p.read_bytes())
+    return out
+
+
+_OPTIONS = {  # a checkpoint holding the top-level directory, and how to save it again
+    "arrays": StorageOptions(pack_small_leaves=False),
+    "packed": StorageOptions(pack_format="zip"),
+    "ocdbt": StorageOptions(pack_format="ocdbt"),
+    "checksums": StorageOptions(pack_small_leaves=False, max_inline_checksum_bytes=0),
+}
+
+
+@pytest.mark.parametrize("committed", [True, False], ids=["replacing", "first-save"])
+@pytest.mark.parametrize("top", list(_OPTIONS))
+def test_a_save_refuses_a_stored_directory_that_is_a_link_and_touches_nothing_outside(
+    tmp_path: Path, top: str, committed: bool
+) -> None:
+    path = tmp_path / "c"
+    where = Location(path, _OPTIONS[top])
+    if committed:
+        _save(where)
+        assert (path / top).is_dir()
+        shutil.rmtree(path / top)
+    else:
+        path.mkdir()
+    out = _outside(tmp_path)
+    before = _snapshot(out)
+    os.symlink(out, path / top)
+    for save in (_save, lambda w, **k: pytreeckpt.async_save(w, _tree(1.0), chunking=TINY, **k).wait()):
+        with pytest.raises(
+            pytreeckpt.CheckpointError,
+            match=rf"{re.escape(str(path / top))} is a symbolic link to "
+            rf"{re.escape(str(out))}.*refused",
+        ):
+            save(where, overwrite=True)
+        assert _snapshot(out) == before
+        assert (path / top).is_symlink()  # the link is the user's to remove: the save left it as it was
+    (path / top).unlink()
+    _save(where, 2.0, overwrite=True)  # without the link the save goes ahead
+    assert torch.equal(pytreeckpt.load(path)["w"], _tree(2.0)["w"])
+    assert _snapshot(out) == before
+
+
+@pytest.mark.parametrize("dangling", [True, False])
+def test_a_lock_file_that_is_a_link_is_refused_not_followed(tmp_path: Path, dangling: bool) -> None:
+    path = tmp_path / "c"
+    _save(path)
+    out = _outside(tmp_path)
+    target = out / ("new.txt" if dangling else "notes.txt")
+    before = _snapshot(out)
+    (path / ".pytreeckpt.lock").unlink()
+    os.symlink(target, path / ".pytreeckpt.lock")
+    with pytest.raises(pytreeckpt.CheckpointError, match=r"\.pytreeckpt\.lock is a symbolic link.*refused"):
+        _save(path, 1.0, overwrite=True)
+    assert _snapshot(out) == before
+    assert not (out / "new.txt").exists()
+    assert torch.equal(pytreeckpt.load(path)["w"], _tree()["w"])  # the committed checkpoint stays as it was
+
+
+@pytest.mark.parametrize(
+    "leftover",
+    [
+        "arrays/old",  # a leftover array directory that is a link to a directory outside
+        "arrays/w~g1",  # ... under the very name the save is about to write
+        "packed/7",  # a leftover database
+        "checksums/crc32c~g1",  # a leftover checksums file, a link to a file outside
+        "arrays/w/c/1",  # a chunk file of the checkpoint being replaced
+    ],
+)
+def test_links_left_in_a_checkpoint_are_removed_as_links_never_followed(tmp_path: Path, leftover: str) -> None:
+    path = tmp_path / "c"
+    where = Location(path, _OPTIONS["checksums"])
+    _save(where)
+    out = _outside(tmp_path)
+    before = _snapshot(out)
+    link = path / leftover
+    link.parent.mkdir(parents=True, exist_ok=True)
+    if link.exists():
+        link.unlink()
+    os.symlink(out / "notes.txt" if leftover.count("/") > 1 or leftover.startswith("checksums") else out, link)
+    _save(where, 3.0, overwrite=True)
+    assert _snapshot(out) == before
+    assert not link.is_symlink()  # gone, or made anew by the save (a name it writes)
+    assert torch.equal(pytreeckpt.load(path)["w"], _tree(3.0)["w"])
+    assert pytreeckpt.verify(path).ok
+
+
+def test_the_writers_files_and_folders_are_made_without_following_links(tmp_path: Path) -> None:
+    """Links appearing where a save is writing (after its checks): its own mkdir and open refuse them."""
+    from pytreeckpt.storage._archive import ArchiveWriter
+    from pytreeckpt.storage._chunkfiles import write_chunk
+
+    path = tmp_path / "c"
+    path.mkdir()
+    out = _outside(tmp_path)
+    before = _snapshot(out)
+    os.symlink(out, path / "packed")
+    writer = ArchiveWriter(path, "packed/0~g1")
+    with pytest.raises(pytreeckpt.CheckpointError, match=r"packed is a symbolic link to .*outside.*refused"):
+        writer.write("w/zarr.json", b"{}")
+    (path / "packed").unlink()
+    (path / "packed").mkdir()
+    os.symlink(out / "sub", path / "packed" / "0~g1")
+    with pytest.raises(pytreeckpt.CheckpointError, match=r"packed/0~g1 is a symbolic link to .*sub.*refused"):
+        writer.write("w/zarr.json", b"{}")
+    os.symlink(out / "notes.txt", path / "packed" / "0.zip")
+    with pytest.raises(OSError, match="Too many levels of symbolic links"):
+        ArchiveWriter(path, "packed").write("w/zarr.json", b"{}")
+    os.symlink(out / "notes.txt", path / "chunk")
+    with pytest.raises(OSError, match="Too many levels of symbolic links"):
+        write_chunk(path / "chunk", torch.arange(4.0).numpy(), (4,), fsync=False)
+    assert _snapshot(out) == before
+
+
+def test_a_save_over_a_document_that_is_a_fifo_does_not_wait_on_it(tmp_path: Path) -> None:
+    path = tmp_path / "c"
+    _save(unpacked(path))
+    (path / "pytreeckpt.json").unlink()
+    os.mkfifo(path / "pytreeckpt.json")
+    done = _run(f"pytreeckpt.save({str(path)!r}, {{'w': torch.ones(3)}}, overwrite=True); print('saved')", timeout=30)
+    assert done.stdout.strip() == "saved", done.stderr
+    assert torch.equal(pytreeckpt.load(path)["w"], torch.ones(3))

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from pytreeckpt.core._errors import CheckpointError
+from pytreeckpt.storage._chunkfiles import make_dirs
 
 MAX_ENTRIES = 65_000
 MAX_BYTES = (1 << 32) - (64 << 20)
@@ -71,7 +72,8 @@ class _Archive:
 
 
 class ArchiveWriter:
-    """Appends entries to the archives of one directory; thread-safe. :meth:`finish` writes their directories.
+    """Appends entries to the archives of one directory, ``root / database``; thread-safe. :meth:`finish`
+    writes their directories.
 
     Every entry of one array goes to one archive. An array whose entries come in separate
     calls (its ``zarr.json`` when it is created, its chunks as they are written) is begun
@@ -79,10 +81,14 @@ class ArchiveWriter:
     entries of one :meth:`write_many` call without a reservation (or each group of
     :meth:`write_groups`) are one array's. An archive is completed once it is full and no
     array placed in it waits for entries.
+
+    The directory and its parents below ``root`` are made without following a link, and an
+    archive is never opened through one: a link there is a CheckpointError.
     """
 
-    def __init__(self, folder: Path) -> None:
-        self.folder = folder
+    def __init__(self, root: Path, database: str) -> None:
+        self.root, self.database = root, database
+        self.folder = root / database
         self._lock = threading.Lock()
         self._n = -1
         self._current: _Archive | None = None
@@ -91,9 +97,9 @@ class ArchiveWriter:
 
     def _begin(self) -> _Archive:
         self._n += 1
-        self.folder.mkdir(parents=True, exist_ok=True)
+        make_dirs(self.root, self.folder, f"the packed archives {self.database!r}")
         path = self.folder / archive_name(self._n)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o666)
         archive = _Archive(self._n, fd)
         self._open.append(archive)
         return archive

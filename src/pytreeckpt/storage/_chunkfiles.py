@@ -42,10 +42,22 @@ import numpy as np
 from pytreeckpt.core._checksum import crc32c
 from pytreeckpt.core._errors import CheckpointError, PermissionDeniedError
 
-__all__ = ["LITTLE_ENDIAN", "IOPool", "chunk_crc", "lower_priority", "open_regular", "read_chunk", "write_chunk"]
+__all__ = [
+    "LITTLE_ENDIAN",
+    "IOPool",
+    "chunk_crc",
+    "lower_priority",
+    "make_dirs",
+    "no_link",
+    "open_regular",
+    "read_chunk",
+    "write_chunk",
+]
 
 LITTLE_ENDIAN = sys.byteorder == "little"
 _MAX_IO = 1 << 30  # bytes per system call (Linux moves at most about 2 GiB in one)
+_NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW
+"""How a save opens a file it writes: a symbolic link in its place is an error (ELOOP), never followed."""
 
 
 _Task = list[Any]  # [future, fn, args]: emptied by the thread that runs it (see _run)
@@ -219,7 +231,7 @@ def write_chunk(path: Path, data: np.ndarray, chunk_shape: Sequence[int], fsync:
     parts.append(np.frombuffer(crc.to_bytes(4, "little"), dtype=np.uint8))
     if direct and _O_DIRECT and raw.nbytes + pad >= DIRECT_MIN_BYTES and _write_direct(path, parts, fsync):
         return int(crc)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)  # less the umask
+    fd = os.open(path, _NEW_FILE, 0o666)  # less the umask
     try:
         _write_all(fd, parts)
         if fsync:
@@ -265,6 +277,38 @@ def _little_endian(a: np.ndarray) -> np.ndarray:
     width = a.dtype.itemsize // (2 if a.dtype.kind == "c" else 1)
     swapped = np.ascontiguousarray(a).reshape(-1).view(f"u{width}").byteswap()
     return swapped.view(f"V{a.dtype.itemsize}").reshape(a.shape)
+
+
+def no_link(path: Path, what: str) -> CheckpointError | None:
+    """A CheckpointError if ``path`` is a symbolic link (what a save must not write or delete through); else None."""
+    try:
+        target = os.readlink(path)
+    except OSError:  # (not a link, or not there)
+        return None
+    return CheckpointError(
+        f"{what}: {path} is a symbolic link to {os.path.join(os.path.dirname(path), target)}; a save never writes, "
+        f"deletes or locks through a link inside a checkpoint: refused (remove the link, or save elsewhere)"
+    )
+
+
+def make_dirs(root: Path, path: Path, what: str) -> None:
+    """Make the directory ``path`` below ``root`` (which exists: the checkpoint directory, a link there
+    if the user named one), and its missing parents, one by one.
+
+    An existing part is checked, never followed: a symbolic link or another file there is a
+    CheckpointError naming ``what`` and the path, so a save never writes outside the checkpoint.
+    """
+    here = root
+    for part in path.relative_to(root).parts:
+        here = here / part
+        try:
+            os.mkdir(here)  # 0o777 less the umask
+        except FileExistsError:
+            linked = no_link(here, what)
+            if linked is not None:
+                raise linked from None
+            if not os.path.isdir(here):
+                raise CheckpointError(f"{what}: {here} exists and is not a directory; refused") from None
 
 
 def open_regular(path: Path | str, inside: str | None, what: str) -> tuple[int, os.stat_result]:
@@ -345,7 +389,7 @@ def _write_direct(path: Path, parts: list[np.ndarray], fsync: bool) -> bool:
     page cache, and ``fsync`` makes all of it durable.
     """
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | _O_DIRECT, 0o666)
+        fd = os.open(path, _NEW_FILE | _O_DIRECT, 0o666)
     except OSError as e:
         if e.errno == errno.EINVAL:  # (tmpfs, some network and FUSE file systems)
             return False

@@ -4,12 +4,14 @@ the metadata document written atomically last, and what a failed save wrote remo
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import logging
 import os
 import secrets
 import shutil
+import stat
 import sys
 import time
 from collections.abc import Iterable
@@ -28,7 +30,7 @@ from pytreeckpt.format._document import (
     seal_document,
 )
 from pytreeckpt.storage._base import StorageBase, _os_failure
-from pytreeckpt.storage._chunkfiles import open_regular
+from pytreeckpt.storage._chunkfiles import make_dirs, no_link, open_regular
 from pytreeckpt.storage._durability import _fsync
 
 logger = logging.getLogger("pytreeckpt")
@@ -36,6 +38,9 @@ logger = logging.getLogger("pytreeckpt")
 
 LOCK_WAIT = 1.0
 """Seconds a save waits for a checkpoint's lock held by another process before refusing."""
+
+MAX_GENERATION = 999_999_999
+"""The largest generation a stored name may have: the reader takes at most 9 digits after ``~g``."""
 
 
 class CommitProtocol(StorageBase):
@@ -78,22 +83,30 @@ class CommitProtocol(StorageBase):
     def try_lock(self) -> _Lock | None:
         """The writer lock if it is free now; None if a writer holds it or the directory is gone.
 
-        It never makes the directory: it is how a directory is locked to be removed.
+        It never makes the directory: it is how a directory is locked to be removed. A lock
+        file that is a symbolic link (dangling or not) or not a regular file is refused, never
+        followed: the lock is never made or opened outside the checkpoint.
         """
         if self.kv is not None:
             return _Lock(None)
         path = self.root / LOCK_FILE
         try:
-            fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o666)
+            fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o666)
         except (FileNotFoundError, NotADirectoryError):
             return None
         except OSError as e:
-            raise CheckpointError(f"cannot write a checkpoint at {self.root}: {e}") from e
+            linked = no_link(path, "the writer's lock") if e.errno == errno.ELOOP else None
+            raise linked or CheckpointError(f"cannot write a checkpoint at {self.root}: {e}") from e
         try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise CheckpointError(f"the writer's lock: {path} is not a regular file; refused")
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
             return None
+        except BaseException:
+            os.close(fd)
+            raise
         # The holder before us may have removed the lock file with its directory; this lock
         # then guards nothing (a new directory with a new lock file may exist by now).
         try:
@@ -167,10 +180,10 @@ class CommitProtocol(StorageBase):
                 stored &= self._kept
             if self.kv is None:
                 self._remove_temporaries()
-                (self.root / ARRAYS_DIR).mkdir(exist_ok=True)
+                make_dirs(self.root, self.root / ARRAYS_DIR, f"the checkpoint {self.root}")
         except OSError as e:
             raise CheckpointError(f"cannot prepare {self.url} for a new checkpoint: {e}") from e
-        return 1 + max(generation_of(name) for name in stored) if stored else 0
+        return next_generation(stored)
 
     def commit(
         self,
@@ -225,8 +238,9 @@ class CommitProtocol(StorageBase):
             return
         path = self.root / name
         try:
-            path.parent.mkdir(exist_ok=True)
-            _write_synced(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666), data)
+            make_dirs(self.root, path.parent, "the chunk checksums")
+            flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW  # (no link followed)
+            _write_synced(os.open(path, flags, 0o666), data)
             _fsync(path.parent)
             _fsync(self.root)
         except OSError as e:
@@ -279,7 +293,7 @@ class CommitProtocol(StorageBase):
                 self._remove_temporaries()
                 if not self.is_committed():  # the directory is left as the save found it, or removed if it made it
                     for top in STORED_DIRS:
-                        with contextlib.suppress(FileNotFoundError):
+                        with contextlib.suppress(FileNotFoundError, NotADirectoryError):  # (a link: left alone)
                             (self.root / top).rmdir()
                     (self.root / LOCK_FILE).unlink(missing_ok=True)  # a writer waiting on it sees it gone
                     if self._made_root:
@@ -300,18 +314,34 @@ class CommitProtocol(StorageBase):
         remove_tree(self.root)
 
     def _committed_names(self) -> frozenset[str] | None:
-        """The arrays and databases the committed document uses; empty if none is committed, None if unreadable."""
+        """The arrays and databases the committed document uses; empty if none is committed, None if unreadable.
+
+        Locally the document is read only as a regular file inside the checkpoint: a FIFO,
+        device or link out of it is not read (nor waited on) but unreadable, so all is kept.
+        """
         if self.kv is not None:
             raw = self.kv.read(METADATA_FILE)
         else:
             try:
-                raw = self.metadata_path.read_bytes()
+                fd, _ = open_regular(self.metadata_path, self._real_root(), "the metadata document")
             except (FileNotFoundError, NotADirectoryError):
-                raw = None
+                return frozenset()
+            except CheckpointError:
+                return None
+            try:
+                with os.fdopen(fd, "rb") as f:
+                    raw = f.read()
+            except OSError:
+                return None
         return frozenset() if raw is None else _referenced(raw)
 
-    def _stored_names(self) -> set[str]:
-        """The arrays and databases present: ``arrays/<name>``, ``ocdbt/<name>`` and ``packed/<name>``."""
+    def _stored_names(self, refuse_links: bool = True) -> set[str]:
+        """The arrays and databases present: ``arrays/<name>``, ``ocdbt/<name>`` and ``packed/<name>``.
+
+        A top-level directory that is a symbolic link is never listed through (its contents
+        would be deleted and written outside the checkpoint): a CheckpointError, or with
+        ``refuse_links`` False (cleaning up after a save) left out.
+        """
         out: set[str] = set()
         if self.kv is not None:
             for key in self.kv.list():
@@ -320,6 +350,11 @@ class CommitProtocol(StorageBase):
                     out.add(f"{parts[0]}/{parts[1]}")
             return out
         for top in STORED_DIRS:
+            linked = no_link(self.root / top, f"the checkpoint {self.root}")
+            if linked is not None:
+                if refuse_links:
+                    raise linked
+                continue
             try:
                 out.update(f"{top}/{name}" for name in os.listdir(self.root / top))
             except (FileNotFoundError, NotADirectoryError):
@@ -328,7 +363,7 @@ class CommitProtocol(StorageBase):
 
     def _unreferenced(self, keep: frozenset[str] | None) -> set[str]:
         """What is stored and not in ``keep``; nothing when ``keep`` is unknown."""
-        return set() if keep is None else self._stored_names() - keep
+        return set() if keep is None else self._stored_names(refuse_links=False) - keep
 
     def _delete(self, names: Iterable[str]) -> None:
         for name in sorted(names):
@@ -340,10 +375,11 @@ class CommitProtocol(StorageBase):
                 remove_tree(self.root / name)
 
     def _remove_temporaries(self) -> None:
-        """Metadata documents a killed commit left half written (only under the lock)."""
+        """Metadata documents a killed commit left half written, and anything else under a ``.tmp-`` name
+        (only under the lock): a directory as a tree, a link as the link itself."""
         for p in self.root.iterdir():
             if p.name.startswith(".tmp-"):
-                p.unlink(missing_ok=True)
+                remove_tree(p)
 
     def read_metadata(self) -> bytes:
         """The metadata document, read only if it is at most ``max_metadata_bytes`` (checked before reading)."""
@@ -427,6 +463,27 @@ class _Lock:
             fcntl.flock(self.fd, fcntl.LOCK_UN)
             os.close(self.fd)
             self.fd = None
+
+
+def next_generation(stored: Iterable[str]) -> int:
+    """The generation a save names its arrays with, given the names ``stored`` here that it must not reuse.
+
+    0 (plain names) where nothing is stored; else the one after the newest, and after
+    :data:`MAX_GENERATION` the smallest that no stored name has: a generation the reader
+    accepts and names no stored array, database or checksums file has (a stored name of
+    another generation, or of none, never equals one of this generation's).
+
+    >>> next_generation([]), next_generation(["arrays/w"]), next_generation(["arrays/w~g7", "packed/0~g7"])
+    (0, 1, 8)
+    >>> next_generation(["arrays/w~g999999999"]), next_generation(["arrays/w~g999999999", "packed/0~g1"])
+    (1, 2)
+    """
+    used = {generation_of(name) for name in stored}
+    if not used:
+        return 0
+    if max(used) < MAX_GENERATION:
+        return max(used) + 1
+    return min(set(range(1, len(used) + 2)) - used)
 
 
 def _write_synced(fd: int, *data: bytes | bytearray | memoryview) -> None:

@@ -13,7 +13,7 @@ from pytreeckpt.format._document import (
     ArrayMeta,
 )
 from pytreeckpt.storage._base import StorageBase, _chunk_key, background_nice
-from pytreeckpt.storage._chunkfiles import lower_priority
+from pytreeckpt.storage._chunkfiles import lower_priority, make_dirs
 
 logger = logging.getLogger("pytreeckpt")
 
@@ -98,7 +98,9 @@ class Durability(StorageBase):
         src = base / base_path / key
         dst = self.root / path / key
         try:
-            dst.parent.mkdir(parents=True, exist_ok=True)
+            if dst.parent not in self._made_dirs:  # (made without following a link: a link there is an error)
+                make_dirs(self.root, dst.parent, f"the array {path!r}")
+                self._made_dirs.add(dst.parent)
             os.link(src, dst)
         except OSError:
             return False

@@ -208,7 +208,7 @@ class PackedStores:
             writer = self._archives.get(database)
             if writer is None:
                 assert self.location.path is not None
-                writer = self._archives[database] = ArchiveWriter(self.location.path / database)
+                writer = self._archives[database] = ArchiveWriter(self.location.path, database)
         return writer
 
     def begin(self, meta: ArrayMeta) -> None:
