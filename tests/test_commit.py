@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from crash_workers import replace_distributed
-from helpers import unpacked
+from helpers import document, unpacked
 from multiproc import run_world
 
 import pytreeckpt
@@ -298,7 +298,7 @@ LAST = 999_999_999  # the largest generation a stored name may have (9 digits)
 def _at_generation(path: Path, generation: int) -> None:
     """Rename a committed checkpoint's arrays, databases and checksums file to ``generation``'s names, by hand,
     and its document with them."""
-    d = doc(path)
+    d = document(path)  # (without its own checksum, which the renaming makes stale)
     renamed: dict[str, str] = {}
     for leaf in d["leaves"]:
         for field in ("path", "database") if leaf.get("database") is None else ("database",):
