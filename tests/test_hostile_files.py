@@ -684,3 +684,133 @@ def test_inspect_prints_lone_surrogates_in_keys_escaped(tmp_path: Path, encoding
     done = _cli_run("inspect", "--json", str(path), PYTHONIOENCODING=encoding)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["values"] == {"bad\udc80key": 7}
+
+
+# Names a document may give an enum or a node type: submodules a module's lazy __getattr__ imports (torch's
+# _dynamo and _inductor, 821 modules each), a deprecated name torch's __getattr__ computes by a call, and the
+# spy module's lazy names, its metaclass's lazy names and its own types, whose hooks record every call.
+NAMED = [
+    "torch:_dynamo",
+    "torch:_inductor",
+    "torch:_inductor.config",
+    "torch:onnx",
+    "torch:has_cuda",
+    "numpy:fft",
+    "concurrent.futures:process",
+    "pytreeckpt_spy:lazy",
+    "pytreeckpt_spy:Lazy",
+    "pytreeckpt_spy:Lazy.inner",
+    "pytreeckpt_spy:Rec",
+    "pytreeckpt_spy:Config",
+    "pytreeckpt_spy:Level",
+    "torch.nn.utils.rnn:PackedSequence",
+]
+
+SPY = """
+import collections, concurrent.futures, dataclasses, enum, types
+import numpy, torch.nn.utils.rnn
+calls = []
+spy = types.ModuleType("pytreeckpt_spy")
+def _module_getattr(name):
+    calls.append(f"module __getattr__ {name}")
+    raise AttributeError(name)
+class _Meta(type):
+    def __getattr__(cls, name):
+        calls.append(f"metaclass __getattr__ {name}")
+        raise AttributeError(name)
+class Lazy(metaclass=_Meta):
+    pass
+class Rec(collections.namedtuple("Rec", "a b")):
+    def __new__(cls, *args):
+        calls.append("Rec.__new__")
+        return super().__new__(cls, *args)
+@dataclasses.dataclass
+class Config:
+    a: int
+    def __post_init__(self):
+        calls.append("Config.__post_init__")
+class Level(enum.IntEnum):
+    LOW = 1
+    @classmethod
+    def _missing_(cls, value):
+        calls.append(f"Level._missing_ {value}")
+for t in (Lazy, Rec, Config, Level):
+    t.__module__ = spy.__name__
+    setattr(spy, t.__name__, t)
+spy.__getattr__ = _module_getattr
+sys.modules[spy.__name__] = spy
+from pytreeckpt import _cli
+"""
+
+
+def _naming_documents(root: Path) -> list[str]:
+    """Hand-made documents that name each of NAMED as an enum, a namedtuple, a dataclass and a custom node."""
+    paths = [
+        _hand_made(root / "enums", _dict(NAMED, list(range(len(NAMED)))), [{"enum": n, "value": 5} for n in NAMED])
+    ]
+    special = {"pytreeckpt_spy:Rec": ["a", "b"], "pytreeckpt_spy:Config": ["a"]}
+    special["torch.nn.utils.rnn:PackedSequence"] = ["data", "batch_sizes", "sorted_indices", "unsorted_indices"]
+    for kind in ("namedtuple", "dataclass", "custom"):
+        children: list[Any] = []
+        leaves = 0
+        for name in NAMED:
+            keys = special.get(name, ["a"])
+            children.append({"k": kind, "keys": keys, "type": name, "metadata_json": None})
+            children[-1]["c"] = list(range(leaves, leaves + len(keys)))
+            leaves += len(keys)
+        paths.append(_hand_made(root / kind, _dict(NAMED, children), list(range(leaves))))
+    return [str(p) for p in paths]
+
+
+def test_names_in_a_document_import_nothing_and_call_nothing(tmp_path: Path) -> None:
+    """load, metadata, verify and `pytreeckpt inspect` of documents naming lazy attributes, types with hooks."""
+    warm = _hand_made(tmp_path / "warm", _dict(["a"], [0]), [1])
+    _save(tmp_path / "warm-arrays")
+    done = _run(
+        SPY
+        + f"""
+for path in ({str(warm)!r}, {str(tmp_path / "warm-arrays")!r}):  # (what the first load imports of pytreeckpt's own)
+    pytreeckpt.load(path), pytreeckpt.metadata(path), pytreeckpt.verify(path), _cli.main(["inspect", path])
+before = set(sys.modules)
+out = {{}}
+for path in {_naming_documents(tmp_path)!r}:
+    got = {{}}
+    for name, op in [("load", pytreeckpt.load), ("metadata", lambda p: pytreeckpt.metadata(p).tree),
+                     ("verify", lambda p: pytreeckpt.verify(p).ok), ("inspect", lambda p: _cli.main(["inspect", p]))]:
+        try:
+            got[name] = repr(op(path))
+        except pytreeckpt.CheckpointError as e:
+            got[name] = type(e).__name__ + ": " + str(e)
+    doc = path.rsplit("/", 1)[-1]
+    out[doc] = got
+    tree = pytreeckpt.metadata(path).tree
+    out[doc + " types"] = {{k: f"{{type(v).__module__}}:{{type(v).__qualname__}}" for k, v in tree.items()}}
+print("RESULT", json.dumps({{"new modules": sorted(set(sys.modules) - before), "calls": calls, "out": out}}))
+"""
+    )
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.split("RESULT ", 1)[1])
+    assert result["new modules"] == []
+    assert result["calls"] == []
+    out = result["out"]
+    # Enums: none of these names is an enum imported here, and 5 is no member of Level: load refuses, naming each.
+    for i, name in enumerate(NAMED):
+        if name != "pytreeckpt_spy:Level":
+            assert (
+                f"leaf 'v{i}': the checkpoint holds a member of enum {name}, which is not an enum imported here"
+                in (out["enums"]["load"])
+            )
+    assert "the value 5, which is not a member of enum pytreeckpt_spy:Level" in out["enums"]["load"]
+    assert set(out["enums types"].values()) == {"pytreeckpt.core._tree:StoredEnum"}
+    # Node types: only the spy's namedtuple and dataclass and PackedSequence are reused (made without calling their
+    # __new__ or __init__); every other name gives a namedtuple of pytreeckpt's own or a dict.
+    reused = {"pytreeckpt_spy:Rec", "torch.nn.utils.rnn:PackedSequence"}
+    assert {k for k, v in out["namedtuple types"].items() if k == v} == reused
+    assert {k for k, v in out["dataclass types"].items() if k == v} == {"pytreeckpt_spy:Config"}
+    assert set(out["dataclass types"].values()) == {"pytreeckpt_spy:Config", "builtins:dict"}
+    assert set(out["custom types"].values()) == {"builtins:dict"}
+    for kind in ("enums", "namedtuple", "dataclass", "custom"):
+        assert out[kind]["verify"] == "True"
+        assert out[kind]["inspect"] == "0"
+    for kind in ("namedtuple", "dataclass", "custom"):
+        assert out[kind]["load"] == out[kind]["metadata"]
