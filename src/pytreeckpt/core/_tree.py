@@ -359,7 +359,7 @@ class Node:
                     if entry is not None:
                         node.extra["unflatten"] = entry.unflatten_func
                         node.extra["metadata"] = decode_value(data["metadata_json"])
-        if kind != "custom" or "unflatten" not in node.extra:  # (a node rebuilt as a dict holds every key once)
+        if kind not in ("list", "tuple", "deque") and "unflatten" not in node.extra:  # (each key once, as in a dict)
             _check_unique(entries, kind, path)
         return node
 
