@@ -447,3 +447,18 @@ def test_a_dataclass_whose_field_is_a_descriptor_comes_back_as_a_dict(tmp_path: 
     assert pytreeckpt.load(tmp_path / "c") == {"d": {"x": 5}}
     assert pytreeckpt.metadata(tmp_path / "c").tree == {"d": {"x": 5}}
     assert _Recording.calls == []
+
+
+def test_a_registered_node_its_unflatten_refuses_is_a_metadata_error_naming_it(tmp_path: Path) -> None:
+    from helpers import Pair
+
+    pytreeckpt.save(tmp_path / "c", {"x": {"p": Pair(1, 2)}, "n": 3}, namespace=NAMESPACE)
+    doc = json.loads((tmp_path / "c" / "pytreeckpt.json").read_text())
+    doc.pop("document_crc32c", None)  # (a document without its checksum is one of an older save)
+    node = doc["tree"]["c"][0]["c"][0]
+    node["keys"].append("extra")
+    node["c"].append(len(doc["leaves"]))  # Pair(1, 2, 4): its unflatten function takes two children
+    doc["leaves"].append({"kind": "value", "key": "x.p.extra", "value": 4})
+    (tmp_path / "c" / "pytreeckpt.json").write_text(json.dumps(doc))
+    with pytest.raises(pytreeckpt.MetadataError, match=r"at key path 'x\.p': a node of type helpers:Pair cannot be"):
+        pytreeckpt.load(tmp_path / "c", namespace=NAMESPACE)
