@@ -7,11 +7,14 @@ fails exactly when verify finds a problem.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
+import dataclasses
 import json
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -230,3 +233,106 @@ def test_misplaced_chunks_are_caught_by_load_and_verify_alike(a: str, b: str, ac
             raise AssertionError("a chunk linked out of the checkpoint was read")
     _attempt(path)
     _load_and_verify_agree(path)
+
+
+# --------------------------------------------------------------------------- the tree structure
+
+
+@dataclasses.dataclass
+class _Config:
+    lr: float
+    steps: int
+
+
+_Pair = collections.namedtuple("_Pair", "x y")
+_TREE_ROOT = _ROOT / "tree-original"
+_default: collections.defaultdict[str, Any] = collections.defaultdict(list, {"a": 1})
+pytreeckpt.save(
+    _TREE_ROOT,
+    {
+        "d": {"a": 1, 2: "two", (1, "x"): 3.5, 1.5: None, True: False, None: 4},
+        "o": collections.OrderedDict([("z", 1), ("y", 2)]),
+        "dd": _default,
+        "q": collections.deque([1, 2], maxlen=3),
+        "l": [1, (2, 3), []],
+        "p": _Pair(1, {"k": 2}),
+        "c": _Config(0.5, 7),
+        "w": torch.arange(4.0),
+    },
+)
+_TREE_DOC = json.loads((_TREE_ROOT / "pytreeckpt.json").read_text())
+_TREE_DOC.pop("document_crc32c", None)  # (rewritten below: a document without its checksum, as older saves wrote)
+_TREE_PATHS = [("tree", *p) for p in _paths(_TREE_DOC["tree"])]
+
+_TREE_VALUES = st.one_of(
+    _REPLACEMENTS,
+    st.sampled_from(["dict", "odict", "defaultdict", "list", "tuple", "deque", "namedtuple", "dataclass", "custom"]),
+    st.sampled_from(["os:stat_result", "torch:_dynamo", "numpy:fft", "collections:OrderedDict", "builtins:int"]),
+    st.sampled_from([f"{__name__}:_Pair", f"{__name__}:_Config", "torch.nn.utils.rnn:PackedSequence", "x:y:z"]),
+    st.sampled_from([["i", 1], ["b", True], ["f", "1.0"], ["f", "x"], ["n"], ["t", [["i", 1]]], ["t", 5], ["s", "a"]]),
+    st.sampled_from([-1, 0, 1, 2, 10**30, 2**63, 7, 8]),  # leaf indices and maxlens
+    st.lists(st.sampled_from(["a", "z", "y", ["i", 2], ["i", 1], ["b", True]]), max_size=4),
+)
+
+
+@st.composite
+def tree_mutations(draw: st.DrawFn) -> dict[str, Any]:
+    """The genuine document with one to three places of its tree replaced, dropped, doubled or swapped."""
+    doc = copy.deepcopy(_TREE_DOC)
+    for _ in range(draw(st.integers(1, 3))):
+        path = draw(st.sampled_from(_TREE_PATHS))
+        parent: Any = doc
+        try:
+            for k in path[:-1]:
+                parent = parent[k]
+            parent[path[-1]]
+        except (KeyError, IndexError, TypeError):
+            continue
+        if not isinstance(parent, dict | list):  # an earlier mutation turned the container into a string
+            continue
+        key = path[-1]
+        action = draw(st.sampled_from(["replace", "drop", "double", "copy"]))
+        if action == "drop":
+            del parent[key]
+        elif action == "double" and isinstance(parent, list):
+            parent.insert(key, parent[key])
+        elif action == "copy":  # another place of the tree put here: a key or a subtree twice
+            other = draw(st.sampled_from(_TREE_PATHS))
+            source: Any = _TREE_DOC
+            with contextlib.suppress(KeyError, IndexError, TypeError):
+                for k in other:
+                    source = source[k]
+                parent[key] = copy.deepcopy(source)
+        else:
+            parent[key] = draw(_TREE_VALUES)
+    return doc
+
+
+def _count_leaves(tree: Any) -> int:
+    if isinstance(tree, dict):
+        return sum(_count_leaves(v) for v in tree.values())
+    if isinstance(tree, list | tuple | collections.deque):
+        return sum(_count_leaves(v) for v in tree)
+    if dataclasses.is_dataclass(tree) and not isinstance(tree, type | pytreeckpt.Abstract):  # (metadata's leaves)
+        return sum(_count_leaves(getattr(tree, f.name)) for f in dataclasses.fields(tree))
+    return 1
+
+
+@given(tree_mutations())
+@example({**_TREE_DOC, "tree": {**_TREE_DOC["tree"], "keys": ["d"] * len(_TREE_DOC["tree"]["keys"])}})
+def test_a_mutated_tree_structure_is_a_metadata_error_or_describes_every_leaf(doc: dict[str, Any]) -> None:
+    """Only CheckpointErrors escape; what loads holds exactly the leaves the document lists; nothing is imported."""
+    path = _ROOT / "tree"
+    shutil.rmtree(path, ignore_errors=True)
+    shutil.copytree(_TREE_ROOT, path)
+    (path / "pytreeckpt.json").write_text(json.dumps(doc))
+    modules = set(sys.modules)
+    for read in (pytreeckpt.load, lambda p: pytreeckpt.metadata(p).tree):
+        try:
+            got = read(path)
+        except pytreeckpt.CheckpointError:
+            continue
+        assert _count_leaves(got) == len(doc["leaves"])
+    with contextlib.suppress(pytreeckpt.CheckpointError):
+        pytreeckpt.verify(path)
+    assert set(sys.modules) == modules

@@ -83,3 +83,25 @@ def test_every_storage_type_opens_with_plain_tensorstore_by_the_documented_spec(
         data = ts.open(spec).result().read().result()
         assert data.dtype.name == leaf["storage_dtype"], leaf["key"]
         assert data.tobytes() == _raw(leaves[leaf["key"]]), leaf["key"]
+
+
+@pytest.mark.parametrize(
+    ("children", "message"),
+    [
+        ([0, 0], r"names leaf 0 \('v0'\) 2 times and leaf 1 \('v1'\) not at all"),
+        ([0, 1, 1], r"names leaf 1 \('v1'\) 2 times$"),
+        ([1], r"names leaf 0 \('v0'\) not at all$"),
+    ],
+)
+def test_a_tree_that_names_a_leaf_twice_or_not_at_all_says_which(
+    tmp_path: Path, children: list[int], message: str
+) -> None:
+    """A tree structure must describe exactly the leaves the document lists, each once."""
+    (tmp_path / "c").mkdir()
+    leaves = [{"kind": "value", "key": f"v{i}", "value": i} for i in range(2)]
+    tree = {"k": "list", "c": children}
+    doc = {"format": "pytreeckpt", "version": 3, "tree": tree, "leaves": leaves, "user_metadata": {}}
+    (tmp_path / "c" / "pytreeckpt.json").write_text(json.dumps(doc))
+    for read in (pytreeckpt.load, pytreeckpt.metadata, pytreeckpt.verify):
+        with pytest.raises(pytreeckpt.MetadataError, match=message):
+            read(tmp_path / "c")

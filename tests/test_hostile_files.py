@@ -951,3 +951,304 @@ def test_a_save_over_a_document_that_is_a_fifo_does_not_wait_on_it(tmp_path: Pat
     done = _run(f"pytreeckpt.save({str(path)!r}, {{'w': torch.ones(3)}}, overwrite=True); print('saved')", timeout=30)
     assert done.stdout.strip() == "saved", done.stderr
     assert torch.equal(pytreeckpt.load(path)["w"], torch.ones(3))
+
+
+# --------------------------------------------------------------------------- hand-made tree structures
+
+
+def _hand_made(path: Path, tree: Any, values: list[Any], keys: list[str] | None = None) -> Path:
+    """A checkpoint of Python values only: a directory holding a document written by hand."""
+    path.mkdir(parents=True, exist_ok=True)
+    keys = keys if keys is not None else [f"v{i}" for i in range(len(values))]
+    leaves = [{"kind": "value", "key": k, "value": v} for k, v in zip(keys, values, strict=True)]
+    doc = {"format": "pytreeckpt", "version": 3, "tree": tree, "leaves": leaves, "user_metadata": {}}
+    (path / "pytreeckpt.json").write_text(json.dumps(doc))
+    return path
+
+
+def _dict(keys: list[Any], children: list[Any]) -> dict[str, Any]:
+    return {"k": "dict", "keys": keys, "c": children}
+
+
+# (tree, the values it lists, what the MetadataError says)
+MALFORMED_TREES = {
+    "a namedtuple type that is not a string": (
+        {"k": "namedtuple", "keys": ["a"], "type": 5, "c": [0]},
+        [1],
+        r"at the root: the namedtuple node's type must be a 'module:qualname' string, found int 5",
+    ),
+    "os:stat_result as a node of one field": (
+        {"k": "custom", "keys": ["a"], "type": "os:stat_result", "metadata_json": None, "c": [0]},
+        [1],
+        r"at the root: a node of type os:stat_result has 10 fields, found 1 children",
+    ),
+    "os:stat_result as a node of 11 fields, one hidden": (
+        {
+            "k": "custom",
+            "keys": [f"f{i}" for i in range(11)],
+            "type": "os:stat_result",
+            "metadata_json": None,
+            "c": list(range(11)),
+        },
+        list(range(11)),
+        r"os:stat_result has 10 fields, found 11 children",
+    ),
+    "deque maxlen -1": ({"k": "deque", "maxlen": -1, "c": [0]}, [1], r"maxlen of None or an integer from 1.*int -1"),
+    "deque maxlen 10**30": (
+        {"k": "deque", "maxlen": 10**30, "c": [0]},
+        [1],
+        r"maxlen of None or an integer from 1 to 9223372036854775807, found int 1000000000000000000000000000000",
+    ),
+    "deque maxlen 1 holding 3 leaves": (
+        _dict(["q"], [{"k": "deque", "maxlen": 1, "c": [0, 1, 2]}]),
+        [1, 2, 3],
+        r"at key path 'q': a deque of 3 leaves or subtrees needs a maxlen of None or an integer from 3",
+    ),
+    "a dict key that is a list": (_dict([["x"]], [0]), [1], r"at the root: a dict node's malformed key list \['x'\]"),
+    "a float key that is no number": (_dict([["f", "x"]], [0]), [1], r"malformed key list \['f', 'x'\]"),
+    "a dict with a key twice": (
+        _dict(["a", "b", "a"], [0, 1, 2]),
+        [1, 2, 3],
+        r"at the root: the dict node has the key 'a' twice",
+    ),
+    "keys 1 and True": (_dict([["i", 1], ["b", True]], [0, 1]), [1, 2], r"the dict node has the key True twice"),
+    "keys 1 and 1.0": (
+        _dict([["i", 1], ["f", "1.0"]], [0, 1]),
+        [1, 2],
+        r"the root: the dict node has the key 1\.0 twice",
+    ),
+    "keys 1.0 and 1.00": (
+        _dict(["m"], [_dict([["f", "1.0"], ["f", "1.00"]], [0, 1])]),
+        [1, 2],
+        r"at key path 'm': the dict node has the key 1\.0 twice",
+    ),
+    "tuple keys (1,) and (True,)": (
+        {"k": "odict", "keys": [["t", [["i", 1]]], ["t", [["b", True]]]], "c": [0, 1]},
+        [1, 2],
+        r"the odict node has the key \(True,\) twice",
+    ),
+    "a defaultdict with a key twice": (
+        {"k": "defaultdict", "keys": ["a", "a"], "factory_name": "list", "c": [0, 1]},
+        [1, 2],
+        r"the defaultdict node has the key 'a' twice",
+    ),
+    "a dataclass rebuilt as a dict, a field twice": (
+        {"k": "dataclass", "keys": ["a", "a"], "type": "nowhere:Config", "c": [0, 1]},
+        [1, 2],
+        r"the dataclass node has the key 'a' twice",
+    ),
+    "a custom node rebuilt as a dict, a key twice": (
+        {"k": "custom", "keys": ["a", "a"], "type": "nowhere:Pair", "metadata_json": None, "c": [0, 1]},
+        [1, 2],
+        r"the custom node has the key 'a' twice",
+    ),
+    "a namedtuple field that is not a string": (
+        _dict(["p"], [{"k": "namedtuple", "keys": [["i", 1]], "type": "nowhere:P", "c": [0]}]),
+        [1],
+        r"at key path 'p': a namedtuple node's keys are field names \(strings\), found int 1",
+    ),
+    "a namedtuple field twice": (
+        {"k": "namedtuple", "keys": ["a", "a"], "type": "nowhere:P", "c": [0, 1]},
+        [1, 2],
+        r"the namedtuple node has the key 'a' twice",
+    ),
+    "keys that are not a list": ({"k": "dict", "keys": {"a": 0}, "c": [0]}, [1], r"needs a list of keys, found dict"),
+    "a node kind that is a list": ({"k": ["dict"], "keys": [], "c": []}, [], r"unknown tree node kind list"),
+}
+
+
+def _fails_alike(path: Path, message: str) -> None:
+    for op in (pytreeckpt.load, pytreeckpt.metadata, pytreeckpt.verify):
+        with pytest.raises(pytreeckpt.MetadataError, match=message):
+            op(path)
+
+
+@pytest.mark.parametrize("case", list(MALFORMED_TREES))
+def test_a_malformed_tree_structure_is_a_metadata_error_naming_its_path(tmp_path: Path, case: str) -> None:
+    tree, values, message = MALFORMED_TREES[case]
+    _fails_alike(_hand_made(tmp_path / "c", tree, values), message)
+
+
+def test_the_command_line_reports_malformed_tree_structures_without_a_traceback(tmp_path: Path) -> None:
+    """Every hand-made document through `inspect` and `verify` in one process whose stdout is a pipe."""
+    paths = {case: str(_hand_made(tmp_path / str(i), *MALFORMED_TREES[case][:2])) for i, case in
+             enumerate(MALFORMED_TREES)}  # fmt: skip
+    done = _run(f"""
+        from pytreeckpt import _cli
+        for case, path in {paths!r}.items():
+            for command in ("inspect", "verify"):
+                try:
+                    print(json.dumps([case, command, _cli.main([command, path])]), flush=True)
+                except BaseException as e:
+                    print(json.dumps([case, command, type(e).__name__]), flush=True)
+    """)
+    assert done.returncode == 0, done.stderr
+    results = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("[")]
+    assert len(results) == 2 * len(MALFORMED_TREES)
+    assert all(status == 2 for _, _, status in results), results  # exit status 2: a checkpoint error, said
+    assert "Traceback" not in done.stderr
+    for case, (_, _, message) in MALFORMED_TREES.items():
+        assert len(re.findall(f"pytreeckpt (inspect|verify): tree structure .*{message}", done.stderr)) == 2, case
+
+
+def _cli_run(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """The `pytreeckpt` command; its output decoded escaping what is not UTF-8."""
+    environ = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", **env}
+    script = Path(sys.executable).parent / "pytreeckpt"
+    cmd = [str(script)] if script.exists() else [sys.executable, "-m", "pytreeckpt"]
+    done = subprocess.run([*cmd, *args], capture_output=True, timeout=120, env=environ)
+    out, err = (b.decode("utf-8", "backslashreplace") for b in (done.stdout, done.stderr))
+    return subprocess.CompletedProcess(done.args, done.returncode, out, err)
+
+
+def test_the_command_line_ends_a_malformed_tree_with_a_message(tmp_path: Path) -> None:
+    path = _hand_made(tmp_path / "c", *MALFORMED_TREES["deque maxlen 1 holding 3 leaves"][:2])
+    for command in ("inspect", "verify"):
+        done = _cli_run(command, str(path))
+        assert done.returncode == 2, done
+        assert "Traceback" not in done.stderr
+        assert f"pytreeckpt {command}: tree structure at key path 'q': a deque of 3 leaves" in done.stderr
+
+
+@pytest.mark.parametrize("encoding", ["", "utf-8:strict"])
+def test_inspect_prints_lone_surrogates_in_keys_escaped(tmp_path: Path, encoding: str) -> None:
+    """Whether the output stream escapes surrogates (C.UTF-8) or refuses them (strict), they are printed escaped."""
+    path = _hand_made(tmp_path / "c", _dict(["bad\udc80key"], [0]), [7], keys=["bad\udc80key"])
+    assert pytreeckpt.metadata(path).tree == {"bad\udc80key": 7}
+    done = _cli_run("inspect", str(path), PYTHONIOENCODING=encoding)
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr
+    assert "bad\\udc80key" in done.stdout
+    done = _cli_run("inspect", "--json", str(path), PYTHONIOENCODING=encoding)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["values"] == {"bad\udc80key": 7}
+
+
+# Names a document may give an enum or a node type: submodules a module's lazy __getattr__ imports (torch's
+# _dynamo and _inductor, 821 modules each), a deprecated name torch's __getattr__ computes by a call, and the
+# spy module's lazy names, its metaclass's lazy names and its own types, whose hooks record every call.
+NAMED = [
+    "torch:_dynamo",
+    "torch:_inductor",
+    "torch:_inductor.config",
+    "torch:onnx",
+    "torch:has_cuda",
+    "numpy:fft",
+    "concurrent.futures:process",
+    "pytreeckpt_spy:lazy",
+    "pytreeckpt_spy:Lazy",
+    "pytreeckpt_spy:Lazy.inner",
+    "pytreeckpt_spy:Rec",
+    "pytreeckpt_spy:Config",
+    "pytreeckpt_spy:Level",
+    "torch.nn.utils.rnn:PackedSequence",
+]
+
+SPY = """
+import collections, concurrent.futures, dataclasses, enum, types
+import numpy, torch.nn.utils.rnn
+calls = []
+spy = types.ModuleType("pytreeckpt_spy")
+def _module_getattr(name):
+    calls.append(f"module __getattr__ {name}")
+    raise AttributeError(name)
+class _Meta(type):
+    def __getattr__(cls, name):
+        calls.append(f"metaclass __getattr__ {name}")
+        raise AttributeError(name)
+class Lazy(metaclass=_Meta):
+    pass
+class Rec(collections.namedtuple("Rec", "a b")):
+    def __new__(cls, *args):
+        calls.append("Rec.__new__")
+        return super().__new__(cls, *args)
+@dataclasses.dataclass
+class Config:
+    a: int
+    def __post_init__(self):
+        calls.append("Config.__post_init__")
+class Level(enum.IntEnum):
+    LOW = 1
+    @classmethod
+    def _missing_(cls, value):
+        calls.append(f"Level._missing_ {value}")
+for t in (Lazy, Rec, Config, Level):
+    t.__module__ = spy.__name__
+    setattr(spy, t.__name__, t)
+spy.__getattr__ = _module_getattr
+sys.modules[spy.__name__] = spy
+from pytreeckpt import _cli
+"""
+
+
+def _naming_documents(root: Path) -> list[str]:
+    """Hand-made documents that name each of NAMED as an enum, a namedtuple, a dataclass and a custom node."""
+    paths = [
+        _hand_made(root / "enums", _dict(NAMED, list(range(len(NAMED)))), [{"enum": n, "value": 5} for n in NAMED])
+    ]
+    special = {"pytreeckpt_spy:Rec": ["a", "b"], "pytreeckpt_spy:Config": ["a"]}
+    special["torch.nn.utils.rnn:PackedSequence"] = ["data", "batch_sizes", "sorted_indices", "unsorted_indices"]
+    for kind in ("namedtuple", "dataclass", "custom"):
+        children: list[Any] = []
+        leaves = 0
+        for name in NAMED:
+            keys = special.get(name, ["a"])
+            children.append({"k": kind, "keys": keys, "type": name, "metadata_json": None})
+            children[-1]["c"] = list(range(leaves, leaves + len(keys)))
+            leaves += len(keys)
+        paths.append(_hand_made(root / kind, _dict(NAMED, children), list(range(leaves))))
+    return [str(p) for p in paths]
+
+
+def test_names_in_a_document_import_nothing_and_call_nothing(tmp_path: Path) -> None:
+    """load, metadata, verify and `pytreeckpt inspect` of documents naming lazy attributes, types with hooks."""
+    warm = _hand_made(tmp_path / "warm", _dict(["a"], [0]), [1])
+    _save(tmp_path / "warm-arrays")
+    done = _run(
+        SPY
+        + f"""
+for path in ({str(warm)!r}, {str(tmp_path / "warm-arrays")!r}):  # (what the first load imports of pytreeckpt's own)
+    pytreeckpt.load(path), pytreeckpt.metadata(path), pytreeckpt.verify(path), _cli.main(["inspect", path])
+before = set(sys.modules)
+out = {{}}
+for path in {_naming_documents(tmp_path)!r}:
+    got = {{}}
+    for name, op in [("load", pytreeckpt.load), ("metadata", lambda p: pytreeckpt.metadata(p).tree),
+                     ("verify", lambda p: pytreeckpt.verify(p).ok), ("inspect", lambda p: _cli.main(["inspect", p]))]:
+        try:
+            got[name] = repr(op(path))
+        except pytreeckpt.CheckpointError as e:
+            got[name] = type(e).__name__ + ": " + str(e)
+    doc = path.rsplit("/", 1)[-1]
+    out[doc] = got
+    tree = pytreeckpt.metadata(path).tree
+    out[doc + " types"] = {{k: f"{{type(v).__module__}}:{{type(v).__qualname__}}" for k, v in tree.items()}}
+print("RESULT", json.dumps({{"new modules": sorted(set(sys.modules) - before), "calls": calls, "out": out}}))
+"""
+    )
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.split("RESULT ", 1)[1])
+    assert result["new modules"] == []
+    assert result["calls"] == []
+    out = result["out"]
+    # Enums: none of these names is an enum imported here, and 5 is no member of Level: load refuses, naming each.
+    for i, name in enumerate(NAMED):
+        if name != "pytreeckpt_spy:Level":
+            assert (
+                f"leaf 'v{i}': the checkpoint holds a member of enum {name}, which is not an enum imported here"
+                in (out["enums"]["load"])
+            )
+    assert "the value 5, which is not a member of enum pytreeckpt_spy:Level" in out["enums"]["load"]
+    assert set(out["enums types"].values()) == {"pytreeckpt.core._tree:StoredEnum"}
+    # Node types: only the spy's namedtuple and dataclass and PackedSequence are reused (made without calling their
+    # __new__ or __init__); every other name gives a namedtuple of pytreeckpt's own or a dict.
+    reused = {"pytreeckpt_spy:Rec", "torch.nn.utils.rnn:PackedSequence"}
+    assert {k for k, v in out["namedtuple types"].items() if k == v} == reused
+    assert {k for k, v in out["dataclass types"].items() if k == v} == {"pytreeckpt_spy:Config"}
+    assert set(out["dataclass types"].values()) == {"pytreeckpt_spy:Config", "builtins:dict"}
+    assert set(out["custom types"].values()) == {"builtins:dict"}
+    for kind in ("enums", "namedtuple", "dataclass", "custom"):
+        assert out[kind]["verify"] == "True"
+        assert out[kind]["inspect"] == "0"
+    for kind in ("namedtuple", "dataclass", "custom"):
+        assert out[kind]["load"] == out[kind]["metadata"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import enum
 import json
 import math
@@ -408,3 +409,66 @@ def test_leaf_node_sets_every_field_as_the_constructor_does() -> None:
             assert list(got) == list(want), f.name
         else:
             assert got == want, f.name
+
+
+def test_a_flag_combination_not_made_in_this_process_comes_back(tmp_path: Path) -> None:
+    """A Flag value that is no single member is made by the enum module (its own _missing_), as Flag(3) is."""
+    fresh = enum.Flag("Fresh", ["R", "W"], module=__name__)
+    monkey = types.ModuleType("pytreeckpt_tests_flags")
+    monkey.Fresh = fresh  # type: ignore[attr-defined]
+    fresh.__module__ = monkey.__name__
+    sys.modules[monkey.__name__] = monkey
+    try:
+        pytreeckpt.save(tmp_path / "c", {"f": fresh.R})
+        doc = json.loads((tmp_path / "c" / "pytreeckpt.json").read_text())
+        doc.pop("document_crc32c", None)  # (a document without its checksum is one of an older save)
+        doc["leaves"][0]["value"]["value"] = 3  # R | W, which this process never made
+        (tmp_path / "c" / "pytreeckpt.json").write_text(json.dumps(doc))
+        assert pytreeckpt.load(tmp_path / "c")["f"] == fresh.R | fresh.W
+    finally:
+        del sys.modules[monkey.__name__]
+
+
+class _Recording:
+    """A data descriptor that records every value set through it."""
+
+    calls: list[Any] = []  # noqa: RUF012
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.slot = "_" + name
+
+    def __get__(self, obj: Any, owner: Any = None) -> Any:
+        return 0 if obj is None else getattr(obj, self.slot)
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        _Recording.calls.append(value)
+        setattr(obj, self.slot, value)
+
+
+@dataclasses.dataclass
+class WithDescriptor:
+    x: int = _Recording()  # type: ignore[assignment]
+
+
+def test_a_dataclass_whose_field_is_a_descriptor_comes_back_as_a_dict(tmp_path: Path) -> None:
+    """Setting its fields directly would run the descriptor's __set__: the type is not reused, nothing is called."""
+    pytreeckpt.save(tmp_path / "c", {"d": WithDescriptor(5)})
+    _Recording.calls.clear()
+    assert pytreeckpt.load(tmp_path / "c") == {"d": {"x": 5}}
+    assert pytreeckpt.metadata(tmp_path / "c").tree == {"d": {"x": 5}}
+    assert _Recording.calls == []
+
+
+def test_a_registered_node_its_unflatten_refuses_is_a_metadata_error_naming_it(tmp_path: Path) -> None:
+    from helpers import Pair
+
+    pytreeckpt.save(tmp_path / "c", {"x": {"p": Pair(1, 2)}, "n": 3}, namespace=NAMESPACE)
+    doc = json.loads((tmp_path / "c" / "pytreeckpt.json").read_text())
+    doc.pop("document_crc32c", None)  # (a document without its checksum is one of an older save)
+    node = doc["tree"]["c"][0]["c"][0]
+    node["keys"].append("extra")
+    node["c"].append(len(doc["leaves"]))  # Pair(1, 2, 4): its unflatten function takes two children
+    doc["leaves"].append({"kind": "value", "key": "x.p.extra", "value": 4})
+    (tmp_path / "c" / "pytreeckpt.json").write_text(json.dumps(doc))
+    with pytest.raises(pytreeckpt.MetadataError, match=r"at key path 'x\.p': a node of type helpers:Pair cannot be"):
+        pytreeckpt.load(tmp_path / "c", namespace=NAMESPACE)

@@ -39,6 +39,11 @@ def _dir_bytes(path: Path) -> int:
     return total
 
 
+def _shown(text: str) -> str:
+    """``text`` printable on any stream: a lone surrogate (a key a document may hold) as its escape, ``\\udc80``."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def _table(rows: list[list[str]], header: list[str]) -> str:
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
     lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)).rstrip()]
@@ -178,7 +183,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         return 0
     rows = [
         [
-            a.key or "(root)",
+            _shown(a.key) or "(root)",
             a.dtype.name,
             str(tuple(a.shape)),
             _size(a.nbytes),
@@ -189,7 +194,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         ]
         for a in meta.arrays.values()
     ]
-    rows += [[k or "(root)", type(v).__name__, repr(v)[:40], "", "", "", "", ""] for k, v in values.items()]
+    rows += [[_shown(k) or "(root)", type(v).__name__, repr(v)[:40], "", "", "", "", ""] for k, v in values.items()]
     headers = ["key", "dtype", "shape / value", "bytes", "compression", "ratio", "chunks", "saved layout"]
     print(_table(rows, headers))
     print(f"\n{len(meta.arrays)} arrays, {len(values)} values, {_size(meta.nbytes)}; format version {meta.version}")
@@ -230,10 +235,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
     else:
         for key, chunk, message in report.problems:
             where = "whole array" if chunk is None else f"chunk {list(chunk)}"
-            print(f"DAMAGED {key} ({where}): {message}")
+            print(_shown(f"DAMAGED {key} ({where}): {message}"))
         for key, chunk, message in report.unreadable:
             where = "whole array" if chunk is None else f"chunk {list(chunk)}"
-            print(f"UNREADABLE {key} ({where}): {message}")
+            print(_shown(f"UNREADABLE {key} ({where}): {message}"))
         if report.problems:
             print(f"{len(report.damaged_leaves)} of {report.arrays} arrays damaged")
         if report.unreadable:

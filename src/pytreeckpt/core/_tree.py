@@ -13,8 +13,13 @@ Every leaf's dotted key path must name it alone (``{"a.b": x, "a": {"b": y}}`` i
 refused), and a tree nests at most :data:`MAX_DEPTH` levels.
 
 The structure is recorded as JSON; nothing is ever pickled. Rebuilding a stored
-structure without a target never imports a module: a namedtuple or dataclass type is
-used only if its module is already imported and the type still has the same fields.
+structure without a target never imports a module and calls none of its code: a type
+named in it is looked up only in the namespaces (``__dict__``) of modules already
+imported and of their classes, never by ``getattr`` (which would run a module's lazy
+``__getattr__``); a namedtuple or dataclass type found there is used only if it still
+has the same fields, and its instances are made without calling its ``__new__`` or
+``__init__``. A stored structure must describe exactly the leaves the document lists:
+no key twice in one dict, no deque shorter than what it holds.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import collections
 import contextlib
 import dataclasses
 import enum
+import keyword
 import math
 import sys
 import types
@@ -93,13 +99,17 @@ def _entry_from_json(data: Any) -> KeyEntry:
         if tag == "b" and len(data) == 2 and type(data[1]) is bool:
             return ("b", data[1])
         if tag == "f" and len(data) == 2 and isinstance(data[1], str):
-            float(data[1])
-            return ("f", data[1])
+            with contextlib.suppress(ValueError):
+                float(data[1])
+                return ("f", data[1])
         if tag == "n" and len(data) == 1:
             return ("n",)
         if tag == "t" and len(data) == 2 and isinstance(data[1], list):
             return ("t", *(_entry_from_json(x) for x in data[1]))
-    raise MetadataError(f"malformed key {data!r} in the tree structure")
+    raise MetadataError(
+        f"malformed key {_found(data)}: expected a string or a typed key (['i', int], ['b', bool], ['f', float "
+        f"text], ['n'], ['t', [keys]])"
+    )
 
 
 def _entry_key(e: KeyEntry) -> Any:
@@ -179,10 +189,25 @@ class Node:
 
     # ------------------------------------------------------------------ rebuild
     def unflatten(self, leaves: Sequence[Any]) -> Any:
-        """Rebuild the tree with ``leaves`` in flatten order."""
+        """Rebuild the tree with ``leaves`` in flatten order.
+
+        Raises:
+          MetadataError: a node the stored structure describes that its type cannot be made
+            from (a registered unflatten function that fails on it), naming its key path.
+        """
+        try:
+            return self._unflatten(leaves)
+        except _NodeFailed as failed:
+            where = _where(self._path_to(failed.node) or ())
+            raise MetadataError(
+                f"tree structure at {where}: a node of type {failed.node.type_name} cannot be rebuilt from what the "
+                f"checkpoint stores ({type(failed.cause).__name__}: {failed.cause})"
+            ) from failed.cause
+
+    def _unflatten(self, leaves: Sequence[Any]) -> Any:
         if self.kind == "leaf":
             return leaves[self.leaf]
-        kids = [c.unflatten(leaves) for c in self.children]
+        kids = [c._unflatten(leaves) for c in self.children]
         k = self.kind
         if k in ("dict", "odict", "defaultdict"):
             items = [(_entry_key(e), v) for e, v in zip(self.entries, kids, strict=True)]
@@ -197,21 +222,33 @@ class Node:
             return tuple(kids)
         if k == "deque":
             return collections.deque(kids, maxlen=self.extra.get("maxlen"))
-        if k == "namedtuple":
-            return self.type(*kids)
-        if k == "dataclass":
-            if self.type is dict:
-                return {_entry_key(e): v for e, v in zip(self.entries, kids, strict=True)}
-            obj = object.__new__(self.type)
-            for e, v in zip(self.entries, kids, strict=True):
-                object.__setattr__(obj, e[1], v)
-            return obj
-        if k == "custom":
-            unflatten = self.extra.get("unflatten")
-            if unflatten is None:
-                return {_entry_key(e): v for e, v in zip(self.entries, kids, strict=True)}
-            return unflatten(self.extra.get("metadata"), kids)
+        try:
+            if k == "namedtuple":  # (the type's own __new__ is not called: tuple's makes the instance, as copy does)
+                return tuple.__new__(self.type, kids)
+            if k == "dataclass":
+                if self.type is dict:
+                    return {_entry_key(e): v for e, v in zip(self.entries, kids, strict=True)}
+                obj = object.__new__(self.type)
+                for e, v in zip(self.entries, kids, strict=True):
+                    object.__setattr__(obj, e[1], v)
+                return obj
+            if k == "custom":
+                unflatten = self.extra.get("unflatten")
+                if unflatten is None:
+                    return {_entry_key(e): v for e, v in zip(self.entries, kids, strict=True)}
+                return unflatten(self.extra.get("metadata"), kids)
+        except Exception as e:  # (checked when parsed; a registered unflatten function is the user's code)
+            raise _NodeFailed(self, e) from e
         raise AssertionError(k)
+
+    def _path_to(self, node: Node) -> tuple[KeyEntry, ...] | None:
+        if self is node:
+            return ()
+        for e, c in zip(self.entries, self.children, strict=True):
+            below = c._path_to(node)
+            if below is not None:
+                return (e, *below)
+        return None
 
     # ------------------------------------------------------------------ JSON
     def to_json(self) -> Any:
@@ -229,69 +266,101 @@ class Node:
         return out
 
     @classmethod
-    def from_json(cls, data: Any, num_leaves: int, namespace: str = "") -> Node:
-        """Rebuild a structure from JSON, resolving types only among imported modules."""
+    def from_json(cls, data: Any, num_leaves: int, namespace: str = "", path: tuple[KeyEntry, ...] = ()) -> Node:
+        """Rebuild a structure from JSON, resolving types only among imported modules, calling none of their code.
+
+        ``path``: the node's key path in the whole structure, for the errors.
+
+        Raises:
+          MetadataError: a node that is not what a save writes, or that would not describe
+            exactly its own leaves, naming its key path and what was expected versus found.
+        """
         if type(data) is int:
             if not 0 <= data < num_leaves:
-                raise MetadataError(f"tree structure names leaf {data} but there are {num_leaves} leaves")
+                raise MetadataError(
+                    f"tree structure at {_where(path)}: names leaf {data}, but the document lists {num_leaves} leaves"
+                )
             return leaf_node(data)
-        if not isinstance(data, dict) or not isinstance(data.get("c"), list):
-            raise MetadataError(f"malformed tree node {str(data)[:200]}")
+        if not isinstance(data, dict):
+            raise MetadataError(
+                f"tree structure at {_where(path)}: expected a node (an object) or a leaf index, found {_found(data)}"
+            )
         kind = data.get("k")
-        children = [  # (most children are leaves, most keys strings: taken here, without a call each)
-            leaf_node(c) if type(c) is int and 0 <= c < num_leaves else cls.from_json(c, num_leaves, namespace)
-            for c in data["c"]
-        ]
-        keys = data.get("keys")
-        entries = [("s", k) if type(k) is str else _entry_from_json(k) for k in keys] if isinstance(keys, list) else []
+        if type(kind) is not str or kind not in _KINDS:
+            raise MetadataError(
+                f"tree structure at {_where(path)}: unknown tree node kind {_found(kind)}, expected one of {_KINDS}"
+            )
+        kids = data.get("c")
+        if type(kids) is not list:
+            raise MetadataError(
+                f"tree structure at {_where(path)}: 'c' must be a list of children, found {_found(kids)}"
+            )
         if kind in ("list", "tuple", "deque"):
-            entries = [("i", i) for i in range(len(children))]
-        if len(entries) != len(children):
-            raise MetadataError(f"tree node of kind {kind!r} has {len(entries)} keys but {len(children)} children")
-        node = cls(str(kind), entries, children, type_name=data.get("type"))
-        if kind in ("dict", "odict", "list", "tuple"):
-            pass
-        elif kind == "defaultdict":
+            entries: list[KeyEntry] = [("i", i) for i in range(len(kids))]
+        else:
+            entries = _entries(data.get("keys"), kind, path)
+            if len(entries) != len(kids):
+                raise MetadataError(
+                    f"tree structure at {_where(path)}: a {kind} node of {len(entries)} keys has {len(kids)} children"
+                )
+        children = [  # (most children are leaves, most keys strings: taken here, without a call each)
+            leaf_node(c)
+            if type(c) is int and 0 <= c < num_leaves
+            else cls.from_json(c, num_leaves, namespace, (*path, e))
+            for e, c in zip(entries, kids, strict=True)
+        ]
+        type_name = data.get("type")
+        if type_name is not None and type(type_name) is not str:
+            raise MetadataError(
+                f"tree structure at {_where(path)}: the {kind} node's type must be a 'module:qualname' string, found "
+                f"{_found(type_name)}"
+            )
+        node = cls(kind, entries, children, type_name=type_name)
+        if kind == "defaultdict":
             fname = data.get("factory_name")
             node.extra["factory_name"] = fname
             node.extra["factory"] = _SAFE_FACTORIES.get(fname) if isinstance(fname, str) else None
         elif kind == "deque":
             maxlen = data.get("maxlen")
-            if maxlen is not None and type(maxlen) is not int:
-                raise MetadataError(f"deque maxlen must be an integer, found {maxlen!r}")
+            if maxlen is not None and (type(maxlen) is not int or not len(kids) <= maxlen <= sys.maxsize):
+                raise MetadataError(
+                    f"tree structure at {_where(path)}: a deque of {len(kids)} leaves or subtrees needs a maxlen of "
+                    f"None or an integer from {len(kids)} to {sys.maxsize}, found {_found(maxlen)}"
+                )
             node.extra["maxlen"] = maxlen
         elif kind == "namedtuple":
-            fields = [e[1] for e in entries]
-            found = _resolve(node.type_name)
-            if isinstance(found, type) and issubclass(found, tuple) and list(getattr(found, "_fields", ())) == fields:
+            fields = _field_names(entries, kind, path)
+            found = _resolve(type_name)
+            if found is not None and _reusable_tuple(found, fields):
                 node.type = found
             else:
-                name = (node.type_name or "Tuple").rsplit(".", 1)[-1].rsplit(":", 1)[-1]
-                node.type = collections.namedtuple(name if name.isidentifier() else "Tuple", fields, rename=True)  # type: ignore[misc]
+                name = (type_name or "Tuple").rsplit(".", 1)[-1].rsplit(":", 1)[-1]
+                if not name.isidentifier() or keyword.iskeyword(name):
+                    name = "Tuple"
+                node.type = collections.namedtuple(name, fields, rename=True)  # type: ignore[misc]
         elif kind == "dataclass":
-            typ = _resolve(node.type_name)
-            names = [e[1] for e in entries]
-            if (
-                isinstance(typ, type)
-                and dataclasses.is_dataclass(typ)
-                and [f.name for f in dataclasses.fields(typ)] == names
-            ):
-                node.type = typ
-            else:
-                node.type = dict
+            typ = _resolve(type_name)
+            fields = _field_names(entries, kind, path)
+            node.type = typ if typ is not None and _reusable_dataclass(typ, fields) else dict
         elif kind == "custom":
-            typ = _resolve(node.type_name)
+            typ = _resolve(type_name)
             node.extra["metadata_json"] = data.get("metadata_json")
-            if isinstance(typ, type) and "metadata_json" in data:
-                if optree.is_structseq_class(typ):
+            if typ is not None and "metadata_json" in data:
+                if _is_structseq(typ):
+                    width = _static(typ, "n_sequence_fields")
+                    if len(kids) != width:
+                        raise MetadataError(
+                            f"tree structure at {_where(path)}: a node of type {type_name} has {width} fields, found "
+                            f"{len(kids)} children"
+                        )
                     node.extra["unflatten"] = lambda _m, kids, typ=typ: typ(kids)
                 else:
                     entry = optree.register_pytree_node.get(typ, namespace=namespace) if namespace else None
                     if entry is not None:
                         node.extra["unflatten"] = entry.unflatten_func
                         node.extra["metadata"] = decode_value(data["metadata_json"])
-        else:
-            raise MetadataError(f"unknown tree node kind {kind!r}")
+        if kind not in ("list", "tuple", "deque") and "unflatten" not in node.extra:  # (each key once, as in a dict)
+            _check_unique(entries, kind, path)
         return node
 
     def paths(self) -> list[tuple[KeyEntry, ...]]:
@@ -326,17 +395,169 @@ def _type_name(t: type) -> str:
     return f"{t.__module__}:{t.__qualname__}"
 
 
+_KINDS = ("dict", "odict", "defaultdict", "list", "tuple", "deque", "namedtuple", "dataclass", "custom")
+
+
+def _where(path: Sequence[KeyEntry]) -> str:
+    return f"key path {keystr(path)!r}" if path else "the root"
+
+
+def _found(value: Any) -> str:
+    """What a document holds where something else was expected, shortly (lone surrogates escaped)."""
+    text = repr(value)
+    return f"{type(value).__name__} {text if len(text) <= 80 else text[:80] + '...'}"
+
+
+def _entries(keys: Any, kind: str, path: tuple[KeyEntry, ...]) -> list[KeyEntry]:
+    if type(keys) is not list:
+        raise MetadataError(
+            f"tree structure at {_where(path)}: a {kind} node needs a list of keys, found {_found(keys)}"
+        )
+    try:
+        return [("s", k) if type(k) is str else _entry_from_json(k) for k in keys]
+    except MetadataError as e:
+        raise MetadataError(f"tree structure at {_where(path)}: a {kind} node's {e}") from None
+
+
+def _field_names(entries: Sequence[KeyEntry], kind: str, path: tuple[KeyEntry, ...]) -> list[str]:
+    names = [e[1] for e in entries if e[0] == "s"]
+    if len(names) != len(entries):
+        bad = next(e for e in entries if e[0] != "s")
+        raise MetadataError(
+            f"tree structure at {_where(path)}: a {kind} node's keys are field names (strings), found "
+            f"{_found(_entry_key(bad))}"
+        )
+    return names
+
+
+def _check_unique(entries: Sequence[KeyEntry], kind: str, path: tuple[KeyEntry, ...]) -> None:
+    """Refuse a node whose keys name one Python key twice (``1``, ``True`` and ``1.0`` are one dict key)."""
+    keys = [e[1] if e[0] == "s" else _entry_key(e) for e in entries]
+    if len(set(keys)) == len(keys):
+        return
+    seen: set[Any] = set()
+    twice = next(k for k in keys if k in seen or seen.add(k))  # type: ignore[func-returns-value]
+    raise MetadataError(
+        f"tree structure at {_where(path)}: the {kind} node has the key {twice!r} twice (as {len(keys)} keys, "
+        f"{len(set(keys))} different), so it would hold fewer leaves than the document lists"
+    )
+
+
+class _NodeFailed(Exception):
+    """A node whose type could not be made (raised inside :meth:`Node._unflatten`, which knows no path)."""
+
+    def __init__(self, node: Node, cause: Exception) -> None:
+        super().__init__(node, cause)
+        self.node = node
+        self.cause = cause
+
+
+# Names found in a document are looked up through these descriptors, never getattr: the namespace a
+# module or class holds itself, so no lazy __getattr__ (a module's, a metaclass's) or property runs.
+_MODULE_DICT: Any = vars(types.ModuleType)["__dict__"]
+_CLASS_DICT: Any = type.__dict__["__dict__"]
+_MRO: Any = type.__dict__["__mro__"]
+_FLAGS: Any = type.__dict__["__flags__"]
+_HEAPTYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: a class made by a class statement (or a C extension's heap type)
+_ABSTRACT = 1 << 20  # Py_TPFLAGS_IS_ABSTRACT
+_BASETYPE = 1 << 10  # Py_TPFLAGS_BASETYPE: the class can be subclassed
+_MISSING: Any = object()
+
+
+def _is_class(obj: Any) -> bool:
+    return issubclass(type(obj), type)  # (not isinstance: that can ask the object its __class__)
+
+
+def _static(cls: type, name: str) -> Any:
+    """``cls.name`` as found in the namespaces of ``cls``'s MRO, without running any descriptor; else _MISSING."""
+    for base in _MRO.__get__(cls):
+        space = _CLASS_DICT.__get__(base)
+        if name in space:
+            return space[name]
+    return _MISSING
+
+
 def _resolve(name: str | None) -> Any:
-    """The type named ``module:qualname`` if its module is already imported, else None."""
-    if not isinstance(name, str) or ":" not in name:
+    """The class named ``module:qualname`` if its module is already imported, else None.
+
+    Only namespaces are read (the module's ``__dict__``, then each class's own): nothing is
+    imported, no module's ``__getattr__`` runs, and what is found is a class or nothing.
+    """
+    if not isinstance(name, str) or name.count(":") != 1:
         return None
-    module_name, qualname = name.split(":", 1)
-    obj: Any = sys.modules.get(module_name)
+    module_name, qualname = name.split(":")
+    module = sys.modules.get(module_name)
+    if not issubclass(type(module), types.ModuleType):
+        return None
+    space = _MODULE_DICT.__get__(module)
+    if type(space) is not dict:
+        return None
+    obj: Any = None
     for part in qualname.split("."):
-        if obj is None or part.startswith("__") or "<" in part:
+        obj = space.get(part)
+        if not _is_class(obj):
             return None
-        obj = getattr(obj, part, None)
+        space = _CLASS_DICT.__get__(obj)
     return obj
+
+
+def _python_classes_down_to(cls: type, base: type) -> bool:
+    """Whether every class of ``cls``'s MRO before ``base`` is a Python class whose ``__new__``, if it has one, is
+    Python's: then ``base.__new__(cls)`` makes an instance (a C type's own ``__new__`` could be bypassed unsafely)."""
+    for c in _MRO.__get__(cls):
+        if c is base:
+            return True
+        if not _FLAGS.__get__(c) & _HEAPTYPE:
+            return False
+        new = _CLASS_DICT.__get__(c).get("__new__", _MISSING)
+        if new is not _MISSING and type(new) is not staticmethod:
+            return False
+    return False
+
+
+def _reusable_tuple(typ: type, fields: list[str]) -> bool:
+    """Whether ``typ`` is a namedtuple type of these fields, whose instances ``tuple.__new__`` can make."""
+    found = _static(typ, "_fields")
+    return (
+        issubclass(typ, tuple)
+        and type(found) is tuple
+        and all(type(f) is str for f in found)
+        and list(found) == fields
+        and _python_classes_down_to(typ, tuple)
+    )
+
+
+def _reusable_dataclass(typ: type, fields: list[str]) -> bool:
+    """Whether ``typ`` is a dataclass of these fields, whose instances ``object.__new__`` can make and whose fields
+    ``object.__setattr__`` sets without running a descriptor."""
+    found = _static(typ, "__dataclass_fields__")
+    if type(found) is not dict or not all(type(f) is dataclasses.Field for f in found.values()):
+        return False
+    names = [f.name for f in found.values() if getattr(f, "_field_type", None) is getattr(dataclasses, "_FIELD", 0)]
+    if names != fields or _FLAGS.__get__(typ) & _ABSTRACT or not _python_classes_down_to(typ, object):
+        return False
+    for name in names:  # (a field that is a property or another data descriptor would run its __set__)
+        attr = _static(typ, name)
+        if (
+            attr is not _MISSING
+            and type(attr) is not types.MemberDescriptorType
+            and _static(type(attr), "__set__") is not _MISSING
+        ):
+            return False
+    return True
+
+
+def _is_structseq(typ: type) -> bool:
+    """Whether ``typ`` is a C struct sequence (``os.stat_result``, ``time.struct_time``), which builtin code makes.
+
+    (A class statement makes classes that can be subclassed: only a C type passes.)
+    """
+    return (
+        type(typ) is type
+        and issubclass(typ, tuple)
+        and not _FLAGS.__get__(typ) & _BASETYPE
+        and all(type(_static(typ, n)) is int for n in ("n_sequence_fields", "n_fields", "n_unnamed_fields"))
+    )
 
 
 # --------------------------------------------------------------------------- values
@@ -440,7 +661,7 @@ def resolve_value(value: Any, like: Any) -> Any:
     else:
         name = _type_name(type(value)) if isinstance(value, enum.Enum) else value.type_name
         typ = type(value) if isinstance(value, enum.Enum) else _resolve(name)
-        if not (isinstance(typ, type) and issubclass(typ, enum.Enum)):
+        if typ is None or not issubclass(typ, enum.Enum):
             raise TypeError(
                 f"the checkpoint holds a member of enum {name}, which is not an enum imported here (its module is "
                 f"not imported, or holds no such enum); import it before loading, or pass a target whose leaf is a "
@@ -448,10 +669,32 @@ def resolve_value(value: Any, like: Any) -> Any:
             )
     if isinstance(value, typ):
         return value
-    try:
-        return typ(raw)
-    except (ValueError, TypeError, KeyError):
-        raise TypeError(f"the checkpoint holds the value {raw!r}, which is not a member of enum {name}") from None
+    return _member(typ, raw, name)
+
+
+_ENUM_HOOKS = (enum.Enum.__dict__["_missing_"], enum.Flag.__dict__["_missing_"])
+
+
+def _member(typ: type[enum.Enum], raw: Any, name: str) -> enum.Enum:
+    """The member of ``typ`` of value ``raw``, found among its members; a value that is none of them is made by the
+    enum module's own code (a Flag's combination of members), never by a hook of the type's own."""
+    members = _static(typ, "_value2member_map_")
+    with contextlib.suppress(TypeError):  # (an unhashable value: looked for by the enum module below)
+        found = members.get(raw, _MISSING) if type(members) is dict else _MISSING
+        if found is not _MISSING and type(found) is typ:
+            return found  # type: ignore[no-any-return]
+    plain = (
+        type(typ) is enum.EnumType
+        and _static(typ, "_missing_") in _ENUM_HOOKS
+        and type(_static(typ, "_new_member_")) is types.BuiltinFunctionType
+    )
+    if plain:
+        with contextlib.suppress(ValueError, TypeError, KeyError):
+            return typ(raw)
+    raise TypeError(
+        f"the checkpoint holds the value {raw!r}, which is not a member of enum {name}"
+        + ("" if plain else " (its own _missing_ or __new__ is not run for a value stored in a checkpoint)")
+    )
 
 
 # --------------------------------------------------------------------------- flatten

@@ -845,7 +845,7 @@ def _document_of(
         raise MetadataError("tree structure is nested too deeply") from None
     ids = _leaf_ids(tree)
     if ids != list(range(len(leaves))) and sorted(ids) != list(range(len(leaves))):  # (saves name them in order)
-        raise MetadataError("tree structure must name every leaf exactly once")
+        raise _not_every_leaf_once(ids, leaves)
     if not isinstance(user, dict):
         raise MetadataError("'user_metadata' must be a JSON object")
     return CheckpointDoc(version, tree, leaves, user, checksums)
@@ -1060,6 +1060,16 @@ def parse_memory_bound(raw: bytes) -> int:
     """
     values = 1 + sum(raw.count(c) for c in (b",", b":", b"[", b"{"))
     return 80 * values + 4 * len(raw)
+
+
+def _not_every_leaf_once(ids: list[int], leaves: Sequence[ArrayMeta | ValueMeta]) -> MetadataError:
+    """The error for a tree structure that names some leaf of the document twice, or some leaf not at all."""
+    counts = collections.Counter(ids)
+    twice = [f"leaf {i} ({leaves[i].key!r}) {n} times" for i, n in counts.items() if n > 1][:1]
+    missing = [f"leaf {i} ({leaves[i].key!r}) not at all" for i in range(len(leaves)) if i not in counts][:1]
+    return MetadataError(
+        f"tree structure must name every leaf the document lists exactly once: it names {' and '.join(twice + missing)}"
+    )
 
 
 def _leaf_ids(node: Node) -> list[int]:
