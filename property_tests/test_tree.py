@@ -10,7 +10,8 @@ from typing import Any
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pytreeckpt.core._tree import Node, decode_value, encode_value, flatten, keystr
+from pytreeckpt.core._tree import Node, flatten, keystr
+from pytreeckpt.core._values import decode_value, encode_value
 
 Point = collections.namedtuple("Point", "x y")
 Triple = collections.namedtuple("Triple", ["first", "second", "third"])

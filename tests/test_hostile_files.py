@@ -1239,7 +1239,7 @@ print("RESULT", json.dumps({{"new modules": sorted(set(sys.modules) - before), "
                 in (out["enums"]["load"])
             )
     assert "the value 5, which is not a member of enum pytreeckpt_spy:Level" in out["enums"]["load"]
-    assert set(out["enums types"].values()) == {"pytreeckpt.core._tree:StoredEnum"}
+    assert set(out["enums types"].values()) == {"pytreeckpt.core._values:StoredEnum"}
     # Node types: only the spy's namedtuple and dataclass and PackedSequence are reused (made without calling their
     # __new__ or __init__); every other name gives a namedtuple of pytreeckpt's own or a dict.
     reused = {"pytreeckpt_spy:Rec", "torch.nn.utils.rnn:PackedSequence"}

@@ -379,7 +379,7 @@ class _Wrapped(torch.Tensor):
 def test_leaf_and_value_checks_answer_as_isinstance_does() -> None:
     """The exact-type shortcuts of _is_leaf and _is_value answer as the isinstance checks they stand for."""
     from pytreeckpt.api._shared import _LEAF_TYPES, _is_leaf, _is_value
-    from pytreeckpt.core._tree import PYTHON_LEAF_TYPES, StoredEnum
+    from pytreeckpt.core._values import PYTHON_LEAF_TYPES, StoredEnum
 
     spec = ShardingSpec(Mesh(2), [Shard(0)])
     things = [

@@ -22,7 +22,8 @@ from pytreeckpt.core._leaf import Abstract, ShardedLeaf, piece_view
 from pytreeckpt.core._region import Region
 from pytreeckpt.core._sharding import ExplicitRegions, Layout, Mesh, Piece, Replicate, ShardingSpec
 from pytreeckpt.core._slots import slots_constructor
-from pytreeckpt.core._tree import KeyEntry, Node, flatten, keystr, leaf_node, resolve_value, typed_keystr
+from pytreeckpt.core._tree import KeyEntry, Node, flatten, keystr, leaf_node, typed_keystr
+from pytreeckpt.core._values import resolve_value
 from pytreeckpt.distributed._comm import data_comm
 from pytreeckpt.execute._executor import read_arrays
 from pytreeckpt.execute._memory import AllocationFailed, Prefault, empty_host, empty_numpy

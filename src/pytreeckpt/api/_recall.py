@@ -37,7 +37,8 @@ import torch
 
 from pytreeckpt.core._leaf import Abstract
 from pytreeckpt.core._region import Region
-from pytreeckpt.core._tree import PYTHON_LEAF_TYPES, Node
+from pytreeckpt.core._tree import Node
+from pytreeckpt.core._values import PYTHON_LEAF_TYPES
 from pytreeckpt.plan import ArraySpec, SavePlan
 
 from ._sources import _PLAIN, _ArrayIn

@@ -31,7 +31,8 @@ import torch
 
 from pytreeckpt.core._errors import CheckpointError, MetadataError
 from pytreeckpt.core._sharding import Layout
-from pytreeckpt.core._tree import broadcast_prefix, check_unique_keys, encode_value, flatten
+from pytreeckpt.core._tree import broadcast_prefix, check_unique_keys, flatten
+from pytreeckpt.core._values import encode_value
 from pytreeckpt.distributed._comm import data_comm
 from pytreeckpt.execute._executor import ChunkReuse, PieceData, write_arrays, write_items
 from pytreeckpt.execute._monitor import Monitor, Progress, Span, logger

@@ -14,7 +14,7 @@ import torch
 from pytreeckpt.core._errors import CheckpointError, LayoutError
 from pytreeckpt.core._leaf import Abstract, ShardedLeaf
 from pytreeckpt.core._sharding import Layout, Mesh, Replicate, ShardingSpec
-from pytreeckpt.core._tree import PYTHON_LEAF_TYPES
+from pytreeckpt.core._values import PYTHON_LEAF_TYPES
 from pytreeckpt.execute._monitor import Monitor, Span
 from pytreeckpt.plan import ArraySpec, spec_digest, spec_plan_key
 from pytreeckpt.storage._location import Where

@@ -27,9 +27,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import enum
 import keyword
-import math
 import sys
 import types
 from collections.abc import Callable, Sequence
@@ -39,21 +37,18 @@ from typing import Any
 import optree
 
 from ._errors import CheckpointError, MetadataError
+from ._names import is_structseq, resolve_class, reusable_dataclass, reusable_tuple, static_attr, type_name
+from ._values import decode_value, encode_value
 
 __all__ = [
     "MAX_DEPTH",
-    "PYTHON_LEAF_TYPES",
     "KeyEntry",
     "Node",
-    "StoredEnum",
     "broadcast_prefix",
     "check_unique_keys",
-    "decode_value",
-    "encode_value",
     "flatten",
     "keystr",
     "leaf_node",
-    "resolve_value",
     "typed_keystr",
 ]
 
@@ -330,8 +325,8 @@ class Node:
             node.extra["maxlen"] = maxlen
         elif kind == "namedtuple":
             fields = _field_names(entries, kind, path)
-            found = _resolve(type_name)
-            if found is not None and _reusable_tuple(found, fields):
+            found = resolve_class(type_name)
+            if found is not None and reusable_tuple(found, fields):
                 node.type = found
             else:
                 name = (type_name or "Tuple").rsplit(".", 1)[-1].rsplit(":", 1)[-1]
@@ -339,15 +334,15 @@ class Node:
                     name = "Tuple"
                 node.type = collections.namedtuple(name, fields, rename=True)  # type: ignore[misc]
         elif kind == "dataclass":
-            typ = _resolve(type_name)
+            typ = resolve_class(type_name)
             fields = _field_names(entries, kind, path)
-            node.type = typ if typ is not None and _reusable_dataclass(typ, fields) else dict
+            node.type = typ if typ is not None and reusable_dataclass(typ, fields) else dict
         elif kind == "custom":
-            typ = _resolve(type_name)
+            typ = resolve_class(type_name)
             node.extra["metadata_json"] = data.get("metadata_json")
             if typ is not None and "metadata_json" in data:
-                if _is_structseq(typ):
-                    width = _static(typ, "n_sequence_fields")
+                if is_structseq(typ):
+                    width = static_attr(typ, "n_sequence_fields")
                     if len(kids) != width:
                         raise MetadataError(
                             f"tree structure at {_where(path)}: a node of type {type_name} has {width} fields, found "
@@ -389,10 +384,6 @@ _SAFE_FACTORIES: dict[str, Callable[[], Any]] = {
     "set": set,
     "tuple": tuple,
 }
-
-
-def _type_name(t: type) -> str:
-    return f"{t.__module__}:{t.__qualname__}"
 
 
 _KINDS = ("dict", "odict", "defaultdict", "list", "tuple", "deque", "namedtuple", "dataclass", "custom")
@@ -450,251 +441,6 @@ class _NodeFailed(Exception):
         super().__init__(node, cause)
         self.node = node
         self.cause = cause
-
-
-# Names found in a document are looked up through these descriptors, never getattr: the namespace a
-# module or class holds itself, so no lazy __getattr__ (a module's, a metaclass's) or property runs.
-_MODULE_DICT: Any = vars(types.ModuleType)["__dict__"]
-_CLASS_DICT: Any = type.__dict__["__dict__"]
-_MRO: Any = type.__dict__["__mro__"]
-_FLAGS: Any = type.__dict__["__flags__"]
-_HEAPTYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: a class made by a class statement (or a C extension's heap type)
-_ABSTRACT = 1 << 20  # Py_TPFLAGS_IS_ABSTRACT
-_BASETYPE = 1 << 10  # Py_TPFLAGS_BASETYPE: the class can be subclassed
-_MISSING: Any = object()
-
-
-def _is_class(obj: Any) -> bool:
-    return issubclass(type(obj), type)  # (not isinstance: that can ask the object its __class__)
-
-
-def _static(cls: type, name: str) -> Any:
-    """``cls.name`` as found in the namespaces of ``cls``'s MRO, without running any descriptor; else _MISSING."""
-    for base in _MRO.__get__(cls):
-        space = _CLASS_DICT.__get__(base)
-        if name in space:
-            return space[name]
-    return _MISSING
-
-
-def _resolve(name: str | None) -> Any:
-    """The class named ``module:qualname`` if its module is already imported, else None.
-
-    Only namespaces are read (the module's ``__dict__``, then each class's own): nothing is
-    imported, no module's ``__getattr__`` runs, and what is found is a class or nothing.
-    """
-    if not isinstance(name, str) or name.count(":") != 1:
-        return None
-    module_name, qualname = name.split(":")
-    module = sys.modules.get(module_name)
-    if not issubclass(type(module), types.ModuleType):
-        return None
-    space = _MODULE_DICT.__get__(module)
-    if type(space) is not dict:
-        return None
-    obj: Any = None
-    for part in qualname.split("."):
-        obj = space.get(part)
-        if not _is_class(obj):
-            return None
-        space = _CLASS_DICT.__get__(obj)
-    return obj
-
-
-def _python_classes_down_to(cls: type, base: type) -> bool:
-    """Whether every class of ``cls``'s MRO before ``base`` is a Python class whose ``__new__``, if it has one, is
-    Python's: then ``base.__new__(cls)`` makes an instance (a C type's own ``__new__`` could be bypassed unsafely)."""
-    for c in _MRO.__get__(cls):
-        if c is base:
-            return True
-        if not _FLAGS.__get__(c) & _HEAPTYPE:
-            return False
-        new = _CLASS_DICT.__get__(c).get("__new__", _MISSING)
-        if new is not _MISSING and type(new) is not staticmethod:
-            return False
-    return False
-
-
-def _reusable_tuple(typ: type, fields: list[str]) -> bool:
-    """Whether ``typ`` is a namedtuple type of these fields, whose instances ``tuple.__new__`` can make."""
-    found = _static(typ, "_fields")
-    return (
-        issubclass(typ, tuple)
-        and type(found) is tuple
-        and all(type(f) is str for f in found)
-        and list(found) == fields
-        and _python_classes_down_to(typ, tuple)
-    )
-
-
-def _reusable_dataclass(typ: type, fields: list[str]) -> bool:
-    """Whether ``typ`` is a dataclass of these fields, whose instances ``object.__new__`` can make and whose fields
-    ``object.__setattr__`` sets without running a descriptor."""
-    found = _static(typ, "__dataclass_fields__")
-    if type(found) is not dict or not all(type(f) is dataclasses.Field for f in found.values()):
-        return False
-    names = [f.name for f in found.values() if getattr(f, "_field_type", None) is getattr(dataclasses, "_FIELD", 0)]
-    if names != fields or _FLAGS.__get__(typ) & _ABSTRACT or not _python_classes_down_to(typ, object):
-        return False
-    for name in names:  # (a field that is a property or another data descriptor would run its __set__)
-        attr = _static(typ, name)
-        if (
-            attr is not _MISSING
-            and type(attr) is not types.MemberDescriptorType
-            and _static(type(attr), "__set__") is not _MISSING
-        ):
-            return False
-    return True
-
-
-def _is_structseq(typ: type) -> bool:
-    """Whether ``typ`` is a C struct sequence (``os.stat_result``, ``time.struct_time``), which builtin code makes.
-
-    (A class statement makes classes that can be subclassed: only a C type passes.)
-    """
-    return (
-        type(typ) is type
-        and issubclass(typ, tuple)
-        and not _FLAGS.__get__(typ) & _BASETYPE
-        and all(type(_static(typ, n)) is int for n in ("n_sequence_fields", "n_fields", "n_unnamed_fields"))
-    )
-
-
-# --------------------------------------------------------------------------- values
-
-
-@dataclass(frozen=True, slots=True)
-class StoredEnum:
-    """An enum member read from a checkpoint whose type is not imported here.
-
-    ``type_name`` is ``module:qualname``; ``value`` the member's value. :func:`load`
-    turns it into the member (the target's type, or the type once its module is
-    imported); :func:`metadata` shows it as it is.
-    """
-
-    type_name: str
-    value: Any
-
-    def __repr__(self) -> str:
-        return f"<{self.type_name} member of value {self.value!r}, type not imported>"
-
-
-PYTHON_LEAF_TYPES = (bool, int, float, str, type(None), enum.Enum, StoredEnum)
-"""The types of leaves stored inline in the metadata (of int, float and str, only enum subclasses)."""
-
-
-def _plain_type_error(v: Any) -> TypeError:
-    t = type(v)
-    base = next((b.__name__ for b in (bool, int, float, str) if isinstance(v, b)), None)
-    if base is not None:
-        return TypeError(
-            f"a value of type {t.__module__}.{t.__qualname__}, a subclass of {base}, would come back as a plain "
-            f"{base}; convert it with {base}(...) before saving (enum members are stored with their type)"
-        )
-    return TypeError(f"cannot store {t.__module__}.{t.__qualname__} inline")
-
-
-def encode_value(v: Any) -> Any:
-    """JSON for a plain Python leaf value, exact for floats (NaN and infinities too).
-
-    Enum members are stored with their type's name; subclasses of int, float and str
-    that are not enums are refused (they would come back as plain values).
-
-    Raises:
-      TypeError: a value that would not come back equal.
-    """
-    if isinstance(v, enum.Enum):
-        try:
-            return {"enum": _type_name(type(v)), "value": encode_value(v.value)}
-        except TypeError:
-            raise TypeError(
-                f"enum member {v!r} has a value of type {type(v.value).__qualname__}, which cannot be stored inline"
-            ) from None
-    if isinstance(v, StoredEnum):
-        return {"enum": v.type_name, "value": encode_value(v.value)}
-    t = type(v)
-    if t is float:
-        if math.isfinite(v):
-            return v
-        return {"float": repr(v)}
-    if v is None or t is bool or t is int or t is str:
-        return v
-    if t is list or t is tuple:
-        return {"seq": [encode_value(x) for x in v], "tuple": t is tuple}
-    raise _plain_type_error(v)
-
-
-def decode_value(data: Any) -> Any:
-    """The value :func:`encode_value` encoded; an enum member only if its type is imported, else a StoredEnum."""
-    if data is None or isinstance(data, bool | int | float | str):
-        return data
-    if isinstance(data, dict) and set(data) == {"float"} and data["float"] in ("nan", "inf", "-inf"):
-        return float(data["float"])
-    if isinstance(data, dict) and set(data) == {"seq", "tuple"} and isinstance(data["seq"], list):
-        seq = [decode_value(x) for x in data["seq"]]
-        return tuple(seq) if data["tuple"] else seq
-    if isinstance(data, dict) and set(data) == {"enum", "value"} and isinstance(data["enum"], str):
-        stored = StoredEnum(data["enum"], decode_value(data["value"]))
-        with contextlib.suppress(TypeError):
-            return resolve_value(stored, None)
-        return stored
-    raise MetadataError(f"malformed inline value {str(data)[:200]}")
-
-
-def resolve_value(value: Any, like: Any) -> Any:
-    """A stored value as the load target asks for it: an enum member of the target leaf's type.
-
-    ``like`` is the target's leaf (None without a target). An enum comes back as a
-    member of ``like``'s enum type if it is one, else of its stored type if that type's
-    module is imported (no module is ever imported here).
-
-    Raises:
-      TypeError: the enum's type is not imported and the target gives none, or the
-        value is no member of the type.
-    """
-    if not isinstance(value, enum.Enum | StoredEnum):
-        return value
-    raw = value.value
-    if isinstance(like, enum.Enum):
-        typ: Any = type(like)
-        name = _type_name(typ)
-    else:
-        name = _type_name(type(value)) if isinstance(value, enum.Enum) else value.type_name
-        typ = type(value) if isinstance(value, enum.Enum) else _resolve(name)
-        if typ is None or not issubclass(typ, enum.Enum):
-            raise TypeError(
-                f"the checkpoint holds a member of enum {name}, which is not an enum imported here (its module is "
-                f"not imported, or holds no such enum); import it before loading, or pass a target whose leaf is a "
-                f"member of that enum (pytreeckpt never imports modules named in a checkpoint)"
-            )
-    if isinstance(value, typ):
-        return value
-    return _member(typ, raw, name)
-
-
-_ENUM_HOOKS = (enum.Enum.__dict__["_missing_"], enum.Flag.__dict__["_missing_"])
-
-
-def _member(typ: type[enum.Enum], raw: Any, name: str) -> enum.Enum:
-    """The member of ``typ`` of value ``raw``, found among its members; a value that is none of them is made by the
-    enum module's own code (a Flag's combination of members), never by a hook of the type's own."""
-    members = _static(typ, "_value2member_map_")
-    with contextlib.suppress(TypeError):  # (an unhashable value: looked for by the enum module below)
-        found = members.get(raw, _MISSING) if type(members) is dict else _MISSING
-        if found is not _MISSING and type(found) is typ:
-            return found  # type: ignore[no-any-return]
-    plain = (
-        type(typ) is enum.EnumType
-        and _static(typ, "_missing_") in _ENUM_HOOKS
-        and type(_static(typ, "_new_member_")) is types.BuiltinFunctionType
-    )
-    if plain:
-        with contextlib.suppress(ValueError, TypeError, KeyError):
-            return typ(raw)
-    raise TypeError(
-        f"the checkpoint holds the value {raw!r}, which is not a member of enum {name}"
-        + ("" if plain else " (its own _missing_ or __new__ is not run for a value stored in a checkpoint)")
-    )
 
 
 # --------------------------------------------------------------------------- flatten
@@ -800,12 +546,12 @@ def _one_level(x: Any, path: tuple[KeyEntry, ...], namespace: str) -> Node:
         node.extra["_kids"] = list(x)
         return node
     if isinstance(x, tuple) and hasattr(t, "_fields") and not optree.is_structseq(x):
-        node = Node("namedtuple", [("s", f) for f in t._fields], type=t, type_name=_type_name(t))
+        node = Node("namedtuple", [("s", f) for f in t._fields], type=t, type_name=type_name(t))
         node.extra["_kids"] = list(x)
         return node
     if dataclasses.is_dataclass(x) and not isinstance(x, type) and not _registered(t, namespace):
         fields = dataclasses.fields(x)
-        node = Node("dataclass", [("s", f.name) for f in fields], type=t, type_name=_type_name(t))
+        node = Node("dataclass", [("s", f.name) for f in fields], type=t, type_name=type_name(t))
         node.extra["_kids"] = [getattr(x, f.name) for f in fields]
         return node
     try:
@@ -824,7 +570,7 @@ def _one_level(x: Any, path: tuple[KeyEntry, ...], namespace: str) -> Node:
             entries.append(_entry(entry))
         except TypeError:
             entries.append(("s", str(entry)))
-    node = Node("custom", entries, type=t, type_name=_type_name(t), extra={"unflatten": out.unflatten_func})
+    node = Node("custom", entries, type=t, type_name=type_name(t), extra={"unflatten": out.unflatten_func})
     node.extra["metadata"] = out.metadata
     # Metadata that is not plain data is not stored; without a target such a node comes back as a dict.
     with contextlib.suppress(TypeError):

@@ -41,7 +41,8 @@ from pytreeckpt.core._checksum import crc32c
 from pytreeckpt.core._dtypes import DType, dtype_from_name
 from pytreeckpt.core._errors import CheckpointError, MetadataError
 from pytreeckpt.core._sharding import Layout, layout_from_json
-from pytreeckpt.core._tree import Node, decode_value
+from pytreeckpt.core._tree import Node
+from pytreeckpt.core._values import decode_value
 
 __all__ = [
     "ARCHIVE_DIR",
