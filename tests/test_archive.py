@@ -340,3 +340,38 @@ def test_every_entry_of_a_leaf_is_in_the_archive_that_holds_its_zarr_json(
         assert np.array_equal(stored.read().result(), value.numpy()), key
     got = pytreeckpt.load(path)
     assert all(torch.equal(got[k], v) for k, v in tree.items())
+
+
+class _CountingIndex(dict):  # type: ignore[type-arg]
+    """An archive reader's index that counts the passes made over it."""
+
+    passes = 0
+
+    def __iter__(self) -> Any:
+        type(self).passes += 1
+        return super().__iter__()
+
+
+@pytest.mark.parametrize("arrays", [3, 30])
+def test_the_chunks_of_every_packed_array_are_counted_in_one_pass_over_the_archives(
+    tmp_path: Path, arrays: int
+) -> None:
+    """Checking each multi-chunk packed array's chunk count looked at every entry of the archives once per array
+    (a load of N such arrays cost N x entries); now one pass serves them all, and arrays named ``c`` count right."""
+    from pytreeckpt.storage._archive import ArchiveReader, ArchiveWriter
+
+    writer = ArchiveWriter(tmp_path, "packed/0")
+    names = ["c", "c~g1", *(f"w{i}" for i in range(arrays - 2))]
+    for k, name in enumerate(names):
+        entries = [(f"arrays/{name}/zarr.json", b"{}")]
+        entries += [(f"arrays/{name}/c/{i}", bytes(8)) for i in range(k % 4 + 1)]
+        writer.write_many(entries)
+    writer.finish()
+    reader = ArchiveReader(tmp_path / "packed" / "0", "packed/0")
+    reader.chunk_entries("arrays/none")  # (the archives are read)
+    _CountingIndex.passes = 0
+    reader._index = _CountingIndex(reader._index)
+    reader._chunks = None
+    got = [reader.chunk_entries(f"arrays/{name}") for name in names]
+    assert got == [k % 4 + 1 for k in range(len(names))]
+    assert _CountingIndex.passes == 1

@@ -277,6 +277,7 @@ class ArchiveReader:
         self._finalizer = weakref.finalize(self, _close_all, self._fds)
         self._lock = threading.Lock()
         self._loaded = False
+        self._chunks: dict[str, int] | None = None  # "<array path>/c/" -> its chunk entries, counted once
 
     def close(self) -> None:
         self._finalizer()
@@ -467,10 +468,25 @@ class ArchiveReader:
             if (at is None or k == at) and _identity(os.fstat(fd)) != identity:
                 raise self._changed(k)
 
-    def keys(self, prefix: str) -> list[str]:
+    def chunk_entries(self, array: str) -> int:
+        """How many chunk entries (``<array>/c/...``) the archives hold for the array at path ``array``.
+
+        Counted for every array in one pass over the index, the first time it is asked, so asking
+        it of each of a checkpoint's arrays is linear in the entries, not their product.
+        """
         if not self._loaded:
             self._load()
-        return [k for k in self._index if k.startswith(prefix)]
+        counts = self._chunks
+        if counts is None:
+            with self._lock:
+                counts = {}
+                for key in self._index:  # ("arrays/<name>/c/...": a name holds no "/")
+                    at = key.find("/", key.find("/") + 1)
+                    if at > 0 and key.startswith("/c/", at):
+                        head = key[:at]
+                        counts[head] = counts.get(head, 0) + 1
+                self._chunks = counts
+        return counts.get(array, 0)
 
 
 __all__ = ["MAX_BYTES", "MAX_ENTRIES", "ArchiveReader", "ArchiveWriter", "archive_name", "entry_bytes"]

@@ -114,7 +114,7 @@ class FileChecks(StorageBase):
         try:  # through the database's reader, opened (an archive's directory parsed) once per checkpoint
             db = self.packed.reader(meta.database)
             if in_archives(meta.database):
-                n = len(db.keys(prefix + "/"))
+                n = db.chunk_entries(meta.path)
             else:
                 n = len(db.list(ts.KvStore.KeyRange(prefix + "/", prefix + "0")).result())
         except Exception as e:
