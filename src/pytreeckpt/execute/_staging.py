@@ -51,6 +51,7 @@ class StagingPool:
         self._arena: torch.Tensor | None = None
         self._cond = threading.Condition()
         self._live: collections.deque[Stage] = collections.deque()
+        self._used = 0  # bytes of the live stages, kept as they come and go (not summed per acquire)
         self._aborted = False
         self.peak_bytes = 0
 
@@ -69,6 +70,7 @@ class StagingPool:
         """
         with self._cond:
             self._live.clear()
+            self._used = 0
             self._aborted = False
             self.peak_bytes = 0
             arena = self._arena
@@ -85,6 +87,7 @@ class StagingPool:
         """
         with self._cond:
             self._live.clear()
+            self._used = 0
             self._arena = None
 
     def abort(self) -> None:
@@ -110,8 +113,8 @@ class StagingPool:
                 self._cond.wait()
             stage = Stage(start, start + size, self._arena[start : start + nbytes])
             self._live.append(stage)
-            used = sum(s.stop - s.start for s in self._live)
-            self.peak_bytes = max(self.peak_bytes, used)
+            self._used += size
+            self.peak_bytes = max(self.peak_bytes, self._used)
             return stage
 
     def _fit(self, size: int) -> int | None:
@@ -133,7 +136,8 @@ class StagingPool:
         with self._cond:
             stage.released = True
             while self._live and self._live[0].released:
-                self._live.popleft()
+                gone = self._live.popleft()
+                self._used -= gone.stop - gone.start
             self._cond.notify_all()
 
 
