@@ -88,9 +88,16 @@ class CheckpointMetadata:
         return sum(a.nbytes for a in self.arrays.values())
 
 
-def _open(path: PathLike, namespace: str, executor: ExecutorOptions | None) -> tuple[Storage, Any]:
+def _open(
+    path: PathLike, namespace: str, executor: ExecutorOptions | None, seen: list[bytes] | None = None
+) -> tuple[Storage, CheckpointDoc]:
+    """The location and its parsed metadata document; the document's bytes appended to ``seen`` when given (to
+    tell, after a failure, whether the checkpoint was replaced meanwhile: :func:`_again_if_replaced`)."""
     storage = Storage(path, executor)
-    return storage, _parse(storage, storage.read_metadata(), namespace)
+    raw = storage.read_metadata()
+    if seen is not None:
+        seen.append(raw)
+    return storage, _parse(storage, raw, namespace)
 
 
 def _parse(storage: Storage, raw: bytes, namespace: str) -> CheckpointDoc:
@@ -239,13 +246,10 @@ def verify(path: PathLike, *, executor: ExecutorOptions | None = None) -> Verify
     """
 
     def attempt(seen: list[bytes]) -> VerifyReport:
-        storage = Storage(path, executor)
-        raw = storage.read_metadata()
-        seen.append(raw)
-        doc = _parse(storage, raw, "")
+        storage, doc = _open(path, "", executor, seen)
         metas = [leaf for leaf in doc.leaves if isinstance(leaf, ArrayMeta)]
         problems, unreadable, chunks, nbytes = storage.verify(metas)
-        if problems and _replaced(storage, raw):  # (its arrays deleted by the new commit: not damage)
+        if problems and _replaced(storage, seen[0]):  # (its arrays deleted by the new commit: not damage)
             raise CheckpointError(f"{describe(path)} was replaced while it was verified: {problems[0][2]}")
         unrecorded = tuple(m.key for m in metas if not m.records_crc32c)
         return VerifyReport(
@@ -1103,10 +1107,8 @@ def load_slice(path: PathLike, key: str, index: Any = (), *, executor: ExecutorO
     """
 
     def attempt(seen: list[bytes]) -> torch.Tensor:
-        storage = Storage(path, executor)
-        raw = storage.read_metadata()
-        seen.append(raw)
-        meta = _Arrays(path, _parse(storage, raw, "")).get(key)
+        storage, doc = _open(path, "", executor, seen)
+        meta = _Arrays(path, doc).get(key)
         if meta is None:
             raise TargetMismatchError(f"leaf {_where(key)} is not an array of the checkpoint at {describe(path)}")
         return _read_region(storage, path, meta, _region_of(index, meta.shape, key))
