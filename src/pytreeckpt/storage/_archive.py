@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from pytreeckpt.core._errors import CheckpointError
-from pytreeckpt.storage._chunkfiles import make_dirs
+from pytreeckpt.storage._chunkfiles import NEW_FILE, make_dirs
 
 MAX_ENTRIES = 65_000
 MAX_BYTES = (1 << 32) - (64 << 20)
@@ -99,7 +99,7 @@ class ArchiveWriter:
         self._n += 1
         make_dirs(self.root, self.folder, f"the packed archives {self.database!r}")
         path = self.folder / archive_name(self._n)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o666)
+        fd = os.open(path, NEW_FILE, 0o666)  # (a link in its place is an error, never followed)
         archive = _Archive(self._n, fd)
         self._open.append(archive)
         return archive

@@ -44,6 +44,7 @@ from pytreeckpt.core._errors import CheckpointError, PermissionDeniedError
 
 __all__ = [
     "LITTLE_ENDIAN",
+    "NEW_FILE",
     "IOPool",
     "chunk_crc",
     "lower_priority",
@@ -56,7 +57,7 @@ __all__ = [
 
 LITTLE_ENDIAN = sys.byteorder == "little"
 _MAX_IO = 1 << 30  # bytes per system call (Linux moves at most about 2 GiB in one)
-_NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW
+NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW
 """How a save opens a file it writes: a symbolic link in its place is an error (ELOOP), never followed."""
 
 
@@ -231,7 +232,7 @@ def write_chunk(path: Path, data: np.ndarray, chunk_shape: Sequence[int], fsync:
     parts.append(np.frombuffer(crc.to_bytes(4, "little"), dtype=np.uint8))
     if direct and _O_DIRECT and raw.nbytes + pad >= DIRECT_MIN_BYTES and _write_direct(path, parts, fsync):
         return int(crc)
-    fd = os.open(path, _NEW_FILE, 0o666)  # less the umask
+    fd = os.open(path, NEW_FILE, 0o666)  # less the umask
     try:
         _write_all(fd, parts)
         if fsync:
@@ -389,7 +390,7 @@ def _write_direct(path: Path, parts: list[np.ndarray], fsync: bool) -> bool:
     page cache, and ``fsync`` makes all of it durable.
     """
     try:
-        fd = os.open(path, _NEW_FILE | _O_DIRECT, 0o666)
+        fd = os.open(path, NEW_FILE | _O_DIRECT, 0o666)
     except OSError as e:
         if e.errno == errno.EINVAL:  # (tmpfs, some network and FUSE file systems)
             return False

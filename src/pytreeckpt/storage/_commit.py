@@ -30,7 +30,7 @@ from pytreeckpt.format._document import (
     seal_document,
 )
 from pytreeckpt.storage._base import StorageBase, _os_failure
-from pytreeckpt.storage._chunkfiles import make_dirs, no_link, open_regular
+from pytreeckpt.storage._chunkfiles import NEW_FILE, make_dirs, no_link, open_regular
 from pytreeckpt.storage._durability import _fsync
 
 logger = logging.getLogger("pytreeckpt")
@@ -239,8 +239,7 @@ class CommitProtocol(StorageBase):
         path = self.root / name
         try:
             make_dirs(self.root, path.parent, "the chunk checksums")
-            flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW  # (no link followed)
-            _write_synced(os.open(path, flags, 0o666), data)
+            _write_synced(os.open(path, NEW_FILE, 0o666), data)  # (a link in its place: an error, not followed)
             _fsync(path.parent)
             _fsync(self.root)
         except OSError as e:
