@@ -52,9 +52,6 @@ from _llama import llama_state
 
 import pytreeckpt
 from pytreeckpt import Abstract
-from pytreeckpt.api import _load as _load_api
-from pytreeckpt.api import _recall
-from pytreeckpt.api import _save as _save_api
 from pytreeckpt.core._dtypes import dtype_from_name
 from pytreeckpt.core._tree import Node
 from pytreeckpt.format._document import (
@@ -66,7 +63,9 @@ from pytreeckpt.format._document import (
     chunk_count,
     place_checksums,
 )
+from pytreeckpt.loading import LOAD_PLANS
 from pytreeckpt.plan import ArraySpec, clear_caches
+from pytreeckpt.saving import SAVE_PLANS, _recall
 from pytreeckpt.testing import SimComm
 
 PP = {"8b": 1, "70b": 4, "405b": 16}  # 405B: TP8 x PP16, as Llama 3 405B was trained
@@ -108,8 +107,8 @@ def _cold() -> None:
     """Forget every plan and memo, as before a job's first save."""
     clear_caches()
     _recall.forget()
-    _save_api._SAVE_PLANS.clear()
-    _load_api._LOAD_PLANS.clear()
+    SAVE_PLANS.clear()
+    LOAD_PLANS.clear()
 
 
 _DTYPES = {2: torch.bfloat16, 4: torch.float32}

@@ -80,7 +80,7 @@ def _tools(state: dict[str, Any], workdir: Path, cold: bool, repeat: int) -> dic
                 phases[span.phase].append(span.seconds)
 
     # A job's first save describes its state in full; each later save of that state recognises
-    # it and describes only its data (src/pytreeckpt/api/_recall.py). The first is timed here on
+    # it and describes only its data (src/pytreeckpt/saving/_recall.py). The first is timed here on
     # its own; the rounds below are the later saves a training job makes.
     fresh(paths["pytreeckpt"])()
     t0 = time.perf_counter()

@@ -1,4 +1,4 @@
-"""A save of a tree like one saved before (api/_recall.py) is the save a fresh process would make.
+"""A save of a tree like one saved before (saving/_recall.py) is the save a fresh process would make.
 
 A save remembers the trees it described, and a later save of a tree that matches one
 reuses its keys, structure and plan. A wrong match is wrong data, so each property saves
@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 import pytreeckpt
 from pytreeckpt import Abstract, ChunkingOptions
-from pytreeckpt.api import _recall
+from pytreeckpt.saving import _recall
 from pytreeckpt.testing import SimComm, specs
 
 CHUNKING = ChunkingOptions(single_chunk_bytes=24, min_chunk_bytes=8, max_chunk_bytes=24)

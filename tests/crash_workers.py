@@ -88,10 +88,10 @@ def overwrite_repeatedly(path: str, saves: int, ready: Any, go: Any, stop: Any, 
 
 def load_repeatedly(path: str, ready: Any, go: Any, stop: Any, out: Any) -> None:
     """Load ``path`` until told to stop; every load must be one of the two states, whole."""
-    from pytreeckpt.api import _load
+    from pytreeckpt.loading import _open as _load
 
     retried = [0]
-    real = getattr(_load, "_raise_unless_replaced", None)
+    real = getattr(_load, "raise_unless_replaced", None)
 
     def counting(*args: Any) -> None:
         assert real is not None
@@ -99,7 +99,7 @@ def load_repeatedly(path: str, ready: Any, go: Any, stop: Any, out: Any) -> None
         retried[0] += 1  # it returned: the checkpoint was replaced under this load, which starts again
 
     if real is not None:
-        _load._raise_unless_replaced = counting
+        _load.raise_unless_replaced = counting
     want = {seed: many_leaves(seed) for seed in (1, 2)}
     ready.set()
     go.wait()

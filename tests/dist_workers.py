@@ -158,7 +158,8 @@ class _Counter:
     """Counts the bytes this rank hands to TensorStore, by wrapping the executor's entry points."""
 
     def __init__(self) -> None:
-        from pytreeckpt.api import _load, _save
+        from pytreeckpt.loading import _run as _load
+        from pytreeckpt.saving import _job as _save
 
         self.written = 0
         self.read = 0
@@ -272,7 +273,7 @@ def failing_save(rank: int, world: int, path: str, bad_rank: int) -> str:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from pytreeckpt.api import _save
+    from pytreeckpt.saving import _job as _save
 
     if rank == bad_rank:
 
@@ -813,7 +814,7 @@ def placed_stages(rank: int, world: int, path: str) -> dict[str, Any]:
 def dtensor_state_saved_again(rank: int, world: int, path: str) -> dict[str, Any]:
     """One DTensor state saved five times, changed between saves: its values in place, its
     placements, a new mesh object, a shape. Each checkpoint must load as the state was when it was
-    saved (a save remembers the trees it saved: api/_recall.py)."""
+    saved (a save remembers the trees it saved: saving/_recall.py)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 

@@ -179,7 +179,7 @@ def test_async_save_holds_the_state_at_the_call(tmp_path: Path) -> None:
 
 
 def _fail_writes(monkeypatch: pytest.MonkeyPatch) -> None:
-    from pytreeckpt.api import _save
+    from pytreeckpt.saving import _job as _save
 
     def broken(self: object, *args: object, **kwargs: object) -> int:
         raise OSError(28, "No space left on device (injected)")
@@ -297,17 +297,18 @@ def test_files_are_where_the_metadata_says(tmp_path: Path) -> None:
 
 
 def _count_reads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    from pytreeckpt.api import _load
+    from pytreeckpt.loading import _inspect, _run
 
     counted: list[int] = []
-    original = _load.read_arrays
+    original = _run.read_arrays
 
     def read(self: object, *args: object, **kwargs: object) -> int:
         n = original(self, *args, **kwargs)  # type: ignore[arg-type]
         counted.append(n)
         return n
 
-    monkeypatch.setattr(_load, "read_arrays", read)
+    monkeypatch.setattr(_run, "read_arrays", read)  # (load's reads)
+    monkeypatch.setattr(_inspect, "read_arrays", read)  # (load_slice's and read_array's)
     small = Storage.read_small
 
     def read_small(self: Storage, metas: Any) -> list[bytes]:

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import pytreeckpt
-from pytreeckpt.api import _load, _save
+from pytreeckpt.loading import _run as _load
+from pytreeckpt.saving import _job as _save
 
 
 @pytest.fixture(autouse=True)

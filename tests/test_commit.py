@@ -16,8 +16,9 @@ from multiproc import run_world
 
 import pytreeckpt
 from pytreeckpt import Location, StorageOptions
-from pytreeckpt.api import _load, _save
 from pytreeckpt.format._document import parse_document
+from pytreeckpt.loading import _run as _load
+from pytreeckpt.saving import _job as _save
 from pytreeckpt.storage import Storage
 
 

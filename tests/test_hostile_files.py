@@ -799,7 +799,7 @@ def test_an_allocation_that_fails_is_a_checkpoint_error_naming_the_leaf(tmp_path
     done = _run(
         LIMIT.format(room=4 << 30)
         + """
-import pytreeckpt.api._load as load_module
+import pytreeckpt.loading._open as load_module
 load_module.available_memory = lambda: None  # (as on a system without /proc/meminfo)
 OPS""".replace("OPS", _OPS.format(path=str(path)))
     )

@@ -19,7 +19,21 @@ PURE = [
 ]
 
 # The layers of the design (shared/DESIGN.md), bottom first: a module imports only from its own layer and those below.
-LAYERS = ["core", "plan", "format", "storage", "execute", "distributed", "api", "manager", "interop", "testing"]
+LAYERS = [
+    "core",
+    "plan",
+    "format",
+    "storage",
+    "execute",
+    "distributed",
+    "leaves",
+    "loading",
+    "saving",
+    "api",
+    "manager",
+    "interop",
+    "testing",
+]
 
 
 def test_pure_modules_import_neither_torch_nor_tensorstore() -> None:

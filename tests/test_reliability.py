@@ -225,16 +225,16 @@ def test_load_slice_and_verify_racing_a_process_that_replaces_the_checkpoint(
     """
     import sys
 
-    from pytreeckpt.api import _load
+    from pytreeckpt.loading import _open as _load
 
     restarts = [0]
-    real = _load._raise_unless_replaced
+    real = _load.raise_unless_replaced
 
     def counting(*args: Any) -> None:
         real(*args)
         restarts[0] += 1  # it returned: the checkpoint was replaced under this read, which starts again
 
-    monkeypatch.setattr(_load, "_raise_unless_replaced", counting)
+    monkeypatch.setattr(_load, "raise_unless_replaced", counting)
     path = tmp_path / "c"
     pytreeckpt.save(path, {"big": torch.full((300, 1024), 1.0), "small": {"x": torch.full((300,), 1.0)}})
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}

@@ -1,7 +1,7 @@
 """A training loop saves one state object again and again, changing it in place between saves.
 
 Each save must store the state as it is at that save: the description a save remembers
-(api/_recall.py) is reused only when the tree still matches it. Here one dict is saved,
+(saving/_recall.py) is reused only when the tree still matches it. Here one dict is saved,
 changed in place in each of the ways a program can, and saved again; every checkpoint
 must load back as the state was when it was saved. Property tests
 (property_tests/test_recall.py) compare such saves byte for byte with fresh ones.
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import pytreeckpt
-from pytreeckpt.api import _recall
+from pytreeckpt.saving import _recall
 
 
 def _same(loaded: Any, saved: Any) -> None:

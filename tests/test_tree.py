@@ -377,9 +377,12 @@ class _Wrapped(torch.Tensor):
 
 
 def test_leaf_and_value_checks_answer_as_isinstance_does() -> None:
-    """The exact-type shortcuts of _is_leaf and _is_value answer as the isinstance checks they stand for."""
-    from pytreeckpt.api._shared import _LEAF_TYPES, _is_leaf, _is_value
+    """The leaf kinds' registry (its answers kept by type) answers as the isinstance checks it stands for."""
     from pytreeckpt.core._values import PYTHON_LEAF_TYPES, StoredEnum
+    from pytreeckpt.leaves import is_leaf as _is_leaf
+    from pytreeckpt.leaves import is_value as _is_value
+
+    _LEAF_TYPES = (torch.Tensor, np.ndarray, np.generic, pytreeckpt.ShardedLeaf, Abstract, *PYTHON_LEAF_TYPES)
 
     spec = ShardingSpec(Mesh(2), [Shard(0)])
     things = [

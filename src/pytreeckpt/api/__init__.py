@@ -1,12 +1,9 @@
-"""The functional entry points: ``save``, ``async_save``, ``load``, ``load_slice``, ``metadata``, ``verify``.
+"""The functional entry points: ``save``, ``async_save``, ``plan_save`` (``_save``), ``load``, ``plan_load``,
+``load_slice``, ``read_array``, ``metadata``, ``verify`` (``_load``).
 
-Each call flattens the user's tree (:mod:`pytreeckpt.core`), describes every leaf by its
-spec, agrees on those specs with the other ranks (:mod:`pytreeckpt.distributed`), plans
-this rank's part (:mod:`pytreeckpt.plan`), snapshots the leaves (``_sources``) and runs the
-plan (:mod:`pytreeckpt.execute`) against a location (:mod:`pytreeckpt.storage`); rank 0
-assembles and commits the metadata document (:mod:`pytreeckpt.format`). ``save`` and
-``async_save`` live in ``_save``, ``load`` and the read-only calls in ``_load``, what
-both share across ranks in ``_shared``.
+Each is a short function: it builds a request from its arguments (the process group
+made a :class:`~pytreeckpt.distributed._comm.Comm`) and runs a pipeline: the save
+pipeline (:mod:`pytreeckpt.saving`) or the load pipeline (:mod:`pytreeckpt.loading`).
 """
 
 from ._load import CheckpointMetadata as CheckpointMetadata
@@ -19,9 +16,6 @@ from ._load import verify as verify
 from ._save import SaveHandle as SaveHandle
 from ._save import async_save as async_save
 from ._save import save as save
-from ._shared import _comm as _comm
-from ._shared import _is_leaf as _is_leaf
-from ._shared import _is_value as _is_value
 
 __all__ = [
     "CheckpointMetadata",

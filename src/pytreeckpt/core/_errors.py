@@ -34,3 +34,8 @@ class LayoutError(CheckpointError, ValueError):
 
 class PermissionDeniedError(CheckpointError):
     """A file or directory of the checkpoint exists but this process may not read it (not damage)."""
+
+
+def where(key: str) -> str:
+    """A leaf's dotted key path as error messages name it (the root's is empty)."""
+    return repr(key) if key else "(root)"

@@ -24,11 +24,13 @@ from typing import Any
 
 import torch
 
-from pytreeckpt.api import _is_leaf, _is_value, metadata, read_array, save
+from pytreeckpt.api import metadata, read_array, save
 from pytreeckpt.core._errors import CheckpointError
 from pytreeckpt.core._tree import flatten, keystr
 from pytreeckpt.core._values import decode_value, encode_value
 from pytreeckpt.format._document import ArrayMeta
+from pytreeckpt.leaves import is_leaf as _is_leaf
+from pytreeckpt.leaves import is_value as _is_value
 
 __all__ = ["export_safetensors", "import_safetensors"]
 

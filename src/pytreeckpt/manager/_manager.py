@@ -15,8 +15,9 @@ from typing import Any
 
 import numpy as np
 
-from pytreeckpt.api import SaveHandle, _comm, async_save, load, save
+from pytreeckpt.api import SaveHandle, async_save, load, save
 from pytreeckpt.core._errors import CheckpointError, NotCommittedError
+from pytreeckpt.distributed._comm import distributed_comm as _comm
 from pytreeckpt.execute._staging import staging_pool
 from pytreeckpt.format._document import METADATA_FILE, STEP_DIR
 from pytreeckpt.storage import LOCK_WAIT, Storage, remove_tree

@@ -49,7 +49,7 @@ try:
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("pytreeckpt.testing needs hypothesis; install it with `pip install 'pytreeckpt[test]'`") from e
 
-from pytreeckpt.api import _is_leaf, _is_value, async_save, load, save
+from pytreeckpt.api import async_save, load, save
 from pytreeckpt.core._dtypes import dtype_of_torch
 from pytreeckpt.core._leaf import Abstract, ShardedLeaf
 from pytreeckpt.core._region import Region
@@ -65,6 +65,8 @@ from pytreeckpt.core._sharding import (
     StridedShard,
 )
 from pytreeckpt.core._tree import broadcast_prefix, flatten, keystr
+from pytreeckpt.leaves import is_leaf as _is_leaf
+from pytreeckpt.leaves import is_value as _is_value
 from pytreeckpt.plan import ChunkingOptions
 
 __all__ = [

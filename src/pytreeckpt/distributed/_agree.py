@@ -1,145 +1,26 @@
-"""What the save and load calls share: leaf kinds, process groups, layout exchange, the save in flight."""
+"""How ranks agree on what they save or load: errors carried into the next collective, the spans of a call.
+
+A rank that fails before a collective keeps its error (:class:`Carried`) and gives it to
+the collective, so every rank raises together instead of some waiting for a timeout. The
+first collective of a save or load is :func:`agree_on_specs`: each rank sends rank 0 a
+16-byte digest of the arrays it describes, and only when digests differ do descriptions
+travel, to say how. :func:`gather_spans` brings every rank's monitoring to rank 0.
+"""
 
 from __future__ import annotations
 
-import contextlib
-import gc
-import threading
-from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any, NoReturn
+from collections.abc import Sequence
+from typing import Any, NoReturn
 
-import numpy as np
-import torch
-
-from pytreeckpt.core._errors import CheckpointError, LayoutError
-from pytreeckpt.core._leaf import Abstract, ShardedLeaf
-from pytreeckpt.core._sharding import Layout, Mesh, Replicate, ShardingSpec
-from pytreeckpt.core._values import PYTHON_LEAF_TYPES
+from pytreeckpt.core._errors import CheckpointError, where
+from pytreeckpt.distributed._comm import Comm, describe_failure, failure
 from pytreeckpt.execute._monitor import Monitor, Span
 from pytreeckpt.plan import ArraySpec, spec_digest, spec_plan_key
-from pytreeckpt.storage._location import Where
 
-if TYPE_CHECKING:
-    from pytreeckpt.distributed._comm import Comm
-
-    from ._save import SaveHandle
-
-PathLike = Where  # a local path, a URL (file://, memory://, s3://, gs://), a kvstore spec or a Location
-
-_SINGLE = ShardingSpec(Mesh(1), [Replicate()])
+__all__ = ["Carried", "agree_on_specs", "gather_spans", "state_digest"]
 
 
-_gc_lock = threading.Lock()
-_gc_paused_by = 0  # calls inside gc_paused() that found the collector enabled
-
-
-@contextlib.contextmanager
-def gc_paused() -> Iterator[None]:
-    """Pause Python's cyclic garbage collector while a save or load runs in the caller's thread.
-
-    A state of 10,000 leaves makes hundreds of thousands of short-lived objects (plans,
-    regions, futures); the collector's passes over them (and over everything else the
-    process holds) cost a third of such a save or load. Nothing made here forms cycles
-    that need the collector before the call returns; it is re-enabled on the way out,
-    when the last of concurrent such calls ends, and only if it was enabled.
-    """
-    global _gc_paused_by
-    with _gc_lock:
-        mine = gc.isenabled() or _gc_paused_by > 0
-        if mine:
-            _gc_paused_by += 1
-            gc.disable()
-    try:
-        yield
-    finally:
-        if mine:
-            with _gc_lock:
-                _gc_paused_by -= 1
-                if _gc_paused_by == 0:
-                    gc.enable()
-
-
-def _span(layout: Any, ranks: Sequence[int] | None) -> int:
-    """The world a layout needs: its positions, or the ranks a placement puts them on."""
-    return int(layout.world_size) if ranks is None else _placed(ranks)[0] + 1
-
-
-def _rank_of(placement: range | tuple[int, ...] | None) -> Any:
-    """Position -> global rank under ``placement``."""
-    if placement is None:
-        return lambda p: p
-    return placement.__getitem__
-
-
-def _position(key: str, spec: Layout, placement: range | tuple[int, ...] | None, comm: Comm) -> int | None:
-    """This rank's position in ``spec`` placed on ``placement`` (None: it holds nothing of the leaf)."""
-    if placement is None:
-        if spec.world_size > comm.world:
-            raise LayoutError(f"its spec spans {spec.world_size} ranks but the process group has {comm.world}")
-        return comm.rank if comm.rank < spec.world_size else None
-    last, where = _placed(placement)
-    if last >= comm.world:
-        raise LayoutError(f"its placement names rank {last} but the process group has {comm.world}")
-    return where.get(comm.rank)
-
-
-_PLACED: dict[int, tuple[Any, int, dict[int, int]]] = {}
-
-
-def _placed(placement: Sequence[int]) -> tuple[int, dict[int, int]]:
-    """The highest rank of a placement, and each rank's position; once per placement object (the
-    arrays of a pipeline stage share theirs)."""
-    got = _PLACED.get(id(placement))
-    if got is not None and got[0] is placement:
-        return got[1], got[2]
-    if len(_PLACED) > 256:
-        _PLACED.clear()
-    where = {r: p for p, r in enumerate(placement)}
-    last = max(where, default=-1)
-    _PLACED[id(placement)] = (placement, last, where)
-    return last, where
-
-
-_LEAF_TYPES = (torch.Tensor, np.ndarray, np.generic, ShardedLeaf, Abstract, *PYTHON_LEAF_TYPES)
-
-
-# The leaf types met most, exactly: a set lookup answers for them (isinstance against a tuple
-# holding enum.Enum, whose metaclass is not type, costs ten times as much for every non-value).
-_VALUE_TYPES = frozenset({bool, int, float, str, type(None)})
-_ARRAY_TYPES = frozenset({torch.Tensor, torch.nn.Parameter, np.ndarray, ShardedLeaf, Abstract})
-_LEAF_EXACT = _VALUE_TYPES | _ARRAY_TYPES
-
-
-def _is_leaf(x: Any) -> bool:
-    return type(x) in _LEAF_EXACT or isinstance(x, _LEAF_TYPES)
-
-
-def _is_value(x: Any) -> bool:
-    """A plain Python leaf, stored inline (numpy scalars, though float subclasses, are arrays)."""
-    t = type(x)
-    if t in _VALUE_TYPES:
-        return True
-    if t in _ARRAY_TYPES:
-        return False
-    return isinstance(x, PYTHON_LEAF_TYPES) and not isinstance(x, np.generic)
-
-
-def _where(key: str) -> str:
-    return repr(key) if key else "(root)"
-
-
-def _is_dtensor(x: Any) -> bool:
-    return type(x).__name__ == "DTensor" and type(x).__module__.startswith("torch.distributed")
-
-
-def _comm(process_group: Any) -> Comm | None:
-    """The DistComm of a distributed save or load, or None in a single process (or a group of one rank)."""
-    from pytreeckpt.distributed._comm import distributed_comm
-
-    return distributed_comm(process_group)
-
-
-class _Carried:
+class Carried:
     """Errors a rank meets before a collective, carried into it so that every rank raises together.
 
     In a single process (no comm) an error is raised where it happens. In a distributed
@@ -152,9 +33,9 @@ class _Carried:
         self.comm = comm
         self.error: BaseException | None = None
 
-    def catch(self, key: str | None = None) -> _Catch:
+    def catch(self, key: str | None = None) -> Catch:
         """Keep an exception of the block (as a CheckpointError naming ``key``, if given and it is not one)."""
-        return _Catch(self, key)
+        return Catch(self, key)
 
     def carry(self, e: Exception, key: str | None) -> None:
         """What :meth:`catch`'s block does with ``e``, for a loop that catches it itself (a try per leaf
@@ -166,7 +47,7 @@ class _Carried:
     def keep(self, e: Exception, key: str | None) -> None:
         if self.error is None:
             if key is not None and not isinstance(e, CheckpointError):
-                wrapped = CheckpointError(f"leaf {_where(key)}: {type(e).__name__}: {e}")
+                wrapped = CheckpointError(f"leaf {where(key)}: {type(e).__name__}: {e}")
                 wrapped.__cause__ = e
                 e = wrapped
             self.error = e
@@ -181,17 +62,17 @@ class _Carried:
         """This rank failed: raise, together with the other ranks at their agreement on ``what``."""
         error = self.error
         if error is None:
-            raise AssertionError("_Carried.fail without an error")
+            raise AssertionError("Carried.fail without an error")
         self.agree(what)
         raise error  # (a single process; in a distributed one the agreement raised)
 
 
-class _Catch:
-    """:meth:`_Carried.catch`'s block (a class, not a generator: it is entered once per leaf)."""
+class Catch:
+    """:meth:`Carried.catch`'s block (a class, not a generator: it is entered once per leaf)."""
 
     __slots__ = ("carried", "key")
 
-    def __init__(self, carried: _Carried, key: str | None) -> None:
+    def __init__(self, carried: Carried, key: str | None) -> None:
         self.carried, self.key = carried, key
 
     def __enter__(self) -> None:
@@ -204,7 +85,7 @@ class _Catch:
         return True
 
 
-def _gather_spans(comm: Comm, monitor: Monitor) -> None:
+def gather_spans(comm: Comm, monitor: Monitor) -> None:
     """Bring every rank's spans of this call to rank 0's monitor (the other ranks keep their own)."""
     mine = [s.to_json() for s in monitor.spans if s.rank == comm.rank]
     gathered = comm.gather(mine)
@@ -220,7 +101,7 @@ def _describe(specs: Sequence[ArraySpec], dtypes: Sequence[str]) -> list[Any]:
     ]
 
 
-def _agree_on_specs(
+def agree_on_specs(
     comm: Comm,
     specs: Sequence[ArraySpec],
     dtypes: Sequence[str],
@@ -243,16 +124,14 @@ def _agree_on_specs(
     the world. Only when the digests differ do the descriptions travel, to say how they
     differ. A rank that failed before (``error``) sends its error instead, and every
     rank raises the same error. ``known``: ``spec_plan_key(specs)`` and this rank's
-    digest (:func:`_state_digest`), if a save of this state computed them before.
+    digest (:func:`state_digest`), if a save of this state computed them before.
     """
-    from pytreeckpt.distributed._comm import describe_failure, failure
-
     mine: Any = None
     if error is None:
         try:
             if known is None:
                 base = spec_plan_key(specs)
-                known = (base, _state_digest(base, dtypes, values))
+                known = (base, state_digest(base, dtypes, values))
             mine = ("ok", known[1])
         except Exception as e:
             error = e
@@ -295,7 +174,7 @@ def _agree_on_specs(
     raise CheckpointError(f"ranks disagree on the state to {what}: their descriptions differ in a way not shown")
 
 
-def _state_digest(base: tuple[Any, ...], dtypes: Sequence[str], values: Sequence[str]) -> bytes:
+def state_digest(base: tuple[Any, ...], dtypes: Sequence[str], values: Sequence[str]) -> bytes:
     """What a rank sends to agree on a state: a digest of its arrays' key (``spec_plan_key``), dtypes and value keys."""
     return spec_digest((*base, tuple(dtypes), tuple(values)))
 
@@ -311,21 +190,7 @@ def _difference(ref: list[Any], other: list[Any], rank: int) -> str:
     only_ref = [k for k in ref_keys if k not in other_set]
     only_other = [k for k in other_keys if k not in ref_set]
     if only_ref or only_other:
-        parts = [f"leaf {_where(k)} only on rank 0" for k in only_ref[:3]]
-        parts += [f"leaf {_where(k)} only on rank {rank}" for k in only_other[:3]]
+        parts = [f"leaf {where(k)} only on rank 0" for k in only_ref[:3]]
+        parts += [f"leaf {where(k)} only on rank {rank}" for k in only_other[:3]]
         return "; ".join(parts)
     return next((f"{a} versus {b}" for a, b in zip(ref, other, strict=False) if a != b), "their order")
-
-
-_IN_FLIGHT_LOCK = threading.Lock()
-
-_in_flight: list[SaveHandle] = []  # the asynchronous save in flight, if any
-
-
-def _wait_in_flight() -> None:
-    """Wait for the save in flight, if any; its failure surfaces here at the latest."""
-    with _IN_FLIGHT_LOCK:
-        pending = list(_in_flight)
-        _in_flight.clear()
-    for h in pending:
-        h._settle()

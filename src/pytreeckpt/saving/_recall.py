@@ -38,10 +38,9 @@ import torch
 from pytreeckpt.core._leaf import Abstract
 from pytreeckpt.core._region import Region
 from pytreeckpt.core._tree import Node
-from pytreeckpt.core._values import PYTHON_LEAF_TYPES
+from pytreeckpt.leaves import KINDS, PLAIN, ArrayIn
+from pytreeckpt.leaves._value import ValueKind
 from pytreeckpt.plan import ArraySpec, SavePlan
-
-from ._sources import _PLAIN, _ArrayIn
 
 __all__ = ["Recalled", "Remembered", "forget", "hits", "recall", "remember"]
 
@@ -72,7 +71,7 @@ class Remembered:
     values: list[int]  # the plain Python values
     keys: list[str]
     root: Node
-    arrays: list[_ArrayIn]  # the array leaves as described (a tensor's data getter and watch taken out)
+    arrays: list[ArrayIn]  # the array leaves as described (a tensor's data getter and watch taken out)
     array_of: list[int]  # each leaf's index in ``arrays`` (-1 for a value)
     codecs: dict[str, Any]
     plan: SavePlan
@@ -204,7 +203,7 @@ def remember(
     leaves: Sequence[Any],
     keys: list[str],
     root: Node,
-    arrays: list[_ArrayIn],
+    arrays: list[ArrayIn],
     codecs: dict[str, Any],
     plan: SavePlan,
     specs: list[ArraySpec],
@@ -220,10 +219,10 @@ def remember(
     # Which leaves are tensors, Abstract leaves and Python values, by type (a few types, many leaves).
     types = list(map(type, leaves))
     kind_of: dict[type, int] = {}
-    for t in set(types):
-        if issubclass(t, PYTHON_LEAF_TYPES) and not issubclass(t, np.generic):  # (as _is_value)
+    for t, leaf in dict(zip(types, leaves, strict=True)).items():  # (a leaf of each type, in C)
+        if isinstance(KINDS.of(leaf), ValueKind):
             kind_of[t] = 0
-        elif t in _PLAIN and world is None:
+        elif t in PLAIN and world is None:
             kind_of[t] = 1
         elif t is Abstract and plan_only:
             kind_of[t] = 2

@@ -1,0 +1,69 @@
+"""Leaf kinds: one handler per kind of leaf, behind the one registry every dispatch on a leaf's kind uses.
+
+A kind (:class:`LeafKind`) says how a save describes such a leaf (``describe``: its
+layout and the getters of its pieces, or an inline value's entry), where a load's reads
+for such a target land (``destination``) and what ``metadata`` shows for a stored leaf it
+loads as (``abstract``). :data:`KINDS` holds the library's kinds, asked in this order:
+
+=============  ==============================================  ===============
+kind           leaves                                          module
+=============  ==============================================  ===============
+``dtensor``    torch.distributed DTensors                      ``_dtensor``
+``sharded``    :class:`ShardedLeaf`                            ``_sharded``
+``abstract``   :class:`Abstract`                               ``_sharded``
+``tensor``     torch tensors and Parameters                    ``_whole``
+``numpy``      numpy arrays and scalars (and any other leaf)   ``_whole``
+``value``      bool, int, float, str, None, their enums        ``_value``
+=============  ==============================================  ===============
+
+A new kind of leaf is a new :class:`LeafKind` registered here; nothing else dispatches
+on a leaf's type. Building a kind's result is this package's; talking to other ranks,
+reading and writing are the layers' below.
+"""
+
+from typing import Any
+
+from ._dests import small_result
+from ._dtensor import DTensorKind, is_dtensor
+from ._kind import KINDS, SINGLE, ArrayIn, Buffers, Describing, Dest, LeafKind, Matching, Registry, span
+from ._sharded import AbstractKind, ShardedKind
+from ._sources import plain_data
+from ._value import ValueKind, value_entry
+from ._whole import PLAIN, NumpyKind, TensorKind, plain_in
+
+KINDS.register(DTensorKind())  # (a torch.Tensor subclass: before the tensor kind)
+KINDS.register(ShardedKind())
+KINDS.register(AbstractKind())
+KINDS.register(TensorKind())
+KINDS.register(NumpyKind(), fallback=True)  # (numpy scalars subclass float: before the values)
+KINDS.register(ValueKind(), value=True)
+
+
+is_leaf = KINDS.is_leaf  # whether x is a leaf of some kind (what flattening a tree stops at)
+
+
+def is_value(x: Any) -> bool:
+    """Whether ``x`` is a plain Python leaf, stored inline."""
+    return isinstance(KINDS.of(x), ValueKind)
+
+
+__all__ = [
+    "KINDS",
+    "PLAIN",
+    "SINGLE",
+    "ArrayIn",
+    "Buffers",
+    "Describing",
+    "Dest",
+    "LeafKind",
+    "Matching",
+    "Registry",
+    "is_dtensor",
+    "is_leaf",
+    "is_value",
+    "plain_data",
+    "plain_in",
+    "small_result",
+    "span",
+    "value_entry",
+]

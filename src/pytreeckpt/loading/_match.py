@@ -1,0 +1,133 @@
+"""A load's second stage: its document read (by rank 0, sent to the others) and its target matched against it.
+
+Each target leaf's kind (:mod:`pytreeckpt.leaves`) says where its stored leaf goes: a
+value now, a small whole array read without a plan, or a destination the plan reads into
+(:class:`~pytreeckpt.leaves.Dest`). Without a target, the stored leaves' own kinds make
+them anew. Every mismatch is listed at once, before any array is read.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from pytreeckpt.core._errors import TargetMismatchError, where
+from pytreeckpt.core._tree import KeyEntry, Node, flatten, keystr, leaf_node
+from pytreeckpt.distributed._agree import Carried
+from pytreeckpt.format._document import ArrayMeta, CheckpointDoc, ValueMeta
+from pytreeckpt.leaves import KINDS, Buffers, Matching, is_leaf
+from pytreeckpt.storage import ExecutorOptions, Storage
+from pytreeckpt.storage._location import Where, describe
+
+from ._inspect import ambiguity_error, ambiguous_keys
+from ._open import check_memory, parse
+
+if TYPE_CHECKING:
+    from pytreeckpt.distributed._comm import Comm
+
+__all__ = ["LoadRequest", "Matched", "match"]
+
+
+@dataclass(frozen=True, slots=True)
+class LoadRequest:
+    """What ``load`` (or ``plan_load``) was asked: its arguments, the process group made a Comm."""
+
+    path: Where
+    target: Any
+    namespace: str
+    executor: ExecutorOptions | None
+    include: str | Sequence[str] | None
+    comm: Comm | None
+    inplace: bool = False
+    plan_only: bool = False  # plan_load: the plan only, no array read
+
+
+@dataclass(slots=True)
+class Matched:
+    """A load's target matched: where each result comes from (``matching``), and the tree they go into."""
+
+    storage: Storage
+    matching: Matching
+    structure: Node
+
+
+def match(request: LoadRequest, carried: Carried, seen: list[bytes] | None) -> Matched | None:
+    """Read the document and match the target against it (None if this rank failed: ``carried`` holds why)."""
+    comm = request.comm
+    raw = None
+    storage: Storage | None = None
+    with carried.catch():
+        storage = Storage(request.path, request.executor)
+        if comm is None or comm.rank == 0:
+            raw = storage.read_metadata()
+            if seen is not None:
+                seen.append(raw)  # to tell, after a failure, whether the checkpoint was replaced meanwhile
+    if comm is not None:
+        carried.agree("reading the checkpoint metadata")
+        raw = comm.broadcast(raw)
+    assert raw is not None
+    assert storage is not None
+    matched = None
+    with carried.catch():
+        matched = _match(request, storage, parse(storage, raw, request.namespace), carried)
+    return matched
+
+
+def _match(request: LoadRequest, storage: Storage, doc: CheckpointDoc, carried: Carried) -> Matched:
+    target, include, path = request.target, request.include, request.path
+    t_paths: list[tuple[KeyEntry, ...]] | None = None  # the target's key paths (None: the stored tree's)
+    stored_of: list[ArrayMeta | ValueMeta | None]
+    if include is None and target is None:  # the stored tree: its leaves in order, no paths to match
+        t_leaves: list[Any] = [None] * len(doc.leaves)
+        structure: Node = doc.tree
+        stored_of = list(doc.leaves)
+    else:
+        stored_paths = doc.tree.paths()
+        by_path = dict(zip(stored_paths, doc.leaves, strict=True))
+    if include is not None:
+        if target is not None:
+            raise TargetMismatchError("include= selects leaves of the stored tree; give it with target=None")
+        patterns = [include] if isinstance(include, str) else list(include)
+        chosen = [
+            (p, leaf)
+            for p, leaf in zip(stored_paths, doc.leaves, strict=True)
+            if any(fnmatch.fnmatchcase(leaf.key, pat) for pat in patterns)
+        ]
+        ambiguous = ambiguous_keys(doc)
+        for _, leaf in chosen:
+            if leaf.key in ambiguous:
+                raise ambiguity_error(leaf.key, ambiguous[leaf.key], describe(path))
+        t_leaves = [None] * len(chosen)
+        t_paths = [p for p, _ in chosen]
+        structure = Node("dict", [("s", leaf.key) for _, leaf in chosen], [leaf_node(i) for i in range(len(chosen))])
+    elif target is not None:
+        t_leaves, t_paths, structure = flatten(target, is_leaf, namespace=request.namespace)
+    if t_paths is not None:
+        stored_of = [by_path.get(p) for p in t_paths]
+    # Before any destination is allocated: the stored bytes must back every claimed shape.
+    wanted = [m for m in stored_of if isinstance(m, ArrayMeta)]
+    if not request.plan_only:  # (a plan reads no array: it needs only the metadata)
+        storage.check_stored_sizes(wanted)
+    target_given = target is not None
+    if not target_given:  # whole arrays of the shapes the metadata claims (a target's shapes are the caller's)
+        check_memory(path, [(m.key, m.nbytes) for m in wanted])
+    buffers = Buffers(huge=storage.options.huge_pages, meta=request.plan_only)
+    lean = request.comm is None and not request.plan_only  # small whole arrays may be read without a plan
+    m = Matching(request.comm, buffers, request.inplace, storage.small_whole if lean else None, [None] * len(t_leaves))
+    kind, of_stored = KINDS.kind, KINDS.stored
+    for i, (leaf, stored) in enumerate(zip(t_leaves, stored_of, strict=True)):
+        if stored is None:
+            # (a leaf found by its path has the key the save gave that path: keystr's, made once then)
+            m.problems.append(f"leaf {where(keystr(t_paths[i]))} of the target is not in the checkpoint")  # type: ignore[index]
+            continue
+        try:  # (what carried.catch(key) does, without entering a block per leaf)
+            (kind(leaf) if target_given else of_stored(stored)).destination(i, stored.key, stored, leaf, m)
+        except Exception as e:
+            carried.carry(e, stored.key)
+    if m.problems:
+        raise TargetMismatchError(
+            f"the target does not match the checkpoint at {describe(path)}:\n  " + "\n  ".join(m.problems)
+        )
+    return Matched(storage, m, structure)

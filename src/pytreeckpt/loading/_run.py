@@ -1,0 +1,141 @@
+"""A load's last stages: this rank's reads planned along the stored chunks, then read into the destinations.
+
+The ranks agree on the target's layouts (:mod:`pytreeckpt.distributed`), the plan cuts
+this rank's target along the stored chunks (:mod:`pytreeckpt.plan`), the executor reads
+each chunk once into its destination (:mod:`pytreeckpt.execute`), and each result leaf is
+made (its host-to-device copy started as soon as its array is read).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from pytreeckpt.distributed._agree import Carried, agree_on_specs, gather_spans
+from pytreeckpt.distributed._comm import data_comm
+from pytreeckpt.execute._executor import read_arrays
+from pytreeckpt.execute._memory import Prefault
+from pytreeckpt.execute._monitor import Monitor, Progress, Span
+from pytreeckpt.leaves import small_result, span
+from pytreeckpt.plan import ArraySpec, LoadPlan, PlanCache, plan_load, spec_plan_key
+
+from ._match import LoadRequest, match
+
+__all__ = ["LOAD_PLANS", "load_once"]
+
+LOAD_PLANS = PlanCache(4)  # the plans of the last few loads: a load into the layout of one of them reuses its plan
+
+
+def load_once(request: LoadRequest, monitor: Monitor, seen: list[bytes] | None = None) -> Any:
+    """One attempt at ``request``: the result tree (with ``plan_only``, this rank's LoadPlan)."""
+    comm = request.comm
+    me = 0 if comm is None else comm.rank
+    t0 = time.time()
+    # In a distributed load, what a rank does before a collective is carried into it: a
+    # rank that raised alone would leave the others waiting for the collective's timeout.
+    carried = Carried(comm)
+    matched = match(request, carried, seen)
+    dests = [] if matched is None else matched.matching.dests
+    specs: list[ArraySpec] = []
+    with carried.catch():
+        specs = [d.spec() for _, d in dests]
+    base: tuple[Any, ...] | None = None
+    if comm is not None:
+        agreed = agree_on_specs(comm, specs, [d.meta.dtype.name for _, d in dests], "load", carried.error)
+        base = None if agreed is None else agreed[0]
+        world = comm.world
+    else:
+        world = max((span(d.layout, d.ranks) for _, d in dests), default=1)
+    rank = None if comm is None else comm.rank
+    chunks = [d.meta.chunk_shape for _, d in dests]
+    plan = LoadPlan(world, ())
+    with carried.catch():
+        extra = (world, rank, tuple(chunks))
+        plan_key = spec_plan_key(specs, *extra) if base is None else (*base, *extra)
+        plan = LOAD_PLANS.get_or(plan_key, lambda: plan_load(chunks, specs, world, rank=rank))
+        if comm is None:
+            plan = _held(plan, [d.pieces for _, d in dests])
+    carried.agree("planning the load")
+    if request.plan_only:
+        return plan
+    assert matched is not None  # (else the agreement raised)
+    storage, found = matched.storage, matched.matching
+    results, small, buffers = found.results, found.small, found.buffers
+    metas = [d.meta for _, d in dests]
+    getters = [d.get for _, d in dests]
+    thread = threading.current_thread().name
+    monitor.add(Span("load", "plan", me, t0, time.time(), 0, thread))
+    h2d_bytes, h2d_seconds = [0], [0.0]
+
+    def finish(k: int) -> None:
+        """Make array ``k``'s result leaf: for a device target, start its host-to-device copy."""
+        i, d = dests[k]
+        start = time.perf_counter()
+        results[i] = d.finish()
+        if d.device_bytes:
+            h2d_bytes[0] += d.device_bytes
+            h2d_seconds[0] += time.perf_counter() - start
+
+    mine = sum(op.region.size * ap.itemsize for ap in plan.arrays for op in ap.reads if comm is None or op.reader == me)
+    small_bytes = sum(m.nbytes for _, m, _ in small)
+    mine += small_bytes
+    progress = Progress.maybe(storage.options.progress and me == 0, "load", mine)
+    try:
+        if small:
+            with monitor.phase("load", "read", me) as box:
+                for (i, meta, leaf), value in zip(small, storage.read_small([m for _, m, _ in small]), strict=True):
+                    results[i] = small_result(meta, value, leaf)
+                box[0] = small_bytes
+            progress.advance(small_bytes)
+        if comm is None:
+            # each array's host-to-device copy starts as soon as it is read, overlapping later reads
+            with monitor.phase("load", "read", me) as box, Prefault(buffers.fresh):
+                box[0] = read_arrays(
+                    storage, metas, plan.arrays, getters, None, array_done=finish, progress=progress.advance
+                )
+        else:
+            error = None
+            after, forward = data_comm(comm, "reading").read_forwarding(
+                plan.arrays, getters, [m.dtype.numpy for m in metas]
+            )
+            try:
+                with monitor.phase("load", "read", me) as box, Prefault(buffers.fresh):
+                    box[0] = read_arrays(
+                        storage, metas, plan.arrays, getters, comm.rank, after=after, progress=progress.advance
+                    )
+            except Exception as e:
+                error = e
+            finally:
+                with monitor.phase("load", "transfer", me):
+                    forward()  # every posted transfer completes, even after a failed read
+            if error is None:
+                try:  # (a failure here too must reach the agreement, or the others would wait for this rank)
+                    for k in range(len(dests)):
+                        finish(k)
+                except Exception as e:
+                    error = e
+            comm.agree(error, "loading the checkpoint")
+    finally:
+        progress.close()
+    if h2d_bytes[0]:
+        end = time.time()
+        monitor.add(Span("load", "h2d", me, end - h2d_seconds[0], end, h2d_bytes[0], thread))
+    if comm is not None:
+        gather_spans(comm, monitor)
+    return matched.structure.unflatten(results)
+
+
+def _held(plan: LoadPlan, held: Sequence[Mapping[int, Any]]) -> LoadPlan:
+    """``plan`` without the reads into ranks whose memory this process does not hold (a ShardedLeaf of some ranks)."""
+    arrays = []
+    for ap, ranks in zip(plan.arrays, held, strict=True):
+        reads = ap.reads
+        if any(t.rank not in ranks for op in reads for t in op.targets):
+            kept = ((op, tuple(t for t in op.targets if t.rank in ranks)) for op in reads)
+            reads = tuple(dataclasses.replace(op, targets=ts) for op, ts in kept if ts)
+            ap = dataclasses.replace(ap, reads=reads)
+        arrays.append(ap)
+    return dataclasses.replace(plan, arrays=tuple(arrays))
