@@ -24,7 +24,7 @@ reading and writing are the layers' below.
 from typing import Any
 
 from ._dests import small_result
-from ._dtensor import DTensorKind, is_dtensor
+from ._dtensor import DTensorKind
 from ._kind import KINDS, SINGLE, ArrayIn, Buffers, Describing, Dest, LeafKind, Matching, Registry, span
 from ._sharded import AbstractKind, ShardedKind
 from ._sources import plain_data
@@ -58,7 +58,6 @@ __all__ = [
     "LeafKind",
     "Matching",
     "Registry",
-    "is_dtensor",
     "is_leaf",
     "is_value",
     "plain_data",

@@ -17,12 +17,7 @@ from ._dests import fillable, into, meta_problem
 from ._kind import ArrayIn, Buffers, Describing, Dest, LeafKind, Matching
 from ._sources import check_ndim, check_spec, check_tensor, layout_error, shard_sources
 
-__all__ = ["DTensorKind", "is_dtensor"]
-
-
-def is_dtensor(x: Any) -> bool:
-    """Whether ``x`` is a DTensor (without importing torch.distributed)."""
-    return DTensorKind().claims(type(x))
+__all__ = ["DTensorKind"]
 
 
 class DTensorKind(LeafKind):

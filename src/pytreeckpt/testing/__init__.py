@@ -65,8 +65,8 @@ from pytreeckpt.core._sharding import (
     StridedShard,
 )
 from pytreeckpt.core._tree import broadcast_prefix, flatten, keystr
+from pytreeckpt.leaves import KINDS
 from pytreeckpt.leaves import is_leaf as _is_leaf
-from pytreeckpt.leaves import is_value as _is_value
 from pytreeckpt.plan import ChunkingOptions
 
 __all__ = [
@@ -508,7 +508,7 @@ def target_specs(
     def build(draw: st.DrawFn) -> Any:
         out: list[Any] = []
         for leaf in leaves:
-            if isinstance(leaf, torch.Tensor | ShardedLeaf):
+            if KINDS.kind(leaf).name in ("tensor", "dtensor", "sharded"):
                 shape = tuple(leaf.shape)
                 out.append(draw(st.one_of(st.none(), specs(shape, complete=complete, max_ranks=max_ranks))))
             else:
@@ -616,16 +616,17 @@ def check_reshard(
     save_specs: list[Layout | None] = []
     targets: list[Any] = []
     for key, leaf, a, b in zip(keys, leaves, a_specs, b_specs, strict=True):
-        if _is_value(leaf):
+        kind = KINDS.kind(leaf).name
+        if kind == "value":
             wants.append(None)
             saved_layouts.append(None)
             to_save.append(leaf)
             save_specs.append(None)
             targets.append(leaf)
             continue
-        if isinstance(leaf, ShardedLeaf):
+        if kind == "sharded":
             full = leaf.to_global()
-        elif isinstance(leaf, torch.Tensor):
+        elif kind in ("tensor", "dtensor"):
             full = leaf
         else:
             raise TypeError(
@@ -634,7 +635,7 @@ def check_reshard(
             )
         dtype_of_torch(full.dtype)
         wants.append(full)
-        saved_layouts.append(a if a is not None else leaf.spec if isinstance(leaf, ShardedLeaf) else None)
+        saved_layouts.append(a if a is not None else leaf.spec if kind == "sharded" else None)
         if a is None:
             to_save.append(leaf)
             save_specs.append(None)
