@@ -59,11 +59,6 @@ class ChunkGrid:
         """The number of chunks: 1 for a 0-d array, 0 for a zero-size one."""
         return math.prod(self.grid)
 
-    @property
-    def chunk_size(self) -> int:
-        """Elements of a whole chunk (edge chunks are stored padded to it)."""
-        return math.prod(self.chunk)
-
     def region(self, index: Sequence[int]) -> Region:
         """The elements of chunk ``index``."""
         offset = tuple(i * c for i, c in zip(index, self.chunk, strict=True))
@@ -119,13 +114,6 @@ class ChunkGrid:
         """The key of chunk ``index`` in a zarr v3 array (the default chunk key encoding)."""
         return "/".join(["c", *map(str, index)])
 
-    def is_whole(self, region: Region) -> bool:
-        """True when ``region`` is a union of whole chunks (edge chunks end at the array's edge)."""
-        return all(
-            o % c == 0 and ((o + s) % c == 0 or o + s == n)
-            for o, s, c, n in zip(region.offset, region.shape, self.chunk, self.shape, strict=True)
-        )
-
     # ------------------------------------------------------------------ columns
     def contained(self, lo: np.ndarray, ext: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """For boxes ``lo``/``ext`` ((n, ndim) columns), the box ``[clo, chi)`` of chunks each holds whole.
@@ -153,13 +141,6 @@ class ChunkGrid:
         c = np.asarray(self.chunk, dtype=_I64)
         tlo = lo // c
         return tlo, np.where(ext > 0, (lo + ext - 1) // c + 1, tlo)
-
-    def chunk_boxes(self, lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The element boxes (offset, extent columns) of the chunk-index boxes ``[lo, hi)``."""
-        c = np.asarray(self.chunk, dtype=_I64)
-        n = np.asarray(self.shape, dtype=_I64)
-        offset = lo * c
-        return offset, np.minimum(hi * c, n) - offset
 
     def cells(self, lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Every chunk of each chunk-index box ``[lo, hi)``: (box row, flat chunk index), row-major per box."""

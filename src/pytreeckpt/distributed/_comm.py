@@ -36,7 +36,6 @@ __all__ = [
     "checkpoint_group",
     "distributed_comm",
     "dtensor_layout",
-    "is_dtensor",
     "placements_from_spec",
     "spec_from_dtensor",
 ]
@@ -44,12 +43,6 @@ __all__ = [
 _GROUPS: dict[tuple[Any, ...], tuple[Any, Any]] = {}
 _GROUPS_LOCK = threading.Lock()
 _HOOKED: list[bool] = []  # release_groups is registered with atexit
-
-
-def is_dtensor(x: Any) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(x, DTensor)
 
 
 @runtime_checkable

@@ -1,22 +1,27 @@
-"""The stored form: the metadata document, its schema, and where arrays live.
+"""The stored form: the metadata document, its schema, and where arrays live (``docs/format.md`` in full).
 
 A checkpoint is a directory::
 
     pytreeckpt.json          the metadata document; written last, atomically: the commit
     arrays/<name>/zarr.json  one zarr v3 array per tensor leaf, of its global shape
     arrays/<name>/c/...      its chunks
-    ocdbt/<rank>/            small arrays packed: an OCDBT database per writing rank,
-                             holding arrays/<name>/... as keys
+    packed/<rank>/<n>.zip    small arrays packed in zip archives by the rank that wrote them
+                             (format version 3; what pytreeckpt writes on a local file system)
+    ocdbt/<rank>/            small arrays packed in an OCDBT database per writing rank
+                             (format version 2; on object stores)
     checksums/crc32c         every chunk's crc32c, when there are too many to keep in the
                              document (each array's part named by the document)
 
-The metadata document (format version 1)::
+The metadata document (format version 1, 2 or 3: the lowest its checkpoint needs, see
+``FORMAT_VERSION``), sealed by its own crc32c as its last member::
 
-    {"format": "pytreeckpt", "version": 1,
-     "tree": <structure>, "leaves": [<leaf>, ...], "user_metadata": {...}}
+    {"format": "pytreeckpt", "version": 1 | 2 | 3,
+     "tree": <structure>, "leaves": [<leaf>, ...], "user_metadata": {...},
+     "document_crc32c": "<8 hex digits>"}
 
 Array leaves are ``{"kind": "array", "key", "container", "dtype", "storage_dtype",
-"shape", "chunk_shape", "path", "layout", "chunk_crc32c" | "chunk_crc32c_at"}``; plain Python leaves are
+"shape", "chunk_shape", "path", "layout", "chunk_crc32c" | "chunk_crc32c_at"}`` (and
+``database`` when packed, ``compression``, ``chunk_hashes``); plain Python leaves are
 ``{"kind": "value", "key", "value"}``. Nothing here does I/O.
 """
 
@@ -1167,7 +1172,12 @@ def build_document(
     user_metadata: dict[str, Any] | None,
     checksums: ChecksumFile | None = None,
 ) -> bytes:
-    """Serialise a metadata document (``checksums``: the file its leaves' ``chunk_crc32c_at`` name)."""
+    """Serialise a metadata document (``checksums``: the file its leaves' ``chunk_crc32c_at`` name).
+
+    The route a save takes (:meth:`DocumentHead.document`) in one call, for documents made
+    by hand (tests, benchmarks); a save itself keeps its head and array texts from save to
+    save (``saving/_job.py``).
+    """
     databases = (leaf.get("database") for leaf in leaves)
     return DocumentHead.of(tree, user_metadata).document(leaves, databases, checksums)
 
