@@ -22,11 +22,7 @@ from pytreeckpt.format._document import (
     ArrayMeta,
 )
 from pytreeckpt.plan import ArrayLoadPlan, ArraySavePlan, ReadOp, WriteOp
-from pytreeckpt.storage import Storage
-from pytreeckpt.storage import _packed as packed
-from pytreeckpt.storage._base import Window
-from pytreeckpt.storage._chunkfiles import chunk_crc
-from pytreeckpt.storage._integrity import ChunkSums, chunk_hash
+from pytreeckpt.storage import ChunkSums, Storage, Window, chunk_crc, chunk_hash
 
 __all__ = ["ChunkReuse", "PieceData", "WriteItem", "assemble", "read_arrays", "write_arrays", "write_items"]
 
@@ -80,10 +76,10 @@ def write_arrays(
                 if progress is not None:
                     progress(buf.nbytes)
                 continue
-            if len(parts) == 1 and packed.handles(metas[i]) and storage._direct(metas[i], buf):
+            if len(parts) == 1 and storage.handles_packed(metas[i]) and storage.handles_files(metas[i], buf):
                 # A packed array's bytes are copied into its database's transaction at once:
                 # no write in flight to wait for, unless this one filled the transaction.
-                committed = storage._write_packed(metas[i], region, buf, None if sums is None else sums.recorder(i))
+                committed = storage.write_packed(metas[i], region, buf, None if sums is None else sums.recorder(i))
                 written += buf.nbytes
                 if committed.done() and committed.exception() is None:
                     if done is not None:
@@ -100,13 +96,13 @@ def write_arrays(
                 nbytes = data.nbytes
                 written += nbytes
                 future: Any
-                if storage._direct(metas[i], data):
-                    future = storage._write_direct(metas[i], part, data, None if sums is None else sums.recorder(i))
+                if storage.handles_files(metas[i], data):
+                    future = storage.write_chunk_files(metas[i], part, data, None if sums is None else sums.recorder(i))
                 else:
                     if sums is not None:
                         sums.add_region(i, metas[i], part, data)
                     future = stores[i][part.slices()].write(data)
-                    storage._note_chunks(metas[i], part)
+                    storage.note_chunks(metas[i], part)
                 if done_all is not None or progress is not None:
                     future.add_done_callback(_finished(done_all, progress, nbytes))
                 window.add(future, nbytes, f"leaf {metas[i].key!r}: writing {part}")
@@ -146,7 +142,7 @@ def read_arrays(
         mine = [op for op in plan.reads if rank is None or op.reader == rank]
         if not mine and array_done is not None:
             array_done(i)
-        if len(mine) == 1 and len(mine[0].targets) == 1 and packed.handles(meta):
+        if len(mine) == 1 and len(mine[0].targets) == 1 and storage.handles_packed(meta):
             # A small packed array read whole into one target: one key-value read per chunk.
             op, t = mine[0], mine[0].targets[0]
             view, where = get(t.rank, t.piece)
@@ -169,7 +165,7 @@ def read_arrays(
                     view, where = get(t.rank, t.piece)
                     outs.append(view[t.region.relative_to(where).slices()])
             landing.append(outs)
-        starts = storage._read_chunks(
+        starts = storage.read_chunks(
             meta, store, [(op.region, outs[0]) for op, outs in zip(mine, landing, strict=True)]
         )
         for n, (op, outs) in enumerate(zip(mine, landing, strict=True)):

@@ -6,7 +6,7 @@ from types import TracebackType
 from typing import Any
 
 from pytreeckpt.core._errors import NotCommittedError
-from pytreeckpt.storage._location import Where, describe
+from pytreeckpt.storage import Where, describe
 
 from ._manager import CheckpointManager, check_step
 

@@ -8,12 +8,34 @@ records). :class:`Storage` is one checkpoint location with all of these parts; o
 package and :mod:`pytreeckpt.execute` do I/O.
 """
 
+from pytreeckpt.storage._base import Window as Window
 from pytreeckpt.storage._base import in_background as in_background
+from pytreeckpt.storage._chunkfiles import chunk_crc as chunk_crc
 from pytreeckpt.storage._commit import LOCK_WAIT as LOCK_WAIT
 from pytreeckpt.storage._commit import remove_tree as remove_tree
 from pytreeckpt.storage._integrity import ChunkSums as ChunkSums
 from pytreeckpt.storage._integrity import available_memory as available_memory
+from pytreeckpt.storage._integrity import chunk_hash as chunk_hash
+from pytreeckpt.storage._location import Location as Location
+from pytreeckpt.storage._location import Where as Where
+from pytreeckpt.storage._location import describe as describe
+from pytreeckpt.storage._location import resolve as resolve
 from pytreeckpt.storage._options import ExecutorOptions as ExecutorOptions
 from pytreeckpt.storage._storage import Storage as Storage
 
-__all__ = ["LOCK_WAIT", "ChunkSums", "ExecutorOptions", "Storage", "available_memory", "in_background", "remove_tree"]
+__all__ = [
+    "LOCK_WAIT",
+    "ChunkSums",
+    "ExecutorOptions",
+    "Location",
+    "Storage",
+    "Where",
+    "Window",
+    "available_memory",
+    "chunk_crc",
+    "chunk_hash",
+    "describe",
+    "in_background",
+    "remove_tree",
+    "resolve",
+]

@@ -175,7 +175,12 @@ class ArrayIO(FileChecks, Durability):
                     self._unsynced_trees.add(meta.database)
         return stores
 
-    def _direct(self, meta: ArrayMeta, data: np.ndarray) -> bool:
+    def handles_packed(self, meta: ArrayMeta) -> bool:
+        """Whether this array's chunks are keys of its database, written and read by this package itself
+        (packed, uncompressed, not empty, on a little-endian host)."""
+        return handles(meta)
+
+    def handles_files(self, meta: ArrayMeta, data: np.ndarray) -> bool:
         """Whether the executor reads or writes this array's chunk files itself, with ``data`` as the memory.
 
         It does for non-empty, uncompressed arrays of their own (not packed) in a local
@@ -189,7 +194,7 @@ class ArrayIO(FileChecks, Durability):
         local_plain = self.kv is None and LITTLE_ENDIAN and meta.compression is None and meta.database is None
         return local_plain and meta.nbytes > 0 and len(meta.shape) > 0
 
-    def _write_direct(
+    def write_chunk_files(
         self, meta: ArrayMeta, region: Region, data: np.ndarray, record: Callable[[tuple[int, ...], int], None] | None
     ) -> Future[Any]:
         """Write ``region`` (whole chunks) chunk file by chunk file; each file is fsynced as it is written.
@@ -197,7 +202,7 @@ class ArrayIO(FileChecks, Durability):
         ``record(index, crc32c)`` is called with each chunk's checksum as it is written.
         """
         if handles(meta):
-            return self._write_packed(meta, region, data, record)
+            return self.write_packed(meta, region, data, record)
         chunk = meta.chunk_shape
         bounds = zip(region.offset, region.stop, chunk, meta.shape, strict=True)
         if not all(o % c == 0 and (e % c == 0 or e == n) for o, e, c, n in bounds):
@@ -227,7 +232,7 @@ class ArrayIO(FileChecks, Durability):
             )
         return _all_of(futures)
 
-    def _write_packed(
+    def write_packed(
         self, meta: ArrayMeta, region: Region, data: np.ndarray, record: Callable[[tuple[int, ...], int], None] | None
     ) -> Future[Any]:
         """Write ``region``'s chunks as keys of the array's database (see :mod:`~pytreeckpt.storage._packed`).
@@ -404,7 +409,7 @@ class ArrayIO(FileChecks, Durability):
             reader.check_unchanged()
         return out
 
-    def _read_chunks(
+    def read_chunks(
         self, meta: ArrayMeta, store: Any, wants: Sequence[tuple[Region, np.ndarray]]
     ) -> list[Callable[[], Future[Any]]]:
         """Read each ``(region, dest)`` of one array chunk by chunk, checking every chunk (see :meth:`_chunk`).

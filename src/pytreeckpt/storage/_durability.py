@@ -21,7 +21,7 @@ logger = logging.getLogger("pytreeckpt")
 class Durability(StorageBase):
     """Remembers what was written without fsync, and makes it durable in :meth:`sync`."""
 
-    def _note_chunks(self, meta: ArrayMeta, region: Region) -> None:
+    def note_chunks(self, meta: ArrayMeta, region: Region) -> None:
         """Remember the chunk files a write of ``region`` (whole chunks) creates, to fsync them."""
         if self.kv is not None:
             return
