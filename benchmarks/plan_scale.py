@@ -57,7 +57,7 @@ from pytreeckpt.api import _recall
 from pytreeckpt.api import _save as _save_api
 from pytreeckpt.core._dtypes import dtype_from_name
 from pytreeckpt.core._tree import Node
-from pytreeckpt.format._document import (
+from pytreeckpt.format import (
     ARRAYS_DIR,
     METADATA_FILE,
     ArrayMeta,

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 import pytreeckpt
 from pytreeckpt.api._save import _array_bytes_bound
 from pytreeckpt.core._values import encode_value
-from pytreeckpt.format._document import SEAL_BYTES, ArrayMeta, ValueMeta, build_document, parse_document
+from pytreeckpt.format import SEAL_BYTES, ArrayMeta, ValueMeta, build_document, parse_document
 from pytreeckpt.testing import shapes, specs
 
 _KEYS = st.text(st.characters(blacklist_categories=("Cs",)), min_size=0, max_size=12)

@@ -17,7 +17,7 @@ from multiproc import run_world
 import pytreeckpt
 from pytreeckpt import Location, StorageOptions
 from pytreeckpt.api import _load, _save
-from pytreeckpt.format._document import parse_document
+from pytreeckpt.format import parse_document
 from pytreeckpt.storage import Storage
 
 

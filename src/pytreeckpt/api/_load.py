@@ -28,7 +28,7 @@ from pytreeckpt.distributed._comm import data_comm
 from pytreeckpt.execute._executor import read_arrays
 from pytreeckpt.execute._memory import AllocationFailed, Prefault, empty_host, empty_numpy
 from pytreeckpt.execute._monitor import Monitor, Progress, Span
-from pytreeckpt.format._document import (
+from pytreeckpt.format import (
     ArrayMeta,
     CheckpointDoc,
     ValueMeta,

@@ -38,7 +38,7 @@ from pytreeckpt.execute._executor import ChunkReuse, PieceData, write_arrays, wr
 from pytreeckpt.execute._monitor import Monitor, Progress, Span, logger
 from pytreeckpt.execute._pipeline import Snapshot, staged_writes
 from pytreeckpt.execute._staging import PoolAborted, staging_pool
-from pytreeckpt.format._document import (
+from pytreeckpt.format import (
     ARCHIVE_DIR,
     ARRAYS_DIR,
     CHECKSUMS_FILE,

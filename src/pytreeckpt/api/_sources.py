@@ -17,7 +17,7 @@ from pytreeckpt.core._region import Region
 from pytreeckpt.core._sharding import Layout, Mesh, Piece, Replicate, ShardingSpec
 from pytreeckpt.core._slots import slots_constructor
 from pytreeckpt.execute._executor import PieceData
-from pytreeckpt.format._document import MAX_NDIM
+from pytreeckpt.format import MAX_NDIM
 from pytreeckpt.plan import ArraySpec, array_spec_of
 
 from ._shared import (

@@ -28,7 +28,7 @@ from pytreeckpt.api import _is_leaf, _is_value, metadata, read_array, save
 from pytreeckpt.core._errors import CheckpointError
 from pytreeckpt.core._tree import flatten, keystr
 from pytreeckpt.core._values import decode_value, encode_value
-from pytreeckpt.format._document import ArrayMeta
+from pytreeckpt.format import ArrayMeta
 
 __all__ = ["export_safetensors", "import_safetensors"]
 

@@ -18,7 +18,7 @@ import numpy as np
 from pytreeckpt.api import SaveHandle, _comm, async_save, load, save
 from pytreeckpt.core._errors import CheckpointError, NotCommittedError
 from pytreeckpt.execute._staging import staging_pool
-from pytreeckpt.format._document import METADATA_FILE, STEP_DIR
+from pytreeckpt.format import METADATA_FILE, STEP_DIR
 from pytreeckpt.storage import LOCK_WAIT, Storage, remove_tree
 from pytreeckpt.storage._location import Location, Where, describe, resolve
 
