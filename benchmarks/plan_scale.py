@@ -54,7 +54,7 @@ import pytreeckpt
 from pytreeckpt import Abstract
 from pytreeckpt.core._dtypes import dtype_from_name
 from pytreeckpt.core._tree import Node
-from pytreeckpt.format._document import (
+from pytreeckpt.format import (
     ARRAYS_DIR,
     METADATA_FILE,
     ArrayMeta,

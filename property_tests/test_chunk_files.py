@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from pytreeckpt.core._dtypes import dtype_of_numpy
 from pytreeckpt.core._region import Region, chunk_region
-from pytreeckpt.format._document import zarr_metadata
+from pytreeckpt.format import zarr_metadata
 from pytreeckpt.storage import _chunkfiles as chunkfiles
 from pytreeckpt.storage._chunkfiles import chunk_crc, read_chunk, write_chunk
 

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import pytreeckpt
 from pytreeckpt.core._values import encode_value
-from pytreeckpt.format._document import SEAL_BYTES, ArrayMeta, ValueMeta, build_document, parse_document
+from pytreeckpt.format import SEAL_BYTES, ArrayMeta, ValueMeta, build_document, parse_document
 from pytreeckpt.saving import array_bytes_bound as _array_bytes_bound
 from pytreeckpt.testing import shapes, specs
 

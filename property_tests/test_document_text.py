@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from pytreeckpt.core._dtypes import dtype_from_name
 from pytreeckpt.core._tree import Node
-from pytreeckpt.format._document import (
+from pytreeckpt.format import (
     ArrayMeta,
     ChecksumFile,
     Compression,

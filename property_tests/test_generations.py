@@ -19,7 +19,7 @@ from typing import Any
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pytreeckpt.format._document import generation_name, generation_of, parse_document
+from pytreeckpt.format import generation_name, generation_of, parse_document
 from pytreeckpt.storage import Storage
 from pytreeckpt.storage._commit import MAX_GENERATION, _referenced
 

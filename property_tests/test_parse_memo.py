@@ -14,8 +14,8 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from pytreeckpt.core._errors import MetadataError
-from pytreeckpt.format import _document as document_module
-from pytreeckpt.format._document import ArrayMeta, parse_document
+from pytreeckpt.format import ArrayMeta, parse_document
+from pytreeckpt.format import _parse as document_module
 
 _LEAF = {
     "kind": "array",

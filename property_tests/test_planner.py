@@ -121,7 +121,7 @@ def test_a_ranks_own_structure_is_its_part_of_the_whole_one(data: st.DataObject)
     # A rank planning a mesh layout (pieces equal or disjoint) builds only its own cells,
     # groups and merged chunks (plan/_save.py _make_rank_structure); they must be exactly
     # the whole structure's that involve it, for every position.
-    from pytreeckpt.plan import _save as planner
+    from pytreeckpt.plan import _structure as planner
     from pytreeckpt.plan._tables import placed
 
     shape = data.draw(shapes(max_side=9, min_dims=1))

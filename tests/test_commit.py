@@ -16,7 +16,7 @@ from multiproc import run_world
 
 import pytreeckpt
 from pytreeckpt import Location, StorageOptions
-from pytreeckpt.format._document import parse_document
+from pytreeckpt.format import parse_document
 from pytreeckpt.loading import _run as _load
 from pytreeckpt.saving import _job as _save
 from pytreeckpt.storage import Storage

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import pytreeckpt
-from pytreeckpt.format._document import LOCK_FILE
+from pytreeckpt.format import LOCK_FILE
 
 
 @pytest.fixture

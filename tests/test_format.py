@@ -12,7 +12,7 @@ import torch
 from helpers import document, unpacked
 
 import pytreeckpt
-from pytreeckpt.format._document import array_names, parse_document
+from pytreeckpt.format import array_names, parse_document
 
 
 def saved(tmp_path: Path) -> tuple[Path, dict[str, Any]]:
@@ -189,7 +189,8 @@ def test_array_leaves_made_by_their_slots_are_the_ones_init_makes() -> None:
     import dataclasses
 
     from pytreeckpt.core._dtypes import dtype_from_name
-    from pytreeckpt.format._document import ArrayMeta, ChecksumFile, Compression, _meta_like, plain_array_meta
+    from pytreeckpt.format import ArrayMeta, ChecksumFile, Compression, plain_array_meta
+    from pytreeckpt.format._parse import _meta_like
 
     like = ArrayMeta("a", "torch", dtype_from_name("bfloat16"), (3, 5), (3, 5), "arrays/a", None, database="packed/1")
     file = ChecksumFile("checksums/crc32c", 64)

@@ -230,7 +230,7 @@ def test_a_damaged_checksum_field_fails_the_load_that_reads_it_not_the_parse(tmp
 
 
 def test_leaves_saved_in_one_layout_share_it_and_a_retyped_layout_is_still_refused(tmp_path: Path) -> None:
-    from pytreeckpt.format._document import parse_document
+    from pytreeckpt.format import parse_document
 
     path = tmp_path / "c"
     spec = pytreeckpt.ShardingSpec(pytreeckpt.Mesh((2,)), [pytreeckpt.Shard(0)])

@@ -379,7 +379,7 @@ def test_packed_arrays_metadata_is_what_tensorstore_writes_for_every_type(
 ) -> None:
     """The zarr.json written for packed arrays without TensorStore is byte for byte the one it writes."""
     from pytreeckpt.core._dtypes import _BY_NAME, dtype_from_name
-    from pytreeckpt.format._document import ArrayMeta, zarr_metadata
+    from pytreeckpt.format import ArrayMeta, zarr_metadata
     from pytreeckpt.storage._packed import zarr_json
 
     shape, chunk = shape_chunk

@@ -45,8 +45,8 @@ from pytreeckpt.distributed._comm import placements_from_spec as placements_from
 from pytreeckpt.distributed._comm import spec_from_dtensor as spec_from_dtensor
 from pytreeckpt.execute._monitor import Monitor as Monitor
 from pytreeckpt.execute._monitor import Span as Span
-from pytreeckpt.format._document import ArrayMeta as ArrayMeta
-from pytreeckpt.format._document import Compression as Compression
+from pytreeckpt.format import ArrayMeta as ArrayMeta
+from pytreeckpt.format import Compression as Compression
 from pytreeckpt.interop._dcp import import_dcp as import_dcp
 from pytreeckpt.interop._safetensors import export_safetensors as export_safetensors
 from pytreeckpt.interop._safetensors import import_safetensors as import_safetensors

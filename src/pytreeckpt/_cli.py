@@ -14,7 +14,7 @@ from typing import Any
 from pytreeckpt.api import metadata, verify
 from pytreeckpt.core._errors import CheckpointError
 from pytreeckpt.core._values import decode_value, encode_value
-from pytreeckpt.format._document import LOCK_FILE, METADATA_FILE, STORED_DIRS, ArrayMeta
+from pytreeckpt.format import LOCK_FILE, METADATA_FILE, STORED_DIRS, ArrayMeta
 from pytreeckpt.interop._dcp import import_dcp
 from pytreeckpt.interop._safetensors import export_safetensors, import_safetensors
 from pytreeckpt.storage import Storage

@@ -13,7 +13,7 @@ from pytreeckpt.core._region import Region
 from pytreeckpt.distributed._comm import distributed_comm
 from pytreeckpt.execute._calls import gc_paused, wait_in_flight
 from pytreeckpt.execute._monitor import Monitor
-from pytreeckpt.format._document import ArrayMeta
+from pytreeckpt.format import ArrayMeta
 from pytreeckpt.loading import (
     CheckpointMetadata,
     LoadRequest,

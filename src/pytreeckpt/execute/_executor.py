@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from pytreeckpt.core._region import Region, chunk_region
-from pytreeckpt.format._document import (
+from pytreeckpt.format import (
     ArrayMeta,
 )
 from pytreeckpt.plan import ArrayLoadPlan, ArraySavePlan, ReadOp, WriteOp

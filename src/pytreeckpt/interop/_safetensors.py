@@ -28,7 +28,7 @@ from pytreeckpt.api import metadata, read_array, save
 from pytreeckpt.core._errors import CheckpointError
 from pytreeckpt.core._tree import flatten, keystr
 from pytreeckpt.core._values import decode_value, encode_value
-from pytreeckpt.format._document import ArrayMeta
+from pytreeckpt.format import ArrayMeta
 from pytreeckpt.leaves import is_leaf as _is_leaf
 from pytreeckpt.leaves import is_value as _is_value
 

@@ -15,7 +15,7 @@ from pytreeckpt.core._errors import CheckpointError, where
 from pytreeckpt.core._leaf import Abstract, ShardedLeaf
 from pytreeckpt.core._sharding import Mesh, Replicate, ShardingSpec
 from pytreeckpt.execute._memory import AllocationFailed
-from pytreeckpt.format._document import ArrayMeta, ValueMeta
+from pytreeckpt.format import ArrayMeta, ValueMeta
 
 from ._kind import SINGLE, Buffers, Dest
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from pytreeckpt.core._dtypes import dtype_of_torch
 from pytreeckpt.core._errors import LayoutError, where
-from pytreeckpt.format._document import ArrayMeta, ValueMeta
+from pytreeckpt.format import ArrayMeta, ValueMeta
 
 from ._dests import fillable, into, meta_problem
 from ._kind import ArrayIn, Buffers, Describing, Dest, LeafKind, Matching

@@ -26,7 +26,7 @@ from pytreeckpt.core._sharding import Layout, Mesh, Piece, Replicate, ShardingSp
 from pytreeckpt.core._slots import slots_constructor
 from pytreeckpt.execute._executor import PieceData
 from pytreeckpt.execute._memory import empty_host, empty_numpy
-from pytreeckpt.format._document import ArrayMeta, ValueMeta
+from pytreeckpt.format import ArrayMeta, ValueMeta
 from pytreeckpt.plan import ArraySpec, array_spec_of
 
 if TYPE_CHECKING:

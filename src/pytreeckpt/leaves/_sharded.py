@@ -18,7 +18,7 @@ from pytreeckpt.core._dtypes import dtype_of_torch
 from pytreeckpt.core._errors import CheckpointError, LayoutError, where
 from pytreeckpt.core._leaf import Abstract, ShardedLeaf
 from pytreeckpt.core._sharding import Layout, Mesh, Replicate, ShardingSpec
-from pytreeckpt.format._document import ArrayMeta, ValueMeta
+from pytreeckpt.format import ArrayMeta, ValueMeta
 
 from ._dests import fillable, full_dest, into, meta_problem, naming_leaf
 from ._kind import (

@@ -15,7 +15,7 @@ from pytreeckpt.core._leaf import piece_view
 from pytreeckpt.core._region import Region
 from pytreeckpt.core._sharding import Layout, Piece
 from pytreeckpt.execute._executor import PieceData
-from pytreeckpt.format._document import MAX_NDIM
+from pytreeckpt.format import MAX_NDIM
 
 __all__ = [
     "check_ndim",

@@ -8,7 +8,7 @@ import numpy as np
 
 from pytreeckpt.core._errors import CheckpointError, where
 from pytreeckpt.core._values import PYTHON_LEAF_TYPES, encode_value, resolve_value
-from pytreeckpt.format._document import ArrayMeta, ValueMeta
+from pytreeckpt.format import ArrayMeta, ValueMeta
 
 from ._kind import Describing, LeafKind, Matching
 

@@ -17,7 +17,7 @@ from pytreeckpt.core._dtypes import TORCH_NAMES, dtype_of_numpy, dtype_of_torch,
 from pytreeckpt.core._errors import CheckpointError, LayoutError, where
 from pytreeckpt.core._region import Region
 from pytreeckpt.core._sharding import Layout, Mesh, Piece, Replicate, ShardingSpec
-from pytreeckpt.format._document import ArrayMeta, ValueMeta
+from pytreeckpt.format import ArrayMeta, ValueMeta
 
 from ._dests import abstract_of, full_dest, meta_problem
 from ._kind import SINGLE, ArrayIn, Describing, LeafKind, Matching

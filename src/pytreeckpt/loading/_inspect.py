@@ -20,7 +20,7 @@ from pytreeckpt.core._sharding import ExplicitRegions
 from pytreeckpt.core._tree import KeyEntry, typed_keystr
 from pytreeckpt.execute._executor import read_arrays
 from pytreeckpt.execute._memory import AllocationFailed, Prefault
-from pytreeckpt.format._document import ArrayMeta, CheckpointDoc
+from pytreeckpt.format import ArrayMeta, CheckpointDoc
 from pytreeckpt.leaves import KINDS, Buffers
 from pytreeckpt.plan import ArraySpec, plan_load
 from pytreeckpt.storage import ExecutorOptions, Storage

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from pytreeckpt.core._errors import TargetMismatchError, where
 from pytreeckpt.core._tree import KeyEntry, Node, flatten, keystr, leaf_node
 from pytreeckpt.distributed._agree import Carried
-from pytreeckpt.format._document import ArrayMeta, CheckpointDoc, ValueMeta
+from pytreeckpt.format import ArrayMeta, CheckpointDoc, ValueMeta
 from pytreeckpt.leaves import KINDS, Buffers, Matching, is_leaf
 from pytreeckpt.storage import ExecutorOptions, Storage
 from pytreeckpt.storage._location import Where, describe

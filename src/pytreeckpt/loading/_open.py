@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from pytreeckpt.core._errors import CheckpointError, NotCommittedError, TargetMismatchError
-from pytreeckpt.format._document import CheckpointDoc, parse_document
+from pytreeckpt.format import CheckpointDoc, parse_document
 from pytreeckpt.storage import ExecutorOptions, Storage, available_memory
 from pytreeckpt.storage._location import Where, describe
 

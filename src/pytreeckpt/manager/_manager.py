@@ -19,7 +19,7 @@ from pytreeckpt.api import SaveHandle, async_save, load, save
 from pytreeckpt.core._errors import CheckpointError, NotCommittedError
 from pytreeckpt.distributed._comm import distributed_comm as _comm
 from pytreeckpt.execute._staging import staging_pool
-from pytreeckpt.format._document import METADATA_FILE, STEP_DIR
+from pytreeckpt.format import METADATA_FILE, STEP_DIR
 from pytreeckpt.storage import LOCK_WAIT, Location, Storage, Where, describe, remove_tree, resolve
 
 __all__ = ["CheckpointManager"]

@@ -53,7 +53,7 @@ def clear_caches() -> None:
     """Forget the memoised tables and structures (benchmarks time cold planning with this)."""
     from pytreeckpt.core import _sharding
 
-    from . import _balance, _chunking, _load, _save, _tables
+    from . import _balance, _chunking, _load, _save, _structure, _tables
 
     _sharding._spec_intervals.cache_clear()
     _sharding._spec_pieces.cache_clear()
@@ -62,8 +62,8 @@ def clear_caches() -> None:
     _load._CUTS.clear()
     _load._OUTSIDE.clear()
     _chunking._CUTS.clear()
-    _save._STRUCTURES.clear()
+    _structure._STRUCTURES.clear()
     _save._WHOLE_WRITES.clear()
-    _save._PART_INDEXES.clear()
+    _structure._PART_INDEXES.clear()
     _tables.clear_placed()
     _balance.clear_scope_keys()

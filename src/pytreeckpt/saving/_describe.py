@@ -23,7 +23,7 @@ from pytreeckpt.core._sharding import Layout
 from pytreeckpt.core._tree import broadcast_prefix, check_unique_keys, flatten
 from pytreeckpt.distributed._agree import Carried, agree_on_specs
 from pytreeckpt.execute._executor import PieceData
-from pytreeckpt.format._document import Compression
+from pytreeckpt.format import Compression
 from pytreeckpt.leaves import KINDS, SINGLE, ArrayIn, Describing, is_leaf, plain_data, span, value_entry
 from pytreeckpt.plan import ArraySpec, ChunkingOptions, PlanCache, SavePlan, plan_save, plan_whole, spec_plan_key
 

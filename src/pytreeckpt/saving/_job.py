@@ -29,7 +29,7 @@ from pytreeckpt.execute._executor import ChunkReuse, PieceData, write_arrays, wr
 from pytreeckpt.execute._monitor import Monitor, Progress, Span
 from pytreeckpt.execute._pipeline import Snapshot, staged_writes
 from pytreeckpt.execute._staging import staging_pool
-from pytreeckpt.format._document import (
+from pytreeckpt.format import (
     CHECKSUMS_FILE,
     PACKED_DIR,
     ArrayMeta,

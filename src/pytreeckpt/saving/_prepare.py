@@ -22,7 +22,7 @@ from pytreeckpt.core._errors import CheckpointError, MetadataError
 from pytreeckpt.distributed._agree import Carried
 from pytreeckpt.execute._executor import ChunkReuse
 from pytreeckpt.execute._monitor import Monitor, Span
-from pytreeckpt.format._document import (
+from pytreeckpt.format import (
     ARCHIVE_DIR,
     ARRAYS_DIR,
     MAX_PACKED_BYTES,

@@ -23,7 +23,7 @@ import tensorstore as ts
 from pytreeckpt.core._checksum import crc32c
 from pytreeckpt.core._errors import CheckpointError, PermissionDeniedError
 from pytreeckpt.core._region import Region, chunk_region
-from pytreeckpt.format._document import (
+from pytreeckpt.format import (
     ARCHIVE_DIR,
     PACKED_DIR,
     ArrayMeta,

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from pytreeckpt.core._errors import CheckpointError, MetadataError, NotCommittedError
-from pytreeckpt.format._document import (
+from pytreeckpt.format import (
     ARRAYS_DIR,
     CHECKSUMS_DIR,
     LOCK_FILE,

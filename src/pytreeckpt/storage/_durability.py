@@ -9,7 +9,7 @@ from pathlib import Path
 
 from pytreeckpt.core._errors import CheckpointError
 from pytreeckpt.core._region import Region
-from pytreeckpt.format._document import (
+from pytreeckpt.format import (
     ArrayMeta,
 )
 from pytreeckpt.storage._base import StorageBase, _chunk_key, background_nice

@@ -23,7 +23,7 @@ import tensorstore as ts
 
 from pytreeckpt.core._errors import CheckpointError, MetadataError
 from pytreeckpt.core._region import Region
-from pytreeckpt.format._document import (
+from pytreeckpt.format import (
     ArrayMeta,
     chunk_count,
 )

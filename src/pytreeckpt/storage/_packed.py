@@ -27,7 +27,7 @@ import tensorstore as ts
 from pytreeckpt.core._checksum import crc32c
 from pytreeckpt.core._dtypes import dtype_from_name
 from pytreeckpt.core._errors import CheckpointError
-from pytreeckpt.format._document import ARCHIVE_DIR, ArrayMeta, zarr_metadata
+from pytreeckpt.format import ARCHIVE_DIR, ArrayMeta, zarr_metadata
 from pytreeckpt.storage._archive import ArchiveReader, ArchiveWriter, entry_bytes
 from pytreeckpt.storage._base import OCDBT_INLINE_BYTES, _chunk_key
 from pytreeckpt.storage._chunkfiles import LITTLE_ENDIAN, _encoded_prefix
