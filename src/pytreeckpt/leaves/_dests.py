@@ -11,18 +11,19 @@ from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 import numpy as np
 import torch
 
+from pytreeckpt.core._dtypes import dtype_of_torch
 from pytreeckpt.core._errors import CheckpointError, where
-from pytreeckpt.core._leaf import Abstract, ShardedLeaf
+from pytreeckpt.core._leaf import ShardedLeaf
 from pytreeckpt.core._sharding import Mesh, Replicate, ShardingSpec
 from pytreeckpt.execute._memory import AllocationFailed
 from pytreeckpt.format import ArrayMeta, ValueMeta
 
-from ._kind import SINGLE, Buffers, Dest
+from ._kind import SINGLE, Buffers, Dest, Matching
 
 if TYPE_CHECKING:
     from pytreeckpt.distributed._comm import Comm
 
-__all__ = ["abstract_of", "fillable", "full_dest", "into", "meta_problem", "naming_leaf", "small_result"]
+__all__ = ["fillable", "full_dest", "into", "meta_problem", "naming_leaf", "small_result", "stored_for"]
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -79,14 +80,20 @@ def meta_problem(key: str, leaf: Any) -> str | None:
     return None
 
 
-def abstract_of(stored: ArrayMeta | ValueMeta) -> Any:
-    """A stored array's placeholder (an Abstract; its metadata for dtypes torch lacks), a stored value itself."""
-    if isinstance(stored, ValueMeta):
-        return stored.value
-    try:
-        return Abstract(stored.shape, stored.dtype.torch)
-    except KeyError:  # numpy-only dtypes
-        return stored
+def stored_for(key: str, stored: ArrayMeta | ValueMeta, leaf: Any, m: Matching) -> ArrayMeta | None:
+    """The stored array a target ``leaf`` of torch's kinds (a tensor, DTensor, ShardedLeaf or Abstract: its
+    ``shape`` and torch ``dtype``) loads; None, the mismatch noted in ``m``, for a stored value, a target
+    on the meta device, or another shape or dtype."""
+    array = m.stored_array(key, stored)
+    if array is None:
+        return None
+    problem = meta_problem(key, leaf)
+    if problem is not None:
+        m.problems.append(problem)
+        return None
+    if m.mismatch(key, array, tuple(leaf.shape), dtype_of_torch(leaf.dtype).name):
+        return None
+    return array
 
 
 @naming_leaf

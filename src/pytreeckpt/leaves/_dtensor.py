@@ -13,7 +13,7 @@ from pytreeckpt.core._dtypes import dtype_of_torch
 from pytreeckpt.core._errors import LayoutError, where
 from pytreeckpt.format import ArrayMeta, ValueMeta
 
-from ._dests import fillable, into, meta_problem
+from ._dests import fillable, into, stored_for
 from ._kind import ArrayIn, Buffers, Describing, Dest, LeafKind, Matching
 from ._sources import check_ndim, check_spec, check_tensor, layout_error, shard_sources
 
@@ -52,14 +52,8 @@ class DTensorKind(LeafKind):
             raise layout_error(key, e) from None
 
     def destination(self, i: int, key: str, stored: ArrayMeta | ValueMeta, leaf: Any, m: Matching) -> None:
-        array = m.stored_array(key, stored)
+        array = stored_for(key, stored, leaf, m)
         if array is None:
-            return
-        problem = meta_problem(key, leaf)
-        if problem is not None:
-            m.problems.append(problem)
-            return
-        if m.mismatch(key, array, tuple(leaf.shape), dtype_of_torch(leaf.dtype).name):
             return
         try:
             m.dests.append((i, _dtensor_dest(array, leaf, m.comm, m.inplace, buffers=m.buffers)))

@@ -11,6 +11,7 @@ own methods, not a branch ahead of the dispatch.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -20,7 +21,7 @@ import torch
 
 from pytreeckpt.core._dtypes import DType, numpy_view
 from pytreeckpt.core._errors import CheckpointError, LayoutError, where
-from pytreeckpt.core._leaf import piece_view
+from pytreeckpt.core._leaf import Abstract, piece_view
 from pytreeckpt.core._region import Region
 from pytreeckpt.core._sharding import Layout, Mesh, Piece, Replicate, ShardingSpec
 from pytreeckpt.core._slots import slots_constructor
@@ -197,28 +198,34 @@ class Matching:
         return False
 
 
-class LeafKind:
+class LeafKind(ABC):
     """The handler of one kind of leaf: every place that depends on a leaf's kind is a method here."""
 
     name = "leaf"
     container: str | None = None  # the stored arrays this kind makes when a load has no target ("torch", "numpy")
 
+    @abstractmethod
     def claims(self, t: type) -> bool:
         """Whether leaves of type ``t`` are of this kind (asked once per type: the registry remembers)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def describe(self, key: str, leaf: Any, spec: Any, d: Describing) -> None:
         """Add ``leaf`` (under the spec tree's ``spec``) to a save's description ``d``."""
-        raise NotImplementedError
 
+    @abstractmethod
     def destination(self, i: int, key: str, stored: ArrayMeta | ValueMeta, leaf: Any, m: Matching) -> None:
         """Add where the stored leaf goes for target ``leaf`` (result ``i``) to a load's ``m``
         (``leaf`` None: a load without a target, a new leaf as stored)."""
-        raise NotImplementedError
 
     def abstract(self, stored: ArrayMeta | ValueMeta) -> Any:
-        """What ``metadata`` shows for a stored leaf this kind loads as."""
-        raise NotImplementedError
+        """What ``metadata`` shows for a stored leaf this kind loads as: an array's placeholder (an
+        :class:`Abstract`; its metadata for dtypes torch lacks), a value itself."""
+        if isinstance(stored, ValueMeta):
+            return stored.value
+        try:
+            return Abstract(stored.shape, stored.dtype.torch)
+        except KeyError:  # numpy-only dtypes
+            return stored
 
 
 class Registry:

@@ -20,7 +20,7 @@ from pytreeckpt.core._leaf import Abstract, ShardedLeaf
 from pytreeckpt.core._sharding import Layout, Mesh, Replicate, ShardingSpec
 from pytreeckpt.format import ArrayMeta, ValueMeta
 
-from ._dests import fillable, full_dest, into, meta_problem, naming_leaf
+from ._dests import fillable, full_dest, into, naming_leaf, stored_for
 from ._kind import (
     SINGLE,
     ArrayIn,
@@ -58,14 +58,8 @@ class ShardedKind(LeafKind):
             raise layout_error(key, e) from None
 
     def destination(self, i: int, key: str, stored: ArrayMeta | ValueMeta, leaf: Any, m: Matching) -> None:
-        array = m.stored_array(key, stored)
+        array = stored_for(key, stored, leaf, m)
         if array is None:
-            return
-        problem = meta_problem(key, leaf)
-        if problem is not None:
-            m.problems.append(problem)
-            return
-        if m.mismatch(key, array, leaf.shape, dtype_of_torch(leaf.dtype).name):
             return
         devices = {r: t.device for r, t in leaf.shards.items()}
         into_ = leaf if m.inplace else None
@@ -120,10 +114,8 @@ class AbstractKind(LeafKind):
         d.array(_abstract_in(key, leaf, spec, d.comm, d.kinds))
 
     def destination(self, i: int, key: str, stored: ArrayMeta | ValueMeta, leaf: Any, m: Matching) -> None:
-        array = m.stored_array(key, stored)
+        array = stored_for(key, stored, leaf, m)
         if array is None:
-            return
-        if m.mismatch(key, array, leaf.shape, dtype_of_torch(leaf.dtype).name):
             return
         comm, buffers = m.comm, m.buffers
         if leaf.spec is None:

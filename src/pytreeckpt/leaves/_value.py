@@ -47,7 +47,3 @@ class ValueKind(LeafKind):
             f"leaf {where(key)}: the checkpoint has an array of shape {stored.shape} and dtype "
             f"{stored.dtype.name}, the target has a {type(leaf).__name__}"
         )
-
-    def abstract(self, stored: ArrayMeta | ValueMeta) -> Any:
-        assert isinstance(stored, ValueMeta)
-        return stored.value

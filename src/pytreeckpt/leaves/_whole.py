@@ -19,7 +19,7 @@ from pytreeckpt.core._region import Region
 from pytreeckpt.core._sharding import Layout, Mesh, Piece, Replicate, ShardingSpec
 from pytreeckpt.format import ArrayMeta, ValueMeta
 
-from ._dests import abstract_of, full_dest, meta_problem
+from ._dests import full_dest, stored_for
 from ._kind import SINGLE, ArrayIn, Describing, LeafKind, Matching
 from ._sources import check_ndim, check_spec, check_tensor, layout_error, numpy_source, resolved, tensor_source
 
@@ -95,7 +95,7 @@ class TensorKind(LeafKind):
 
     def destination(self, i: int, key: str, stored: ArrayMeta | ValueMeta, leaf: Any, m: Matching) -> None:
         if leaf is None:  # a load without a target: a new tensor as stored
-            _as_stored(i, stored, m, TORCH_NAMES)
+            _as_stored(i, stored, m, torch_only=True)
             return
         small_whole = m.small_whole
         if (
@@ -111,34 +111,21 @@ class TensorKind(LeafKind):
         ):
             m.small.append((i, stored, leaf))  # read straight from its archive, without a plan
             return
-        array = m.stored_array(key, stored)
+        array = stored_for(key, stored, leaf, m)
         if array is None:
-            return
-        problem = meta_problem(key, leaf)
-        if problem is not None:
-            m.problems.append(problem)
-            return
-        if m.mismatch(key, array, tuple(leaf.shape), dtype_of_torch(leaf.dtype).name):
             return
         m.dests.append((i, full_dest(array, False, leaf.device, leaf, m.comm, m.inplace, buffers=m.buffers)))
 
-    def abstract(self, stored: ArrayMeta | ValueMeta) -> Any:
-        return abstract_of(stored)
 
-
-def _as_stored(i: int, stored: ArrayMeta | ValueMeta, m: Matching, small_names: Any) -> None:
-    """A stored array as a new leaf of its container: small whole ones read without a plan (a single process)."""
+def _as_stored(i: int, stored: ArrayMeta | ValueMeta, m: Matching, *, torch_only: bool) -> None:
+    """A stored array as a new leaf of its container: small whole ones read without a plan (a single process;
+    for the torch container, of the dtypes torch has)."""
     assert isinstance(stored, ArrayMeta)
     small_whole = m.small_whole
-    if small_whole is not None and small_whole(stored) and stored.dtype.name in small_names:
+    if small_whole is not None and small_whole(stored) and (not torch_only or stored.dtype.name in TORCH_NAMES):
         m.small.append((i, stored, None))
         return
     m.dests.append((i, full_dest(stored, stored.container == "numpy", None, None, m.comm, buffers=m.buffers)))
-
-
-class _Any:
-    def __contains__(self, x: object) -> bool:
-        return True
 
 
 class NumpyKind(LeafKind):
@@ -166,7 +153,7 @@ class NumpyKind(LeafKind):
 
     def destination(self, i: int, key: str, stored: ArrayMeta | ValueMeta, leaf: Any, m: Matching) -> None:
         if leaf is None:  # a load without a target: a new numpy array as stored
-            _as_stored(i, stored, m, _Any())
+            _as_stored(i, stored, m, torch_only=False)
             return
         array = m.stored_array(key, stored)
         if array is None:
@@ -181,6 +168,3 @@ class NumpyKind(LeafKind):
             return
         param = leaf if m.inplace else None
         m.dests.append((i, full_dest(array, True, None, param, m.comm, m.inplace, buffers=m.buffers)))
-
-    def abstract(self, stored: ArrayMeta | ValueMeta) -> Any:
-        return abstract_of(stored)
