@@ -15,7 +15,7 @@ import ml_dtypes
 import numpy as np
 import torch
 
-__all__ = ["DType", "dtype_from_name", "dtype_of_numpy", "dtype_of_torch", "numpy_view", "torch_from_numpy"]
+__all__ = ["DType", "dtype_from_name", "dtype_of_numpy", "dtype_of_torch", "numpy_view"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,20 +131,6 @@ def numpy_view(t: torch.Tensor) -> np.ndarray:
     else:
         raw = t.view(width).numpy()
     return raw.view(d.numpy)
-
-
-def torch_from_numpy(a: np.ndarray, dtype: DType) -> torch.Tensor:
-    """A tensor of ``dtype`` sharing memory with ``a`` (an array of ``dtype.numpy``)."""
-    if dtype.name in _NUMPY_NATIVE:
-        return torch.from_numpy(a)
-    raw = torch.from_numpy(a.view(_np_int(dtype.itemsize)))
-    if raw.dim() == 0:
-        return raw.reshape(1).view(dtype.torch).reshape(())
-    return raw.view(dtype.torch)
-
-
-def _np_int(itemsize: int) -> np.dtype:
-    return np.dtype({1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}[itemsize])
 
 
 _NUMPY_NATIVE = {

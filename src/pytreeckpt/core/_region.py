@@ -81,9 +81,6 @@ class Region:
         """This region in the coordinates of ``outer`` (which must contain it)."""
         return Region(tuple(a - b for a, b in zip(self.offset, outer.offset, strict=True)), self.shape)
 
-    def offset_by(self, delta: Sequence[int]) -> Region:
-        return Region(tuple(a + b for a, b in zip(self.offset, delta, strict=True)), self.shape)
-
     def slices(self) -> tuple[Any, ...]:
         """Index expression selecting this region from an array, as a view.
 

@@ -320,7 +320,6 @@ def _flat_table(spec: FlatRanges, shape: tuple[int, ...]) -> PieceTable:
     )
 
 
-K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
 
 
