@@ -22,7 +22,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pytreeckpt.core._dtypes import dtype_of_numpy
-from pytreeckpt.core._region import Region, chunk_region
+from pytreeckpt.core._grid import ChunkGrid
+from pytreeckpt.core._region import Region
 from pytreeckpt.format import zarr_metadata
 from pytreeckpt.storage import _chunkfiles as chunkfiles
 from pytreeckpt.storage._chunkfiles import chunk_crc, read_chunk, write_chunk
@@ -64,8 +65,8 @@ def test_a_chunk_written_here_is_the_file_tensorstore_writes(case: tuple[np.ndar
     with tempfile.TemporaryDirectory() as d:
         store = _tensorstore_array(Path(d) / "ts", data, chunk)
         store.write(data).result()
-        for index in Region.full(data.shape).chunk_indices(chunk):
-            box = chunk_region(index, chunk, data.shape)
+        for index in ChunkGrid(data.shape, chunk).touching(Region.full(data.shape)):
+            box = ChunkGrid(data.shape, chunk).region(index)
             mine = Path(d) / "mine" / _key(index)
             mine.parent.mkdir(parents=True, exist_ok=True)
             # a strided source: every chunk's box as a view of a bigger array
@@ -89,8 +90,8 @@ def test_any_box_of_a_tensorstore_chunk_reads_exactly(
     with tempfile.TemporaryDirectory() as d:
         store = _tensorstore_array(Path(d), data, chunk)
         store.write(data).result()
-        for index in Region.full(data.shape).chunk_indices(chunk):
-            whole = chunk_region(index, chunk, data.shape)
+        for index in ChunkGrid(data.shape, chunk).touching(Region.full(data.shape)):
+            whole = ChunkGrid(data.shape, chunk).region(index)
             lo = [draw.draw(st.integers(0, n - 1)) for n in whole.shape]
             hi = [draw.draw(st.integers(a + 1, n)) for a, n in zip(lo, whole.shape, strict=True)]
             if draw.draw(st.booleans()):  # the whole valid part: the straight-into-memory path
@@ -135,8 +136,8 @@ def test_a_chunk_written_around_the_page_cache_is_the_same_file(
         mock.patch.object(chunkfiles, "_BOUNCE_BYTES", bounce),
         mock.patch.object(chunkfiles, "_pwrite_direct", wraps=chunkfiles._pwrite_direct) as direct_writes,
     ):
-        for index in Region.full(data.shape).chunk_indices(chunk):
-            box = chunk_region(index, chunk, data.shape)
+        for index in ChunkGrid(data.shape, chunk).touching(Region.full(data.shape)):
+            box = ChunkGrid(data.shape, chunk).region(index)
             plain, direct = Path(d) / "plain" / _key(index), Path(d) / "direct" / _key(index)
             for p in (plain, direct):
                 p.parent.mkdir(parents=True, exist_ok=True)

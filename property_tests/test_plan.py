@@ -11,7 +11,8 @@ from hypothesis import event, given
 from hypothesis import strategies as st
 
 from pytreeckpt import ChunkingOptions, ExplicitRegions, FlatRanges, Layout, Mesh, Replicate, ShardingSpec
-from pytreeckpt.core._region import Region, chunk_region
+from pytreeckpt.core._grid import ChunkGrid
+from pytreeckpt.core._region import Region
 from pytreeckpt.core._sharding import Piece
 from pytreeckpt.plan import ArraySavePlan, LoadPlan, SavePlan
 from pytreeckpt.testing import chunking_options, shapes, specs
@@ -113,7 +114,7 @@ def test_every_element_of_every_target_piece_is_read_exactly_once(inputs: SaveIn
         }
         for op in lp.reads:
             assert Region.full(layout.shape).contains(op.region)
-            assert len(list(op.region.chunk_indices(ap.chunk_shape))) == 1  # within one stored chunk
+            assert len(list(ChunkGrid(ap.shape, ap.chunk_shape).touching(op.region))) == 1  # within one stored chunk
             assert op.reader in {t.rank for t in op.targets}  # read by a rank that wants it
             for t in op.targets:
                 piece = pieces[t.rank][t.piece]
@@ -169,7 +170,7 @@ def test_purely_replicated_data_is_balanced_across_its_holders(
     assert sum(load) == sum(math.prod(shape) * size for shape, size, _ in arrays)
     assert not any(load[holders:])  # ranks holding nothing write nothing
     largest = max(
-        (chunk_region((0,) * len(ap.shape), ap.chunk_shape, ap.shape).size * ap.itemsize for ap in plan.arrays),
+        (ChunkGrid(ap.shape, ap.chunk_shape).region((0,) * len(ap.shape)).size * ap.itemsize for ap in plan.arrays),
         default=0,
     )
     spread = max(load[:holders]) - min(load[:holders])

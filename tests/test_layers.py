@@ -16,6 +16,7 @@ PURE = [
     "pytreeckpt.core._names",
     "pytreeckpt.core._values",
     "pytreeckpt.plan",
+    "pytreeckpt.plan._memos",
 ]
 
 # The layers of the design (shared/DESIGN.md), bottom first: a module imports only from its own layer and those below.

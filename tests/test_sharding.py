@@ -16,6 +16,7 @@ from pytreeckpt import (
     ShardingSpec,
     StridedShard,
 )
+from pytreeckpt.core._grid import ChunkGrid
 from pytreeckpt.core._sharding import chunk_size_and_offset, flat_range_regions, layout_from_json
 
 
@@ -104,4 +105,4 @@ def test_region_arithmetic() -> None:
     parts = a.subtract(b)
     assert sum(p.size for p in parts) == 12
     assert all(p.intersect(b) is None for p in parts)
-    assert list(Region((1,), (5,)).chunk_indices((2,))) == [(0,), (1,), (2,)]
+    assert list(ChunkGrid((6,), (2,)).touching(Region((1,), (5,)))) == [(0,), (1,), (2,)]

@@ -1,8 +1,8 @@
-"""The chunk grid: every piece of chunk arithmetic, and chunk keys, in one place.
+"""The chunk grid: every piece of chunk arithmetic in one place (a chunk's key in a store is the storage layer's).
 
 A stored array of ``shape`` is cut into chunks of ``chunk`` elements along each dim
 (edge chunks are smaller). The grid answers which chunks a box touches or holds whole,
-where a chunk lies, and its key in the zarr v3 store. Work is bounded by the number of
+where a chunk lies, whether a box is whole chunks. Work is bounded by the number of
 chunks involved, never by a product over dims: a 32-dim array of one chunk costs one
 chunk.
 """
@@ -34,8 +34,6 @@ class ChunkGrid:
     Region(offset=(8, 0), shape=(2, 4))
     >>> list(g.touching(Region((3, 1), (2, 2))))
     [(0, 0), (1, 0)]
-    >>> g.key((2, 0))
-    'c/2/0'
     """
 
     shape: tuple[int, ...]
@@ -66,17 +64,12 @@ class ChunkGrid:
         return Region(offset, extent)
 
     def touching(self, region: Region) -> Iterator[tuple[int, ...]]:
-        """Indices of the chunks ``region`` touches, in row-major order."""
-        lo, hi = self.touching_box(region)
-        return self.indices(lo, hi)
-
-    def touching_box(self, region: Region) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """The box ``[lo, hi)`` of chunk indices ``region`` touches (empty for an empty region)."""
+        """Indices of the chunks ``region`` touches, in row-major order (none for an empty region)."""
         if region.is_empty:
-            return (0,) * self.ndim, (0,) * self.ndim
+            return iter(())
         lo = tuple(o // c for o, c in zip(region.offset, self.chunk, strict=True))
         hi = tuple((o + s - 1) // c + 1 for o, s, c in zip(region.offset, region.shape, self.chunk, strict=True))
-        return lo, hi
+        return self.indices(lo, hi)
 
     def indices(self, lo: Sequence[int], hi: Sequence[int]) -> Iterator[tuple[int, ...]]:
         """Every index of the box ``[lo, hi)`` of chunk indices, in row-major order."""
@@ -96,13 +89,6 @@ class ChunkGrid:
             if d < 0:
                 return
 
-    def flat(self, index: Sequence[int]) -> int:
-        """The position of chunk ``index`` in row-major order of the grid."""
-        out = 0
-        for i, g in zip(index, self.grid, strict=True):
-            out = out * g + i
-        return out
-
     def unflat(self, flat: int) -> tuple[int, ...]:
         out = []
         for g in reversed(self.grid):
@@ -110,9 +96,12 @@ class ChunkGrid:
             out.append(i)
         return tuple(reversed(out))
 
-    def key(self, index: Sequence[int]) -> str:
-        """The key of chunk ``index`` in a zarr v3 array (the default chunk key encoding)."""
-        return "/".join(["c", *map(str, index)])
+    def is_whole(self, region: Region) -> bool:
+        """True when ``region`` is a union of whole chunks (edge chunks end at the array's edge)."""
+        return all(
+            o % c == 0 and ((o + s) % c == 0 or o + s == n)
+            for o, s, c, n in zip(region.offset, region.shape, self.chunk, self.shape, strict=True)
+        )
 
     # ------------------------------------------------------------------ columns
     def contained(self, lo: np.ndarray, ext: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -113,16 +113,6 @@ class Region:
             offset[d], shape[d] = lo, hi - lo
         return out
 
-    def chunk_indices(self, chunk_shape: Sequence[int]) -> Iterator[tuple[int, ...]]:
-        """Grid indices of the chunks of a regular grid that this region touches."""
-        if 0 in self.shape:  # an empty region touches no chunk, however long its other dims
-            return
-        ranges = [
-            range(o // c, (o + s - 1) // c + 1) if s > 0 else range(0)
-            for o, s, c in zip(self.offset, self.shape, chunk_shape, strict=True)
-        ]
-        yield from _product(ranges)
-
     def to_json(self) -> list[list[int]]:
         return [list(self.offset), list(self.shape)]
 
@@ -135,22 +125,6 @@ class Region:
         ):
             raise ValueError(f"a region is [offset, shape] of integers, found {data!r}")
         return cls(tuple(data[0]), tuple(data[1]))
-
-
-def _product(ranges: Sequence[range]) -> Iterator[tuple[int, ...]]:
-    if not ranges:
-        yield ()
-        return
-    for head in ranges[0]:
-        for tail in _product(ranges[1:]):
-            yield (head, *tail)
-
-
-def chunk_region(index: Sequence[int], chunk_shape: Sequence[int], shape: Sequence[int]) -> Region:
-    """The region of chunk ``index`` of a regular grid over an array of ``shape``."""
-    offset = tuple(i * c for i, c in zip(index, chunk_shape, strict=True))
-    extent = tuple(min(c, s - o) for o, c, s in zip(offset, chunk_shape, shape, strict=True))
-    return Region(offset, extent)
 
 
 def split_aligned(region: Region, chunk_shape: Sequence[int], itemsize: int, max_bytes: int) -> list[Region]:

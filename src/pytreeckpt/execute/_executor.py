@@ -17,7 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from pytreeckpt.core._region import Region, chunk_region
+from pytreeckpt.core._grid import ChunkGrid
+from pytreeckpt.core._region import Region
 from pytreeckpt.format import (
     ArrayMeta,
 )
@@ -287,8 +288,9 @@ class ChunkReuse:
         base = self.base_chunks[i] if self.base_chunks else None
         rest: list[tuple[Region, np.ndarray]] = []
         linked_any = False
-        for index in region.chunk_indices(chunk_shape):
-            box = chunk_region(index, chunk_shape, shape)
+        chunks = ChunkGrid(shape, chunk_shape)
+        for index in chunks.touching(region):
+            box = chunks.region(index)
             data = buf[box.relative_to(region).slices()]
             digest = chunk_hash(data)
             flat = int(np.ravel_multi_index(index, grid)) if grid else 0

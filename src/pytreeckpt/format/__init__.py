@@ -13,7 +13,7 @@ in zip archives, 2 when some is packed in an OCDBT database, else 1)::
     {"format": "pytreeckpt", "version": 3,
      "tree": <structure>, "leaves": [<leaf>, ...], "user_metadata": {...},
      "checksums": {"path": "checksums/crc32c", "bytes": <size>},   (when some leaf's are kept there)
-     "document_crc32c": "<8 hex digits>"}                          (always its last member)
+     "document_crc32c": "<8 hex digits>"}     (its last member; older documents have none)
 
 Array leaves are ``{"kind": "array", "key", "container", "dtype", "storage_dtype",
 "shape", "chunk_shape", "path", "layout", "chunk_crc32c" | "chunk_crc32c_at"}`` (and

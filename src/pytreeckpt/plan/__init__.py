@@ -5,8 +5,16 @@ world size. In: each array's global shape, element size and spec, placed on worl
 ranks (:class:`ArraySpec`). Out: the writes or reads of one rank, or of every rank (a
 process holding every rank's shards). Deterministic, so ranks agree on a plan without
 shipping it; memoised per layout, so the layers of a model cost one computation; cached
-per state (:class:`PlanCache`), so a save in the same layout as the last costs a lookup.
-Nothing here does I/O, reads a clock, draws random numbers or talks to other ranks.
+per state (:class:`PlanCache`, held by its caller), so a save in the same layout as the
+last costs a lookup. Nothing here does I/O, reads a clock, draws random numbers or talks
+to other ranks. Its one state beyond a call is the bounded memos of ``_memos``, listed
+there with what each holds and why: they change how long planning takes, never what it
+returns (``clear_caches`` forgets them).
+
+Modules, in call order: ``_types`` (specs and plans), ``_tables`` (a layout's pieces as
+columns), ``_chunking`` (chunk shapes), ``_structure`` and ``_cells`` (a save's structure
+per layout), ``_balance`` (handing out replicated work by bytes), ``_save`` (``plan_save``),
+``_load`` (``plan_load``), ``_cache`` (``PlanCache``).
 """
 
 from ._cache import PlanCache as PlanCache
@@ -50,20 +58,13 @@ __all__ = [
 
 
 def clear_caches() -> None:
-    """Forget the memoised tables and structures (benchmarks time cold planning with this)."""
+    """Forget every memo of planning (``_memos``) and of the layouts it reads (``core._sharding``'s), as
+    before a process's first plan: benchmarks time cold planning with this."""
     from pytreeckpt.core import _sharding
 
-    from . import _balance, _chunking, _load, _save, _structure, _tables
+    from . import _memos
 
     _sharding._spec_intervals.cache_clear()
     _sharding._spec_pieces.cache_clear()
     _sharding._spec_local_shape.cache_clear()
-    _tables._TABLES.clear()
-    _load._CUTS.clear()
-    _load._OUTSIDE.clear()
-    _chunking._CUTS.clear()
-    _structure._STRUCTURES.clear()
-    _save._WHOLE_WRITES.clear()
-    _structure._PART_INDEXES.clear()
-    _tables.clear_placed()
-    _balance.clear_scope_keys()
+    _memos.clear()

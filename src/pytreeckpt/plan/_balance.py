@@ -15,6 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from ._memos import SCOPE_KEYS
+
 __all__ = ["Loads", "Scopes", "coalesce", "scope_key", "scope_loads", "water_fill"]
 
 
@@ -69,27 +71,7 @@ def scope_key(ranks: Sequence[int] | np.ndarray) -> bytes:
     optimizer's copies), where one object is found by identity.
     """
     key = np.asarray(ranks, dtype=np.int64).tobytes()
-    got = _INTERNED.get(key)
-    if got is not None:
-        return got
-    global _interned_bytes
-    if _interned_bytes + len(key) > _INTERNED_BYTES:  # (a bound: a process planning ever new scopes)
-        clear_scope_keys()
-    _INTERNED[key] = key
-    _interned_bytes += len(key)
-    return key
-
-
-_INTERNED: dict[bytes, bytes] = {}
-_INTERNED_BYTES = 64 << 20
-_interned_bytes = 0
-
-
-def clear_scope_keys() -> None:
-    """Forget the interned scope keys."""
-    global _interned_bytes
-    _INTERNED.clear()
-    _interned_bytes = 0
+    return SCOPE_KEYS.get(key)  # (bounded: a process planning ever new scopes)
 
 
 def scope_loads(scopes: Scopes, key: bytes, size: int) -> Loads:

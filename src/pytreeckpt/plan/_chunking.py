@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ._memos import CHUNK_CUTS
 from ._tables import PieceTable
 from ._types import ChunkingOptions
 
@@ -23,20 +24,17 @@ def chunk_shape_of_table(
     table: PieceTable, shape: tuple[int, ...], itemsize: int, options: ChunkingOptions
 ) -> tuple[int, ...]:
     """The chunk shape of an array laid out as ``table``: per dim, the gcd of the piece boundaries inside it."""
-    got = _CUTS.get(id(table))
+    got = CHUNK_CUTS.get(id(table))
     if got is None or got[0] is not table:  # (an id reused after its table was dropped: made anew)
         cuts = []
         for d, n in enumerate(shape):
             edges = np.concatenate([table.lo[:, d], table.lo[:, d] + table.ext[:, d]])
             edges = edges[(edges > 0) & (edges < n)]
             cuts.append(int(np.gcd.reduce(edges)) if len(edges) else 0)
-        if len(_CUTS) >= 4096:
-            _CUTS.clear()
-        got = _CUTS[id(table)] = (table, cuts)  # (the element sizes of a table's arrays share its cuts)
+        if len(CHUNK_CUTS) >= CHUNK_CUTS.limit:
+            CHUNK_CUTS.clear()
+        got = CHUNK_CUTS[id(table)] = (table, cuts)  # (the element sizes of a table's arrays share its cuts)
     return chunk_shape_from_cuts(shape, itemsize, got[1], options)
-
-
-_CUTS: dict[int, tuple[PieceTable, list[int]]] = {}
 
 
 def _largest_divisor_at_most(n: int, limit: int) -> int:

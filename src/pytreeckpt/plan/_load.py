@@ -23,7 +23,8 @@ from pytreeckpt.core._region import Region, region_of
 from pytreeckpt.core._rows import rows_all, rows_any, rows_prod
 
 from ._balance import Loads, Scopes, scope_key, scope_loads
-from ._tables import _I64, PieceTable, Placed, _Memo, first_of_runs, placed, rows_like, unique_rows
+from ._memos import LOAD_CUTS, OUTSIDE
+from ._tables import _I64, PieceTable, Placed, first_of_runs, placed, rows_like, unique_rows
 from ._types import (
     ArraySpec,
     Fragment,
@@ -80,12 +81,9 @@ class _Cuts:
         return got
 
 
-_CUTS = _Memo(4096)
-
-
 def _cuts(p: Placed, chunk: tuple[int, ...], itemsize: int) -> _Cuts:
     """A placed target layout cut along ``chunk`` (memoised on it, and shared by placements of one table)."""
-    return p.per_table(("load", chunk, itemsize), _CUTS, lambda: _make_cuts(p.table, p.shape, chunk, itemsize))
+    return p.per_table(("load", chunk, itemsize), LOAD_CUTS, lambda: _make_cuts(p.table, p.shape, chunk, itemsize))
 
 
 def _first_outside(table: PieceTable, shape: tuple[int, ...]) -> int:
@@ -230,10 +228,7 @@ def _rank_reads(p: Placed, cuts: _Cuts, pos: int) -> _RankReads:
 
 def _outside(p: Placed) -> int:
     """The first row of a placed table reaching outside its array, or -1 (memoised, shared by its placements)."""
-    return p.per_table("outside", _OUTSIDE, lambda: _first_outside(p.table, p.shape))
-
-
-_OUTSIDE = _Memo(4096)
+    return p.per_table("outside", OUTSIDE, lambda: _first_outside(p.table, p.shape))
 
 
 def _array_reads(spec: ArraySpec, chunk: tuple[int, ...], scopes: Scopes) -> tuple[ReadOp, ...]:

@@ -39,6 +39,7 @@ from pytreeckpt.core._region import Region, region_of
 from ._balance import Box, Loads, Scopes, coalesce, scope_loads
 from ._cells import Group, Merge
 from ._chunking import chunk_shape_of_table
+from ._memos import WHOLE_WRITES
 from ._structure import Structure, rank_structure_of, structure_of
 from ._tables import Placed, piece_table, placed
 from ._types import (
@@ -263,9 +264,6 @@ def _direct(grid: ChunkGrid, box: Box, writer: int, piece: int) -> WriteOp:
     return write_of(region, writer, (fragment_of(writer, piece, region),))
 
 
-_WHOLE_WRITES: dict[tuple[int, ...], tuple[WriteOp, ...]] = {}
-
-
 def plan_whole(key: str, shape: tuple[int, ...], itemsize: int) -> ArraySavePlan:
     """The plan of an array rank 0 alone holds whole (one piece) and stores as one chunk.
 
@@ -279,12 +277,12 @@ def plan_whole(key: str, shape: tuple[int, ...], itemsize: int) -> ArraySavePlan
     >>> plan_whole("w", (4, 4), 4) == plan_save([ArraySpec("w", (4, 4), 4, one)], 1).arrays[0]
     True
     """
-    writes = _WHOLE_WRITES.get(shape)
+    writes = WHOLE_WRITES.get(shape)
     if writes is None:
-        if len(_WHOLE_WRITES) >= 4096:  # (a bound: a process saving arrays of ever new shapes)
-            _WHOLE_WRITES.clear()
+        if len(WHOLE_WRITES) >= WHOLE_WRITES.limit:  # (a bound: a process saving arrays of ever new shapes)
+            WHOLE_WRITES.clear()
         region = Region.full(shape)
-        writes = _WHOLE_WRITES.setdefault(shape, (WriteOp(region, 0, (Fragment(0, 0, region),)),))
+        writes = WHOLE_WRITES.setdefault(shape, (WriteOp(region, 0, (Fragment(0, 0, region),)),))
     return ArraySavePlan(key, shape, itemsize, shape, writes)
 
 

@@ -18,7 +18,8 @@ from pytreeckpt.core._rows import rows_all, rows_prod
 
 from ._cells import Group, Merge
 from ._chunking import chunk_shape_of_table
-from ._tables import _I64, PieceTable, Placed, _Memo, first_of_runs, rows_like, unique_rows
+from ._memos import PART_INDEXES, STRUCTURES
+from ._tables import _I64, PieceTable, Placed, first_of_runs, rows_like, unique_rows
 from ._types import (
     ChunkingOptions,
 )
@@ -97,9 +98,9 @@ class Structure:
             rows = _meeting(t, chunk)  # (a rank's part merges a chunk or two: a scan costs less than an index)
         else:
             if self._index is None:
-                self._index = _PART_INDEXES.get_or(id(t), lambda: _PartIndex(t))
+                self._index = PART_INDEXES.get_or(id(t), lambda: _PartIndex(t))
                 if self._index.table is not t:  # an id reused after its table was dropped
-                    self._index = _PART_INDEXES[id(t)] = _PartIndex(t)
+                    self._index = PART_INDEXES[id(t)] = _PartIndex(t)
             rows = self._index.intersecting(chunk)
         nd = self.grid.ndim
         lo = np.maximum(t.lo[rows], np.asarray(chunk.offset, dtype=_I64))
@@ -186,13 +187,9 @@ class _PartIndex:
         return np.sort(cand[meets])
 
 
-_STRUCTURES = _Memo(4096)
-_PART_INDEXES = _Memo(4096)  # id of a table -> its index (which keeps the table alive), shared by its structures
-
-
 def structure_of(p: Placed, itemsize: int, opts: ChunkingOptions) -> Structure:
     """The save structure of a placed layout (memoised on it, and shared by placements of one table)."""
-    return p.per_table(("save", itemsize, opts), _STRUCTURES, lambda: _make_structure(p.table, p.shape, itemsize, opts))
+    return p.per_table(("save", itemsize, opts), STRUCTURES, lambda: _make_structure(p.table, p.shape, itemsize, opts))
 
 
 def _grid_of(
@@ -314,7 +311,7 @@ def rank_structure_of(p: Placed, itemsize: int, opts: ChunkingOptions, pos: int)
         return structure_of(p, itemsize, opts)
     return p.per_table(
         ("save-rank", itemsize, opts, pos),
-        _STRUCTURES,
+        STRUCTURES,
         lambda: _make_rank_structure(p.table, p.shape, itemsize, opts, pos),
     )
 

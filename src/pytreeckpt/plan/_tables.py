@@ -28,6 +28,8 @@ from pytreeckpt.core._sharding import (
     flat_range_regions,
 )
 
+from ._memos import PLACED, PLACED_BY_ID, TABLES, Memo
+
 __all__ = ["PieceTable", "piece_table", "unique_rows"]
 
 _I64 = np.int64
@@ -318,29 +320,7 @@ def _flat_table(spec: FlatRanges, shape: tuple[int, ...]) -> PieceTable:
     )
 
 
-K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
-
-
-class _Memo(dict[Any, Any]):
-    """A bounded memo: cleared when full (tables are cheap to rebuild; this keeps memory bounded)."""
-
-    def __init__(self, limit: int) -> None:
-        super().__init__()
-        self.limit = limit
-
-    def get_or(self, key: Hashable, make: Callable[[], V]) -> V:
-        try:
-            return self[key]  # type: ignore[no-any-return]
-        except KeyError:
-            if len(self) >= self.limit:
-                self.clear()
-            value = make()
-            self[key] = value
-            return value
-
-
-_TABLES = _Memo(4096)
 
 
 def piece_table(layout: Layout, shape: tuple[int, ...]) -> PieceTable:
@@ -355,7 +335,7 @@ def piece_table(layout: Layout, shape: tuple[int, ...]) -> PieceTable:
             return _flat_table(layout, shape)
         return _table_from_pieces(layout.rank_pieces(shape), len(shape))
 
-    return _TABLES.get_or((layout, shape), make)
+    return TABLES.get_or((layout, shape), make)
 
 
 def unique_rows(a: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -443,7 +423,7 @@ class Placed:
     derived: dict[Any, Any]
     _positions: dict[int, int | None] = field(default_factory=dict)
 
-    def per_table(self, kind: Hashable, shared: _Memo, make: Callable[[], V]) -> V:
+    def per_table(self, kind: Hashable, shared: Memo, make: Callable[[], V]) -> V:
         """What planning derives from this layout's table alone (``kind``: what and with which parameters).
 
         Memoised on this placement, and in ``shared`` by table, so the placements of one
@@ -466,16 +446,12 @@ class Placed:
             return got
 
 
-_PLACED = _Memo(4096)
-_PLACED_BY_ID = _Memo(4096)  # (id of a layout, shape, ranks) -> (that layout, its entry); the layout kept alive
-
-
 def placed(spec: Any) -> Placed:
     """The placed table of an :class:`~pytreeckpt.plan.ArraySpec` (memoised, looked up by the layout object first:
     hashing a spec by value costs more than the rest of the lookup)."""
     where = spec.ranks if spec.ranks is None or isinstance(spec.ranks, range) else tuple(spec.ranks)
     fast = (id(spec.layout), spec.shape, where)
-    hit = _PLACED_BY_ID.get(fast)
+    hit = PLACED_BY_ID.get(fast)
     if hit is not None and hit[0] is spec.layout:
         return hit[1]  # type: ignore[no-any-return]
 
@@ -483,14 +459,9 @@ def placed(spec: Any) -> Placed:
         table, ranks, key = placed_table(spec.layout, spec.shape, spec.rank_array())
         return Placed(table, spec.shape, ranks, key, (where, spec.layout.world_size), {})
 
-    got: Placed = _PLACED.get_or((spec.layout, spec.shape, where), make)
-    _PLACED_BY_ID.get_or(fast, lambda: (spec.layout, got))
+    got: Placed = PLACED.get_or((spec.layout, spec.shape, where), make)
+    PLACED_BY_ID.get_or(fast, lambda: (spec.layout, got))
     return got
-
-
-def clear_placed() -> None:
-    _PLACED.clear()
-    _PLACED_BY_ID.clear()
 
 
 def rows_like(table: PieceTable, row: int) -> np.ndarray:

@@ -22,7 +22,8 @@ import tensorstore as ts
 
 from pytreeckpt.core._checksum import crc32c
 from pytreeckpt.core._errors import CheckpointError, PermissionDeniedError
-from pytreeckpt.core._region import Region, chunk_region
+from pytreeckpt.core._grid import ChunkGrid
+from pytreeckpt.core._region import Region
 from pytreeckpt.format import (
     ARCHIVE_DIR,
     PACKED_DIR,
@@ -204,20 +205,20 @@ class ArrayIO(FileChecks, Durability):
         if handles(meta):
             return self.write_packed(meta, region, data, record)
         chunk = meta.chunk_shape
-        bounds = zip(region.offset, region.stop, chunk, meta.shape, strict=True)
-        if not all(o % c == 0 and (e % c == 0 or e == n) for o, e, c, n in bounds):
+        grid = ChunkGrid(meta.shape, chunk)
+        if not grid.is_whole(region):
             raise CheckpointError(
                 f"leaf {meta.key!r}: {region} is not whole chunks of {list(chunk)} (a planning error)"
             )
         array = self.root / meta.path
         futures = []
-        for index in region.chunk_indices(chunk):
+        for index in grid.touching(region):
             path = array / _chunk_key(index)
             if path.parent not in self._made_dirs:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 self._made_dirs.add(path.parent)
                 self._unsynced.add(path.parent)  # its new entries; the parents follow in :meth:`sync`
-            box = chunk_region(index, chunk, meta.shape).relative_to(region).slices()
+            box = grid.region(index).relative_to(region).slices()
             futures.append(
                 io_pool().submit(
                     self.options.file_io_concurrency,
@@ -250,8 +251,9 @@ class ArrayIO(FileChecks, Durability):
             future = self.packed.write(meta.database, f"{meta.path}/{_chunk_key(index)}", value, meta.path)
             return _DONE if future is None else future
         futures = []
-        for index in region.chunk_indices(chunk):
-            box = chunk_region(index, chunk, meta.shape).relative_to(region).slices()
+        grid = ChunkGrid(meta.shape, chunk)
+        for index in grid.touching(region):
+            box = grid.region(index).relative_to(region).slices()
             value, crc = encode_chunk(data[box], chunk)
             if record is not None:
                 record(index, crc)
@@ -269,7 +271,8 @@ class ArrayIO(FileChecks, Durability):
         """
         chunk = meta.chunk_shape
         one = chunk == meta.shape
-        indices = [(0,) * len(chunk)] if one else list(Region.full(meta.shape).chunk_indices(chunk))
+        grid = ChunkGrid(meta.shape, chunk)
+        indices = [(0,) * len(chunk)] if one else list(grid.touching(Region.full(meta.shape)))
         try:
             reads = [(index, _read_key(store, meta, index)) for index in indices]
         except Exception as e:
@@ -282,7 +285,7 @@ class ArrayIO(FileChecks, Durability):
                 if one:
                     dest[...] = data
                 else:
-                    whole = chunk_region(index, chunk, meta.shape)
+                    whole = grid.region(index)
                     dest[whole.slices()] = data[tuple(slice(0, n) for n in whole.shape)]
 
         return finish
@@ -420,6 +423,7 @@ class ArrayIO(FileChecks, Durability):
         the scratch memory of chunks only partly wanted stays bounded.
         """
         chunk = meta.chunk_shape
+        grid = ChunkGrid(meta.shape, chunk)
         targets: dict[tuple[int, ...], list[tuple[tuple[slice, ...], np.ndarray]]] = {}
         needs: list[list[tuple[int, ...]]] = []
         alone: dict[tuple[int, ...], bool] = {}  # every region wanting the chunk wants nothing else
@@ -436,8 +440,8 @@ class ArrayIO(FileChecks, Durability):
                 needs[-1].append(first)
                 alone[first] = alone.get(first, True)
                 continue
-            for index in region.chunk_indices(chunk):
-                whole = chunk_region(index, chunk, meta.shape)
+            for index in grid.touching(region):
+                whole = grid.region(index)
                 part = whole.intersect(region)
                 assert part is not None
                 box = part.relative_to(whole).slices()
@@ -482,7 +486,7 @@ class ArrayIO(FileChecks, Durability):
         what = f"chunk {list(index)}"
         expected = meta.recorded_crc32c(index)
         workers = self.options.file_io_concurrency
-        whole = chunk_region(index, meta.chunk_shape, meta.shape)
+        whole = ChunkGrid(meta.shape, meta.chunk_shape).region(index)
         if handles(meta):
             return _PackedRead(store, meta, index, targets, what, expected, lazy, workers)
         if self._reads_files(meta):
@@ -550,8 +554,9 @@ class ArrayIO(FileChecks, Durability):
             except CheckpointError as e:
                 found(at, meta.key, None, e)
                 continue
-            for idx in Region.full(meta.shape).chunk_indices(meta.chunk_shape):
-                size = chunk_region(idx, meta.chunk_shape, meta.shape).size * meta.dtype.itemsize
+            grid = ChunkGrid(meta.shape, meta.chunk_shape)
+            for idx in grid.touching(Region.full(meta.shape)):
+                size = grid.region(idx).size * meta.dtype.itemsize
                 pending.append((at, meta.key, idx, self._chunk(meta, store, idx, []), size))
                 inflight += size
                 chunks += 1

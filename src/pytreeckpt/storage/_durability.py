@@ -8,6 +8,7 @@ import threading
 from pathlib import Path
 
 from pytreeckpt.core._errors import CheckpointError
+from pytreeckpt.core._grid import ChunkGrid
 from pytreeckpt.core._region import Region
 from pytreeckpt.format import (
     ArrayMeta,
@@ -29,7 +30,9 @@ class Durability(StorageBase):
             self._unsynced_trees.add(meta.database)
             return
         array = self.root / meta.path
-        self._unsynced.update(array / _chunk_key(index) for index in region.chunk_indices(meta.chunk_shape))
+        self._unsynced.update(
+            array / _chunk_key(index) for index in ChunkGrid(meta.shape, meta.chunk_shape).touching(region)
+        )
 
     def sync(self) -> None:
         """fsync every file written since the last call, and the directories holding them, in parallel.

@@ -22,6 +22,7 @@ import numpy as np
 import tensorstore as ts
 
 from pytreeckpt.core._errors import CheckpointError, MetadataError
+from pytreeckpt.core._grid import ChunkGrid
 from pytreeckpt.core._region import Region
 from pytreeckpt.format import (
     ArrayMeta,
@@ -424,13 +425,12 @@ class ChunkSums:
     def add_region(self, i: int, meta: ArrayMeta, region: Region, data: np.ndarray) -> None:
         """Record the crc32c of every chunk of ``region`` (whole chunks; ``data`` its elements)."""
         chunk, shape, offset = meta.chunk_shape, meta.shape, region.offset
-        if not all(
-            o % c == 0 and (e % c == 0 or e == n) for o, e, c, n in zip(offset, region.stop, chunk, shape, strict=True)
-        ):
+        grid = ChunkGrid(shape, chunk)
+        if not grid.is_whole(region):
             raise CheckpointError(
                 f"leaf {meta.key!r}: {region} is not whole chunks of {list(chunk)} (a planning error)"
             )
-        for index in region.chunk_indices(chunk):
+        for index in grid.touching(region):
             box = tuple(
                 slice(k * c - o, min(k * c + c, n) - o) for k, c, o, n in zip(index, chunk, offset, shape, strict=True)
             )
