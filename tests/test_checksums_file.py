@@ -21,6 +21,7 @@ from helpers import bits, document
 import pytreeckpt
 from pytreeckpt import ChunkingOptions, Location, StorageOptions
 from pytreeckpt.storage import Storage
+from pytreeckpt.storage._local import LocalDir
 
 FILE = StorageOptions(max_inline_checksum_bytes=0)
 SMALL_CHUNKS = ChunkingOptions(single_chunk_bytes=4096, min_chunk_bytes=4096, max_chunk_bytes=4096)
@@ -181,14 +182,14 @@ def test_a_commit_that_fails_after_the_file_is_written_keeps_the_checkpoint_it_r
 ) -> None:
     path = tmp_path / "c"
     want = save(path, 1)
-    real = Storage._write_checksums
+    real = LocalDir.write_checksums
 
-    def write_then_fail(self: Storage, name: str, data: bytes) -> None:
+    def write_then_fail(self: LocalDir, name: str, data: bytes) -> None:
         real(self, name, data)
         assert (path / name).is_file()
         raise pytreeckpt.CheckpointError("the disk is on fire")
 
-    monkeypatch.setattr(Storage, "_write_checksums", write_then_fail)
+    monkeypatch.setattr(LocalDir, "write_checksums", write_then_fail)
     for call in (save, lambda *a, **k: pytreeckpt.async_save(Location(a[0], FILE), state(2), **k).wait()):
         with pytest.raises(pytreeckpt.CheckpointError, match="on fire"):
             call(path, 2, overwrite=True) if call is save else call(path, overwrite=True)

@@ -8,14 +8,14 @@ records). :class:`Storage` is one checkpoint location with all of these parts; o
 package and :mod:`pytreeckpt.execute` do I/O.
 """
 
-from pytreeckpt.storage._base import Window as Window
-from pytreeckpt.storage._base import in_background as in_background
 from pytreeckpt.storage._chunkfiles import chunk_crc as chunk_crc
-from pytreeckpt.storage._commit import LOCK_WAIT as LOCK_WAIT
-from pytreeckpt.storage._commit import remove_tree as remove_tree
 from pytreeckpt.storage._integrity import ChunkSums as ChunkSums
 from pytreeckpt.storage._integrity import available_memory as available_memory
 from pytreeckpt.storage._integrity import chunk_hash as chunk_hash
+from pytreeckpt.storage._io import Window as Window
+from pytreeckpt.storage._io import in_background as in_background
+from pytreeckpt.storage._local import LOCK_WAIT as LOCK_WAIT
+from pytreeckpt.storage._local import remove_tree as remove_tree
 from pytreeckpt.storage._location import Location as Location
 from pytreeckpt.storage._location import Where as Where
 from pytreeckpt.storage._location import describe as describe

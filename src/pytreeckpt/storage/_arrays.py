@@ -31,9 +31,7 @@ from pytreeckpt.format import (
     zarr_metadata,
 )
 from pytreeckpt.storage._archive import ArchiveReader
-from pytreeckpt.storage._base import OCDBT_INLINE_BYTES, _all_of, _chunk_key, io_pool
 from pytreeckpt.storage._chunkfiles import LITTLE_ENDIAN, write_chunk
-from pytreeckpt.storage._durability import Durability
 from pytreeckpt.storage._integrity import (
     _INLINE_CHECK_BYTES,
     FileChecks,
@@ -41,6 +39,7 @@ from pytreeckpt.storage._integrity import (
     _read_file_chunk,
     _settle_stored_chunk,
 )
+from pytreeckpt.storage._io import OCDBT_INLINE_BYTES, _all_of, _chunk_key, io_pool
 from pytreeckpt.storage._location import OCDBT_CACHE
 from pytreeckpt.storage._packed import (
     MAX_ZARR_JSON_BYTES,
@@ -75,13 +74,29 @@ class _Ready:
         return self.value
 
 
-class ArrayIO(FileChecks, Durability):
-    """Opens stored arrays and moves their chunks, every chunk read checked."""
+class ArrayIO(FileChecks):
+    """Opens stored arrays and moves their chunks, every chunk read checked; makes what was written durable."""
+
+    def note_chunks(self, meta: ArrayMeta, region: Region) -> None:
+        """Remember the chunks a write of ``region`` (whole chunks) creates, to make them durable in :meth:`sync`."""
+        self.place.note_chunks(meta, region)
+
+    def sync(self) -> None:
+        """Make every write since the last call durable: packed arrays' keys still in an OCDBT transaction are
+        committed, then (locally) every file written and the directories holding them are fsynced, in parallel."""
+        if self._packed is not None:
+            self._packed.commit()
+        self.place.sync()
+
+    def link_chunk(self, base: Path, base_path: str, path: str, index: tuple[int, ...]) -> bool:
+        """Hard-link chunk ``index`` of the base checkpoint's array into this one; False where links fail
+        (only local directories have links; packed arrays live in a database, not in files)."""
+        return self.place.link_chunk(base, base_path, path, index)
 
     def packed_prefix(self) -> str:
         """Where a save here packs small arrays: ``packed`` (zip archives: ``StorageOptions.pack_format="zip"``,
         a local directory, a little-endian host) or ``ocdbt`` (OCDBT databases)."""
-        zipped = self.location.options.pack_format == "zip" and self.kv is None and LITTLE_ENDIAN
+        zipped = self.location.options.pack_format == "zip" and self.place.has_files and LITTLE_ENDIAN
         return ARCHIVE_DIR if zipped else PACKED_DIR
 
     # ------------------------------------------------------------------ arrays
@@ -139,10 +154,10 @@ class ArrayIO(FileChecks, Durability):
 
         checked: set[str] = set()
         for meta in metas:
-            if not create and self.kv is None:
+            if not create:
                 where = meta.path if meta.database is None else meta.database
                 if where not in checked:  # a database holding many packed arrays is checked once
-                    self._check_inside(self.root / where, meta.key)
+                    self.place.check_inside(where, meta.key)
                     checked.add(where)
             if handles(meta):  # nothing to open: its keys are written and read through its database
                 assert meta.database is not None
@@ -168,12 +183,9 @@ class ArrayIO(FileChecks, Durability):
                     settle()
                 raise failed(meta, e) from e
         stores = settle()
-        if create and self.kv is None:
+        if create:
             for meta in metas:
-                if meta.database is None:
-                    self._unsynced.add(self.root / meta.path / "zarr.json")
-                else:
-                    self._unsynced_trees.add(meta.database)
+                self.place.note_array(meta)
         return stores
 
     def handles_packed(self, meta: ArrayMeta) -> bool:
@@ -192,7 +204,7 @@ class ArrayIO(FileChecks, Durability):
 
     def _reads_files(self, meta: ArrayMeta) -> bool:
         """Whether this array's chunks are read as files by the executor (:func:`read_chunk`), not by TensorStore."""
-        local_plain = self.kv is None and LITTLE_ENDIAN and meta.compression is None and meta.database is None
+        local_plain = self.place.has_files and LITTLE_ENDIAN and meta.compression is None and meta.database is None
         return local_plain and meta.nbytes > 0 and len(meta.shape) > 0
 
     def write_chunk_files(
@@ -210,14 +222,13 @@ class ArrayIO(FileChecks, Durability):
             raise CheckpointError(
                 f"leaf {meta.key!r}: {region} is not whole chunks of {list(chunk)} (a planning error)"
             )
+        files = self.files
+        assert files is not None, "chunk files are written in local directories only"
         array = self.root / meta.path
         futures = []
         for index in grid.touching(region):
             path = array / _chunk_key(index)
-            if path.parent not in self._made_dirs:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                self._made_dirs.add(path.parent)
-                self._unsynced.add(path.parent)  # its new entries; the parents follow in :meth:`sync`
+            files.chunk_dir(path.parent)
             box = grid.region(index).relative_to(region).slices()
             futures.append(
                 io_pool().submit(
@@ -327,10 +338,9 @@ class ArrayIO(FileChecks, Durability):
             chunk_key = meta.path + _ZERO_KEYS[len(meta.shape)]
             batch.append(((meta.path + "/zarr.json", zarr_json(meta)), (chunk_key, value)))
             written += data.nbytes
+            self.place.note_array(meta)  # (its database, made durable in :meth:`sync`)
         for database, batch in batches.items():
             self.packed.write_groups(database, batch)  # (an array's two entries in one archive)
-            if self.kv is None:
-                self._unsynced_trees.add(database)
         return written
 
     def read_small(self, metas: Sequence[ArrayMeta]) -> list[bytes]:
@@ -355,8 +365,7 @@ class ArrayIO(FileChecks, Durability):
             group.append(k)
         read: list[tuple[bytes, bytes] | None] = [None] * len(metas)
         for database, ks in groups.items():
-            if self.kv is None:
-                self.scan(database, metas[ks[0]].key)
+            self.place.check_files(database, metas[ks[0]].key)
             reader = readers[database] = self.packed.reader(database)
             try:
                 chosen = map(metas.__getitem__, ks)
@@ -490,9 +499,11 @@ class ArrayIO(FileChecks, Durability):
         if handles(meta):
             return _PackedRead(store, meta, index, targets, what, expected, lazy, workers)
         if self._reads_files(meta):
+            files = self.files
+            assert files is not None
             path = self.root / meta.path / _chunk_key(index)
             return io_pool().submit(
-                workers, _read_file_chunk, path, meta, whole.shape, targets, what, expected, self._real_root()
+                workers, _read_file_chunk, path, meta, whole.shape, targets, what, expected, files.real_root()
             )
         # One target wanting the whole chunk gets it straight in its memory; otherwise the
         # chunk lands in scratch memory and the targets' boxes are copied from there.

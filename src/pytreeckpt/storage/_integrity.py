@@ -6,12 +6,10 @@ metadata records; chunk checksums and content hashes are gathered as a save writ
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
 import math
 import os
-import stat
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -21,14 +19,14 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from pytreeckpt.core._errors import CheckpointError, MetadataError
+from pytreeckpt.core._errors import CheckpointError
 from pytreeckpt.core._grid import ChunkGrid
 from pytreeckpt.core._region import Region
 from pytreeckpt.format import (
     ArrayMeta,
     chunk_count,
 )
-from pytreeckpt.storage._base import StorageBase, _os_failure
+from pytreeckpt.storage._base import StorageBase
 from pytreeckpt.storage._chunkfiles import chunk_crc, read_chunk
 from pytreeckpt.storage._packed import (
     MAX_ZARR_JSON_BYTES,
@@ -37,19 +35,9 @@ from pytreeckpt.storage._packed import (
     describe_database,
     in_archives,
 )
+from pytreeckpt.storage._place import check_chunk_count
 
 logger = logging.getLogger("pytreeckpt")
-
-
-MAX_COMPRESSION_RATIO = 1 << 16
-"""The most a compressed array's metadata may claim over its stored bytes (all-zero
-chunks compress about 13,000 times with zstd)."""
-
-
-MISSING_CHUNKS = 4096
-"""How many more chunks than are present an array's grid may have before it is refused
-whole (fewer are reported chunk by chunk as they are read): loops over a grid stay
-bounded by the chunks actually stored."""
 
 
 _INLINE_CHECK_BYTES = 1 << 20
@@ -76,41 +64,20 @@ class FileChecks(StorageBase):
         back. Packed arrays are small by definition (the metadata parser caps them); one of
         several chunks has its keys counted in its database. On a key-value store, whose
         listings carry no sizes, every chunk object must be present; a chunk shorter than
-        claimed fails its read. Every file is checked as :meth:`scan` says.
+        claimed fails its read. Every file is checked as ``LocalDir.scan`` says.
         """
         for meta in metas:
-            if meta.database is not None:
-                if meta.chunk_shape != meta.shape:  # (one chunk, or none: nothing to count)
-                    self._check_packed_chunks(meta)
-                continue
-            if self.kv is not None:
-                self._check_chunks_listed(meta)
-                continue
-            stored, files = self.scan(meta.path, meta.key)
-            ratio = 1 if meta.compression is None else MAX_COMPRESSION_RATIO
-            if stored * ratio < meta.nbytes:
-                raise MetadataError(
-                    f"leaf {meta.key!r}: the metadata claims a {meta.dtype.name} array of shape {meta.shape} "
-                    f"({meta.nbytes} bytes) but {meta.path!r} holds only {stored} bytes of chunks"
-                    + ("" if ratio == 1 else f", more than {ratio} times less than that")
-                )
-            self._check_chunk_count(meta, files, f"{meta.path!r} holds {files} chunk files")
-
-    def _check_chunk_count(self, meta: ArrayMeta, present: int, where: str) -> None:
-        expected = chunk_count(meta.shape, meta.chunk_shape)
-        if expected > present + MISSING_CHUNKS:
-            raise MetadataError(
-                f"leaf {meta.key!r}: the metadata claims a {meta.dtype.name} array of shape {meta.shape} in "
-                f"{expected} chunks of {list(meta.chunk_shape)} but {where}"
-            )
+            if meta.database is None:
+                self.place.check_chunks_stored(meta)
+            elif meta.chunk_shape != meta.shape:  # (one chunk, or none: nothing to count)
+                self._check_packed_chunks(meta)
 
     def _check_packed_chunks(self, meta: ArrayMeta) -> None:
         """A packed array of several chunks: its chunk keys in the database bound its grid."""
         assert meta.database is not None
         if chunk_count(meta.shape, meta.chunk_shape) <= 1:
             return
-        if self.kv is None:
-            self.scan(meta.database, meta.key)
+        self.place.check_files(meta.database, meta.key)
         prefix = f"{meta.path}/c"
         try:  # through the database's reader, opened (an archive's directory parsed) once per checkpoint
             db = self.packed.reader(meta.database)
@@ -122,25 +89,22 @@ class FileChecks(StorageBase):
             raise CheckpointError(
                 f"leaf {meta.key!r}: cannot list the chunks of {meta.path!r} in {meta.database!r}: {e}"
             ) from e
-        self._check_chunk_count(meta, n, f"{describe_database(meta.database)} holds {n} of its chunks")
+        check_chunk_count(meta, n, f"{describe_database(meta.database)} holds {n} of its chunks")
 
     def stored_bytes(self, meta: ArrayMeta) -> int | None:
         """Bytes of the chunk files of one stored array; None where the store cannot tell (packed, key-value)."""
-        if meta.database is not None or self.kv is not None:
-            return None
-        return self.scan(meta.path, meta.key)[0]
+        return None if meta.database is not None else self.place.stored_bytes(meta)
 
     def check_files(self, metas: Sequence[ArrayMeta]) -> None:
         """Before TensorStore or the executor opens anything of these arrays: every file of each
         (``zarr.json`` and chunks), or of its OCDBT database or zip archives, is checked by
-        :meth:`scan`; the chunk checksums the metadata records for it decode (MetadataError if
+        ``LocalDir.scan``; the chunk checksums the metadata records for it decode (MetadataError if
         not); and an array packed in zip archives has the ``zarr.json`` there that the document
         implies (:func:`check_zarr_json`), so TensorStore and zarr read what this library does."""
         for meta in metas:
             meta.crc32c()
-        if self.kv is None:
-            for meta in metas:
-                self.scan(meta.path if meta.database is None else meta.database, meta.key)
+        for meta in metas:
+            self.place.check_files(meta.path if meta.database is None else meta.database, meta.key)
         for meta in metas:
             if meta.database is not None and in_archives(meta.database):
                 reader = self.packed.reader(meta.database)
@@ -149,77 +113,6 @@ class FileChecks(StorageBase):
                 except CheckpointError as e:
                     raise CheckpointError(f"leaf {meta.key!r}: {e}") from e
                 check_zarr_json(meta, stored)
-
-    def scan(self, where: str, key: str) -> tuple[int, int]:
-        """Check the files of one stored array (or OCDBT database) before anything reads them.
-
-        Returns the bytes and the number of its chunk files (files but ``zarr.json``, whose
-        bytes are not counted either).
-        Refuses, with a CheckpointError naming the leaf and the path: a symbolic link that
-        leads outside the checkpoint (links inside it are followed), anything but regular
-        files and directories (a FIFO or a device would block or never end a read), a
-        directory that cannot be read (permission denied, said as such) and link loops.
-        Each place is walked once per Storage.
-        """
-        if where in self._scanned:
-            return self._scanned[where]
-        top = self._check_inside(self.root / where, key)
-        total = files = 0
-        seen: set[tuple[int, int]] = set()  # directories (device, inode): a link back up is walked once
-        with contextlib.suppress(OSError):
-            st = os.stat(top)
-            seen.add((st.st_dev, st.st_ino))
-        todo = [top]
-        while todo:
-            folder = todo.pop()
-            try:
-                with os.scandir(folder) as it:
-                    entries = list(it)
-            except FileNotFoundError:
-                continue  # a missing array: its size (0) says so
-            except OSError as e:
-                raise _os_failure(e, folder, f"leaf {key!r}", "list") from e
-            for entry in entries:
-                try:
-                    if entry.is_symlink():
-                        real = self._check_inside(Path(entry.path), key)
-                        st = os.stat(real)
-                        path = real
-                    else:
-                        st = entry.stat(follow_symlinks=False)
-                        path = Path(entry.path)
-                except FileNotFoundError:
-                    continue  # gone since it was listed
-                except OSError as e:
-                    raise _os_failure(e, Path(entry.path), f"leaf {key!r}", "stat") from e
-                if stat.S_ISDIR(st.st_mode):
-                    if (st.st_dev, st.st_ino) not in seen:
-                        seen.add((st.st_dev, st.st_ino))
-                        todo.append(path)
-                elif stat.S_ISREG(st.st_mode):
-                    if entry.name != "zarr.json":
-                        total += st.st_size
-                        files += 1
-                else:
-                    raise CheckpointError(
-                        f"leaf {key!r}: {entry.path} is not a regular file (a FIFO, device or socket); refused"
-                    )
-        self._scanned[where] = (total, files)
-        return total, files
-
-    def _check_chunks_listed(self, meta: ArrayMeta) -> None:
-        assert self.kv is not None
-        if meta.nbytes == 0:
-            return
-        prefix = meta.path + "/"
-        listed = set(self.kv.list(prefix))
-        expected = chunk_count(meta.shape, meta.chunk_shape)
-        chunks = sum(1 for k in listed if k.startswith(prefix + "c"))
-        if chunks < expected:
-            raise MetadataError(
-                f"leaf {meta.key!r}: the metadata claims a {meta.dtype.name} array of shape {meta.shape} "
-                f"in {expected} chunks but {self.url}/{meta.path} holds only {chunks} chunk objects"
-            )
 
 
 def _read_file_chunk(

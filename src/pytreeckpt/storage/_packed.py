@@ -29,8 +29,8 @@ from pytreeckpt.core._dtypes import dtype_from_name
 from pytreeckpt.core._errors import CheckpointError
 from pytreeckpt.format import ARCHIVE_DIR, ArrayMeta, zarr_metadata
 from pytreeckpt.storage._archive import ArchiveReader, ArchiveWriter, entry_bytes
-from pytreeckpt.storage._base import OCDBT_INLINE_BYTES, _chunk_key
 from pytreeckpt.storage._chunkfiles import LITTLE_ENDIAN, _encoded_prefix
+from pytreeckpt.storage._io import OCDBT_INLINE_BYTES, _chunk_key
 from pytreeckpt.storage._location import OCDBT_CACHE, Resolved
 
 FLUSH_BYTES = 32 * 1024 * 1024
