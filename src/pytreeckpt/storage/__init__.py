@@ -4,8 +4,10 @@ Locations (local directories, ``memory://``, S3-compatible and GCS buckets), the
 protocol (one writer, the metadata document written last and atomically, leftovers of
 failed saves removed), stored arrays and their chunk files and OCDBT databases,
 durability (fsync) and integrity (every chunk checked against the crc32c the metadata
-records). :class:`Storage` is one checkpoint location with all of these parts; only this
-package and :mod:`pytreeckpt.execute` do I/O.
+records). :class:`Storage` is one checkpoint location with all of these parts; what a local
+directory and an object store do differently is one :class:`~pytreeckpt.storage._place.Place`
+per kind, so the parts are written once. Only this package and :mod:`pytreeckpt.execute` do
+I/O; what they and :mod:`pytreeckpt.manager` use of it is exported here.
 """
 
 from pytreeckpt.storage._chunkfiles import chunk_crc as chunk_crc

@@ -124,7 +124,7 @@ class CommitProtocol(StorageBase):
         """
         if self._packed is not None:
             self._packed.abort()
-        if not (self._prepared or (self.files is not None and self.files.made_root)):
+        if not (self._prepared or self.place.made_root):
             return
         try:
             now = self._committed_names()

@@ -45,6 +45,8 @@ class Place(abc.ABC):
     """Whether arrays are files this package may read and write itself (and pack in zip archives)."""
     default_chunking: ChunkingOptions
     """How arrays are chunked here when neither the caller nor the location's options say."""
+    made_root = False
+    """Whether a save through this object made the place itself (a directory: removed again if it fails)."""
 
     # ------------------------------------------------------------------ commit protocol
     @abc.abstractmethod
