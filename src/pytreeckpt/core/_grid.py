@@ -12,13 +12,14 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-from pytreeckpt.core._region import Region
+from pytreeckpt.core._region import Bounds, Region
 from pytreeckpt.core._rows import rows_prod
 
-__all__ = ["ChunkGrid"]
+__all__ = ["ChunkGrid", "coalesce"]
 
 _I64 = np.int64
 
@@ -158,3 +159,31 @@ class ChunkGrid:
             out[:, d] = rem % g
             rem = rem // g
         return out
+
+
+def coalesce(indices: Sequence[tuple[int, ...]]) -> list[Bounds]:
+    """Merge a set of chunk indices into boxes ``(lo, hi)`` of the chunk index space, sorted.
+
+    Boxes are merged along the last dim first, then the ones before it.
+
+    >>> coalesce([(0, 0), (0, 1), (1, 0), (1, 1), (2, 0)])
+    [((0, 0), (2, 2)), ((2, 0), (3, 1))]
+    """
+    boxes: list[Bounds] = [(idx, tuple(i + 1 for i in idx)) for idx in sorted(indices)]
+    ndim = len(indices[0]) if indices else 0
+    for d in reversed(range(ndim)):
+
+        def other(b: Bounds, d: int = d) -> tuple[Any, ...]:
+            return (b[0][:d] + b[0][d + 1 :], b[1][:d] + b[1][d + 1 :])
+
+        boxes.sort(key=lambda b, d=d: (other(b), b[0][d]))  # type: ignore[misc]
+        merged: list[Bounds] = []
+        for b in boxes:
+            if merged and other(merged[-1]) == other(b) and merged[-1][1][d] == b[0][d]:
+                lo, hi = merged[-1]
+                merged[-1] = (lo, (*hi[:d], b[1][d], *hi[d + 1 :]))
+            else:
+                merged.append(b)
+        boxes = merged
+    boxes.sort()
+    return boxes

@@ -2,7 +2,11 @@
 
 A :class:`Region` is an ``(offset, shape)`` box. Saving, loading and resharding all
 reduce to intersecting regions, so the same type describes a rank's shard, a stored
-chunk and a read.
+chunk and a read. Two other spellings of a box exist where planning's inner loops need
+them, each defined once: :data:`Bounds` (``(lo, hi)`` tuples, :meth:`Region.bounds`), and
+columns of many boxes (``lo`` and ``ext`` numpy arrays: ``plan``'s piece tables and
+:class:`~pytreeckpt.core._grid.ChunkGrid`'s column methods). ``Region.slices()`` is how
+numpy is indexed with one.
 """
 
 from __future__ import annotations
@@ -15,7 +19,10 @@ from typing import Any
 
 from pytreeckpt.core._slots import slots_constructor
 
-__all__ = ["Region", "region_of"]
+__all__ = ["Bounds", "Region", "region_of", "subtract_bounds"]
+
+Bounds = tuple[tuple[int, ...], tuple[int, ...]]
+"""A box as ``(lo, hi)``: the elements ``lo <= i < hi`` (``Region(lo, hi - lo)``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,23 +102,17 @@ class Region:
         inter = self.intersect(other)
         if inter is None:
             return [self]
-        out: list[Region] = []
-        offset, shape = list(self.offset), list(self.shape)
-        for d in range(self.ndim):
-            lo, hi = inter.offset[d], inter.offset[d] + inter.shape[d]
-            if lo > offset[d]:
-                s = list(shape)
-                s[d] = lo - offset[d]
-                out.append(Region(tuple(offset), tuple(s)))
-            end = offset[d] + shape[d]
-            if hi < end:
-                o = list(offset)
-                s = list(shape)
-                o[d] = hi
-                s[d] = end - hi
-                out.append(Region(tuple(o), tuple(s)))
-            offset[d], shape[d] = lo, hi - lo
-        return out
+        return [Region.from_bounds(b) for b in subtract_bounds(self.offset, self.stop, inter.offset, inter.stop)]
+
+    @property
+    def bounds(self) -> Bounds:
+        """``(offset, stop)``."""
+        return self.offset, self.stop
+
+    @classmethod
+    def from_bounds(cls, bounds: Bounds) -> Region:
+        lo, hi = bounds
+        return cls(lo, tuple(h - o for o, h in zip(lo, hi, strict=True)))
 
     def to_json(self) -> list[list[int]]:
         return [list(self.offset), list(self.shape)]
@@ -125,6 +126,25 @@ class Region:
         ):
             raise ValueError(f"a region is [offset, shape] of integers, found {data!r}")
         return cls(tuple(data[0]), tuple(data[1]))
+
+
+def subtract_bounds(
+    lo: tuple[int, ...], hi: tuple[int, ...], glo: tuple[int, ...], ghi: tuple[int, ...]
+) -> list[Bounds]:
+    """``[lo, hi)`` minus its sub-box ``[glo, ghi)``, as disjoint boxes (at most two per dim)."""
+    out = []
+    cur_lo, cur_hi = list(lo), list(hi)
+    for d in range(len(lo)):
+        if glo[d] > cur_lo[d]:
+            h = list(cur_hi)
+            h[d] = glo[d]
+            out.append((tuple(cur_lo), tuple(h)))
+        if ghi[d] < cur_hi[d]:
+            a = list(cur_lo)
+            a[d] = ghi[d]
+            out.append((tuple(a), tuple(cur_hi)))
+        cur_lo[d], cur_hi[d] = glo[d], ghi[d]
+    return out
 
 
 def split_aligned(region: Region, chunk_shape: Sequence[int], itemsize: int, max_bytes: int) -> list[Region]:

@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 
 from ._memos import SCOPE_KEYS
 
-__all__ = ["Loads", "Scopes", "coalesce", "scope_key", "scope_loads", "water_fill"]
+__all__ = ["Loads", "Scopes", "scope_key", "scope_loads", "water_fill"]
 
 
 class Loads:
@@ -144,52 +143,4 @@ def _contiguous_runs(sizes: Sequence[int], load: list[int]) -> list[int] | None:
             bound += quota[i]
         out.append(order[i])
         pos += size
-    return out
-
-
-Box = tuple[tuple[int, ...], tuple[int, ...]]
-
-
-def coalesce(indices: Sequence[tuple[int, ...]]) -> list[Box]:
-    """Merge a set of chunk indices into boxes ``(lo, hi)`` of the chunk index space, sorted.
-
-    Boxes are merged along the last dim first, then the ones before it.
-
-    >>> coalesce([(0, 0), (0, 1), (1, 0), (1, 1), (2, 0)])
-    [((0, 0), (2, 2)), ((2, 0), (3, 1))]
-    """
-    boxes: list[Box] = [(idx, tuple(i + 1 for i in idx)) for idx in sorted(indices)]
-    ndim = len(indices[0]) if indices else 0
-    for d in reversed(range(ndim)):
-
-        def other(b: Box, d: int = d) -> tuple[Any, ...]:
-            return (b[0][:d] + b[0][d + 1 :], b[1][:d] + b[1][d + 1 :])
-
-        boxes.sort(key=lambda b, d=d: (other(b), b[0][d]))  # type: ignore[misc]
-        merged: list[Box] = []
-        for b in boxes:
-            if merged and other(merged[-1]) == other(b) and merged[-1][1][d] == b[0][d]:
-                lo, hi = merged[-1]
-                merged[-1] = (lo, (*hi[:d], b[1][d], *hi[d + 1 :]))
-            else:
-                merged.append(b)
-        boxes = merged
-    boxes.sort()
-    return boxes
-
-
-def subtract_box(lo: tuple[int, ...], hi: tuple[int, ...], glo: tuple[int, ...], ghi: tuple[int, ...]) -> list[Box]:
-    """``[lo, hi)`` minus its sub-box ``[glo, ghi)``, as disjoint boxes (at most two per dim)."""
-    out = []
-    cur_lo, cur_hi = list(lo), list(hi)
-    for d in range(len(lo)):
-        if glo[d] > cur_lo[d]:
-            h = list(cur_hi)
-            h[d] = glo[d]
-            out.append((tuple(cur_lo), tuple(h)))
-        if ghi[d] < cur_hi[d]:
-            a = list(cur_lo)
-            a[d] = ghi[d]
-            out.append((tuple(a), tuple(cur_hi)))
-        cur_lo[d], cur_hi[d] = glo[d], ghi[d]
     return out

@@ -13,9 +13,9 @@ from typing import Any
 import numpy as np
 
 from pytreeckpt.core._errors import LayoutError
-from pytreeckpt.core._region import Region, region_of
+from pytreeckpt.core._region import Bounds, Region, region_of, subtract_bounds
 
-from ._balance import Box, Loads, scope_key, subtract_box, water_fill
+from ._balance import Loads, scope_key, water_fill
 from ._tables import _I64, first_of_runs
 from ._types import (
     Fragment,
@@ -218,9 +218,9 @@ class Merge:
 def _cover(key: str, chunk: Region, order: list[Part]) -> list[Part]:
     """Take from each part, in order, what is still missing of ``chunk``."""
     got: list[Part] = []
-    uncovered: list[Box] = [(chunk.offset, chunk.stop)]
+    uncovered: list[Bounds] = [(chunk.offset, chunk.stop)]
     for pos, piece, plo, phi in order:
-        rest: list[Box] = []
+        rest: list[Bounds] = []
         for ulo, uhi in uncovered:
             glo = tuple(map(max, ulo, plo))
             ghi = tuple(map(min, uhi, phi))
@@ -228,7 +228,7 @@ def _cover(key: str, chunk: Region, order: list[Part]) -> list[Part]:
                 rest.append((ulo, uhi))
                 continue
             got.append((pos, piece, glo, ghi))
-            rest.extend(subtract_box(ulo, uhi, glo, ghi))
+            rest.extend(subtract_bounds(ulo, uhi, glo, ghi))
         uncovered = rest
         if not uncovered:
             break

@@ -33,10 +33,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pytreeckpt.core._errors import LayoutError
-from pytreeckpt.core._grid import ChunkGrid
-from pytreeckpt.core._region import Region, region_of
+from pytreeckpt.core._grid import ChunkGrid, coalesce
+from pytreeckpt.core._region import Bounds, Region, region_of
 
-from ._balance import Box, Loads, Scopes, coalesce, scope_loads
+from ._balance import Loads, Scopes, scope_loads
 from ._cells import Group, Merge
 from ._chunking import chunk_shape_of_table
 from ._memos import WHOLE_WRITES
@@ -207,7 +207,7 @@ def _writes(
     """The writes involving position ``pos`` (every write when None) given the decisions of :func:`_decide`."""
     grid, ranks = s.grid, p.ranks
     # (writer position, piece) -> its whole boxes, and its chunks to coalesce
-    boxes: dict[tuple[int, int], list[Box]] = defaultdict(list)
+    boxes: dict[tuple[int, int], list[Bounds]] = defaultdict(list)
     loose: dict[tuple[int, int], list[tuple[int, ...]]] = defaultdict(list)
     if len(singles):
         sp, spi = s.single_pos[singles].tolist(), s.single_piece[singles].tolist()
@@ -256,7 +256,7 @@ def _merged_write(key: str, m: Merge, p: Placed, pos: int | None, at: int) -> Wr
     return write_of(m.chunk, int(ranks[writer_pos]), frags) if frags else None
 
 
-def _direct(grid: ChunkGrid, box: Box, writer: int, piece: int) -> WriteOp:
+def _direct(grid: ChunkGrid, box: Bounds, writer: int, piece: int) -> WriteOp:
     lo, hi = box
     offset = tuple(i * c for i, c in zip(lo, grid.chunk, strict=True))
     stop = tuple(min(i * c, n) for i, c, n in zip(hi, grid.chunk, grid.shape, strict=True))
