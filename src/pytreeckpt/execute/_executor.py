@@ -25,7 +25,16 @@ from pytreeckpt.format import (
 from pytreeckpt.plan import ArrayLoadPlan, ArraySavePlan, ReadOp, WriteOp
 from pytreeckpt.storage import ChunkSums, Storage, Window, chunk_crc, chunk_hash
 
-__all__ = ["ChunkReuse", "PieceData", "WriteItem", "assemble", "read_arrays", "write_arrays", "write_items"]
+__all__ = [
+    "ChunkReuse",
+    "PieceData",
+    "WriteItem",
+    "assemble",
+    "read_arrays",
+    "write_arrays",
+    "write_from_memory",
+    "write_items",
+]
 
 logger = logging.getLogger("pytreeckpt")
 
@@ -115,6 +124,53 @@ def write_arrays(
     window.drain()
     storage.sync()
     return written
+
+
+def write_from_memory(
+    storage: Storage,
+    metas: Sequence[ArrayMeta],
+    plans: Sequence[ArraySavePlan],
+    data: Sequence[PieceData],
+    progress: Callable[[int], None],
+    sums: ChunkSums,
+) -> int:
+    """A single process's save straight from the caller's memory (no staging, no base checkpoint).
+
+    The small arrays written whole from one piece that :meth:`Storage.small_whole` takes go
+    in one batch per database (:meth:`Storage.write_small`, in this thread: the lean path of
+    many small leaves); every other write goes through :func:`write_arrays`. Returns the bytes
+    written.
+    """
+    small: list[int] = []
+    datas: list[np.ndarray] = []
+    rest: list[int] = []
+    small_whole = storage.small_whole
+    for i, (meta, ap) in enumerate(zip(metas, plans, strict=True)):
+        if small_whole(meta) and len(ap.writes) == 1:
+            op = ap.writes[0]
+            if len(op.sources) == 1 and op.sources[0].rank == op.writer:
+                src, where = data[i](op.writer, op.sources[0].piece)
+                if (
+                    where.shape == meta.shape
+                    and op.region.shape == meta.shape
+                    and src.shape == meta.shape
+                    and src.dtype == meta.dtype.numpy
+                ):
+                    small.append(i)
+                    datas.append(src)
+                    continue
+        rest.append(i)
+    written = 0
+    if small:
+        written = storage.write_small([metas[i] for i in small], datas, lambda k, crc: sums.add_single(small[k], crc))
+        progress(written)
+    only = rest if small else None
+    if only is not None and not only:
+        items: Iterable[WriteItem] = iter(())
+    else:
+        dtypes = [m.dtype.numpy for m in metas]
+        items = ((i, op.region, buf, None) for i, op, buf in write_items(plans, data, dtypes, None, only))
+    return written + write_arrays(storage, metas, items, progress=progress, only=only, sums=sums)
 
 
 def read_arrays(

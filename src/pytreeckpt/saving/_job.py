@@ -25,7 +25,7 @@ from pytreeckpt.core._errors import CheckpointError
 from pytreeckpt.core._region import Region
 from pytreeckpt.distributed._agree import gather_spans
 from pytreeckpt.distributed._comm import data_comm
-from pytreeckpt.execute._executor import ChunkReuse, PieceData, write_arrays, write_items
+from pytreeckpt.execute._executor import ChunkReuse, PieceData, write_arrays, write_from_memory, write_items
 from pytreeckpt.execute._monitor import Monitor, Progress, Span
 from pytreeckpt.execute._pipeline import Snapshot, staged_writes
 from pytreeckpt.execute._staging import staging_pool
@@ -138,42 +138,12 @@ class SaveJob:
             self.monitor.add(Span("save", "snapshot", self.rank, start, end, merged + snap.copied_bytes, thread))
             self.timings["snapshot"] = end - start
 
-    def _items(self, only: Sequence[int] | None = None) -> Any:
-        """This process's writes: staged pieces in an asynchronous save, else views of the caller's memory
-        (of arrays ``only``, if given)."""
+    def _items(self) -> Any:
+        """This process's writes: staged pieces in an asynchronous save, else views of the caller's memory."""
         if self.snap is not None:
             return self._until_cancelled(self.snap.items())
-        if only is not None and not only:
-            return iter(())
         dtypes = [m.dtype.numpy for m in self.metas]
-        items = write_items(self.plan.arrays, self.data, dtypes, None, only)
-        return ((i, op.region, buf, None) for i, op, buf in items)
-
-    def _lean(self) -> tuple[list[int], list[np.ndarray], list[int]]:
-        """The small whole arrays a single-process save writes straight from the caller's memory
-        (:meth:`Storage.write_small`): their indices and data; and the indices of the other arrays."""
-        small: list[int] = []
-        datas: list[np.ndarray] = []
-        rest: list[int] = []
-        if self.snap is not None or self.reuse is not None or self.comm is not None:
-            return small, datas, list(range(len(self.metas)))
-        small_whole = self.storage.small_whole
-        for i, (meta, ap) in enumerate(zip(self.metas, self.plan.arrays, strict=True)):
-            if small_whole(meta) and len(ap.writes) == 1:
-                op = ap.writes[0]
-                if len(op.sources) == 1 and op.sources[0].rank == op.writer:
-                    src, where = self.data[i](op.writer, op.sources[0].piece)
-                    if (
-                        where.shape == meta.shape
-                        and op.region.shape == meta.shape
-                        and src.shape == meta.shape
-                        and src.dtype == meta.dtype.numpy
-                    ):
-                        small.append(i)
-                        datas.append(src)
-                        continue
-            rest.append(i)
-        return small, datas, rest
+        return ((i, op.region, buf, None) for i, op, buf in write_items(self.plan.arrays, self.data, dtypes, None))
 
     def _check_cancelled(self) -> None:
         if self.cancelled.is_set():
@@ -204,23 +174,20 @@ class SaveJob:
                 progress = self._progress("save", total)
                 try:
                     with self.monitor.phase("save", "write", 0) as box:
-                        small, datas, rest = self._lean()
                         sums = self._sums()
-                        box[0] = 0
-                        if small:
-                            box[0] = self.storage.write_small(
-                                [self.metas[i] for i in small], datas, lambda k, crc: sums.add_single(small[k], crc)
+                        if self.snap is None and self.reuse is None:
+                            box[0] = write_from_memory(
+                                self.storage, self.metas, self.plan.arrays, self.data, progress.advance, sums
                             )
-                            progress.advance(box[0])
-                        box[0] += write_arrays(
-                            self.storage,
-                            self.metas,
-                            self._items(rest if small else None),
-                            progress=progress.advance,
-                            reuse=self.reuse,
-                            only=rest if small else None,
-                            sums=sums,
-                        )
+                        else:
+                            box[0] = write_arrays(
+                                self.storage,
+                                self.metas,
+                                self._items(),
+                                progress=progress.advance,
+                                reuse=self.reuse,
+                                sums=sums,
+                            )
                 finally:
                     progress.close()
                 t1 = time.perf_counter()
