@@ -11,9 +11,10 @@ import torch
 
 from pytreeckpt.api import async_save, load, save
 from pytreeckpt.core._dtypes import dtype_of_torch
+from pytreeckpt.core._keys import keystr
 from pytreeckpt.core._leaf import Abstract, ShardedLeaf
 from pytreeckpt.core._sharding import Layout
-from pytreeckpt.core._tree import broadcast_prefix, flatten, keystr
+from pytreeckpt.core._tree import broadcast_prefix, flatten
 from pytreeckpt.leaves import KINDS
 from pytreeckpt.leaves import is_leaf as _is_leaf
 from pytreeckpt.plan import ChunkingOptions
