@@ -53,7 +53,7 @@ from _llama import llama_state
 import pytreeckpt
 from pytreeckpt import Abstract
 from pytreeckpt.core._dtypes import dtype_from_name
-from pytreeckpt.core._tree import Node
+from pytreeckpt.core._node import Node
 from pytreeckpt.format import (
     ARRAYS_DIR,
     METADATA_FILE,

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pytreeckpt.core._dtypes import dtype_from_name
-from pytreeckpt.core._tree import Node
+from pytreeckpt.core._node import Node
 from pytreeckpt.format import (
     ArrayMeta,
     ChecksumFile,

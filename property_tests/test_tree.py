@@ -10,7 +10,9 @@ from typing import Any
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pytreeckpt.core._tree import Node, flatten, keystr
+from pytreeckpt.core._keys import keystr
+from pytreeckpt.core._node import Node
+from pytreeckpt.core._tree import flatten
 from pytreeckpt.core._values import decode_value, encode_value
 
 Point = collections.namedtuple("Point", "x y")

@@ -13,6 +13,8 @@ PURE = [
     "pytreeckpt.core._rows",
     "pytreeckpt.core._slots",
     "pytreeckpt.core._tree",
+    "pytreeckpt.core._keys",
+    "pytreeckpt.core._node",
     "pytreeckpt.core._names",
     "pytreeckpt.core._values",
     "pytreeckpt.plan",

@@ -402,7 +402,7 @@ def test_leaf_node_sets_every_field_as_the_constructor_does() -> None:
     """leaf_node stores a leaf's slots itself: each field of Node, one added later too, as Node(...) gives it."""
     import dataclasses
 
-    from pytreeckpt.core._tree import Node, leaf_node
+    from pytreeckpt.core._node import Node, leaf_node
 
     made, expected = leaf_node(3), Node("leaf", leaf=3)
     for f in dataclasses.fields(Node):

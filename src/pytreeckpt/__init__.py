@@ -41,8 +41,8 @@ from pytreeckpt.core._sharding import Replicate as Replicate
 from pytreeckpt.core._sharding import Shard as Shard
 from pytreeckpt.core._sharding import ShardingSpec as ShardingSpec
 from pytreeckpt.core._sharding import StridedShard as StridedShard
-from pytreeckpt.distributed._comm import placements_from_spec as placements_from_spec
-from pytreeckpt.distributed._comm import spec_from_dtensor as spec_from_dtensor
+from pytreeckpt.distributed._dtensor import placements_from_spec as placements_from_spec
+from pytreeckpt.distributed._dtensor import spec_from_dtensor as spec_from_dtensor
 from pytreeckpt.execute._monitor import Monitor as Monitor
 from pytreeckpt.execute._monitor import Span as Span
 from pytreeckpt.format import ArrayMeta as ArrayMeta

@@ -1,23 +1,14 @@
-"""The distributed adapter: the only module that talks to other ranks.
+"""The ``Comm`` protocol and its torch.distributed implementation, :class:`DistComm`.
 
-It converts DTensors to and from pytreeckpt specs, gathers layouts once per save or
-load, moves merge fragments to their chunk's writer, forwards replicated reads to the
-other ranks that want them, and agrees on success before the commit.
-
-All traffic runs on a process group of its own (gloo, over CPU tensors), never on the
-user's default group, so a save running in a background thread cannot interleave its
-collectives with the training loop's. Those groups are destroyed when the program ends
-(``atexit``), while the interpreter is whole: held here, they would otherwise outlive
-the user's ``destroy_process_group()`` and have their gloo threads torn down during
-interpreter finalisation.
+``Comm`` is what a save or load needs of its ranks (gather to rank 0, broadcast,
+agreement on success or failure); :class:`DistComm` implements it on the checkpoint's
+own gloo groups (``_groups``), and also moves merge fragments to their chunk's writer
+and forwards replicated reads to the other ranks that want them, point to point.
+:func:`distributed_comm` gives a save or load its ``Comm``, or None in a single process.
 """
 
 from __future__ import annotations
 
-import atexit
-import contextlib
-import threading
-import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -27,22 +18,19 @@ import torch.distributed as dist
 
 from pytreeckpt.core._errors import CheckpointError, LayoutError, MetadataError, NotCommittedError, TargetMismatchError
 from pytreeckpt.core._region import Region
-from pytreeckpt.core._sharding import Mesh, Placement, Replicate, Shard, ShardingSpec, StridedShard
+from pytreeckpt.distributed._groups import checkpoint_group, group_ranks
 from pytreeckpt.execute._executor import PieceData, WriteItem
 from pytreeckpt.plan import ArrayLoadPlan, ArraySavePlan, ReadOp
 
 __all__ = [
+    "Comm",
     "DistComm",
-    "checkpoint_group",
+    "WriteTransfers",
+    "data_comm",
+    "describe_failure",
     "distributed_comm",
-    "dtensor_layout",
-    "placements_from_spec",
-    "spec_from_dtensor",
+    "failure",
 ]
-
-_GROUPS: dict[tuple[Any, ...], tuple[Any, Any]] = {}
-_GROUPS_LOCK = threading.Lock()
-_HOOKED: list[bool] = []  # release_groups is registered with atexit
 
 
 @runtime_checkable
@@ -101,272 +89,6 @@ def distributed_comm(group: Any = None) -> Comm | None:
     elif len(group_ranks(group)) == 1:
         return None
     return DistComm(checkpoint_group(group))
-
-
-def group_ranks(group: Any) -> tuple[int, ...]:
-    """The global ranks of a process group given by the caller, this process among them."""
-    if not (dist.is_available() and dist.is_initialized()):
-        raise CheckpointError("a process_group was given but torch.distributed is not initialised")
-    try:
-        ranks = tuple(int(r) for r in dist.get_process_group_ranks(group))
-    except (ValueError, RuntimeError, KeyError) as e:
-        raise CheckpointError(f"process_group {group!r} is not a process group of this process: {e}") from e
-    if dist.get_rank() not in ranks:
-        raise CheckpointError(
-            f"rank {dist.get_rank()} is not a member of the process_group given (its ranks are {list(ranks)}): "
-            f"only its members save or load with it"
-        )
-    return ranks
-
-
-def this_rank() -> int:
-    """This process's global rank (0 without torch.distributed)."""
-    return int(dist.get_rank()) if dist.is_available() and dist.is_initialized() else 0
-
-
-# Point-to-point tags start high: gloo's collectives number their own messages from 0
-# on a group, and a send with a small tag can be taken for one of them.
-_TAG_BASE = 1 << 20
-
-
-def checkpoint_group(group: Any = None) -> tuple[Any, Any]:
-    """The process groups for checkpoint traffic: one for collectives, one for fragment transfers.
-
-    With ``group`` given, its ranks are used. The gloo groups are made once
-    (collectively, on first use) and reused; keeping point-to-point transfers on a
-    group of their own means no collective can ever match one of their messages.
-    Groups of the whole world are made by every rank; a group of some ranks only (a
-    pipeline stage, a data-parallel replica) by its members alone, so the other ranks
-    need not take part, and may make their own.
-    """
-    ranks = None if group is None else group_ranks(group)
-    if ranks is not None and len(ranks) == dist.get_world_size():
-        ranks = None
-    key = (id(dist.distributed_c10d._get_default_group()), ranks)
-    with _GROUPS_LOCK:
-        if key not in _GROUPS or not all(_alive(g) for g in _GROUPS[key]):
-            # (a group of a destroyed world is remade: a new default group may reuse the old one's id)
-            if ranks is None:
-                _GROUPS[key] = (dist.new_group(None, backend="gloo"), dist.new_group(None, backend="gloo"))
-            else:
-                _check_group_history(group, ranks)
-                members = list(ranks)
-                _GROUPS[key] = (
-                    dist.new_group(members, backend="gloo", use_local_synchronization=True),
-                    dist.new_group(members, backend="gloo", use_local_synchronization=True),
-                )
-            if not _HOOKED:
-                _HOOKED.append(True)
-                atexit.register(release_groups)
-        return _GROUPS[key]
-
-
-def _check_group_history(group: Any, ranks: tuple[int, ...]) -> None:
-    """Refuse, rather than hang, when the members of ``group`` cannot make a group together.
-
-    torch names a group made by its members alone after its ranks and the number of
-    groups each member has made so far; members that made different numbers of groups
-    would wait for each other under different names until the rendezvous timeout.
-    """
-    made = getattr(getattr(dist.distributed_c10d, "_world", None), "pg_names", None)
-    if made is None:  # another torch: nothing to check with
-        return
-    counts: list[Any] = [None] * len(ranks)
-    dist.all_gather_object(counts, len(made), group=group)
-    if len(set(counts)) > 1:
-        detail = ", ".join(f"rank {r}: {c}" for r, c in zip(ranks, counts, strict=True))
-        raise CheckpointError(
-            f"the ranks of process_group have made different numbers of process groups ({detail}), so torch "
-            f"cannot name the checkpoint's gloo groups alike on all of them; make process groups in the same "
-            f"order on every member, or pass no process_group (the whole world)"
-        )
-
-
-def release_groups() -> None:
-    """Destroy the checkpoint process groups (at exit): their gloo threads end while Python is whole.
-
-    Runs after Python has joined every non-daemon thread (an asynchronous save's writer
-    included), so no checkpoint traffic is left. A group the user's
-    ``destroy_process_group()`` already shut down is only let go; one still registered
-    is destroyed. Later saves and loads make new groups.
-    """
-    with _GROUPS_LOCK:
-        groups = [g for pair in _GROUPS.values() for g in pair]
-        _GROUPS.clear()
-    while groups:
-        g = groups.pop()
-        if _alive(g):
-            with contextlib.suppress(ValueError, RuntimeError):  # gone with its world meanwhile
-                dist.destroy_process_group(g)
-        del g  # the last reference: the group's destructor joins its threads now
-
-
-def _alive(group: Any) -> bool:
-    try:
-        dist.get_process_group_ranks(group)
-    except (ValueError, RuntimeError, KeyError):
-        return False
-    return True
-
-
-# --------------------------------------------------------------------------- DTensor
-
-
-def _placement_of(p: Any) -> Placement:
-    from torch.distributed.tensor.placement_types import Partial, _StridedShard
-    from torch.distributed.tensor.placement_types import Replicate as TReplicate
-    from torch.distributed.tensor.placement_types import Shard as TShard
-
-    if isinstance(p, _StridedShard):
-        return StridedShard(p.dim, int(p.split_factor))
-    if isinstance(p, TShard):
-        return Shard(p.dim)
-    if isinstance(p, TReplicate):
-        return Replicate()
-    if isinstance(p, Partial):
-        raise LayoutError(
-            f"a DTensor with a Partial placement ({p}) holds unreduced partial values; reduce it first "
-            f"(dtensor.redistribute(placements=[Replicate()...])) before saving"
-        )
-    raise LayoutError(f"unsupported DTensor placement {p!r}")
-
-
-def spec_from_dtensor(dt: Any) -> tuple[ShardingSpec, tuple[int, ...]]:
-    """The spec of a DTensor and the global ranks of its mesh, in row-major mesh order.
-
-    Raises:
-      LayoutError: for a ``Partial`` placement (unreduced values cannot be saved).
-    """
-    mesh, ranks = _mesh_of(dt.device_mesh)
-    return ShardingSpec(mesh, [_placement_of(p) for p in dt.placements]), ranks
-
-
-_MESHES: weakref.WeakKeyDictionary[Any, tuple[Mesh, tuple[int, ...]]] = weakref.WeakKeyDictionary()
-
-
-def _mesh_of(device_mesh: Any) -> tuple[Mesh, tuple[int, ...]]:
-    """A DeviceMesh as a Mesh, and its global ranks in row-major order.
-
-    Remembered per mesh: torch rebuilds ``DeviceMesh.mesh`` at every access (0.1-1 ms),
-    which a state of thousands of DTensors on one mesh would pay for each.
-    """
-    try:
-        return _MESHES[device_mesh]
-    except (KeyError, TypeError):
-        pass
-    names = device_mesh.mesh_dim_names or tuple(f"axis{i}" for i in range(device_mesh.ndim))
-    found = (Mesh(tuple(device_mesh.shape), names), tuple(int(r) for r in device_mesh.mesh.flatten().tolist()))
-    with contextlib.suppress(TypeError):  # (a mesh that cannot be weakly referenced is not remembered)
-        _MESHES[device_mesh] = found
-    return found
-
-
-def placements_from_spec(spec: ShardingSpec) -> list[Any]:
-    """DTensor placements equal to a spec's, e.g. to ``distribute_tensor`` a loaded tensor.
-
-    >>> from pytreeckpt import Mesh, Shard, ShardingSpec, StridedShard
-    >>> placements_from_spec(ShardingSpec(Mesh((2, 2)), [StridedShard(0, 2), Shard(0)]))
-    [_StridedShard(dim=0, sf=2), Shard(dim=0)]
-    """
-    from torch.distributed.tensor.placement_types import Replicate as TReplicate
-    from torch.distributed.tensor.placement_types import Shard as TShard
-    from torch.distributed.tensor.placement_types import _StridedShard
-
-    out: list[Any] = []
-    for p in spec.placements:
-        if isinstance(p, StridedShard):
-            out.append(_StridedShard(p.dim, split_factor=p.split_factor))
-        elif isinstance(p, Shard):
-            out.append(TShard(p.dim))
-        else:
-            out.append(TReplicate())
-    return out
-
-
-def dtensor_layout(dt: Any, comm: Comm | None) -> tuple[ShardingSpec, tuple[int, ...], int | None, ShardingSpec]:
-    """A DTensor's layout for planning, the rank in ``comm``'s group of each of its positions, this process's
-    position (None off the mesh), and the DTensor's own spec (its mesh and placements).
-
-    With ``comm`` None the save or load runs in this process alone: the mesh must be
-    this rank alone, which is rank 0.
-    """
-    spec, mesh_ranks = spec_from_dtensor(dt)
-    own = spec
-    if comm is not None:
-        comm = data_comm(comm, "a DTensor leaf")
-        # A mesh sliced from a larger one (the "dp" axis of a dp x tp mesh) has replicas
-        # (the other tp ranks' "dp" meshes) holding the same tensor: its layout is the
-        # spec replicated over them. Every rank finds them from the root mesh alone.
-        replicas = [r for r in _replicas(dt.device_mesh) if all(g in comm.members for g in r)]
-        if len(replicas) > 1 and mesh_ranks in replicas:
-            mesh = spec.mesh
-            spec = ShardingSpec(
-                Mesh((len(replicas), *mesh.shape), (_free_name(mesh.axis_names), *mesh.axis_names)),
-                [Replicate(), *spec.placements],
-            )
-            mesh_ranks = tuple(g for r in replicas for g in r)
-    me = this_rank()
-    position = mesh_ranks.index(me) if me in mesh_ranks else None  # (a rank off the mesh holds nothing of it)
-    return spec, _group_ranks(comm, mesh_ranks), position, own
-
-
-_REPLICAS: weakref.WeakKeyDictionary[Any, list[tuple[int, ...]]] = weakref.WeakKeyDictionary()
-
-
-def _replicas(device_mesh: Any) -> list[tuple[int, ...]]:
-    """The global ranks of every mesh sliced like ``device_mesh`` from its root mesh (itself among them).
-
-    Uses torch's mesh layouts (``DeviceMesh._layout``, torch >= 2.9); with an older torch
-    only the mesh itself is known, and a tensor on a sliced mesh must be saved with a
-    process group of that mesh's ranks.
-    """
-    try:
-        return _REPLICAS[device_mesh]
-    except (KeyError, TypeError):
-        pass
-    try:
-        table = device_mesh._layout.remap_to_tensor(device_mesh._rank_map)
-        found = [tuple(int(g) for g in row.flatten().tolist()) for row in table.reshape(table.shape[0], -1)]
-    except AttributeError:
-        found = [_mesh_of(device_mesh)[1]]
-    with contextlib.suppress(TypeError):
-        _REPLICAS[device_mesh] = found
-    return found
-
-
-def _free_name(names: Sequence[str]) -> str:
-    name = "replicas"
-    while name in names:
-        name = "_" + name
-    return name
-
-
-def _group_ranks(comm: DistComm | None, mesh_ranks: tuple[int, ...]) -> tuple[int, ...]:
-    """The ranks in ``comm``'s group of the global ranks ``mesh_ranks``.
-
-    Remembered per call: a model's DTensors share a few meshes.
-    """
-    if comm is None:
-        if mesh_ranks == (this_rank(),):
-            return (0,)
-        raise LayoutError(
-            f"its DTensor mesh holds ranks {list(mesh_ranks)}, but this save or load runs on rank {this_rank()} "
-            f"alone (a process group of one rank); pass a process_group holding the mesh's ranks, and call on "
-            f"each of them"
-        )
-    found = comm.mesh_ranks.get(mesh_ranks)
-    if found is None:
-        out = []
-        for global_rank in mesh_ranks:
-            r = dist.get_group_rank(comm.group, global_rank)
-            if r < 0:
-                raise LayoutError(f"rank {global_rank} of a DTensor's mesh is not in the checkpoint process group")
-            out.append(int(r))
-        found = comm.mesh_ranks[mesh_ranks] = tuple(out)
-    return found
-
-
-# --------------------------------------------------------------------------- communication
 
 
 def _as_bytes(a: np.ndarray) -> torch.Tensor:
@@ -520,6 +242,11 @@ class DistComm:
                 work.wait()
 
         return after, finish
+
+
+# Point-to-point tags start high: gloo's collectives number their own messages from 0
+# on a group, and a send with a small tag can be taken for one of them.
+_TAG_BASE = 1 << 20
 
 
 class _PairTags:

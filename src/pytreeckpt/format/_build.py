@@ -16,7 +16,7 @@ from typing import Any, cast
 import numpy as np
 
 from pytreeckpt.core._errors import MetadataError
-from pytreeckpt.core._tree import Node
+from pytreeckpt.core._node import Node
 from pytreeckpt.format._checksums import ChecksumFile
 from pytreeckpt.format._model import ArrayMeta
 from pytreeckpt.format._paths import ARCHIVE_DIR, FORMAT_NAME

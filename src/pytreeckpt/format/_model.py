@@ -13,8 +13,8 @@ from typing import Any
 from pytreeckpt.core._checksum import crc32c
 from pytreeckpt.core._dtypes import DType
 from pytreeckpt.core._errors import CheckpointError, MetadataError
+from pytreeckpt.core._node import Node
 from pytreeckpt.core._sharding import Layout
-from pytreeckpt.core._tree import Node
 from pytreeckpt.format._checksums import ChecksumFile
 
 

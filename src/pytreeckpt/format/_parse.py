@@ -14,8 +14,8 @@ import msgspec
 
 from pytreeckpt.core._dtypes import dtype_from_name
 from pytreeckpt.core._errors import MetadataError
+from pytreeckpt.core._node import Node
 from pytreeckpt.core._sharding import Layout, layout_from_json
-from pytreeckpt.core._tree import Node
 from pytreeckpt.core._values import decode_value
 from pytreeckpt.format._checksums import ChecksumFile, crc32c_chars
 from pytreeckpt.format._model import ArrayMeta, CheckpointDoc, Compression, ValueMeta, chunk_count

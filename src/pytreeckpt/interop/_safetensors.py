@@ -26,7 +26,8 @@ import torch
 
 from pytreeckpt.api import metadata, read_array, save
 from pytreeckpt.core._errors import CheckpointError
-from pytreeckpt.core._tree import flatten, keystr
+from pytreeckpt.core._keys import keystr
+from pytreeckpt.core._tree import flatten
 from pytreeckpt.core._values import decode_value, encode_value
 from pytreeckpt.format import ArrayMeta
 from pytreeckpt.leaves import is_leaf as _is_leaf

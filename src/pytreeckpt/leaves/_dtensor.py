@@ -33,7 +33,7 @@ class DTensorKind(LeafKind):
         comm = d.comm
         try:
             # In a single process (a process group of one rank) its mesh must be this rank alone.
-            from pytreeckpt.distributed._comm import dtensor_layout
+            from pytreeckpt.distributed._dtensor import dtensor_layout
 
             layout, ranks, mine, own = dtensor_layout(leaf, comm)
             local = leaf.to_local()
@@ -68,7 +68,7 @@ def _dtensor_dest(meta: ArrayMeta, leaf: Any, comm: Any, inplace: bool = False, 
     """
     from torch.distributed.tensor import DTensor
 
-    from pytreeckpt.distributed._comm import dtensor_layout
+    from pytreeckpt.distributed._dtensor import dtensor_layout
 
     # (in a single process, a process group of one rank, its mesh must be this rank alone)
     layout, ranks, mine, _ = dtensor_layout(leaf, comm)

@@ -15,9 +15,9 @@ import torch
 
 from pytreeckpt.core._dtypes import numpy_view
 from pytreeckpt.core._errors import CheckpointError, MetadataError, TargetMismatchError, where
+from pytreeckpt.core._keys import KeyEntry, typed_keystr
 from pytreeckpt.core._region import Region
 from pytreeckpt.core._sharding import ExplicitRegions
-from pytreeckpt.core._tree import KeyEntry, typed_keystr
 from pytreeckpt.execute._executor import read_arrays
 from pytreeckpt.execute._memory import AllocationFailed, Prefault
 from pytreeckpt.format import ArrayMeta, CheckpointDoc

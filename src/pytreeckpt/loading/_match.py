@@ -14,7 +14,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pytreeckpt.core._errors import TargetMismatchError, where
-from pytreeckpt.core._tree import KeyEntry, Node, flatten, keystr, leaf_node
+from pytreeckpt.core._keys import KeyEntry, keystr
+from pytreeckpt.core._node import Node, leaf_node
+from pytreeckpt.core._tree import flatten
 from pytreeckpt.distributed._agree import Carried
 from pytreeckpt.format import ArrayMeta, CheckpointDoc, ValueMeta
 from pytreeckpt.leaves import KINDS, Buffers, Matching, is_leaf

@@ -19,8 +19,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from pytreeckpt.core._errors import CheckpointError, where
+from pytreeckpt.core._keys import check_unique_keys
 from pytreeckpt.core._sharding import Layout
-from pytreeckpt.core._tree import broadcast_prefix, check_unique_keys, flatten
+from pytreeckpt.core._tree import broadcast_prefix, flatten
 from pytreeckpt.distributed._agree import Carried, agree_on_specs
 from pytreeckpt.execute._executor import PieceData
 from pytreeckpt.format import Compression

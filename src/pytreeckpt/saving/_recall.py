@@ -36,8 +36,8 @@ import numpy as np
 import torch
 
 from pytreeckpt.core._leaf import Abstract
+from pytreeckpt.core._node import Node
 from pytreeckpt.core._region import Region
-from pytreeckpt.core._tree import Node
 from pytreeckpt.leaves import KINDS, PLAIN, ArrayIn
 from pytreeckpt.leaves._value import ValueKind
 from pytreeckpt.plan import ArraySpec, SavePlan
