@@ -32,8 +32,8 @@ __all__ = [
     "assemble",
     "read_arrays",
     "write_arrays",
-    "write_from_memory",
     "write_items",
+    "write_small_whole",
 ]
 
 logger = logging.getLogger("pytreeckpt")
@@ -126,20 +126,20 @@ def write_arrays(
     return written
 
 
-def write_from_memory(
+def write_small_whole(
     storage: Storage,
     metas: Sequence[ArrayMeta],
     plans: Sequence[ArraySavePlan],
     data: Sequence[PieceData],
     progress: Callable[[int], None],
     sums: ChunkSums,
-) -> int:
-    """A single process's save straight from the caller's memory (no staging, no base checkpoint).
+) -> tuple[int, list[int] | None]:
+    """Before :func:`write_arrays`, in a single process's save straight from the caller's memory (no
+    staging, no base checkpoint): the small arrays written whole from one piece that
+    :meth:`Storage.small_whole` takes, in one batch per database (:meth:`Storage.write_small`, in
+    this thread: the lean path of many small leaves).
 
-    The small arrays written whole from one piece that :meth:`Storage.small_whole` takes go
-    in one batch per database (:meth:`Storage.write_small`, in this thread: the lean path of
-    many small leaves); every other write goes through :func:`write_arrays`. Returns the bytes
-    written.
+    Returns the bytes written and the arrays :func:`write_arrays` is left to write (None: all).
     """
     small: list[int] = []
     datas: list[np.ndarray] = []
@@ -160,17 +160,11 @@ def write_from_memory(
                     datas.append(src)
                     continue
         rest.append(i)
-    written = 0
-    if small:
-        written = storage.write_small([metas[i] for i in small], datas, lambda k, crc: sums.add_single(small[k], crc))
-        progress(written)
-    only = rest if small else None
-    if only is not None and not only:
-        items: Iterable[WriteItem] = iter(())
-    else:
-        dtypes = [m.dtype.numpy for m in metas]
-        items = ((i, op.region, buf, None) for i, op, buf in write_items(plans, data, dtypes, None, only))
-    return written + write_arrays(storage, metas, items, progress=progress, only=only, sums=sums)
+    if not small:
+        return 0, None
+    written = storage.write_small([metas[i] for i in small], datas, lambda k, crc: sums.add_single(small[k], crc))
+    progress(written)
+    return written, rest
 
 
 def read_arrays(

@@ -25,7 +25,7 @@ from pytreeckpt.core._errors import CheckpointError
 from pytreeckpt.core._region import Region
 from pytreeckpt.distributed._agree import gather_spans
 from pytreeckpt.distributed._comm import data_comm
-from pytreeckpt.execute._executor import ChunkReuse, PieceData, write_arrays, write_from_memory, write_items
+from pytreeckpt.execute._executor import ChunkReuse, PieceData, write_arrays, write_items, write_small_whole
 from pytreeckpt.execute._monitor import Monitor, Progress, Span
 from pytreeckpt.execute._pipeline import Snapshot, staged_writes
 from pytreeckpt.execute._staging import staging_pool
@@ -138,12 +138,16 @@ class SaveJob:
             self.monitor.add(Span("save", "snapshot", self.rank, start, end, merged + snap.copied_bytes, thread))
             self.timings["snapshot"] = end - start
 
-    def _items(self) -> Any:
-        """This process's writes: staged pieces in an asynchronous save, else views of the caller's memory."""
+    def _items(self, only: Sequence[int] | None = None) -> Any:
+        """This process's writes: staged pieces in an asynchronous save, else views of the caller's memory
+        (of arrays ``only``, if given)."""
         if self.snap is not None:
             return self._until_cancelled(self.snap.items())
+        if only is not None and not only:
+            return iter(())
         dtypes = [m.dtype.numpy for m in self.metas]
-        return ((i, op.region, buf, None) for i, op, buf in write_items(self.plan.arrays, self.data, dtypes, None))
+        items = write_items(self.plan.arrays, self.data, dtypes, None, only)
+        return ((i, op.region, buf, None) for i, op, buf in items)
 
     def _check_cancelled(self) -> None:
         if self.cancelled.is_set():
@@ -175,19 +179,20 @@ class SaveJob:
                 try:
                     with self.monitor.phase("save", "write", 0) as box:
                         sums = self._sums()
+                        box[0], only = 0, None
                         if self.snap is None and self.reuse is None:
-                            box[0] = write_from_memory(
+                            box[0], only = write_small_whole(
                                 self.storage, self.metas, self.plan.arrays, self.data, progress.advance, sums
                             )
-                        else:
-                            box[0] = write_arrays(
-                                self.storage,
-                                self.metas,
-                                self._items(),
-                                progress=progress.advance,
-                                reuse=self.reuse,
-                                sums=sums,
-                            )
+                        box[0] += write_arrays(
+                            self.storage,
+                            self.metas,
+                            self._items(only),
+                            progress=progress.advance,
+                            reuse=self.reuse,
+                            only=only,
+                            sums=sums,
+                        )
                 finally:
                     progress.close()
                 t1 = time.perf_counter()
