@@ -103,6 +103,8 @@ class DistComm:
         self.rank = dist.get_rank(self.group)
         self.world = dist.get_world_size(self.group)
         self.mesh_ranks: dict[tuple[int, ...], tuple[int, ...]] = {}  # global ranks of a mesh -> ranks in the group
+        # (id of a DeviceMesh, its placements) -> (the mesh, its DTensors' layout): see dtensor_layout
+        self.dtensor_layouts: dict[tuple[int, tuple[Any, ...]], tuple[Any, Any]] = {}
         self.members = frozenset(int(g) for g in dist.get_process_group_ranks(self.group))  # global ranks
 
     def global_rank(self, rank: int) -> int:

@@ -94,15 +94,38 @@ def dtensor_layout(dt: Any, comm: Comm | None) -> tuple[ShardingSpec, tuple[int,
 
     With ``comm`` None the save or load runs in this process alone: the mesh must be
     this rank alone, which is rank 0.
+
+    All of it depends on the DTensor's mesh and placements only: it is found once per
+    mesh and placements in a save or load (kept by its communicator), so the DTensors of a
+    model's layers share one layout object, as the planner's memos want, and a mesh of
+    16,384 ranks is walked once, not once per leaf.
     """
-    spec, mesh_ranks = spec_from_dtensor(dt)
-    own = spec
+    if comm is None:
+        return _layout(dt.device_mesh, tuple(dt.placements), None)
+    comm = data_comm(comm, "a DTensor leaf")
+    mesh, placements = dt.device_mesh, tuple(dt.placements)
+    key = (id(mesh), placements)
+    try:
+        known = comm.dtensor_layouts.get(key)
+    except TypeError:  # (a placement that cannot be hashed: found for this leaf alone)
+        return _layout(mesh, placements, comm)
+    if known is not None and known[0] is mesh:  # (the mesh is kept with it: its id names no other)
+        return known[1]  # type: ignore[no-any-return]
+    found = _layout(mesh, placements, comm)
+    comm.dtensor_layouts[key] = (mesh, found)
+    return found
+
+
+def _layout(
+    device_mesh: Any, placements: tuple[Any, ...], comm: DistComm | None
+) -> tuple[ShardingSpec, tuple[int, ...], int | None, ShardingSpec]:
+    mesh_of, mesh_ranks = _mesh_of(device_mesh)
+    spec = own = ShardingSpec(mesh_of, [_placement_of(p) for p in placements])
     if comm is not None:
-        comm = data_comm(comm, "a DTensor leaf")
         # A mesh sliced from a larger one (the "dp" axis of a dp x tp mesh) has replicas
         # (the other tp ranks' "dp" meshes) holding the same tensor: its layout is the
         # spec replicated over them. Every rank finds them from the root mesh alone.
-        replicas = [r for r in _replicas(dt.device_mesh) if all(g in comm.members for g in r)]
+        replicas = [r for r in _replicas(device_mesh) if all(g in comm.members for g in r)]
         if len(replicas) > 1 and mesh_ranks in replicas:
             mesh = spec.mesh
             spec = ShardingSpec(
