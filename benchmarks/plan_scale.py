@@ -24,7 +24,20 @@ rank count this measures
   (MB = 10^6 bytes) and the time to build it from the ranks' plans (as ``save()``'s
   commit does, ``format.build_document``); ``checksums_mb``: the file of every chunk's
   crc32c beside it, where they are too many for the document (``format.place_checksums``);
-- ``cached_plan_ms``: the next save of a new tree in the same layouts (the plan cache).
+- ``cached_plan_ms``: the next save of a new tree in the same layouts (the plan cache);
+- ``dtensor_save_rank_plan_ms`` and ``dtensor_load_rank_plan_ms``: the same save (rank 0)
+  and resharded load (rank 1) of the state as users hold it, DTensors, cold, the median of
+  3. torch.distributed is initialised with its fake backend as that rank of the job
+  (``init_process_group("fake", store=FakeStore(), rank=r, world_size=N)``: a process group
+  of any size in one process, whose collectives do nothing); each array is a
+  ``DTensor.from_local`` on a ``DeviceMesh`` of its layout (``tp_pp_dp``: one ``dp x tp``
+  mesh per pipeline stage, every rank holding every stage's arrays, off its own stage an
+  empty shard; ``fsdp_tp``: the world's ``dp x tp`` mesh), its local shard of torch's local
+  shape holding one element, expanded. The DTensor kind describes them as ``save()`` and
+  ``load()`` do, mapping their meshes to ranks through the communicator a distributed save
+  makes (``DistComm`` over the fake group), whose object collectives, which a fake group
+  cannot carry, are ``SimComm``'s. ``dtensor_plans_match``: the plans are the ``Abstract``
+  rows' (FSDP1's flat ranges are no DTensor placement: no DTensor rows for ``fsdp1``).
 
 The plans' invariants are checked against an independent reference planner by the
 property tests (``property_tests/test_planner.py``), not here.
@@ -48,12 +61,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from _llama import llama_state
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import pytreeckpt
 from pytreeckpt import Abstract
 from pytreeckpt.core._dtypes import dtype_from_name
 from pytreeckpt.core._node import Node
+from pytreeckpt.distributed._comm import DistComm
 from pytreeckpt.format import (
     ARRAYS_DIR,
     METADATA_FILE,
@@ -164,6 +183,7 @@ def run_one(model: str, world: int, layout: str) -> dict[str, Any]:
         if r == 0:
             out["rank_writes"] = sum(len(a.writes) for a in part.arrays)
             chunk_shapes = [a.chunk_shape for a in part.arrays]
+            rank0_plan = part
     out["save_rank_plan_ms"] = times[0] * 1e3
     out["save_rank_plan_max_ms"] = max(times) * 1e3
     out["exchange_recv_mb_per_rank"] = max(received)
@@ -186,15 +206,28 @@ def run_one(model: str, world: int, layout: str) -> dict[str, Any]:
             (Path(d) / "checksums").mkdir()
             (Path(d) / "checksums" / "crc32c").write_bytes(sums)
         for name in ("reshard", "eval8"):
-            got = _run_load(model, world, tp, pp, layout, Path(d), doc, name)
+            got, load_plan = _run_load(model, world, tp, pp, layout, Path(d), doc, name)
             out["load_rank_plan_ms" if name == "reshard" else "eval8_rank_plan_ms"] = got["rank_plan_ms"]
             out[f"{name}_load"] = got
+            if name == "reshard":
+                reshard_plan = load_plan
+        if layout != "fsdp1":  # (FSDP1's flat ranges are no DTensor placement)
+            # What users save: the same state as DTensors, rank 0's save and rank 1's load, on a fake process group.
+            try:
+                dt_ms, dt_plan = _dtensor_save(specs, world, 0)
+                dt_load, dt_load_plan = _run_load(model, world, tp, pp, layout, Path(d), doc, "reshard", dtensor=True)
+            finally:
+                if dist.is_initialized():
+                    dist.destroy_process_group()
+            out["dtensor_save_rank_plan_ms"] = dt_ms
+            out["dtensor_load_rank_plan_ms"] = dt_load["rank_plan_ms"]
+            out["dtensor_plans_match"] = dt_plan == rank0_plan and dt_load_plan == reshard_plan
     return out
 
 
 def _run_load(
-    model: str, world: int, tp: int, pp: int, layout: str, path: Path, doc: bytes, name: str
-) -> dict[str, Any]:
+    model: str, world: int, tp: int, pp: int, layout: str, path: Path, doc: bytes, name: str, dtensor: bool = False
+) -> tuple[dict[str, Any], Any]:
     if name == "reshard":
         t_world = max(8, world // 2)
         t_tp, t_pp = _parallel(model, t_world, max(1, tp // 2), 2 * pp if layout == "tp_pp_dp" else 1)
@@ -202,17 +235,124 @@ def _run_load(
     else:
         t_world, t_tp, t_pp, optimizer = 8, 8, 1, False
     t_layout = layout if name == "reshard" else "tp_pp_dp"
-    targets = _tree(llama_state(model, t_layout, t_world, tp=t_tp, pp=t_pp, optimizer=optimizer))
-    out: dict[str, Any] = {"ranks": t_world, "tp": t_tp, "pp": t_pp, "arrays": len(targets)}
+    t_specs = llama_state(model, t_layout, t_world, tp=t_tp, pp=t_pp, optimizer=optimizer)
+    out: dict[str, Any] = {"ranks": t_world, "tp": t_tp, "pp": t_pp, "arrays": len(t_specs)}
+    targets: dict[str, Any] = {} if dtensor else _tree(t_specs)
     runs = []
     for _ in range(3):
         _cold()
-        comm = SimComm(1, t_world, document=doc)  # a non-coordinator rank: the document comes from rank 0
-        dt, part = _timed(lambda comm=comm: pytreeckpt.plan_load(path, targets, process_group=comm))
+        if dtensor:  # (the communicator made inside, as load() makes it)
+            _fake_world(1, t_world)
+            targets = _dtensors(t_specs, t_world)
+
+            def plan(targets: dict[str, Any] = targets) -> Any:
+                comm = _FakeGroupComm(SimComm(1, t_world, document=doc))
+                return pytreeckpt.plan_load(path, targets, process_group=comm)
+        else:
+            comm = SimComm(1, t_world, document=doc)  # a non-coordinator rank: the document comes from rank 0
+
+            def plan(targets: dict[str, Any] = targets, comm: SimComm = comm) -> Any:
+                return pytreeckpt.plan_load(path, targets, process_group=comm)
+
+        dt, part = _timed(plan)
         runs.append(dt)
     out["rank_plan_ms"] = sorted(runs)[1] * 1e3
     out["rank_reads"] = sum(len(a.reads) for a in part.arrays)
+    return out, part
+
+
+# DTensors, as a training job holds its state: torch.distributed initialised with the fake
+# backend (a process group of any size in one process, whose collectives do nothing),
+# each array a DTensor on the DeviceMesh of its layout.
+
+
+def _fake_world(rank: int, world: int) -> None:
+    """This process as rank ``rank`` of a ``world``-rank job, on torch's fake process group."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+
+
+class _FakeGroupComm(DistComm):
+    """The communicator a distributed save or load makes, over the fake default group.
+
+    The DTensor kind maps its leaves' meshes to ranks through it (``data_comm``, as for a
+    real job); its object collectives, which a fake group cannot carry, are a
+    :class:`SimComm`'s: the other ranks answer as ranks holding the same state would.
+    """
+
+    def __init__(self, sim: SimComm) -> None:
+        group = dist.group.WORLD
+        super().__init__((group, group))
+        self.sim = sim
+
+    def gather(self, obj: Any) -> list[Any]:
+        return self.sim.gather(obj)
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return self.sim.broadcast(obj, src)
+
+    def agree(self, error: BaseException | None, what: str) -> None:
+        self.sim.agree(error, what)
+
+
+def _dtensors(specs: list[ArraySpec], world: int) -> dict[str, DTensor]:
+    """The state as this rank's DTensors, on new meshes: what the Abstract leaves of ``_tree`` describe.
+
+    Each array is a DTensor on a DeviceMesh of its layout's mesh over its ranks
+    (``tp_pp_dp``: a pipeline stage's ``dp x tp`` ranks, one mesh per stage, every rank
+    holding every stage's arrays as ``_tree``'s placements say, off its own stage's mesh an
+    empty shard; ``fsdp_tp``: the ``dp x tp`` mesh of the world). The meshes make no
+    process groups (planning uses none); the local shard has the shape torch gives this
+    rank and holds one element, expanded.
+    """
+    meshes: dict[Any, DeviceMesh] = {}
+    local_shapes: dict[Any, tuple[int, ...]] = {}
+    one = {n: torch.empty((), dtype=d) for n, d in _DTYPES.items()}
+    out = {}
+    for s in specs:
+        ranks = range(world) if s.ranks is None else s.ranks
+        mesh_of = s.layout.mesh
+        key = (ranks, mesh_of.shape, mesh_of.axis_names)
+        mesh = meshes.get(key)
+        if mesh is None:
+            grid = torch.tensor(list(ranks)).reshape(mesh_of.shape)
+            mesh = meshes[key] = DeviceMesh("cpu", grid, mesh_dim_names=tuple(mesh_of.axis_names), _init_backend=False)
+        placements = pytreeckpt.placements_from_spec(s.layout)
+        shape = torch.Size(s.shape)
+        local = local_shapes.get((key, s.shape, s.layout))
+        if local is None:  # (torch computes a _StridedShard's in milliseconds: a model's layers share theirs)
+            local = local_shapes[key, s.shape, s.layout] = tuple(
+                compute_local_shape_and_global_offset(shape, mesh, placements)[0]
+            )
+        out[s.key] = DTensor.from_local(
+            one[s.itemsize].expand(local), mesh, placements, run_check=False, shape=shape, stride=_contiguous(s.shape)
+        )
     return out
+
+
+def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, n = [], 1
+    for size in reversed(shape):
+        strides.append(n)
+        n *= size
+    return tuple(reversed(strides))
+
+
+def _dtensor_save(specs: list[ArraySpec], world: int, rank: int) -> tuple[float, Any]:
+    """One rank's cold ``plan_save`` of the state as DTensors (ms, median of 3), and its plan."""
+    runs = []
+    for _ in range(3):
+        _cold()
+        _fake_world(rank, world)
+        tree = _dtensors(specs, world)
+
+        def plan(tree: dict[str, DTensor] = tree) -> Any:  # (the communicator made inside, as save() makes it)
+            return pytreeckpt.plan_save(tree, process_group=_FakeGroupComm(SimComm(rank, world)))
+
+        dt, part = _timed(plan)
+        runs.append(dt)
+    return sorted(runs)[1] * 1e3, part
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -225,9 +365,8 @@ def _numel(shape: tuple[int, ...]) -> int:
 def _table(rows: list[dict[str, Any]]) -> str:
     head = (
         "| model | layout | ranks | TPxPP | arrays | save rank plan ms (max) | metadata MB | "
-        "exchange recv bytes/rank | coordinator s | cached ms | load reshard rank ms | eval8 rank ms |\n|"
-        + " --- |"
-        * 12
+        "exchange recv bytes/rank | coordinator s | cached ms | load reshard rank ms | eval8 rank ms | "
+        "DTensor save rank ms | DTensor load reshard rank ms |\n|" + " --- |" * 14
     )
     lines = [head]
     for r in rows:
@@ -235,9 +374,14 @@ def _table(rows: list[dict[str, Any]]) -> str:
             f"| {r['model']} | {r['layout']} | {r['ranks']} | {r['tp']}x{r['pp']} | {r['arrays']} | "
             f"{r['save_rank_plan_ms']:.0f} ({r['save_rank_plan_max_ms']:.0f}) | {r['metadata_mb']:.2f} | "
             f"{r['exchange_recv_mb_per_rank'] * 1e6:.0f} | {r['coordinator_s']:.2f} | {r['cached_plan_ms']:.2f} | "
-            f"{r['load_rank_plan_ms']:.0f} | {r['eval8_rank_plan_ms']:.0f} |"
+            f"{r['load_rank_plan_ms']:.0f} | {r['eval8_rank_plan_ms']:.0f} | "
+            f"{_ms(r.get('dtensor_save_rank_plan_ms'))} | {_ms(r.get('dtensor_load_rank_plan_ms'))} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x:.0f}"
 
 
 def _plot(rows: list[dict[str, Any]], out: Path) -> list[str]:
@@ -258,13 +402,27 @@ def _plot(rows: list[dict[str, Any]], out: Path) -> list[str]:
         ),
         ("cached_plan_ms", "cached plan (ms)", lambda r: r["cached_plan_ms"]),
         ("load_rank_plan_ms", "one rank's resharded load plan (ms)", lambda r: r["load_rank_plan_ms"]),
+        (
+            "dtensor_save_rank_plan_ms",
+            "one rank's save plan of DTensors (ms)",
+            lambda r: r.get("dtensor_save_rank_plan_ms"),
+        ),
+        (
+            "dtensor_load_rank_plan_ms",
+            "one rank's resharded DTensor load plan (ms)",
+            lambda r: r.get("dtensor_load_rank_plan_ms"),
+        ),
     ]
     files = []
     for name, label, get in metrics:
         fig, ax = plt.subplots(figsize=(5.5, 3.8))
         series: dict[tuple[str, str], list[tuple[int, float]]] = {}
         for r in rows:
-            series.setdefault((r["model"], r["layout"]), []).append((r["ranks"], get(r)))
+            if get(r) is not None:  # (no DTensor figures for fsdp1, or in results from before they were measured)
+                series.setdefault((r["model"], r["layout"]), []).append((r["ranks"], get(r)))
+        if not series:
+            plt.close(fig)
+            continue
         for (model, layout), pts in sorted(series.items()):
             pts.sort()
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{model} {layout}")
@@ -323,7 +481,8 @@ def main(argv: list[str] | None = None) -> None:
                     print(
                         f"{model} {layout} {world}: rank {row['save_rank_plan_ms']:.0f} ms, load "
                         f"{row['load_rank_plan_ms']:.0f} ms, metadata {row['metadata_mb']:.2f} MB, cached "
-                        f"{row['cached_plan_ms']:.2f} ms",
+                        f"{row['cached_plan_ms']:.2f} ms; DTensors: rank {_ms(row.get('dtensor_save_rank_plan_ms'))} "
+                        f"ms, load {_ms(row.get('dtensor_load_rank_plan_ms'))} ms",
                         file=sys.stderr,
                         flush=True,
                     )

@@ -90,6 +90,10 @@ def test_the_scale_benchmark_plans_through_the_public_entry_points() -> None:
         assert r["exchange_recv_mb_per_rank"] < 0.001
         assert r["rank_writes"] > 0
         assert r["reshard_load"]["rank_reads"] > 0
+        # The same state as DTensors on a fake process group of 64 ranks: the same plans, timed.
+        assert r["dtensor_save_rank_plan_ms"] > 0
+        assert r["dtensor_load_rank_plan_ms"] > 0
+        assert r["dtensor_plans_match"] is True
 
 
 def test_the_training_loop_benchmark_times_every_save_behind_the_loop(tmp_path: Path) -> None:
