@@ -105,7 +105,8 @@ class DistComm:
         self.mesh_ranks: dict[tuple[int, ...], tuple[int, ...]] = {}  # global ranks of a mesh -> ranks in the group
         # (id of a DeviceMesh, its placements) -> (the mesh, its DTensors' layout): see dtensor_layout
         self.dtensor_layouts: dict[tuple[int, tuple[Any, ...]], tuple[Any, Any]] = {}
-        self.members = frozenset(int(g) for g in dist.get_process_group_ranks(self.group))  # global ranks
+        self.in_group = {int(g): r for r, g in enumerate(dist.get_process_group_ranks(self.group))}  # global -> rank
+        self.members = frozenset(self.in_group)  # global ranks
 
     def global_rank(self, rank: int) -> int:
         return int(dist.get_global_rank(self.group, rank))

@@ -7,8 +7,6 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
-import torch.distributed as dist
-
 from pytreeckpt.core._errors import LayoutError
 from pytreeckpt.core._sharding import Mesh, Placement, Replicate, Shard, ShardingSpec, StridedShard
 from pytreeckpt.distributed._comm import Comm, DistComm, data_comm
@@ -184,11 +182,10 @@ def _group_ranks(comm: DistComm | None, mesh_ranks: tuple[int, ...]) -> tuple[in
         )
     found = comm.mesh_ranks.get(mesh_ranks)
     if found is None:
-        out = []
-        for global_rank in mesh_ranks:
-            r = dist.get_group_rank(comm.group, global_rank)
-            if r < 0:
-                raise LayoutError(f"rank {global_rank} of a DTensor's mesh is not in the checkpoint process group")
-            out.append(int(r))
-        found = comm.mesh_ranks[mesh_ranks] = tuple(out)
+        in_group = comm.in_group
+        try:
+            found = tuple(in_group[g] for g in mesh_ranks)
+        except KeyError as e:
+            raise LayoutError(f"rank {e.args[0]} of a DTensor's mesh is not in the checkpoint process group") from None
+        comm.mesh_ranks[mesh_ranks] = found
     return found

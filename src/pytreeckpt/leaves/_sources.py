@@ -79,6 +79,9 @@ def check_spec(key: str, spec: Any) -> None:
 
 def check_tensor(key: str, t: torch.Tensor) -> None:
     """Refuse, naming the leaf, a tensor whose elements cannot be stored as one dense array."""
+    if not (t.is_meta or t.is_nested or t.layout != torch.strided or t.is_quantized):
+        check_ndim(key, t.dim())
+        return
     at = where(key)
     if t.is_meta:
         raise CheckpointError(

@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from pytreeckpt.core._errors import TargetMismatchError, where
 from pytreeckpt.core._keys import KeyEntry, keystr
 from pytreeckpt.core._node import Node, leaf_node
@@ -119,15 +121,16 @@ def _match(request: LoadRequest, storage: Storage, doc: CheckpointDoc, carried: 
     lean = request.comm is None and not request.plan_only  # small whole arrays may be read without a plan
     m = Matching(request.comm, buffers, request.inplace, storage.small_whole if lean else None, [None] * len(t_leaves))
     kind, of_stored = KINDS.kind, KINDS.stored
-    for i, (leaf, stored) in enumerate(zip(t_leaves, stored_of, strict=True)):
-        if stored is None:
-            # (a leaf found by its path has the key the save gave that path: keystr's, made once then)
-            m.problems.append(f"leaf {where(keystr(t_paths[i]))} of the target is not in the checkpoint")  # type: ignore[index]
-            continue
-        try:  # (what carried.catch(key) does, without entering a block per leaf)
-            (kind(leaf) if target_given else of_stored(stored)).destination(i, stored.key, stored, leaf, m)
-        except Exception as e:
-            carried.carry(e, stored.key)
+    with torch.no_grad():  # (a DTensor's to_local is then its local tensor, not an autograd call)
+        for i, (leaf, stored) in enumerate(zip(t_leaves, stored_of, strict=True)):
+            if stored is None:
+                # (a leaf found by its path has the key the save gave that path: keystr's, made once then)
+                m.problems.append(f"leaf {where(keystr(t_paths[i]))} of the target is not in the checkpoint")  # type: ignore[index]
+                continue
+            try:  # (what carried.catch(key) does, without entering a block per leaf)
+                (kind(leaf) if target_given else of_stored(stored)).destination(i, stored.key, stored, leaf, m)
+            except Exception as e:
+                carried.carry(e, stored.key)
     if m.problems:
         raise TargetMismatchError(
             f"the target does not match the checkpoint at {describe(path)}:\n  " + "\n  ".join(m.problems)

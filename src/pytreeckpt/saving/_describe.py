@@ -86,12 +86,13 @@ def plan_state(
         leaf_specs = broadcast_prefix(spec, root, lambda x: isinstance(x, Layout), len(leaves), namespace=namespace)
         codecs = _compressions(compression, root, keys, len(leaves), namespace)
         kind = KINDS.kind
-        for key, leaf, sp in zip(keys, leaves, leaf_specs, strict=True):
-            try:  # (what carried.catch(key) does, without entering a block per leaf)
-                kind(leaf).describe(key, leaf, sp, d)
-            except Exception as e:
-                carried.carry(e, key)
-                break
+        with torch.no_grad():  # (a DTensor's to_local is then its local tensor, not an autograd call)
+            for key, leaf, sp in zip(keys, leaves, leaf_specs, strict=True):
+                try:  # (what carried.catch(key) does, without entering a block per leaf)
+                    kind(leaf).describe(key, leaf, sp, d)
+                except Exception as e:
+                    carried.carry(e, key)
+                    break
     arrays = d.arrays
     # In a single process of one rank, arrays held whole as one chunk are planned by
     # plan_whole, without tables (the same plans: tests/test_plan.py); the others by plan_save.
