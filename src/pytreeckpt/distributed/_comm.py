@@ -102,9 +102,10 @@ class DistComm:
         self.group, self.p2p = groups
         self.rank = dist.get_rank(self.group)
         self.world = dist.get_world_size(self.group)
-        self.mesh_ranks: dict[tuple[int, ...], tuple[int, ...]] = {}  # global ranks of a mesh -> ranks in the group
-        # (id of a DeviceMesh, its placements) -> (the mesh, its DTensors' layout): see dtensor_layout
-        self.dtensor_layouts: dict[tuple[int, tuple[Any, ...]], tuple[Any, Any]] = {}
+        # global ranks of a mesh -> its ranks in the group (None: the same; a range: consecutive)
+        self.mesh_ranks: dict[tuple[int, ...], range | tuple[int, ...] | None] = {}
+        # (id of a DeviceMesh,) or (its id, placements) -> (the mesh, what it gives): see dtensor_layout
+        self.dtensor_layouts: dict[tuple[Any, ...], tuple[Any, Any]] = {}
         self.in_group = {int(g): r for r, g in enumerate(dist.get_process_group_ranks(self.group))}  # global -> rank
         self.members = frozenset(self.in_group)  # global ranks
 

@@ -12,7 +12,7 @@ from pytreeckpt.core._sharding import Mesh, Placement, Replicate, Shard, Shardin
 from pytreeckpt.distributed._comm import Comm, DistComm, data_comm
 from pytreeckpt.distributed._groups import this_rank
 
-__all__ = ["dtensor_layout", "placements_from_spec", "spec_from_dtensor"]
+__all__ = ["dtensor_layout", "placements_from_spec", "placements_key", "spec_from_dtensor"]
 
 
 def _placement_of(p: Any) -> Placement:
@@ -32,6 +32,31 @@ def _placement_of(p: Any) -> Placement:
             f"(dtensor.redistribute(placements=[Replicate()...])) before saving"
         )
     raise LayoutError(f"unsupported DTensor placement {p!r}")
+
+
+def placements_key(placements: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A key equal for equal DTensor placements, cheap to hash and compare (torch's own ``_StridedShard``
+    hashes and compares in Python: a few microseconds a leaf, at thousands of leaves a save)."""
+    kinds = _KEYED or _keyed()
+    out: list[Any] = []
+    for p in placements:
+        k = kinds.get(type(p))
+        if k is None:
+            return placements  # (any other placement: compared as torch compares it)
+        out.append(k if k == 2 else (k, p.dim, p._split_factor_int()) if k == 1 else (k, p.dim))
+    return tuple(out)
+
+
+_KEYED: dict[type, int] = {}
+
+
+def _keyed() -> dict[type, int]:
+    from torch.distributed.tensor.placement_types import Replicate as TReplicate
+    from torch.distributed.tensor.placement_types import Shard as TShard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    _KEYED.update({TShard: 0, _StridedShard: 1, TReplicate: 2})
+    return _KEYED
 
 
 def spec_from_dtensor(dt: Any) -> tuple[ShardingSpec, tuple[int, ...]]:
@@ -86,54 +111,79 @@ def placements_from_spec(spec: ShardingSpec) -> list[Any]:
     return out
 
 
-def dtensor_layout(dt: Any, comm: Comm | None) -> tuple[ShardingSpec, tuple[int, ...], int | None, ShardingSpec]:
+def dtensor_layout(dt: Any, comm: Comm | None) -> tuple[ShardingSpec, Ranks, int | None, ShardingSpec]:
     """A DTensor's layout for planning, the rank in ``comm``'s group of each of its positions, this process's
     position (None off the mesh), and the DTensor's own spec (its mesh and placements).
 
     With ``comm`` None the save or load runs in this process alone: the mesh must be
     this rank alone, which is rank 0.
 
-    All of it depends on the DTensor's mesh and placements only: it is found once per
-    mesh and placements in a save or load (kept by its communicator), so the DTensors of a
-    model's layers share one layout object, as the planner's memos want, and a mesh of
-    16,384 ranks is walked once, not once per leaf.
+    All of it depends on the DTensor's mesh and placements only: what depends on the mesh
+    is found once per mesh in a save or load, the spec once per mesh and placements (both
+    kept by its communicator), so the DTensors of a model's layers share one layout object,
+    as the planner's memos want, and a mesh of 16,384 ranks is walked once, not once per leaf.
     """
-    if comm is None:
-        return _layout(dt.device_mesh, tuple(dt.placements), None)
-    comm = data_comm(comm, "a DTensor leaf")
     mesh, placements = dt.device_mesh, tuple(dt.placements)
-    key = (id(mesh), placements)
+    if comm is None:
+        for p in placements:
+            _placement_of(p)  # (a Partial placement is refused before the mesh is looked at, as with a group)
+        return _spec_on(_on_mesh(mesh, None), placements)
+    comm = data_comm(comm, "a DTensor leaf")
+    memo = comm.dtensor_layouts  # (the mesh is kept with what is found for it: its id names no other)
+    key = (id(mesh), placements_key(placements))
     try:
-        known = comm.dtensor_layouts.get(key)
+        known = memo.get(key)
     except TypeError:  # (a placement that cannot be hashed: found for this leaf alone)
-        return _layout(mesh, placements, comm)
-    if known is not None and known[0] is mesh:  # (the mesh is kept with it: its id names no other)
+        return _spec_on(_on_mesh(mesh, comm), placements)
+    if known is not None and known[0] is mesh:
         return known[1]  # type: ignore[no-any-return]
-    found = _layout(mesh, placements, comm)
-    comm.dtensor_layouts[key] = (mesh, found)
+    on = memo.get((id(mesh),))
+    if on is None or on[0] is not mesh:
+        on = memo[(id(mesh),)] = (mesh, _on_mesh(mesh, comm))
+    found = _spec_on(on[1], placements)
+    # Equal specs are one object (the meshes of pipeline stages are alike), as the planner's memos want.
+    spec, ranks, position, own = found
+    spec = memo.setdefault(("spec", spec), (None, spec))[1]
+    own = memo.setdefault(("spec", own), (None, own))[1]
+    found = (spec, ranks, position, own)
+    memo[key] = (mesh, found)
     return found
 
 
-def _layout(
-    device_mesh: Any, placements: tuple[Any, ...], comm: DistComm | None
-) -> tuple[ShardingSpec, tuple[int, ...], int | None, ShardingSpec]:
-    mesh_of, mesh_ranks = _mesh_of(device_mesh)
-    spec = own = ShardingSpec(mesh_of, [_placement_of(p) for p in placements])
+Ranks = range | tuple[int, ...] | None
+"""The rank in the group of each position of a layout; None: position i is rank i."""
+
+_OnMesh = tuple[Mesh, int, Ranks, int | None]
+"""A DeviceMesh as planning sees it: its mesh, how many replicas of it hold the same tensors, the ranks in
+the group of every position of the layout, and this rank's position (None: off the mesh)."""
+
+
+def _on_mesh(device_mesh: Any, comm: DistComm | None) -> _OnMesh:
+    mesh, mesh_ranks = _mesh_of(device_mesh)
+    copies = 1
     if comm is not None:
         # A mesh sliced from a larger one (the "dp" axis of a dp x tp mesh) has replicas
         # (the other tp ranks' "dp" meshes) holding the same tensor: its layout is the
         # spec replicated over them. Every rank finds them from the root mesh alone.
-        replicas = [r for r in _replicas(device_mesh) if all(g in comm.members for g in r)]
+        members = comm.members
+        replicas = [r for r in _replicas(device_mesh) if members.issuperset(r)]
         if len(replicas) > 1 and mesh_ranks in replicas:
-            mesh = spec.mesh
-            spec = ShardingSpec(
-                Mesh((len(replicas), *mesh.shape), (_free_name(mesh.axis_names), *mesh.axis_names)),
-                [Replicate(), *spec.placements],
-            )
+            copies = len(replicas)
             mesh_ranks = tuple(g for r in replicas for g in r)
     me = this_rank()
     position = mesh_ranks.index(me) if me in mesh_ranks else None  # (a rank off the mesh holds nothing of it)
-    return spec, _group_ranks(comm, mesh_ranks), position, own
+    return mesh, copies, _group_ranks(comm, mesh_ranks), position
+
+
+def _spec_on(on: _OnMesh, placements: tuple[Any, ...]) -> tuple[ShardingSpec, Ranks, int | None, ShardingSpec]:
+    mesh, copies, ranks, position = on
+    spec = own = ShardingSpec(mesh, [_placement_of(p) for p in placements])
+    if copies > 1:
+        spec = ShardingSpec(
+            Mesh((copies, *mesh.shape), (_free_name(mesh.axis_names), *mesh.axis_names)),
+            [Replicate(), *spec.placements],
+        )
+    return spec, ranks, position, own
 
 
 _REPLICAS: weakref.WeakKeyDictionary[Any, list[tuple[int, ...]]] = weakref.WeakKeyDictionary()
@@ -167,25 +217,30 @@ def _free_name(names: Sequence[str]) -> str:
     return name
 
 
-def _group_ranks(comm: DistComm | None, mesh_ranks: tuple[int, ...]) -> tuple[int, ...]:
-    """The ranks in ``comm``'s group of the global ranks ``mesh_ranks``.
+def _group_ranks(comm: DistComm | None, mesh_ranks: tuple[int, ...]) -> Ranks:
+    """The ranks in ``comm``'s group of the global ranks ``mesh_ranks``: None where position i is rank i, a
+    ``range`` where they follow one another (so the planner takes them as it takes an ``Abstract``'s).
 
     Remembered per call: a model's DTensors share a few meshes.
     """
     if comm is None:
         if mesh_ranks == (this_rank(),):
-            return (0,)
+            return None
         raise LayoutError(
             f"its DTensor mesh holds ranks {list(mesh_ranks)}, but this save or load runs on rank {this_rank()} "
             f"alone (a process group of one rank); pass a process_group holding the mesh's ranks, and call on "
             f"each of them"
         )
-    found = comm.mesh_ranks.get(mesh_ranks)
-    if found is None:
-        in_group = comm.in_group
-        try:
-            found = tuple(in_group[g] for g in mesh_ranks)
-        except KeyError as e:
-            raise LayoutError(f"rank {e.args[0]} of a DTensor's mesh is not in the checkpoint process group") from None
-        comm.mesh_ranks[mesh_ranks] = found
+    if mesh_ranks in comm.mesh_ranks:
+        return comm.mesh_ranks[mesh_ranks]
+    in_group = comm.in_group
+    try:
+        listed = tuple(in_group[g] for g in mesh_ranks)
+    except KeyError as e:
+        raise LayoutError(f"rank {e.args[0]} of a DTensor's mesh is not in the checkpoint process group") from None
+    found: Ranks = listed
+    first = listed[0] if listed else 0
+    if listed == tuple(range(first, first + len(listed))):
+        found = None if first == 0 else range(first, first + len(listed))
+    comm.mesh_ranks[mesh_ranks] = found
     return found

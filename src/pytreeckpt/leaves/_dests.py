@@ -71,8 +71,12 @@ def naming_leaf(make: Callable[Concatenate[ArrayMeta, _P], _R]) -> Callable[Conc
 
 def meta_problem(key: str, leaf: Any) -> str | None:
     """A target on the meta device has no memory to load into: refused, saying how to make some."""
-    tensors = list(leaf.shards.values()) if isinstance(leaf, ShardedLeaf) else [leaf]
-    if any(isinstance(t, torch.Tensor) and t.is_meta for t in tensors):
+    if isinstance(leaf, torch.Tensor):
+        meta = leaf.is_meta
+    else:
+        shards = leaf.shards.values() if isinstance(leaf, ShardedLeaf) else ()
+        meta = any(isinstance(t, torch.Tensor) and t.is_meta for t in shards)
+    if meta:
         return (
             f"leaf {where(key)}: the target is a tensor on the meta device, which holds no data; materialise "
             f"the module with module.to_empty(device=...) first, or pass Abstract(shape, dtype) to get a new tensor"

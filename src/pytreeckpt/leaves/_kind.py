@@ -175,6 +175,7 @@ class Matching:
     dests: list[tuple[int, Dest]] = field(default_factory=list)
     small: list[tuple[int, ArrayMeta, Any]] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
+    kinds: dict[Any, Any] = field(default_factory=dict)  # what targets of one layout share (a model's layers do)
 
     def stored_array(self, key: str, stored: ArrayMeta | ValueMeta) -> ArrayMeta | None:
         """``stored`` if it is an array (an array target was given); else None, the mismatch noted."""

@@ -131,7 +131,10 @@ def shard_sources(shards: Mapping[int, torch.Tensor], pieces: Mapping[int, tuple
         piece = pieces[rank][pi]
         return numpy_view(piece_view(cpu[rank], piece)), piece.region
 
-    if not any(t.is_cuda for t in shards.values()):
+    for t in shards.values():
+        if t.is_cuda:
+            break
+    else:  # (no CUDA shard: a loop, not any() over a generator, at thousands of leaves a save)
         return get, None
 
     def device(rank: int, pi: int) -> tuple[torch.Tensor, Region]:

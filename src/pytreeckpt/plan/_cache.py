@@ -119,8 +119,18 @@ def spec_digest(key: tuple[Any, ...]) -> bytes:
     h.update(keys.encode("utf-8", "surrogatepass"))
     h.update(b"\0")
     h.update(numbered)
-    for cols in by_value:
-        h.update(repr(cols).encode())
+    ranks_digests: dict[int, bytes] = {}  # (a rank tuple is shared by the arrays of a mesh: hashed once)
+    for number, (shape, itemsize, ranks) in by_value:
+        h.update(repr((number, shape, itemsize)).encode())
+        if ranks is None:
+            h.update(b"N")
+            continue
+        digest = ranks_digests.get(id(ranks))
+        if digest is None:
+            digest = ranks_digests[id(ranks)] = hashlib.blake2b(
+                np.asarray(ranks, dtype=np.int64).tobytes(), digest_size=16
+            ).digest()
+        h.update(digest)
     for layout in layouts:
         h.update(repr(layout.to_json()).encode())
     for extra in key[4:]:
