@@ -132,10 +132,10 @@ class PackedIO(FileChecks):
             batch = batches.get(database)
             if batch is None:
                 batch = batches[database] = []
+                self.place.note_array(meta)  # (its database, made durable in :meth:`sync`: once per database)
             chunk_key = meta.path + _ZERO_KEYS[len(meta.shape)]
             batch.append(((meta.path + "/zarr.json", zarr_json(meta)), (chunk_key, value)))
             written += data.nbytes
-            self.place.note_array(meta)  # (its database, made durable in :meth:`sync`)
         for database, batch in batches.items():
             self.packed.write_groups(database, batch)  # (an array's two entries in one archive)
         return written
