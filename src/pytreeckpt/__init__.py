@@ -32,6 +32,8 @@ from pytreeckpt.core._errors import PermissionDeniedError as PermissionDeniedErr
 from pytreeckpt.core._errors import TargetMismatchError as TargetMismatchError
 from pytreeckpt.core._leaf import Abstract as Abstract
 from pytreeckpt.core._leaf import ShardedLeaf as ShardedLeaf
+from pytreeckpt.core._per_rank import PER_RANK as PER_RANK
+from pytreeckpt.core._per_rank import PerRank as PerRank
 from pytreeckpt.core._region import Region as Region
 from pytreeckpt.core._sharding import ExplicitRegions as ExplicitRegions
 from pytreeckpt.core._sharding import FlatRanges as FlatRanges
@@ -63,6 +65,7 @@ from .plan import SavePlan as SavePlan
 __version__ = "0.1.0"
 
 __all__ = [
+    "PER_RANK",
     "Abstract",
     "ArrayMeta",
     "CheckpointError",
@@ -81,6 +84,7 @@ __all__ = [
     "MetadataError",
     "Monitor",
     "NotCommittedError",
+    "PerRank",
     "PermissionDeniedError",
     "Region",
     "Replicate",

@@ -27,6 +27,7 @@ from pytreeckpt.loading import (
     verify_once,
 )
 from pytreeckpt.loading._inspect import Arrays
+from pytreeckpt.loading._per_rank import check_policy
 from pytreeckpt.plan import LoadPlan
 from pytreeckpt.storage import ExecutorOptions, Storage
 from pytreeckpt.storage._location import Where, describe
@@ -55,6 +56,7 @@ def load(
     include: str | Sequence[str] | None = None,
     monitor: Monitor | None = None,
     inplace: bool = False,
+    per_rank: str = "own",
 ) -> Any:
     """Load a checkpoint, functionally: return a new tree (or, with ``inplace``, fill the target's tensors).
 
@@ -94,6 +96,14 @@ def load(
         ``load_state_dict``. Leaves with no memory (:class:`Abstract`) and plain Python
         values come back as ``load`` makes them. If the load fails, the target's tensors
         may hold part of the checkpoint (the error says so). Needs ``target``.
+      per_rank: what the checkpoint's per-rank parts (saved under a ``PER_RANK`` spec)
+        give. At the world size that saved them every rank gets the subtree it saved
+        (read by it alone; a single process is rank 0 of a world of one), whatever its
+        own structure there (``{"dp_rank_<r>": ...}`` keys). At another world size:
+        ``"own"`` (the default) raises a CheckpointError naming each such part and both
+        world sizes; ``"keep"`` keeps the target's own leaves there (as they were; they
+        need a target); ``"all"`` gives every rank a :class:`PerRank`, every saved
+        rank's subtree by rank, in place of the target's subtree (at any world size).
 
     Raises:
       NotCommittedError: ``path`` holds no committed checkpoint.
@@ -107,9 +117,10 @@ def load(
     # writing the very checkpoint asked for: let it finish first.
     if inplace and (target is None or include is not None):
         raise CheckpointError("load(..., inplace=True) fills the tensors of a target: pass target, and no include")
+    check_policy(per_rank)
     wait_in_flight()
     comm = distributed_comm(process_group)
-    request = LoadRequest(path, target, namespace, executor, include, comm, inplace)
+    request = LoadRequest(path, target, namespace, executor, include, comm, inplace, per_rank=per_rank)
     spans = Monitor()
     with gc_paused():
         try:

@@ -25,6 +25,7 @@ import optree
 from ._errors import MetadataError
 from ._keys import KeyEntry, entry_from_json, entry_key, entry_to_json, keystr, shown
 from ._names import is_structseq, resolve_class, reusable_dataclass, reusable_tuple, static_attr
+from ._per_rank import PerRank, rank_entry
 from ._values import decode_value
 
 __all__ = ["SAFE_FACTORIES", "Node", "leaf_node"]
@@ -77,6 +78,8 @@ class Node:
             return collections.defaultdict(self.extra.get("factory"), items)
         if k == "list":
             return kids
+        if k == "per_rank":
+            return PerRank(enumerate(kids))
         if k == "tuple":
             return tuple(kids)
         if k == "deque":
@@ -156,6 +159,10 @@ class Node:
             )
         if kind in ("list", "tuple", "deque"):
             entries: list[KeyEntry] = [("i", i) for i in range(len(kids))]
+        elif kind == "per_rank":
+            if not kids:
+                raise MetadataError(f"tree structure at {_where(path)}: a per_rank node holds no rank's subtree")
+            entries = [rank_entry(r) for r in range(len(kids))]
         else:
             entries = _entries(data.get("keys"), kind, path)
             if len(entries) != len(kids):
@@ -218,7 +225,9 @@ class Node:
                     if entry is not None:
                         node.extra["unflatten"] = entry.unflatten_func
                         node.extra["metadata"] = decode_value(data["metadata_json"])
-        if kind not in ("list", "tuple", "deque") and "unflatten" not in node.extra:  # (each key once, as in a dict)
+        if (
+            kind not in ("list", "tuple", "deque", "per_rank") and "unflatten" not in node.extra
+        ):  # (each key once, as in a dict)
             _check_unique(entries, kind, path)
         return node
 
@@ -250,7 +259,8 @@ SAFE_FACTORIES: dict[str, Callable[[], Any]] = {
 }
 
 
-_KINDS = ("dict", "odict", "defaultdict", "list", "tuple", "deque", "namedtuple", "dataclass", "custom")
+_SEQUENCES = ("list", "tuple", "deque", "per_rank")  # (keys implied by the children's order)
+_KINDS = ("dict", "odict", "defaultdict", "list", "tuple", "deque", "namedtuple", "dataclass", "custom", "per_rank")
 
 
 def _where(path: Sequence[KeyEntry]) -> str:

@@ -29,11 +29,14 @@ from ._errors import CheckpointError
 from ._keys import KeyEntry, entry_str, key_entry, keystr
 from ._names import type_name
 from ._node import SAFE_FACTORIES, Node, leaf_node
+from ._per_rank import PerRank
 from ._values import encode_value
 
 __all__ = ["MAX_DEPTH", "broadcast_prefix", "flatten"]
 
 MAX_DEPTH = 100
+_DICTS = ("dict", "odict", "defaultdict")
+_DICT_KINDS: dict[type, str] = {dict: "dict", collections.OrderedDict: "odict", collections.defaultdict: "defaultdict"}
 """The deepest a tree may nest: containers below the root, down to the leaves."""
 
 
@@ -90,9 +93,11 @@ def flatten(
 def _one_level(x: Any, path: tuple[KeyEntry, ...], namespace: str) -> Node:
     t = type(x)
     try:
-        if t is dict or t is collections.OrderedDict or t is collections.defaultdict:
+        if t is dict or t is collections.OrderedDict or t is collections.defaultdict or t is PerRank:
             entries = [("s", k) if type(k) is str else key_entry(k) for k in x]  # (str keys, mostly: no call)
-            kind = {dict: "dict", collections.OrderedDict: "odict", collections.defaultdict: "defaultdict"}[t]
+            kind = {dict: "dict", collections.OrderedDict: "odict", collections.defaultdict: "defaultdict"}.get(
+                t, "dict"
+            )
             node = Node(kind, entries)
             if t is collections.defaultdict:
                 f = x.default_factory
@@ -152,12 +157,21 @@ def _registered(t: type, namespace: str) -> bool:
 
 
 def broadcast_prefix(
-    prefix: Any, tree: Node, is_prefix_leaf: Callable[[Any], bool], num_leaves: int, *, namespace: str = ""
+    prefix: Any,
+    tree: Node,
+    is_prefix_leaf: Callable[[Any], bool],
+    num_leaves: int,
+    *,
+    namespace: str = "",
+    covers: Callable[[Any, Node, tuple[KeyEntry, ...]], None] | None = None,
 ) -> list[Any]:
     """For each leaf of ``tree``, the value of the ``prefix`` tree that covers it.
 
     ``prefix`` must have the structure of ``tree`` down to its own leaves (None or
     values for which ``is_prefix_leaf`` is true), each of which covers a whole subtree.
+    A dict of ``prefix`` may leave out keys of the tree's dict (None covers them).
+    ``covers(value, node, path)``, if given, is told of each prefix leaf that is not None
+    and the subtree of ``tree`` it covers.
 
     Raises:
       CheckpointError: naming the key path where the prefix and the tree part ways.
@@ -173,6 +187,8 @@ def broadcast_prefix(
     def walk(p: Any, node: Node, path: tuple[KeyEntry, ...]) -> None:
         if p is None or is_prefix_leaf(p):
             fill(node, p)
+            if covers is not None and p is not None:
+                covers(p, node, path)
             return
         where = keystr(path) or "(root)"
         if node.kind == "leaf":
@@ -182,6 +198,12 @@ def broadcast_prefix(
             )
         pnode = _one_level(p, path, namespace)
         kids = pnode.extra.pop("_kids")
+        if pnode.kind == "dict" and node.kind in _DICTS and pnode.entries != node.entries:
+            # a dict of the spec may leave keys of the tree's dict out: None (the default) covers them
+            given = dict(zip(pnode.entries, kids, strict=True))
+            if given.keys() <= set(node.entries):
+                kids = [given.get(e) for e in node.entries]
+                pnode.entries = node.entries
         if pnode.entries != node.entries:
             raise CheckpointError(
                 f"spec is not a prefix of the tree: at key path {where!r} the tree has keys "

@@ -9,6 +9,7 @@ travel, to say how. :func:`gather_spans` brings every rank's monitoring to rank 
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
@@ -17,7 +18,7 @@ from pytreeckpt.distributed._comm import Comm, describe_failure, failure
 from pytreeckpt.execute._monitor import Monitor, Span
 from pytreeckpt.plan import ArraySpec, spec_digest, spec_plan_key
 
-__all__ = ["Carried", "agree_on_specs", "gather_spans", "state_digest"]
+__all__ = ["Carried", "agree_on_specs", "everyone", "gather_spans", "state_digest"]
 
 
 class Carried:
@@ -85,6 +86,11 @@ class Catch:
         return True
 
 
+def everyone(comm: Comm, mine: Any) -> list[Any]:
+    """Every rank's ``mine``, on every rank, by rank."""
+    return list(comm.broadcast(comm.gather(mine)))
+
+
 def gather_spans(comm: Comm, monitor: Monitor) -> None:
     """Bring every rank's spans of this call to rank 0's monitor (the other ranks keep their own)."""
     mine = [s.to_json() for s in monitor.spans if s.rank == comm.rank]
@@ -109,6 +115,8 @@ def agree_on_specs(
     error: BaseException | None = None,
     values: Sequence[str] = (),
     known: tuple[tuple[Any, ...], bytes] | None = None,
+    contents: Sequence[tuple[str, int]] = (),
+    sites: Sequence[str] = (),
 ) -> tuple[tuple[Any, ...], bytes] | None:
     """Check that every rank describes the same arrays, in the same layouts: the first collective of a save or load.
 
@@ -125,6 +133,11 @@ def agree_on_specs(
     differ. A rank that failed before (``error``) sends its error instead, and every
     rank raises the same error. ``known``: ``spec_plan_key(specs)`` and this rank's
     digest (:func:`state_digest`), if a save of this state computed them before.
+
+    ``contents``: a checksum of each leaf every rank holds whole and saves once (plain
+    tensors and Python values), by key: ranks whose copies differ are refused, naming the
+    leaf, since their state would collapse to one rank's copy. ``sites``: the key paths
+    of the subtrees marked per rank (which are not compared: each rank's is its own).
     """
     mine: Any = None
     if error is None:
@@ -132,7 +145,7 @@ def agree_on_specs(
             if known is None:
                 base = spec_plan_key(specs)
                 known = (base, state_digest(base, dtypes, values))
-            mine = ("ok", known[1])
+            mine = ("ok", known[1] + (_digest(contents, sites) if contents or sites else b""))
         except Exception as e:
             error = e
     if error is not None:
@@ -152,10 +165,15 @@ def agree_on_specs(
     if verdict[0] == "failed":
         raise failure(f"preparing the {what}", verdict[1], comm.world) from error
     # The digests differ: rank 0's description goes to every rank, which says how its own differs.
-    desc = (_describe(specs, dtypes), list(values))
+    desc = (_describe(specs, dtypes), list(values), list(sites), [list(c) for c in contents])
     ref = comm.broadcast(desc if comm.rank == 0 else None)
     problem = None
-    if [m[:3] for m in desc[0]] != [m[:3] for m in ref[0]]:
+    if desc[2] != ref[2]:
+        problem = CheckpointError(
+            f"ranks disagree on the state to {what}: rank 0 marks the subtrees {ref[2]} PER_RANK, rank {comm.rank} "
+            f"marks {desc[2]}; every rank must give the same spec tree"
+        )
+    elif [m[:3] for m in desc[0]] != [m[:3] for m in ref[0]]:
         problem = CheckpointError(
             f"ranks disagree on the state to {what}: rank 0 and rank {comm.rank} differ in (key, dtype, shape): "
             f"{_difference([m[:3] for m in ref[0]], [m[:3] for m in desc[0]], comm.rank)}"
@@ -170,8 +188,30 @@ def agree_on_specs(
             f"ranks disagree on the state to {what}: rank 0 and rank {comm.rank} differ in their plain Python "
             f"leaves: {_difference(ref[1], desc[1], comm.rank)}"
         )
+    elif desc[3] != ref[3]:
+        problem = _collapse(ref[3], desc[3], comm.rank, what)
     comm.agree(problem, f"preparing the {what}")
     raise CheckpointError(f"ranks disagree on the state to {what}: their descriptions differ in a way not shown")
+
+
+def _digest(contents: Sequence[tuple[str, int]], sites: Sequence[str]) -> bytes:
+    return hashlib.blake2b(
+        repr((list(contents), list(sites))).encode("utf-8", "surrogatepass"), digest_size=16
+    ).digest()
+
+
+def _collapse(ref: list[Any], mine: list[Any], rank: int, what: str) -> CheckpointError:
+    """The error of a leaf saved once as every rank's copy, whose copies differ between rank 0 and ``rank``."""
+    theirs = dict(map(tuple, ref))
+    differ = [k for k, c in mine if theirs.get(k) != c]
+    shown = ", ".join(repr(k) for k in differ[:5]) + (f" and {len(differ) - 5} more" if len(differ) > 5 else "")
+    first = differ[0] if differ else ""
+    return CheckpointError(
+        f"leaf {shown} differs between rank 0 and rank {rank}: a tensor or Python value every rank holds is taken "
+        f"as replicated and saved once, so the other ranks' copies would be lost. If it is each rank's own (an RNG "
+        f"state, a data position, a counter), mark it per rank: {what}(..., spec={{{first!r}: PER_RANK}}) (or a "
+        f"subtree holding it); if every rank should hold the same, the ranks have diverged before this {what}"
+    )
 
 
 def state_digest(base: tuple[Any, ...], dtypes: Sequence[str], values: Sequence[str]) -> bytes:

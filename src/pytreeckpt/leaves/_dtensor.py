@@ -48,7 +48,9 @@ class DTensorKind(LeafKind):
                 got = d.kinds[kind] = (mesh, layout, own, ranks, pieces, dtype_of_torch(leaf.dtype), shape, me)
             _, layout, own, ranks, pieces, dtype, shape, me = got
             get, device = shard_sources({me: local}, pieces)
-            d.array(array_in_of(key, "torch", dtype, shape, layout, own, pieces, get, None, device, (local,), ranks))
+            d.array(
+                array_in_of(key, "torch", dtype, shape, layout, own, pieces, get, None, device, (local,), ranks, False)
+            )
         except (LayoutError, ValueError) as e:
             raise layout_error(key, e) from None
 

@@ -67,6 +67,7 @@ class ArrayIn:
     device: Any = None  # DeviceData for leaves on a CUDA device, else None
     watch: tuple[torch.Tensor, ...] = ()  # tensors whose version counters tell of a change during a snapshot
     ranks: range | tuple[int, ...] | None = None  # the rank of each position of ``layout``; None: position i on rank i
+    replica: bool = False  # every rank holds it whole (written once): its content is compared across ranks
 
     def spec(self) -> ArraySpec:
         """What the planner needs of this array: its key, shape, element size and placed layout."""

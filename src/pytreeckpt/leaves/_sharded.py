@@ -168,7 +168,7 @@ def _abstract_in(key: str, leaf: Abstract, spec: Any, comm: Comm | None, kinds: 
         kinds[kind] = got  # (the leaf keeps its spec and placement alive, so their ids stay theirs)
     _, _, layout, pieces, dtype = got
     made: ArrayIn = array_in_of(
-        key, "torch", dtype, leaf.shape, layout, saved, pieces, no_data, None, None, (), placement
+        key, "torch", dtype, leaf.shape, layout, saved, pieces, no_data, None, None, (), placement, False
     )
     return made
 

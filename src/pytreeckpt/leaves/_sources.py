@@ -12,6 +12,7 @@ import torch
 from pytreeckpt.core._dtypes import numpy_view
 from pytreeckpt.core._errors import CheckpointError, LayoutError, where
 from pytreeckpt.core._leaf import piece_view
+from pytreeckpt.core._per_rank import PER_RANK
 from pytreeckpt.core._region import Region
 from pytreeckpt.core._sharding import Layout, Piece
 from pytreeckpt.execute._executor import PieceData
@@ -71,6 +72,11 @@ def resolved(t: torch.Tensor) -> torch.Tensor:
 
 def check_spec(key: str, spec: Any) -> None:
     """Refuse a spec tree's leaf that is not a layout."""
+    if spec is PER_RANK:
+        raise CheckpointError(
+            f"leaf {where(key)}: PER_RANK marks state each rank holds whole for itself (a tensor, a numpy array, a "
+            f"value); this leaf is sharded across ranks already (its shards are each rank's own)"
+        )
     if spec is not None and not isinstance(spec, Layout):
         raise CheckpointError(
             f"spec for leaf {where(key)} must be a ShardingSpec, FlatRanges, ExplicitRegions or None, found {spec!r}"

@@ -15,6 +15,7 @@ import torch
 
 from pytreeckpt.core._dtypes import TORCH_NAMES, dtype_of_numpy, dtype_of_torch, numpy_view
 from pytreeckpt.core._errors import CheckpointError, LayoutError, where
+from pytreeckpt.core._per_rank import PER_RANK
 from pytreeckpt.core._region import Region
 from pytreeckpt.core._sharding import Layout, Mesh, Piece, Replicate, ShardingSpec
 from pytreeckpt.format import ArrayMeta, ValueMeta
@@ -54,23 +55,46 @@ def _whole_in(
 ) -> None:
     """A leaf the process holds whole: laid out by ``spec`` in a single process, else replicated on every rank."""
     comm = d.comm
-    if comm is None:
-        whole: Layout = spec if spec is not None else SINGLE
+    ranks: tuple[int, ...] | None = None
+    replica = False
+    if spec is PER_RANK:  # this rank's own: stored as its alone, written by it
+        whole: Layout = SINGLE
+        held: Any = (0,) if comm is None else (comm.rank,)
+        ranks = None if comm is None else held
+    elif comm is None:
+        whole = spec if spec is not None else SINGLE
+        held = range(whole.world_size)
     elif spec is None:
         whole = ShardingSpec(Mesh(comm.world), [Replicate()])  # every rank holds it whole: written once in total
+        held, replica = (comm.rank,), True
     else:
         raise CheckpointError(
             f"leaf {where(key)}: in a distributed save a plain tensor is this rank's full copy; to save it sharded "
             f"wrap this rank's shard as ShardedLeaf(global_shape, dtype, spec, {{rank: shard}}) or use a DTensor"
         )
-    held = range(whole.world_size) if comm is None else (comm.rank,)
-    pieces = {r: whole.pieces_of(r, shape) for r in held}
+    pieces = {r: whole.pieces_of(0 if ranks else r, shape) for r in held}
     if isinstance(data, torch.Tensor):
         get, device = tensor_source(data, pieces)
         watch: tuple[torch.Tensor, ...] = (data,)
     else:
         get, device, watch = numpy_source(data, pieces), None, ()
-    d.array(ArrayIn(key, container, dtype, shape, whole, spec, pieces, get, device=device, watch=watch))
+    saved = None if spec is PER_RANK else spec
+    d.array(
+        ArrayIn(
+            key,
+            container,
+            dtype,
+            shape,
+            whole,
+            saved,
+            pieces,
+            get,
+            device=device,
+            watch=watch,
+            ranks=ranks,
+            replica=replica,
+        )
+    )
 
 
 class TensorKind(LeafKind):
@@ -86,7 +110,8 @@ class TensorKind(LeafKind):
         if d.comm is None and spec is None and type(leaf) in PLAIN and not leaf.is_cuda:
             d.array(plain_in(key, leaf))  # the common case, many thousand times per save: kept lean
             return
-        check_spec(key, spec)
+        if spec is not PER_RANK:
+            check_spec(key, spec)
         try:
             check_tensor(key, leaf)
             _whole_in(key, "torch", leaf, dtype_of_torch(leaf.dtype), tuple(int(s) for s in leaf.shape), spec, d)
@@ -138,7 +163,8 @@ class NumpyKind(LeafKind):
         return issubclass(t, (np.ndarray, np.generic))
 
     def describe(self, key: str, leaf: Any, spec: Any, d: Describing) -> None:
-        check_spec(key, spec)
+        if spec is not PER_RANK:
+            check_spec(key, spec)
         try:
             if isinstance(leaf, np.ma.MaskedArray):
                 raise CheckpointError(

@@ -27,6 +27,7 @@ from pytreeckpt.storage._location import Where, describe
 
 from ._inspect import ambiguity_error, ambiguous_keys
 from ._open import check_memory, parse
+from ._per_rank import SKIP, PerRankParts, per_rank_sites
 
 if TYPE_CHECKING:
     from pytreeckpt.distributed._comm import Comm
@@ -46,6 +47,7 @@ class LoadRequest:
     comm: Comm | None
     inplace: bool = False
     plan_only: bool = False  # plan_load: the plan only, no array read
+    per_rank: str = "own"  # what a per-rank part gives at another world size (loading/_per_rank.py)
 
 
 @dataclass(slots=True)
@@ -55,6 +57,7 @@ class Matched:
     storage: Storage
     matching: Matching
     structure: Node
+    local: Matching | None = None  # in a distributed load, this rank's own per-rank leaves: read by it alone
 
 
 def match(request: LoadRequest, carried: Carried, seen: list[bytes] | None) -> Matched | None:
@@ -108,10 +111,24 @@ def _match(request: LoadRequest, storage: Storage, doc: CheckpointDoc, carried: 
         structure = Node("dict", [("s", leaf.key) for _, leaf in chosen], [leaf_node(i) for i in range(len(chosen))])
     elif target is not None:
         t_leaves, t_paths, structure = flatten(target, is_leaf, namespace=request.namespace)
-    if t_paths is not None:
+    given = len(t_leaves)
+    sites = per_rank_sites(doc.tree) if include is None else []
+    parts = None
+    if sites:
+        comm = request.comm
+        parts = PerRankParts(
+            sites, request.per_rank, 0 if comm is None else comm.rank, 1 if comm is None else comm.world
+        )
+        if target is None:
+            parts.stored(doc.tree, doc.leaves)
+        else:
+            parts.target(t_leaves, t_paths, structure, by_path, doc.leaves)  # type: ignore[arg-type]
+        assert parts.structure is not None
+        structure, t_leaves, stored_of = parts.structure, parts.t_leaves, parts.stored_of
+    elif t_paths is not None:
         stored_of = [by_path.get(p) for p in t_paths]
     # Before any destination is allocated: the stored bytes must back every claimed shape.
-    wanted = [m for m in stored_of if isinstance(m, ArrayMeta)]
+    wanted = [m for m in stored_of if type(m) is ArrayMeta]
     if not request.plan_only:  # (a plan reads no array: it needs only the metadata)
         storage.check_stored_sizes(wanted)
     target_given = target is not None
@@ -121,18 +138,29 @@ def _match(request: LoadRequest, storage: Storage, doc: CheckpointDoc, carried: 
     lean = request.comm is None and not request.plan_only  # small whole arrays may be read without a plan
     m = Matching(request.comm, buffers, request.inplace, storage.small_whole if lean else None, [None] * len(t_leaves))
     kind, of_stored = KINDS.kind, KINDS.stored
+    local = None
+    if parts is not None:
+        m.problems += parts.problems
+        for i, leaf in parts.kept.items():
+            m.results[i] = leaf
+        if request.comm is not None and parts.local:
+            local = Matching(None, buffers, request.inplace, None, m.results, problems=m.problems)
     with torch.no_grad():  # (a DTensor's to_local is then its local tensor, not an autograd call)
         for i, (leaf, stored) in enumerate(zip(t_leaves, stored_of, strict=True)):
             if stored is None:
                 # (a leaf found by its path has the key the save gave that path: keystr's, made once then)
                 m.problems.append(f"leaf {where(keystr(t_paths[i]))} of the target is not in the checkpoint")  # type: ignore[index]
                 continue
+            if stored is SKIP:
+                continue
+            into = m if local is None or i not in parts.local else local  # type: ignore[union-attr]
             try:  # (what carried.catch(key) does, without entering a block per leaf)
-                (kind(leaf) if target_given else of_stored(stored)).destination(i, stored.key, stored, leaf, m)
+                as_target = target_given and i < given  # (past them: every saved rank's leaves, per_rank="all")
+                (kind(leaf) if as_target else of_stored(stored)).destination(i, stored.key, stored, leaf, into)
             except Exception as e:
                 carried.carry(e, stored.key)
     if m.problems:
         raise TargetMismatchError(
             f"the target does not match the checkpoint at {describe(path)}:\n  " + "\n  ".join(m.problems)
         )
-    return Matched(storage, m, structure)
+    return Matched(storage, m, structure, local)

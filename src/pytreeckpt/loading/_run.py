@@ -19,7 +19,7 @@ from pytreeckpt.distributed._comm import data_comm
 from pytreeckpt.execute._executor import read_arrays
 from pytreeckpt.execute._memory import Prefault
 from pytreeckpt.execute._monitor import Monitor, Progress, Span
-from pytreeckpt.leaves import small_result, span
+from pytreeckpt.leaves import Matching, small_result, span
 from pytreeckpt.plan import ArraySpec, LoadPlan, PlanCache, plan_load, spec_plan_key
 
 from ._match import LoadRequest, match
@@ -98,6 +98,12 @@ def load_once(request: LoadRequest, monitor: Monitor, seen: list[bytes] | None =
                 )
         else:
             error = None
+            if matched.local is not None:  # this rank's own per-rank leaves, read by it alone
+                try:
+                    with monitor.phase("load", "read", me) as box:
+                        box[0] = _read_local(storage, matched.local, progress.advance)
+                except Exception as e:
+                    error = e
             after, forward = data_comm(comm, "reading").read_forwarding(
                 plan.arrays, getters, [m.dtype.numpy for m in metas]
             )
@@ -126,6 +132,28 @@ def load_once(request: LoadRequest, monitor: Monitor, seen: list[bytes] | None =
     if comm is not None:
         gather_spans(comm, monitor)
     return matched.structure.unflatten(results)
+
+
+def _read_local(storage: Any, local: Matching, progress: Any) -> int:
+    """Read the leaves ``local`` holds (this rank's alone) as a single process reads: planned for one rank."""
+    results, dests = local.results, local.dests
+    nbytes = 0
+    if local.small:
+        values = storage.read_small([m for _, m, _ in local.small])
+        for (i, meta, leaf), value in zip(local.small, values, strict=True):
+            results[i] = small_result(meta, value, leaf)
+            nbytes += meta.nbytes
+    if dests:
+        specs = [d.spec() for _, d in dests]
+        plan = plan_load([d.meta.chunk_shape for _, d in dests], specs, 1)
+
+        def done(k: int) -> None:
+            i, d = dests[k]
+            results[i] = d.finish()
+
+        metas, getters = [d.meta for _, d in dests], [d.get for _, d in dests]
+        nbytes += read_arrays(storage, metas, plan.arrays, getters, None, array_done=done, progress=progress)
+    return nbytes
 
 
 def _held(plan: LoadPlan, held: Sequence[Mapping[int, Any]]) -> LoadPlan:

@@ -12,22 +12,26 @@ from __future__ import annotations
 import itertools
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
+from pytreeckpt.core._checksum import crc32c
 from pytreeckpt.core._errors import CheckpointError, where
 from pytreeckpt.core._keys import check_unique_keys
+from pytreeckpt.core._per_rank import PER_RANK
 from pytreeckpt.core._sharding import Layout
 from pytreeckpt.core._tree import broadcast_prefix, flatten
-from pytreeckpt.distributed._agree import Carried, agree_on_specs
+from pytreeckpt.distributed._agree import Carried, agree_on_specs, everyone
 from pytreeckpt.execute._executor import PieceData
 from pytreeckpt.format import Compression
 from pytreeckpt.leaves import KINDS, SINGLE, ArrayIn, Describing, is_leaf, plain_data, span, value_entry
 from pytreeckpt.plan import ArraySpec, ChunkingOptions, PlanCache, SavePlan, plan_save, plan_whole, spec_plan_key
 
+from ._per_rank import Sites
 from ._recall import Recalled, Remembered, recall, remember
 
 if TYPE_CHECKING:
@@ -79,11 +83,14 @@ def plan_state(
     root: Any = None
     leaves: list[Any] = []
     keys: list[str] = []
+    sites = Sites()
     with carried.catch():
         leaves, paths, root = flatten(tree, is_leaf, namespace=namespace, keys=keys)
+        leaf_specs = broadcast_prefix(spec, root, _is_spec, len(leaves), namespace=namespace, covers=sites.cover)
+        if sites.nodes:
+            sites.rename(paths, keys, 0 if comm is None else comm.rank)
         keys = check_unique_keys(paths, keys)
         user = user_metadata_of(user_metadata)
-        leaf_specs = broadcast_prefix(spec, root, lambda x: isinstance(x, Layout), len(leaves), namespace=namespace)
         codecs = _compressions(compression, root, keys, len(leaves), namespace)
         kind = KINDS.kind
         with torch.no_grad():  # (a DTensor's to_local is then its local tensor, not an autograd call)
@@ -93,6 +100,31 @@ def plan_state(
                 except Exception as e:
                     carried.carry(e, key)
                     break
+    entries = d.entries
+    own = sites.own_keys(keys) if sites.nodes else frozenset()  # this rank's per-rank leaves
+    shared = [a for a in d.arrays if a.key not in own] if own else d.arrays
+    base: tuple[Any, ...] | None = None
+    agreed: tuple[tuple[Any, ...], bytes] | None = None
+    specs: list[ArraySpec] = []
+    if comm is not None:
+        contents: list[tuple[str, int]] = []
+        with carried.catch():
+            specs = [a.spec() for a in shared]
+            contents = replica_contents(shared, [a.get for a in shared], comm.rank, entries, own)
+        values = [k for k in d.values if k not in own] if own else d.values
+        dtypes = [a.dtype.name for a in shared]
+        agreed = agree_on_specs(comm, specs, dtypes, "save", carried.error, values, None, contents, sites.keys())
+        base = None if agreed is None or own else agreed[0]
+    if sites.nodes:
+        mine: Any = None
+        with carried.catch():
+            mine = sites.own(d, codecs)
+        gathered = everyone(comm, mine) if comm is not None else [mine]
+        with carried.catch():
+            failed = [r for r, g in enumerate(gathered) if g is None]
+            if failed and carried.error is None:
+                raise CheckpointError(f"ranks {failed} failed to describe their per-rank state")
+            root, d.arrays, entries = sites.combine(root, d, gathered, 0 if comm is None else comm.rank, codecs)
     arrays = d.arrays
     # In a single process of one rank, arrays held whole as one chunk are planned by
     # plan_whole, without tables (the same plans: tests/test_plan.py); the others by plan_save.
@@ -100,15 +132,11 @@ def plan_state(
     if comm is None and all(a.layout is SINGLE and a.ranks is None for a in arrays):
         limit = options.single_chunk_bytes
         whole = [0 not in a.shape and math.prod(a.shape) * a.dtype.itemsize <= limit for a in arrays]
-    specs: list[ArraySpec] = []
-    with carried.catch():
-        specs = [a.spec() for a, w in itertools.zip_longest(arrays, whole) if not w]
-    base: tuple[Any, ...] | None = None
-    agreed: tuple[tuple[Any, ...], bytes] | None = None
+    if comm is None or own:
+        with carried.catch():
+            specs = [a.spec() for a, w in itertools.zip_longest(arrays, whole) if not w]
     dtypes = [a.dtype.name for a in arrays]
     if comm is not None:
-        agreed = agree_on_specs(comm, specs, dtypes, "save", carried.error, d.values)
-        base = None if agreed is None else agreed[0]
         world = comm.world
     elif whole:
         world = 1  # (every array held whole by this one process)
@@ -141,7 +169,7 @@ def plan_state(
         memo = None
         if spec is None and compression is None:  # (after the data is taken: remember takes it out of arrays)
             memo = remember(context, leaves, keys, root, arrays, codecs, plan, specs, dtypes, agreed)
-        return Planned(arrays, data, devices, watches, d.entries, root, user, codecs, plan, rank, memo)
+        return Planned(arrays, data, devices, watches, entries, root, user, codecs, plan, rank, memo)
     return None
 
 
@@ -167,10 +195,38 @@ def _recalled(got: Recalled, user_metadata: Mapping[str, Any] | None, comm: Comm
             entries[i] = value_entry(was.keys[i], leaves[i])
     if comm is not None:
         values = [was.keys[i] for i in was.values]
-        agree_on_specs(comm, was.specs, was.dtypes, "save", carried.error, values, known=was.agreed)
+        contents: list[tuple[str, int]] = []
+        with carried.catch():
+            contents = replica_contents(was.arrays, data, comm.rank, entries, frozenset())
+        agree_on_specs(comm, was.specs, was.dtypes, "save", carried.error, values, was.agreed, contents)
     rank = None if comm is None else comm.rank
     devices = [None] * len(data)  # (CPU tensors and Abstract leaves)
     return Planned(was.arrays, data, devices, watches, entries, was.root, user, was.codecs, was.plan, rank, was)
+
+
+def _is_spec(x: Any) -> bool:
+    """A leaf of the spec tree: a layout, or the per-rank marker."""
+    return isinstance(x, Layout) or x is PER_RANK
+
+
+def replica_contents(
+    arrays: Sequence[ArrayIn],
+    data: Sequence[PieceData],
+    rank: int,
+    entries: Sequence[dict[str, Any] | None],
+    own: frozenset[str],
+) -> list[tuple[str, int]]:
+    """A checksum of each leaf this rank holds whole and saves once with the other ranks' copies (plain tensors
+    and numpy arrays in host memory, Python values), by key, for the ranks to compare (``agree_on_specs``)."""
+    out = []
+    for e in entries:
+        if e is not None and e["key"] not in own:
+            out.append((e["key"], crc32c(json.dumps(e["value"], sort_keys=True).encode("utf-8", "surrogatepass"))))
+    for a, get in zip(arrays, data, strict=True):
+        if a.replica and a.device is None:
+            view, _ = get(rank, 0)
+            out.append((a.key, crc32c(np.ascontiguousarray(view).reshape(-1).view(np.uint8))))
+    return out
 
 
 def user_metadata_of(user_metadata: Any) -> dict[str, Any]:

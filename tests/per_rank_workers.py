@@ -1,0 +1,108 @@
+"""Rank workers of tests/test_per_rank.py: per-rank state saved and loaded by real gloo ranks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+import pytreeckpt
+from pytreeckpt import PER_RANK
+
+
+def rank_state(rank: int) -> dict[str, Any]:
+    """What each rank holds for itself (an RNG state, a counter, a data position, torchtitan-style loader
+    state under its own key) beside what every rank holds alike."""
+    torch.manual_seed(1000 + rank)
+    return {
+        "rng": torch.get_rng_state(),
+        "seen": torch.tensor([10 * rank + 7]),
+        "pos": rank + 100,
+        "dataloader": {f"dp_rank_{rank}": {"sample": 3 * rank, "order": torch.arange(4) + rank}},
+        "w": torch.ones(4),
+        "step": 5,
+    }
+
+
+SPEC = {"rng": PER_RANK, "seen": PER_RANK, "pos": PER_RANK, "dataloader": PER_RANK}
+
+
+def empty_like_state(rank: int) -> dict[str, Any]:
+    return {
+        "rng": torch.zeros(5056, dtype=torch.uint8),
+        "seen": torch.zeros(1, dtype=torch.int64),
+        "pos": 0,
+        "dataloader": {f"dp_rank_{rank}": {"sample": 0, "order": torch.zeros(4, dtype=torch.int64)}},
+        "w": torch.zeros(4),
+        "step": 0,
+    }
+
+
+def save_per_rank(rank: int, world: int, path: str, asynchronously: bool) -> dict[str, Any]:
+    state = rank_state(rank)
+    if asynchronously:
+        pytreeckpt.async_save(path, state, SPEC).wait()
+    else:
+        pytreeckpt.save(path, state, SPEC)
+    return state
+
+
+def load_per_rank(rank: int, world: int, path: str, inplace: bool) -> dict[str, Any]:
+    target = empty_like_state(rank)
+    out = pytreeckpt.load(path, target, inplace=inplace)
+    if inplace:
+        assert out["seen"] is target["seen"]
+    return out
+
+
+def load_with_policy(rank: int, world: int, path: str, policy: str) -> Any:
+    target = empty_like_state(rank)
+    try:
+        return pytreeckpt.load(path, target, per_rank=policy)
+    except pytreeckpt.CheckpointError as e:
+        return f"{type(e).__name__}: {e}"
+
+
+def load_no_target(rank: int, world: int, path: str, policy: str) -> Any:
+    try:
+        return pytreeckpt.load(path, per_rank=policy)
+    except pytreeckpt.CheckpointError as e:
+        return f"{type(e).__name__}: {e}"
+
+
+def save_unmarked(rank: int, world: int, path: str, what: str) -> str:
+    """Save per-rank state without marking it: refused, naming the leaf."""
+    state: dict[str, Any] = {"w": torch.ones(4), "step": 5}
+    if what == "tensor":
+        state["seen"] = torch.tensor([10 * rank + 7])
+    elif what == "value":
+        state["pos"] = rank + 100
+    elif what == "big":
+        state["big"] = torch.ones(1 << 20)
+        state["big"][12345] = rank
+    try:
+        pytreeckpt.save(path, state)
+    except pytreeckpt.CheckpointError as e:
+        return str(e)
+    return "saved"
+
+
+def save_twice_unmarked(rank: int, world: int, path: str) -> str:
+    """The same tree saved twice (the second save recognises it): a value that differs on the second is refused."""
+    state: dict[str, Any] = {"w": torch.ones(4), "pos": 100, "seen": torch.tensor([7])}
+    pytreeckpt.save(path + "/a", state)
+    state["pos"] = 100 + rank
+    try:
+        pytreeckpt.save(path + "/b", state)
+    except pytreeckpt.CheckpointError as e:
+        return str(e)
+    return "saved"
+
+
+def save_mixed_marks(rank: int, world: int, path: str) -> str:
+    spec = {"rng": PER_RANK} if rank == 0 else None
+    try:
+        pytreeckpt.save(path, {"rng": torch.zeros(3)}, spec)
+    except pytreeckpt.CheckpointError as e:
+        return str(e)
+    return "saved"
