@@ -95,9 +95,7 @@ def _one_level(x: Any, path: tuple[KeyEntry, ...], namespace: str) -> Node:
     try:
         if t is dict or t is collections.OrderedDict or t is collections.defaultdict or t is PerRank:
             entries = [("s", k) if type(k) is str else key_entry(k) for k in x]  # (str keys, mostly: no call)
-            kind = {dict: "dict", collections.OrderedDict: "odict", collections.defaultdict: "defaultdict"}.get(
-                t, "dict"
-            )
+            kind = _DICT_KINDS.get(t, "dict")  # (a PerRank is saved as a dict)
             node = Node(kind, entries)
             if t is collections.defaultdict:
                 f = x.default_factory
