@@ -144,3 +144,27 @@ def test_per_rank_on_a_sharded_leaf_is_refused(tmp_path: Path) -> None:
     )
     with pytest.raises(pytreeckpt.CheckpointError, match="sharded across ranks already"):
         pytreeckpt.save(tmp_path / "c", {"x": leaf}, {"x": PER_RANK})
+
+
+def test_cli_inspect_shows_per_rank_leaves(saved: tuple[Path, list[dict[str, Any]]]) -> None:
+    import json
+    import subprocess
+    import sys
+
+    path, _ = saved
+    text = subprocess.run(
+        [sys.executable, "-m", "pytreeckpt", "inspect", str(path)], capture_output=True, text=True, check=True
+    ).stdout
+    line = next(x for x in text.splitlines() if x.startswith("seen.rank1 "))
+    assert "per rank: 1 of 2" in line
+    assert "per rank: seen, saved by 2 ranks" in text
+    out = json.loads(
+        subprocess.run(
+            [sys.executable, "-m", "pytreeckpt", "inspect", "--json", str(path)],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    )
+    assert out["per_rank"] == {"rng": 2, "seen": 2, "pos": 2, "dataloader": 2}
+    assert {a["key"]: a["saved_by_rank"] for a in out["arrays"]}["dataloader.rank1.dp_rank_1.order"] == 1

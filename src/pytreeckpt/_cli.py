@@ -139,6 +139,12 @@ def _layout_text(a: ArrayMeta) -> str:
     return f"{j['kind']} x{ranks} ranks"
 
 
+def _per_rank_text(meta: Any, key: str) -> str:
+    """ "per rank: r of w" for a leaf of a per-rank part, else ""."""
+    got = meta.saved_by(key)
+    return "" if got is None else f"per rank: {got[0]} of {got[1]}"
+
+
 def _ratio(nbytes: int, stored: int | None) -> float | None:
     """Logical over stored bytes; None where the store cannot tell (packed arrays, object stores)."""
     return nbytes / stored if stored else None
@@ -173,10 +179,12 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                     "chunk_shape": list(a.chunk_shape),
                     "path": a.path,
                     "layout": None if a.layout is None else a.layout.to_json(),
+                    "saved_by_rank": None if meta.saved_by(a.key) is None else meta.saved_by(a.key)[0],  # type: ignore[index]
                 }
                 for a in meta.arrays.values()
             ],
             "values": {k: encode_value(v) for k, v in values.items()},
+            "per_rank": dict(meta.per_rank),
             "user_metadata": meta.user_metadata,
         }
         print(json.dumps(out, indent=2))
@@ -190,14 +198,19 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             _compression_text(a),
             "-" if _ratio(a.nbytes, stored[a.key]) is None else f"{_ratio(a.nbytes, stored[a.key]):.2f}",
             str(tuple(a.chunk_shape)),
-            _layout_text(a),
+            _per_rank_text(meta, a.key) or _layout_text(a),
         ]
         for a in meta.arrays.values()
     ]
-    rows += [[_shown(k) or "(root)", type(v).__name__, repr(v)[:40], "", "", "", "", ""] for k, v in values.items()]
+    rows += [
+        [_shown(k) or "(root)", type(v).__name__, repr(v)[:40], "", "", "", "", _per_rank_text(meta, k)]
+        for k, v in values.items()
+    ]
     headers = ["key", "dtype", "shape / value", "bytes", "compression", "ratio", "chunks", "saved layout"]
     print(_table(rows, headers))
     print(f"\n{len(meta.arrays)} arrays, {len(values)} values, {_size(meta.nbytes)}; format version {meta.version}")
+    for part, world in meta.per_rank.items():
+        print(f"per rank: {_shown(part) or '(root)'}, saved by {world} ranks (each rank's own copy)")
     return 0
 
 

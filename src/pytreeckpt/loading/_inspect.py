@@ -15,7 +15,7 @@ import torch
 
 from pytreeckpt.core._dtypes import numpy_view
 from pytreeckpt.core._errors import CheckpointError, MetadataError, TargetMismatchError, where
-from pytreeckpt.core._keys import KeyEntry, typed_keystr
+from pytreeckpt.core._keys import KeyEntry, keystr, typed_keystr
 from pytreeckpt.core._region import Region
 from pytreeckpt.core._sharding import ExplicitRegions
 from pytreeckpt.execute._executor import read_arrays
@@ -27,6 +27,7 @@ from pytreeckpt.storage import ExecutorOptions, Storage
 from pytreeckpt.storage._location import Where, describe
 
 from ._open import check_memory, open_checkpoint, replaced
+from ._per_rank import per_rank_sites
 
 __all__ = ["Arrays", "CheckpointMetadata", "VerifyReport", "inspect", "read_region", "region_of", "verify_once"]
 
@@ -43,12 +44,27 @@ class CheckpointMetadata:
       arrays: the stored arrays by key path: dtype, shape, chunk grid, saved layout.
       user_metadata: the JSON object given at save time.
       version: the format version.
+      per_rank: the key path of each per-rank part (saved under a ``PER_RANK`` spec) and how
+        many ranks saved it; ``tree`` holds a :class:`PerRank` there, and rank ``r``'s
+        leaves are keyed ``<part>.rank<r>...``.
     """
 
     tree: Any
     arrays: Mapping[str, ArrayMeta]
     user_metadata: dict[str, Any] = field(default_factory=dict)
     version: int = 1
+    per_rank: Mapping[str, int] = field(default_factory=dict)
+
+    def saved_by(self, key: str) -> tuple[int, int] | None:
+        """The rank that saved leaf ``key`` of a per-rank part and how many ranks saved the part; None for a
+        leaf of no per-rank part."""
+        for part, world in self.per_rank.items():
+            prefix = f"{part}.rank" if part else "rank"
+            if key.startswith(prefix):
+                rank, _, _ = key[len(prefix) :].partition(".")
+                if rank.isdigit() and int(rank) < world:
+                    return int(rank), world
+        return None
 
     @property
     def nbytes(self) -> int:
@@ -143,7 +159,8 @@ def inspect(path: PathLike, namespace: str) -> CheckpointMetadata:
     """The stored tree (a placeholder for each array, from its kind), its arrays, user metadata and version."""
     _, doc = open_checkpoint(path, namespace, None)
     leaves = [KINDS.stored(leaf).abstract(leaf) for leaf in doc.leaves]
-    return CheckpointMetadata(doc.tree.unflatten(leaves), Arrays(path, doc), doc.user_metadata, doc.version)
+    parts = {keystr(p): len(node.children) for p, node in per_rank_sites(doc.tree)}
+    return CheckpointMetadata(doc.tree.unflatten(leaves), Arrays(path, doc), doc.user_metadata, doc.version, parts)
 
 
 def verify_once(path: PathLike, executor: ExecutorOptions | None, seen: list[bytes]) -> VerifyReport:
