@@ -86,9 +86,7 @@ def dataset() -> tuple[torch.Tensor, torch.Tensor]:
 
 def model_of(mesh: Any) -> nn.Module:
     torch.manual_seed(0)  # the same initial weights on every rank
-    model = nn.Sequential(
-        nn.Linear(DIM, 4 * DIM), nn.GELU(), nn.Dropout(0.2), nn.Linear(4 * DIM, DIM), nn.Dropout(0.1)
-    )
+    model = nn.Sequential(nn.Linear(DIM, 4 * DIM), nn.GELU(), nn.Dropout(0.2), nn.Linear(4 * DIM, DIM), nn.Dropout(0.1))
     for layer in (model[0], model[3]):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)

@@ -78,10 +78,10 @@ def save_unmarked(rank: int, world: int, path: str, what: str) -> str:
     elif what == "value":
         state["pos"] = rank + 100
     elif what == "big":
-        state["big"] = torch.ones(1 << 20)
+        state["big"] = torch.ones(1 << 20)  # 4 MiB: compared with check_replicas="all"
         state["big"][12345] = rank
     try:
-        pytreeckpt.save(path, state)
+        pytreeckpt.save(path, state, check_replicas="all" if what == "big" else "small")
     except pytreeckpt.CheckpointError as e:
         return str(e)
     return "saved"

@@ -44,6 +44,7 @@ def save(
     compression: Any = None,
     base: PathLike | None = None,
     chunk_hashes: bool = False,
+    check_replicas: str = "small",
 ) -> None:
     """Save a pytree as a checkpoint at ``path``, returning once it is committed.
 
@@ -86,6 +87,13 @@ def save(
         saved with ``chunk_hashes`` (or a base of its own).
       chunk_hashes: record a content hash of every chunk, so that this checkpoint can be
         a ``base``; implied by ``base``.
+      check_replicas: in a distributed save, which of the leaves every rank holds whole
+        (and which are written once, as replicas) the ranks compare before writing, each
+        a crc32c of its own copy: ``"small"`` (the default) every Python value and every
+        plain tensor or numpy array in host memory of at most 1 MiB; ``"all"`` every one
+        (a crc32c of 1 GiB of DDP weights on every rank cost 12-20% of their save). Copies
+        that differ are refused, naming the leaf: mark state each rank holds for itself
+        ``PER_RANK`` in ``spec``.
 
     Raises:
       CheckpointError: naming the leaf, for anything that cannot be saved (meta, sparse,
@@ -114,6 +122,7 @@ def save(
         compression,
         base,
         chunk_hashes,
+        _check_replicas(check_replicas),
     )
     with gc_paused():  # the caller waits for the whole save
         job = prepare(request)
@@ -146,6 +155,7 @@ def async_save(
     compression: Any = None,
     base: PathLike | None = None,
     chunk_hashes: bool = False,
+    check_replicas: str = "small",
 ) -> SaveHandle:
     """Like :func:`save`, but returns once the state is copied; writing and commit run behind.
 
@@ -192,10 +202,17 @@ def async_save(
         compression,
         base,
         chunk_hashes,
+        _check_replicas(check_replicas),
     )
     with gc_paused():  # planning, in the caller's thread (the writes run with the collector as the caller left it)
         job = prepare(request)
     return start(job, path, monitor, lazy=snapshot == "lazy")
+
+
+def _check_replicas(check: str) -> str:
+    if check not in ("small", "all"):
+        raise ValueError(f"check_replicas must be 'small' or 'all', found {check!r}")
+    return check
 
 
 def plan_save_of(

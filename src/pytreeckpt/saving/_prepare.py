@@ -66,6 +66,7 @@ class SaveRequest:
     compression: Any
     base: Where | None
     chunk_hashes: bool
+    check_replicas: str = "small"  # which leaves every rank holds are compared across ranks (saving/_describe.py)
 
 
 def prepare(request: SaveRequest) -> SaveJob:
@@ -90,6 +91,7 @@ def prepare(request: SaveRequest) -> SaveJob:
         comm,
         request.compression,
         carried,
+        check_replicas=request.check_replicas,
     )
     job: SaveJob | None = None
     with carried.catch():

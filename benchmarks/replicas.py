@@ -1,0 +1,95 @@
+"""What comparing replicated state across ranks costs a save (issue 41 item 2), through the public ``save``.
+
+    python -m benchmarks.replicas [--gib 1] [--ranks 2] [--repeat 5]
+
+Every rank holds the same ``--gib`` of DDP-style weights (16 float32 tensors, each rank a
+whole copy) and saves it durably. Saved as plain tensors with ``check_replicas="all"``,
+each rank checksums its copy (crc32c) for the ranks to compare before anything is
+written (by default only those of at most 1 MiB are); saved as DTensors with
+``Replicate()`` placements (the same bytes, the same write plan: replicated, balanced
+across the ranks), nothing is compared, since a DTensor promises its replicas agree. The
+two take turns in every round; the ratio plain / DTensor is what the comparison costs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import pytreeckpt
+
+from ._common import GiB, free_port, gloo_rank, round_ratios
+
+
+def _worker(rank: int, world: int, port: int, args: dict[str, Any]) -> None:
+    from torch.distributed.tensor import DTensor, Replicate
+
+    with gloo_rank(rank, world, port) as mesh:
+        g = torch.Generator().manual_seed(0)  # the same on every rank: replicated
+        n = 16
+        plain = {f"layers.{i}.weight": torch.randn(args["bytes"] // n // 4, generator=g) for i in range(n)}
+        plain["step"] = 100
+        dtensors = {
+            k: DTensor.from_local(v, mesh, [Replicate()], run_check=False) if isinstance(v, torch.Tensor) else v
+            for k, v in plain.items()
+        }
+        work = Path(args["dir"])
+        times: dict[str, list[float]] = {"plain": [], "dtensor": []}
+        for r in range(args["repeat"]):
+            for name in ["plain", "dtensor"] if r % 2 == 0 else ["dtensor", "plain"]:
+                path = work / name
+                if rank == 0 and path.exists():
+                    shutil.rmtree(path)
+                dist.barrier()
+                t = time.perf_counter()
+                if name == "plain":
+                    pytreeckpt.save(path, plain, check_replicas="all")
+                else:
+                    pytreeckpt.save(path, dtensors)
+                dist.barrier()
+                times[name].append(time.perf_counter() - t)
+        if rank == 0:
+            Path(args["out"]).write_text(json.dumps(times))
+
+
+def run(gib: float, ranks: int, repeat: int, workdir: Path) -> dict[str, Any]:
+    workdir.mkdir(parents=True, exist_ok=True)
+    out = workdir / "times.json"
+    args = {"bytes": int(gib * GiB), "repeat": repeat, "dir": str(workdir), "out": str(out)}
+    mp.start_processes(_worker, args=(ranks, free_port(), args), nprocs=ranks, start_method="spawn")
+    times = json.loads(out.read_text())
+    ratios = round_ratios(times["plain"], times["dtensor"])
+    shutil.rmtree(workdir, ignore_errors=True)
+    return {
+        "gib": gib,
+        "ranks": ranks,
+        "seconds": {k: statistics.median(v) for k, v in times.items()},
+        "rounds": times,
+        "round_ratios": ratios,
+        "ratio": statistics.median(ratios),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--gib", type=float, default=1.0)
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--dir", type=Path, default=Path("/tmp/pytreeckpt-replicas"))
+    a = p.parse_args()
+    r = run(a.gib, a.ranks, a.repeat, a.dir)
+    print(json.dumps(r, indent=2))
+    print(f"plain (compared) / DTensor Replicate (not compared): median of round ratios {r['ratio']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
