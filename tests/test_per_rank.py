@@ -168,3 +168,26 @@ def test_cli_inspect_shows_per_rank_leaves(saved: tuple[Path, list[dict[str, Any
     )
     assert out["per_rank"] == {"rng": 2, "seen": 2, "pos": 2, "dataloader": 2}
     assert {a["key"]: a["saved_by_rank"] for a in out["arrays"]}["dataloader.rank1.dp_rank_1.order"] == 1
+
+
+@pytest.mark.parametrize(
+    ("tree", "message"),
+    [
+        ({"k": "dict", "keys": ["p"], "c": [{"k": "per_rank", "c": []}]}, "holds no rank's subtree"),
+        (
+            {"k": "dict", "keys": ["p"], "c": [{"k": "per_rank", "c": [{"k": "per_rank", "c": [0]}]}]},
+            "a per_rank node inside another",
+        ),
+    ],
+)
+def test_a_hand_made_per_rank_node_a_save_never_writes_is_refused(tmp_path: Path, tree: Any, message: str) -> None:
+    import json
+
+    from helpers import document
+
+    pytreeckpt.save(tmp_path / "c", {"p": {0: 5}}, {"p": PER_RANK})
+    doc = document(tmp_path / "c")
+    doc["tree"] = tree
+    (tmp_path / "c" / "pytreeckpt.json").write_text(json.dumps(doc))
+    with pytest.raises(pytreeckpt.MetadataError, match=message):
+        pytreeckpt.load(tmp_path / "c")
