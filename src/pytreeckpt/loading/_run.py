@@ -14,6 +14,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from pytreeckpt.core._dtypes import DType
 from pytreeckpt.distributed._agree import Carried, agree_on_specs, gather_spans
 from pytreeckpt.distributed._comm import data_comm
 from pytreeckpt.execute._executor import read_arrays
@@ -44,7 +45,8 @@ def load_once(request: LoadRequest, monitor: Monitor, seen: list[bytes] | None =
         specs = [d.spec() for _, d in dests]
     base: tuple[Any, ...] | None = None
     if comm is not None:
-        agreed = agree_on_specs(comm, specs, [d.meta.dtype.name for _, d in dests], "load", carried.error)
+        names = [d.meta.dtype.name if d.cast is None else f"{d.meta.dtype.name}->{d.cast.name}" for _, d in dests]
+        agreed = agree_on_specs(comm, specs, names, "load", carried.error)
         base = None if agreed is None else agreed[0]
         world = comm.world
     else:
@@ -66,6 +68,8 @@ def load_once(request: LoadRequest, monitor: Monitor, seen: list[bytes] | None =
     results, small, buffers = found.results, found.small, found.buffers
     metas = [d.meta for _, d in dests]
     getters = [d.get for _, d in dests]
+    to = [d.cast for _, d in dests]  # (the dtype each destination casts to, or None)
+    casts: list[DType | None] | None = to if any(c is not None for c in to) else None
     thread = threading.current_thread().name
     monitor.add(Span("load", "plan", me, t0, time.time(), 0, thread))
     h2d_bytes, h2d_seconds = [0], [0.0]
@@ -94,17 +98,30 @@ def load_once(request: LoadRequest, monitor: Monitor, seen: list[bytes] | None =
             # each array's host-to-device copy starts as soon as it is read, overlapping later reads
             with monitor.phase("load", "read", me) as box, Prefault(buffers.fresh):
                 box[0] = read_arrays(
-                    storage, metas, plan.arrays, getters, None, array_done=finish, progress=progress.advance
+                    storage,
+                    metas,
+                    plan.arrays,
+                    getters,
+                    None,
+                    array_done=finish,
+                    progress=progress.advance,
+                    casts=casts,
                 )
         else:
             error = None
-            after, forward = data_comm(comm, "reading").read_forwarding(
-                plan.arrays, getters, [m.dtype.numpy for m in metas]
-            )
+            dtypes = [(d.meta.dtype if d.cast is None else d.cast).numpy for _, d in dests]  # (what is sent on)
+            after, forward = data_comm(comm, "reading").read_forwarding(plan.arrays, getters, dtypes)
             try:
                 with monitor.phase("load", "read", me) as box, Prefault(buffers.fresh):
                     box[0] = read_arrays(
-                        storage, metas, plan.arrays, getters, comm.rank, after=after, progress=progress.advance
+                        storage,
+                        metas,
+                        plan.arrays,
+                        getters,
+                        comm.rank,
+                        after=after,
+                        progress=progress.advance,
+                        casts=casts,
                     )
             except Exception as e:
                 error = e
