@@ -29,6 +29,7 @@ from pytreeckpt import (
     StorageOptions,
     TargetMismatchError,
 )
+from pytreeckpt.storage import Storage
 
 
 def _bits(x: Any) -> bytes:
@@ -107,6 +108,24 @@ def test_cast_rounds_as_tensor_to_for_every_store(tmp_path: Path, store: str, in
     )
     assert report.missing == []
     assert report.unexpected == []
+
+
+def test_small_packed_arrays_are_cast_on_the_lean_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    state = {"a": special_values((8, 8), 1), "i": torch.arange(-3, 3) * 3_000_000_019}
+    pytreeckpt.save(tmp_path / "c", state)
+    leaned: list[str] = []
+    original = Storage.read_small
+
+    def read_small(self: Storage, metas: Any) -> list[bytes]:
+        leaned.extend(m.key for m in metas)
+        return original(self, metas)
+
+    monkeypatch.setattr(Storage, "read_small", read_small)
+    target = {"a": torch.zeros(8, 8, dtype=torch.bfloat16), "i": torch.zeros(6, dtype=torch.int32)}
+    out = pytreeckpt.load(tmp_path / "c", target, cast=True)
+    assert sorted(leaned) == ["a", "i"]  # read whole from the archive, without a plan, and cast
+    assert _bits(out["a"]) == _bits(state["a"].to(torch.bfloat16))
+    assert _bits(out["i"]) == _bits(state["i"].to(torch.int32))  # (wrapped, as Tensor.to wraps)
 
 
 def test_float32_to_bfloat16_is_bit_equal_to_tensor_to_with_nan_inf_and_subnormals(tmp_path: Path) -> None:
