@@ -70,3 +70,15 @@ def dtensor_cast(rank: int, world: int, path: str, inplace: bool) -> dict[str, A
         want_s = distribute_tensor(full.to(torch.float16), mesh, [TShard(1)]).to_local()
         got["s"] = shard.dtype == torch.float16 and _bits(shard) == _bits(want_s)
     return got
+
+
+def disagreeing_casts(rank: int, world: int, path: str) -> str:
+    """Ranks whose targets ask for different dtypes of one stored array: every rank raises, none reads."""
+    full = special_values((16, 8), 5)
+    pytreeckpt.save(path, {"w": full})
+    dtype = torch.bfloat16 if rank == 0 else torch.float16
+    try:
+        pytreeckpt.load(path, {"w": torch.zeros(16, 8, dtype=dtype)}, cast=True)
+    except pytreeckpt.CheckpointError as e:
+        return str(e)
+    return "loaded"

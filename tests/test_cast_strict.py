@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from cast_workers import dtensor_cast, special_values
+from cast_workers import disagreeing_casts, dtensor_cast, special_values
 from helpers import unpacked
 from multiproc import run_world
 
@@ -368,3 +368,10 @@ def test_dtensor_cast_on_gloo_ranks(tmp_path: Path, inplace: bool) -> None:
         if not inplace:
             assert got["s"]
     assert json.dumps(results[0]) == json.dumps(results[1])  # the same report on every rank
+
+
+def test_ranks_casting_one_array_to_different_dtypes_all_raise_on_gloo(tmp_path: Path) -> None:
+    said = run_world(2, disagreeing_casts, str(tmp_path / "c"))
+    for text in said:
+        assert "loaded" not in text
+        assert "disagree" in text or "differ" in text, text
