@@ -73,7 +73,7 @@ def load(
         mesh and placements), or a plain Python value (replaced by the stored value;
         a stored enum member comes back as a member of the target leaf's enum type, or
         of its own type if that type's module is imported). Stored leaves the target
-        lacks are not read. A tensor on the meta device holds no memory to load into
+        lacks are an error, or with ``strict=False`` not read. A tensor on the meta device holds no memory to load into
         and is refused.
       namespace: the optree namespace of custom pytree nodes.
       executor: concurrency of the I/O.
