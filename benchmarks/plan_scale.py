@@ -247,12 +247,12 @@ def _run_load(
 
             def plan(targets: dict[str, Any] = targets) -> Any:
                 comm = _FakeGroupComm(SimComm(1, t_world, document=doc))
-                return pytreeckpt.plan_load(path, targets, process_group=comm)
+                return pytreeckpt.plan_load(path, targets, process_group=comm, strict=optimizer)
         else:
             comm = SimComm(1, t_world, document=doc)  # a non-coordinator rank: the document comes from rank 0
 
             def plan(targets: dict[str, Any] = targets, comm: SimComm = comm) -> Any:
-                return pytreeckpt.plan_load(path, targets, process_group=comm)
+                return pytreeckpt.plan_load(path, targets, process_group=comm, strict=optimizer)
 
         dt, part = _timed(plan)
         runs.append(dt)

@@ -370,7 +370,7 @@ def dcp_imported_load(rank: int, world: int, path: str) -> bool:
     torch.manual_seed(0)
     w, r = torch.randn(10, 6), torch.randn(5)
     target = {"model.w": distribute_tensor(torch.zeros(10, 6), mesh, [Shard(1)]), "model.r": torch.zeros(5), "step": 0}
-    out = pytreeckpt.load(path, target)
+    out = pytreeckpt.load(path, target, strict=False)  # (not the stored meta.*)
     return torch.equal(out["model.w"].full_tensor(), w) and torch.equal(out["model.r"], r) and out["step"] == 7
 
 
@@ -540,7 +540,7 @@ def sub_meshes(rank: int, world: int, path: str) -> dict[str, Any]:
         m.save(1, state)
         m.wait()
         loaded["manager"] = m.restore(target=target())
-    plain = pytreeckpt.load(f"{path}/save", {k: torch.zeros_like(v) for k, v in full.items()})
+    plain = pytreeckpt.load(f"{path}/save", {k: torch.zeros_like(v) for k, v in full.items()}, strict=False)
     return {
         "locals": {name: all(_locals_equal(got[k], v) for k, v in full.items()) for name, got in loaded.items()},
         "steps": [got["step"] for got in loaded.values()],

@@ -106,3 +106,13 @@ def save_mixed_marks(rank: int, world: int, path: str) -> str:
     except pytreeckpt.CheckpointError as e:
         return str(e)
     return "saved"
+
+
+def load_cast(rank: int, world: int, path: str) -> dict[str, Any]:
+    """This rank's own per-rank leaves cast to the target's dtype (read by this rank alone)."""
+    target = empty_like_state(rank)
+    target["seen"] = torch.zeros(1, dtype=torch.int32)
+    report = pytreeckpt.LoadReport()
+    out = pytreeckpt.load(path, target, cast=True, report=report)
+    assert report.cast == [(f"seen.rank{rank}", "int64", "int32")], report.cast
+    return out

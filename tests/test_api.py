@@ -50,7 +50,7 @@ def test_model_and_optimizer_state_dicts_round_trip(tmp_path: Path) -> None:
         for name, v in st.items():
             assert torch.equal(fresh_opt.state_dict()["state"][i][name], v), (i, name)
     # into the fresh model's own state dict as the target
-    again = pytreeckpt.load(tmp_path / "c", {"model": fresh.state_dict()})
+    again = pytreeckpt.load(tmp_path / "c", {"model": fresh.state_dict()}, strict=False)
     assert set(again) == {"model"}
     for k, v in model.state_dict().items():
         assert torch.equal(again["model"][k], v)

@@ -214,7 +214,7 @@ def test_small_whole_arrays_are_read_without_a_plan_into_memory_of_their_own(
     # In place, through a device-less view, or resharded: the planned read, as before.
     leaned.clear()
     view_target = {"w": torch.zeros(11, 37).t()}
-    assert torch.equal(pytreeckpt.load(path, view_target, inplace=True)["w"], tree["w"])
+    assert torch.equal(pytreeckpt.load(path, view_target, inplace=True, strict=False)["w"], tree["w"])
     assert leaned == []
 
 

@@ -46,7 +46,7 @@ def test_every_dtype_round_trips_bit_for_bit(tmp_path: Path, dtype: torch.dtype)
         assert torch.equal(bits(out[k]), bits(v)), k
     # and into a target of the same dtype, sharded
     target = {"matrix": pytreeckpt.Abstract((7, 5), dtype, pytreeckpt.FlatRanges([(0, 11), (11, 35)]))}
-    sharded = pytreeckpt.load(tmp_path / "c", target)["matrix"]
+    sharded = pytreeckpt.load(tmp_path / "c", target, strict=False)["matrix"]
     assert torch.equal(bits(sharded.to_global()), bits(tree["matrix"]))
 
 
@@ -81,7 +81,7 @@ def test_numpy_leaves_come_back_as_numpy(tmp_path: Path) -> None:
         assert out[k].dtype == v.dtype, k
         assert out[k].tobytes() == v.tobytes(), k
     # a numpy leaf loads into a torch target of the same dtype
-    t = pytreeckpt.load(tmp_path / "c", {"bf16": torch.zeros(3, dtype=torch.bfloat16)})["bf16"]
+    t = pytreeckpt.load(tmp_path / "c", {"bf16": torch.zeros(3, dtype=torch.bfloat16)}, strict=False)["bf16"]
     assert t.view(torch.int16).numpy().tobytes() == tree["bf16"].tobytes()
 
 

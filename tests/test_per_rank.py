@@ -191,3 +191,30 @@ def test_a_hand_made_per_rank_node_a_save_never_writes_is_refused(tmp_path: Path
     (tmp_path / "c" / "pytreeckpt.json").write_text(json.dumps(doc))
     with pytest.raises(pytreeckpt.MetadataError, match=message):
         pytreeckpt.load(tmp_path / "c")
+
+
+def test_per_rank_leaves_under_strict_cast_and_a_report(saved: tuple[Path, list[dict[str, Any]]]) -> None:
+    """Other ranks' per-rank leaves are not 'unexpected' to a strict load; a part the target lacks is."""
+    path, _states = saved
+    target = w.empty_like_state(0)
+    target["w"] = torch.zeros(4, dtype=torch.bfloat16)
+    report = pytreeckpt.LoadReport()
+    out = pytreeckpt.load(path, target, per_rank="all", cast=True, report=report)
+    assert out["w"].dtype == torch.bfloat16
+    assert report.unexpected == []
+    assert report.cast == [("w", "float32", "bfloat16")]
+    del target["rng"]
+    with pytest.raises(
+        pytreeckpt.TargetMismatchError, match=r"leaf 'rng.rank0' of the checkpoint is not in the target"
+    ):
+        pytreeckpt.load(path, target, per_rank="all", cast=True)
+    pytreeckpt.load(path, target, per_rank="all", cast=True, strict=False, report=report)
+    assert report.unexpected == ["rng.rank0", "rng.rank1"]
+
+
+def test_each_rank_gets_its_own_state_cast(saved: tuple[Path, list[dict[str, Any]]]) -> None:
+    path, _states = saved
+    got = run_world(2, w.load_cast, str(path))
+    for rank in range(2):
+        assert got[rank]["seen"].dtype == torch.int32
+        assert int(got[rank]["seen"][0]) == 10 * rank + 7

@@ -14,6 +14,7 @@ tensor([[ 2.],
 """
 
 from pytreeckpt.api import CheckpointMetadata as CheckpointMetadata
+from pytreeckpt.api import LoadReport as LoadReport
 from pytreeckpt.api import SaveHandle as SaveHandle
 from pytreeckpt.api import VerifyReport as VerifyReport
 from pytreeckpt.api import async_save as async_save
@@ -79,6 +80,7 @@ __all__ = [
     "Layout",
     "LayoutError",
     "LoadPlan",
+    "LoadReport",
     "Location",
     "Mesh",
     "MetadataError",

@@ -7,6 +7,7 @@ pipeline (:mod:`pytreeckpt.saving`) or the load pipeline (:mod:`pytreeckpt.loadi
 """
 
 from ._load import CheckpointMetadata as CheckpointMetadata
+from ._load import LoadReport as LoadReport
 from ._load import VerifyReport as VerifyReport
 from ._load import load as load
 from ._load import load_slice as load_slice
@@ -19,6 +20,7 @@ from ._save import save as save
 
 __all__ = [
     "CheckpointMetadata",
+    "LoadReport",
     "SaveHandle",
     "VerifyReport",
     "async_save",

@@ -16,6 +16,7 @@ from pytreeckpt.execute._monitor import Monitor
 from pytreeckpt.format import ArrayMeta
 from pytreeckpt.loading import (
     CheckpointMetadata,
+    LoadReport,
     LoadRequest,
     VerifyReport,
     again_if_replaced,
@@ -34,6 +35,7 @@ from pytreeckpt.storage._location import Where, describe
 
 __all__ = [
     "CheckpointMetadata",
+    "LoadReport",
     "VerifyReport",
     "load",
     "load_slice",
@@ -57,6 +59,9 @@ def load(
     monitor: Monitor | None = None,
     inplace: bool = False,
     per_rank: str = "own",
+    cast: bool = False,
+    strict: bool = True,
+    report: LoadReport | None = None,
 ) -> Any:
     """Load a checkpoint, functionally: return a new tree (or, with ``inplace``, fill the target's tensors).
 
@@ -70,7 +75,7 @@ def load(
         mesh and placements), or a plain Python value (replaced by the stored value;
         a stored enum member comes back as a member of the target leaf's enum type, or
         of its own type if that type's module is imported). Stored leaves the target
-        lacks are not read. A tensor on the meta device holds no memory to load into
+        lacks are an error, or with ``strict=False`` not read. A tensor on the meta device holds no memory to load into
         and is refused.
       namespace: the optree namespace of custom pytree nodes.
       executor: concurrency of the I/O.
@@ -96,6 +101,25 @@ def load(
         ``load_state_dict``. Leaves with no memory (:class:`Abstract`) and plain Python
         values come back as ``load`` makes them. If the load fails, the target's tensors
         may hold part of the checkpoint (the error says so). Needs ``target``.
+      cast: a target leaf of another dtype than the stored array (a tensor, Parameter,
+        numpy array, :class:`Abstract`, :class:`ShardedLeaf` or DTensor) gets it converted
+        to its own dtype, rounded as ``Tensor.to`` rounds, in place too. Each chunk is read
+        into a buffer of the stored dtype and converted into its place, so no copy of the
+        state in the stored dtype is made. Casts go between bool, integer, floating
+        (float8 included) and complex dtypes, except complex to real (which would drop the
+        imaginary part); others are a TargetMismatchError naming the leaf and both dtypes.
+        Without ``cast`` another dtype is a mismatch.
+      strict: with True (the default) the target and the checkpoint must have the same
+        leaves: a target leaf the checkpoint lacks, or a stored leaf the target lacks,
+        is a TargetMismatchError listing both. With False the leaves both have are
+        loaded, a target leaf the checkpoint lacks stays the target's own (the same
+        object), and stored leaves the target lacks are not read; ``report`` says which.
+        Only presence is relaxed: a leaf both have but of another shape or kind is still
+        an error (and of another dtype, unless ``cast``). Needs ``target``.
+      report: a :class:`LoadReport`, filled in with the target's key paths the checkpoint
+        lacks (``missing``), the stored key paths the target lacks (``unexpected``) and the
+        casts made (``cast``). ``load`` returns the tree, as always: the report is the
+        caller's object, filled in (even when the load raises a TargetMismatchError).
       per_rank: what the checkpoint's per-rank parts (saved under a ``PER_RANK`` spec)
         give. At the world size that saved them every rank gets the subtree it saved
         (read by it alone; a single process is rank 0 of a world of one), whatever its
@@ -108,8 +132,9 @@ def load(
     Raises:
       NotCommittedError: ``path`` holds no committed checkpoint.
       TargetMismatchError: listing every target leaf that the checkpoint lacks or that
-        differs in shape, dtype or kind, meta-device targets, and enum members whose
-        type is neither imported nor given by the target.
+        differs in shape, dtype (without ``cast``; or a dtype ``cast`` cannot convert) or
+        kind, and (with ``strict``) every stored leaf the target lacks, meta-device
+        targets, and enum members whose type is neither imported nor given by the target.
       MetadataError: the metadata is malformed or unsafe, or ``include`` selects a key
         path that names several leaves (documents of older versions).
     """
@@ -117,10 +142,14 @@ def load(
     # writing the very checkpoint asked for: let it finish first.
     if inplace and (target is None or include is not None):
         raise CheckpointError("load(..., inplace=True) fills the tensors of a target: pass target, and no include")
+    if target is None and (cast or not strict):
+        raise CheckpointError("load(..., cast=True) and load(..., strict=False) match a target: pass target")
     check_policy(per_rank)
     wait_in_flight()
     comm = distributed_comm(process_group)
-    request = LoadRequest(path, target, namespace, executor, include, comm, inplace, per_rank=per_rank)
+    request = LoadRequest(
+        path, target, namespace, executor, include, comm, inplace, False, cast, strict, report, per_rank
+    )
     spans = Monitor()
     with gc_paused():
         try:
@@ -143,6 +172,8 @@ def plan_load_of(
     namespace: str = "",
     executor: ExecutorOptions | None = None,
     process_group: Any = None,
+    cast: bool = False,
+    strict: bool = True,
 ) -> LoadPlan:
     """The load plan this rank runs for ``load(path, target)``: the metadata is read, no array.
 
@@ -151,10 +182,11 @@ def plan_load_of(
     part planned, or every rank's in a single process), for inspecting who reads which
     stored boxes into which ranks' pieces. Call it on every rank of ``process_group`` in
     a distributed job, as ``load``. Each plan array is a target leaf that is an array, in
-    the target's order.
+    the target's order. ``cast`` and ``strict`` match the target as :func:`load`'s do.
     """
     wait_in_flight()
-    request = LoadRequest(path, target, namespace, executor, None, distributed_comm(process_group), plan_only=True)
+    comm = distributed_comm(process_group)
+    request = LoadRequest(path, target, namespace, executor, None, comm, False, True, cast, strict)
     with gc_paused():
         plan: LoadPlan = load_once(request, Monitor())
     return plan

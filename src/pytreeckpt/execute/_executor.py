@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from pytreeckpt.core._dtypes import DType
 from pytreeckpt.core._grid import ChunkGrid
 from pytreeckpt.core._region import Region
 from pytreeckpt.format import (
@@ -24,6 +25,8 @@ from pytreeckpt.format import (
 )
 from pytreeckpt.plan import ArrayLoadPlan, ArraySavePlan, ReadOp, WriteOp
 from pytreeckpt.storage import ChunkSums, Storage, Window, chunk_crc, chunk_hash
+
+from ._cast import convert
 
 __all__ = [
     "ChunkReuse",
@@ -176,6 +179,7 @@ def read_arrays(
     after: Callable[[int, ReadOp, np.ndarray], None] | None = None,
     array_done: Callable[[int], None] | None = None,
     progress: Callable[[int], None] | None = None,
+    casts: Sequence[DType | None] | None = None,
 ) -> int:
     """Run the reads of ``rank`` (every rank when None) straight into destination memory.
 
@@ -183,7 +187,10 @@ def read_arrays(
     in this process; ``after(array index, op, data)`` then runs, e.g. to send it on
     to targets on other ranks. ``array_done(i)`` runs once every read of array ``i``
     has landed (while later arrays are still being read), ``progress(nbytes)`` as
-    reads land. Returns the bytes read.
+    reads land. ``casts[i]``, when not None, is the dtype of array ``i``'s destinations
+    (another than the stored one): each read lands in a buffer of the stored dtype, of
+    its region's size (within one chunk), converted into the reader's target
+    (:func:`~pytreeckpt.execute._cast.convert`) before the rest. Returns the bytes read.
     """
     storage.check_files(metas)
     stores = storage.open_arrays(metas, create=False)
@@ -193,6 +200,10 @@ def read_arrays(
         mine = [op for op in plan.reads if rank is None or op.reader == rank]
         if not mine and array_done is not None:
             array_done(i)
+        cast = None if casts is None else casts[i]
+        if cast is not None:
+            read += _read_cast(storage, meta, store, mine, get, rank, cast, window, after, array_done, progress, i)
+            continue
         if len(mine) == 1 and len(mine[0].targets) == 1 and storage.handles_packed(meta):
             # A small packed array read whole into one target: one key-value read per chunk.
             op, t = mine[0], mine[0].targets[0]
@@ -244,6 +255,61 @@ def read_arrays(
             read += nbytes
             window.add(future, nbytes, f"leaf {meta.key!r}: reading {op.region} of {meta.path!r}", fan_out)
     window.drain()
+    return read
+
+
+def _read_cast(
+    storage: Storage,
+    meta: ArrayMeta,
+    store: Any,
+    mine: Sequence[ReadOp],
+    get: PieceData,
+    rank: int | None,
+    cast: DType,
+    window: Window,
+    after: Callable[[int, ReadOp, np.ndarray], None] | None,
+    array_done: Callable[[int], None] | None,
+    progress: Callable[[int], None] | None,
+    i: int,
+) -> int:
+    """The reads ``mine`` of array ``i``, each into a buffer of the stored dtype converted into its targets
+    (of dtype ``cast``). The reads of one chunk are started together (the chunk is read once), their
+    buffers made just before: what is in memory beyond the targets is the window's bytes in flight."""
+    chunk = meta.chunk_shape
+    by_chunk: dict[tuple[int, ...], list[ReadOp]] = {}
+    for op in mine:  # (every planned read lies within one chunk)
+        by_chunk.setdefault(tuple(o // c for o, c in zip(op.region.offset, chunk, strict=True)), []).append(op)
+    itemsize = meta.dtype.itemsize
+    stored = meta.dtype
+    read = 0
+    left = len(mine)
+    for ops in by_chunk.values():
+        bufs = [np.empty(op.region.shape, dtype=stored.numpy) for op in ops]
+        starts = storage.read_chunks(meta, store, [(op.region, b) for op, b in zip(ops, bufs, strict=True)])
+        for op, buf, start in zip(ops, bufs, starts, strict=True):
+            outs = []
+            for t in sorted(op.targets, key=lambda t: t.rank != op.reader):
+                if rank is None or t.rank == rank:
+                    view, where = get(t.rank, t.piece)
+                    outs.append(view[t.region.relative_to(where).slices()])
+            nbytes = op.region.size * itemsize
+            left -= 1
+
+            def land(
+                buf: np.ndarray = buf, outs: list[np.ndarray] = outs, op: ReadOp = op, last: bool = left == 0
+            ) -> None:
+                convert(buf, stored, outs[0], cast)
+                for o in outs[1:]:
+                    o[...] = outs[0]
+                if after is not None:
+                    after(i, op, outs[0])  # (sent on in the target's dtype: every rank's target has it)
+                if progress is not None:
+                    progress(op.region.size * itemsize)
+                if last and array_done is not None:
+                    array_done(i)
+
+            read += nbytes
+            window.add(start(), nbytes, f"leaf {meta.key!r}: reading {op.region} of {meta.path!r}", land)
     return read
 
 

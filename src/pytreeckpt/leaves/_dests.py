@@ -43,14 +43,17 @@ def into(target: torch.Tensor, buffer: torch.Tensor) -> None:
 def small_result(meta: ArrayMeta, value: bytes, target: Any) -> Any:
     """A whole small array's result from its stored chunk (``meta.nbytes`` bytes of elements, checked).
 
-    A new tensor (a Parameter for a Parameter target), or a numpy array for the numpy
-    container with no target. The bytes are copied with ``memmove``: a tensor a numpy
-    view was ever taken of can no longer be resized, which a tensor torch itself loaded can.
+    A new tensor (a Parameter for a Parameter target) of the target's dtype (cast to it, when
+    the load casts), or a numpy array for the numpy container with no target. The bytes are
+    copied with ``memmove``: a tensor a numpy view was ever taken of can no longer be
+    resized, which a tensor torch itself loaded can.
     """
     if meta.container == "numpy" and target is None:
         return np.frombuffer(value, meta.dtype.numpy, math.prod(meta.shape)).reshape(meta.shape).copy()
     t = torch.empty(meta.shape, dtype=meta.dtype.torch)
     ctypes.memmove(t.data_ptr(), value, meta.nbytes)  # (the sizes agree: Storage.read_small checked the chunk's)
+    if target is not None and target.dtype != t.dtype:  # load(..., cast=True): converted as Tensor.to does
+        t = t.to(target.dtype)
     if target is not None and type(target) is torch.nn.Parameter:
         return torch.nn.Parameter(t, requires_grad=target.requires_grad)
     return t
@@ -97,8 +100,8 @@ def stored_for(key: str, stored: ArrayMeta | ValueMeta, leaf: Any, m: Matching) 
             m.problems.append(problem)
             return None
     shape, dtype = leaf.shape, dtype_of_torch(leaf.dtype)
-    if (array.shape != shape or array.dtype is not dtype) and m.mismatch(key, array, tuple(shape), dtype.name):
-        return None  # (compared at once where they agree, as at thousands of leaves a load they do)
+    if array.shape != shape or array.dtype is not dtype:  # (compared at once: at thousands of leaves they agree)
+        return m.fitting(key, array, tuple(shape), dtype)  # (another dtype: a stand-in to cast to, with cast=True)
     return array
 
 

@@ -98,7 +98,7 @@ def _dtensor_dest(
     on_device = local_target.device.type != "cpu"
     if inplace:
         if fillable(local_target):
-            made: Dest = dest_of(meta, layout, pieces, {me: local_target.detach()}, lambda: leaf, 0, ranks)
+            made: Dest = dest_of(meta, layout, pieces, {me: local_target.detach()}, lambda: leaf, 0, ranks, None)
             return made
         staged = buffers.tensor(tuple(local_target.shape), meta.dtype.torch, local_target.is_cuda)
 
@@ -107,7 +107,7 @@ def _dtensor_dest(
             return leaf
 
         moved = staged.numel() * staged.element_size() if on_device else 0
-        made = dest_of(meta, layout, pieces, {me: staged}, filled, moved, ranks)
+        made = dest_of(meta, layout, pieces, {me: staged}, filled, moved, ranks, None)
         return made
     local = buffers.tensor(tuple(local_target.shape), meta.dtype.torch, local_target.is_cuda)
 
@@ -124,5 +124,5 @@ def _dtensor_dest(
         )
 
     moved = local.numel() * local.element_size() if on_device else 0
-    made = dest_of(meta, layout, pieces, {me: local}, finish, moved, ranks)
+    made = dest_of(meta, layout, pieces, {me: local}, finish, moved, ranks, None)
     return made

@@ -11,6 +11,7 @@ own methods, not a branch ahead of the dispatch.
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from pytreeckpt.core._leaf import Abstract, piece_view
 from pytreeckpt.core._region import Region
 from pytreeckpt.core._sharding import Layout, Mesh, Piece, Replicate, ShardingSpec
 from pytreeckpt.core._slots import slots_constructor
+from pytreeckpt.execute._cast import cast_problem
 from pytreeckpt.execute._executor import PieceData
 from pytreeckpt.execute._memory import empty_host, empty_numpy
 from pytreeckpt.format import ArrayMeta, ValueMeta
@@ -88,6 +90,7 @@ class Dest:
     finish: Any  # callable: () -> result leaf
     device_bytes: int = 0  # bytes copied to a device by finish()
     ranks: range | tuple[int, ...] | None = None  # the rank of each position of ``layout``; None: position i on rank i
+    cast: DType | None = None  # the dtype of ``locals`` when a load casts to it from the stored ``meta.dtype``
 
     def spec(self) -> ArraySpec:
         meta = self.meta
@@ -177,6 +180,10 @@ class Matching:
     small: list[tuple[int, ArrayMeta, Any]] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     kinds: dict[Any, Any] = field(default_factory=dict)  # what targets of one layout share (a model's layers do)
+    cast: bool = False  # load(..., cast=True): a target of another dtype gets the stored array converted
+    casts: list[tuple[str, str, str]] = field(default_factory=list)  # (key, stored dtype, target dtype) cast
+    # a stand-in of a stored array with the target's dtype (what its destination is made of) -> (it, the stored)
+    stand_ins: dict[int, tuple[ArrayMeta, ArrayMeta]] = field(default_factory=dict)
 
     def stored_array(self, key: str, stored: ArrayMeta | ValueMeta) -> ArrayMeta | None:
         """``stored`` if it is an array (an array target was given); else None, the mismatch noted."""
@@ -187,6 +194,42 @@ class Matching:
             return None
         return stored
 
+    def fitting(self, key: str, stored: ArrayMeta, shape: tuple[int, ...], dtype: DType) -> ArrayMeta | None:
+        """What a target of ``shape`` and ``dtype`` loads of ``stored`` (None: a mismatch, noted): ``stored``
+        itself, or with ``cast`` a target of another dtype a stand-in of ``stored`` with the target's dtype,
+        to make its destination of (the destination is given back ``stored`` to read, see :meth:`unstand`)."""
+        if stored.dtype is dtype or not self.cast or stored.shape != shape:
+            return None if self.mismatch(key, stored, shape, dtype.name) else stored
+        if not self.castable(key, stored, dtype, note=True):
+            return None
+        stand_in = dataclasses.replace(stored, dtype=dtype)
+        self.stand_ins[id(stand_in)] = (stand_in, stored)
+        return stand_in
+
+    def castable(self, key: str, stored: ArrayMeta, dtype: DType, note: bool = False) -> bool:
+        """Whether ``stored`` casts to ``dtype`` (with ``cast``): if so it is reported; if not and ``note``,
+        the problem is noted."""
+        problem = cast_problem(stored.dtype, dtype) if self.cast else "no cast asked"
+        if problem is None:
+            self.casts.append((key, stored.dtype.name, dtype.name))
+            return True
+        if note:
+            self.problems.append(
+                f"leaf {where(key)}: the checkpoint's {stored.dtype.name} cannot be cast to the target's "
+                f"{dtype.name}: {problem}"
+            )
+        return False
+
+    def unstand(self) -> None:
+        """Give the destinations made of a stand-in (:meth:`fitting`) the stored array to read, and the dtype
+        to cast it to."""
+        if not self.stand_ins:
+            return
+        for _, d in self.dests:
+            got = self.stand_ins.get(id(d.meta))
+            if got is not None and got[0] is d.meta:
+                d.cast, d.meta = d.meta.dtype, got[1]
+
     def mismatch(self, key: str, stored: ArrayMeta, shape: tuple[int, ...], dtype_name: str) -> bool:
         """Whether the target's shape or dtype differs from the stored array's (noted as a problem)."""
         if stored.shape != shape:
@@ -195,6 +238,7 @@ class Matching:
         if stored.dtype.name != dtype_name:
             self.problems.append(
                 f"leaf {where(key)}: the checkpoint has dtype {stored.dtype.name}, the target has {dtype_name}"
+                + ("" if self.cast else " (load(..., cast=True) converts it)")
             )
             return True
         return False

@@ -208,10 +208,10 @@ def own_shard_dest(meta: ArrayMeta, own: tuple[Any, ...], buffers: Buffers) -> D
     # (finish: a partial, not a closure, for the many thousand leaves of a rank's load: one object, not seven)
     if mine is None:
         none = functools.partial(ShardedLeaf, shape, dtype, spec, {}, placement)
-        return dest_of(meta, spec, {}, {}, none, 0, placement)  # type: ignore[no-any-return]
+        return dest_of(meta, spec, {}, {}, none, 0, placement, None)  # type: ignore[no-any-return]
     local = buffers.tensor(local_shape, dtype, False)
     finish = functools.partial(ShardedLeaf, shape, dtype, spec, {mine: local}, placement)
-    return dest_of(meta, spec, pieces, {rank: local}, finish, 0, placement)  # type: ignore[no-any-return]
+    return dest_of(meta, spec, pieces, {rank: local}, finish, 0, placement, None)  # type: ignore[no-any-return]
 
 
 def own_shard_of(

@@ -132,7 +132,7 @@ class TensorKind(LeafKind):
             and small_whole(stored)
             and tuple(leaf.shape) == stored.shape
             and stored.dtype.name in TORCH_NAMES
-            and leaf.dtype == stored.dtype.torch
+            and (leaf.dtype == stored.dtype.torch or (m.cast and m.castable(key, stored, dtype_of_torch(leaf.dtype))))
         ):
             m.small.append((i, stored, leaf))  # read straight from its archive, without a plan
             return
@@ -186,11 +186,13 @@ class NumpyKind(LeafKind):
             return
         arr = np.asarray(leaf)
         try:
-            name = dtype_of_numpy(arr.dtype).name
+            dtype_of_numpy(arr.dtype)
         except ValueError as e:
             m.problems.append(f"leaf {where(key)}: {e}")
             return
-        if m.mismatch(key, array, tuple(arr.shape), name):
+        fit = m.fitting(key, array, tuple(arr.shape), dtype_of_numpy(arr.dtype))
+        if fit is None:
             return
+        array = fit
         param = leaf if m.inplace else None
         m.dests.append((i, full_dest(array, True, None, param, m.comm, m.inplace, buffers=m.buffers)))

@@ -15,11 +15,13 @@ array. ``pytreeckpt.api`` builds a :class:`LoadRequest` and runs these.
 from ._inspect import CheckpointMetadata, VerifyReport, inspect, read_region, region_of, verify_once
 from ._match import LoadRequest
 from ._open import again_if_replaced, open_checkpoint
+from ._report import LoadReport
 from ._run import LOAD_PLANS, load_once
 
 __all__ = [
     "LOAD_PLANS",
     "CheckpointMetadata",
+    "LoadReport",
     "LoadRequest",
     "VerifyReport",
     "again_if_replaced",

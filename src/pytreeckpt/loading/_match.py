@@ -28,6 +28,7 @@ from pytreeckpt.storage._location import Where, describe
 from ._inspect import ambiguity_error, ambiguous_keys
 from ._open import check_memory, parse
 from ._per_rank import SKIP, PerRankParts, per_rank_sites
+from ._report import LoadReport
 
 if TYPE_CHECKING:
     from pytreeckpt.distributed._comm import Comm
@@ -47,6 +48,9 @@ class LoadRequest:
     comm: Comm | None
     inplace: bool = False
     plan_only: bool = False  # plan_load: the plan only, no array read
+    cast: bool = False  # a target of another dtype gets the stored array converted to it
+    strict: bool = True  # False: the target's leaves the checkpoint lacks are kept, stored leaves left are no error
+    report: LoadReport | None = None  # filled in with what was missing, left over, cast
     per_rank: str = "own"  # what a per-rank part gives at another world size (loading/_per_rank.py)
 
 
@@ -127,6 +131,10 @@ def _match(request: LoadRequest, storage: Storage, doc: CheckpointDoc, carried: 
         structure, t_leaves, stored_of = parts.structure, parts.t_leaves, parts.stored_of
     elif t_paths is not None:
         stored_of = [by_path.get(p) for p in t_paths]
+    unexpected: list[str] = []
+    if target is not None:  # the stored leaves the target does not ask for (not read)
+        covered = parts.touched if parts is not None else set()  # (per-rank parts the target has: its policy's)
+        unexpected = _unexpected(stored_paths, doc, t_paths, covered)  # type: ignore[arg-type]
     # Before any destination is allocated: the stored bytes must back every claimed shape.
     wanted = [m for m in stored_of if type(m) is ArrayMeta]
     if not request.plan_only:  # (a plan reads no array: it needs only the metadata)
@@ -137,6 +145,8 @@ def _match(request: LoadRequest, storage: Storage, doc: CheckpointDoc, carried: 
     buffers = Buffers(huge=storage.options.huge_pages, meta=request.plan_only)
     lean = request.comm is None and not request.plan_only  # small whole arrays may be read without a plan
     m = Matching(request.comm, buffers, request.inplace, storage.small_whole if lean else None, [None] * len(t_leaves))
+    m.cast = request.cast
+    missing: list[str] = []
     kind, of_stored = KINDS.kind, KINDS.stored
     local = None
     if parts is not None:
@@ -145,11 +155,16 @@ def _match(request: LoadRequest, storage: Storage, doc: CheckpointDoc, carried: 
             m.results[i] = leaf
         if request.comm is not None and parts.local:
             local = Matching(None, buffers, request.inplace, None, m.results, problems=m.problems)
+            local.cast = request.cast
     with torch.no_grad():  # (a DTensor's to_local is then its local tensor, not an autograd call)
         for i, (leaf, stored) in enumerate(zip(t_leaves, stored_of, strict=True)):
             if stored is None:
                 # (a leaf found by its path has the key the save gave that path: keystr's, made once then)
-                m.problems.append(f"leaf {where(keystr(t_paths[i]))} of the target is not in the checkpoint")  # type: ignore[index]
+                missing.append(keystr(t_paths[i]))  # type: ignore[index]
+                if request.strict:
+                    m.problems.append(f"leaf {where(missing[-1])} of the target is not in the checkpoint")
+                else:
+                    m.results[i] = leaf  # (strict=False: the target's own leaf stays)
                 continue
             if stored is SKIP:
                 continue
@@ -159,8 +174,34 @@ def _match(request: LoadRequest, storage: Storage, doc: CheckpointDoc, carried: 
                 (kind(leaf) if as_target else of_stored(stored)).destination(i, stored.key, stored, leaf, into)
             except Exception as e:
                 carried.carry(e, stored.key)
+    if request.strict and unexpected:
+        m.problems += [f"leaf {where(k)} of the checkpoint is not in the target" for k in unexpected]
+        m.problems.append("(load(..., strict=False) loads the leaves both have and reports the others)")
+    m.unstand()
+    if local is not None:
+        local.unstand()
+    if request.report is not None:
+        report = request.report
+        casts = m.casts if local is None else sorted(m.casts + local.casts)
+        report.missing[:], report.unexpected[:], report.cast[:] = missing, unexpected, casts
     if m.problems:
         raise TargetMismatchError(
             f"the target does not match the checkpoint at {describe(path)}:\n  " + "\n  ".join(m.problems)
         )
     return Matched(storage, m, structure, local)
+
+
+def _unexpected(
+    stored_paths: list[tuple[KeyEntry, ...]], doc: CheckpointDoc, t_paths: list[Any], covered: set[Any]
+) -> list[str]:
+    """The keys of the stored leaves whose paths the target lacks, in the stored order (the leaves of per-rank
+    parts the target has, ``covered``, are not: the load's per_rank policy says which it reads)."""
+    if len(stored_paths) == len(t_paths) and stored_paths == t_paths:  # (the common case: the tree saved)
+        return []
+    asked = set(t_paths)
+    lengths = sorted({len(c) for c in covered})
+    return [
+        leaf.key
+        for p, leaf in zip(stored_paths, doc.leaves, strict=True)
+        if p not in asked and not any(p[:n] in covered for n in lengths)
+    ]

@@ -76,6 +76,7 @@ class PerRankParts:
     local: set[int] = field(default_factory=set)
     kept: dict[int, Any] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
+    touched: set[tuple[KeyEntry, ...]] = field(default_factory=set)  # the parts the target has leaves under
 
     def _refused(self, path: tuple[KeyEntry, ...], saved: int) -> None:
         self.problems.append(
@@ -130,6 +131,7 @@ class PerRankParts:
                 continue
             node, n = at[site], len(site)
             saved = len(node.children)
+            self.touched.add(site)
             if self.policy == "all":
                 stored_of.append(SKIP)
                 if all(site != q for q, _ in spliced):

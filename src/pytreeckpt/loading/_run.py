@@ -14,6 +14,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from pytreeckpt.core._dtypes import DType
 from pytreeckpt.distributed._agree import Carried, agree_on_specs, gather_spans
 from pytreeckpt.distributed._comm import data_comm
 from pytreeckpt.execute._executor import read_arrays
@@ -44,7 +45,8 @@ def load_once(request: LoadRequest, monitor: Monitor, seen: list[bytes] | None =
         specs = [d.spec() for _, d in dests]
     base: tuple[Any, ...] | None = None
     if comm is not None:
-        agreed = agree_on_specs(comm, specs, [d.meta.dtype.name for _, d in dests], "load", carried.error)
+        names = [d.meta.dtype.name if d.cast is None else f"{d.meta.dtype.name}->{d.cast.name}" for _, d in dests]
+        agreed = agree_on_specs(comm, specs, names, "load", carried.error)
         base = None if agreed is None else agreed[0]
         world = comm.world
     else:
@@ -66,6 +68,8 @@ def load_once(request: LoadRequest, monitor: Monitor, seen: list[bytes] | None =
     results, small, buffers = found.results, found.small, found.buffers
     metas = [d.meta for _, d in dests]
     getters = [d.get for _, d in dests]
+    to = [d.cast for _, d in dests]  # (the dtype each destination casts to, or None)
+    casts: list[DType | None] | None = to if any(c is not None for c in to) else None
     thread = threading.current_thread().name
     monitor.add(Span("load", "plan", me, t0, time.time(), 0, thread))
     h2d_bytes, h2d_seconds = [0], [0.0]
@@ -94,7 +98,14 @@ def load_once(request: LoadRequest, monitor: Monitor, seen: list[bytes] | None =
             # each array's host-to-device copy starts as soon as it is read, overlapping later reads
             with monitor.phase("load", "read", me) as box, Prefault(buffers.fresh):
                 box[0] = read_arrays(
-                    storage, metas, plan.arrays, getters, None, array_done=finish, progress=progress.advance
+                    storage,
+                    metas,
+                    plan.arrays,
+                    getters,
+                    None,
+                    array_done=finish,
+                    progress=progress.advance,
+                    casts=casts,
                 )
         else:
             error = None
@@ -104,13 +115,19 @@ def load_once(request: LoadRequest, monitor: Monitor, seen: list[bytes] | None =
                         box[0] = _read_local(storage, matched.local, progress.advance)
                 except Exception as e:
                     error = e
-            after, forward = data_comm(comm, "reading").read_forwarding(
-                plan.arrays, getters, [m.dtype.numpy for m in metas]
-            )
+            dtypes = [(d.meta.dtype if d.cast is None else d.cast).numpy for _, d in dests]  # (what is sent on)
+            after, forward = data_comm(comm, "reading").read_forwarding(plan.arrays, getters, dtypes)
             try:
                 with monitor.phase("load", "read", me) as box, Prefault(buffers.fresh):
                     box[0] = read_arrays(
-                        storage, metas, plan.arrays, getters, comm.rank, after=after, progress=progress.advance
+                        storage,
+                        metas,
+                        plan.arrays,
+                        getters,
+                        comm.rank,
+                        after=after,
+                        progress=progress.advance,
+                        casts=casts,
                     )
             except Exception as e:
                 error = e
@@ -136,13 +153,8 @@ def load_once(request: LoadRequest, monitor: Monitor, seen: list[bytes] | None =
 
 def _read_local(storage: Any, local: Matching, progress: Any) -> int:
     """Read the leaves ``local`` holds (this rank's alone) as a single process reads: planned for one rank."""
-    results, dests = local.results, local.dests
+    results, dests = local.results, local.dests  # (no small array read without a plan: its small_whole is None)
     nbytes = 0
-    if local.small:
-        values = storage.read_small([m for _, m, _ in local.small])
-        for (i, meta, leaf), value in zip(local.small, values, strict=True):
-            results[i] = small_result(meta, value, leaf)
-            nbytes += meta.nbytes
     if dests:
         specs = [d.spec() for _, d in dests]
         plan = plan_load([d.meta.chunk_shape for _, d in dests], specs, 1)
@@ -152,7 +164,11 @@ def _read_local(storage: Any, local: Matching, progress: Any) -> int:
             results[i] = d.finish()
 
         metas, getters = [d.meta for _, d in dests], [d.get for _, d in dests]
-        nbytes += read_arrays(storage, metas, plan.arrays, getters, None, array_done=done, progress=progress)
+        to = [d.cast for _, d in dests]
+        casts = to if any(c is not None for c in to) else None
+        nbytes += read_arrays(
+            storage, metas, plan.arrays, getters, None, array_done=done, progress=progress, casts=casts
+        )
     return nbytes
 
 
