@@ -21,7 +21,7 @@ from pytreeckpt.core._node import Node, leaf_node
 from pytreeckpt.core._tree import flatten
 from pytreeckpt.distributed._agree import Carried
 from pytreeckpt.format import ArrayMeta, CheckpointDoc, ValueMeta
-from pytreeckpt.leaves import KINDS, Buffers, Matching, is_leaf
+from pytreeckpt.leaves import KINDS, Buffers, Matching, Objects, expand_target, is_leaf
 from pytreeckpt.storage import ExecutorOptions, Storage
 from pytreeckpt.storage._location import Where, describe
 
@@ -55,6 +55,7 @@ class Matched:
     storage: Storage
     matching: Matching
     structure: Node
+    objects: Objects | None = None  # the target's objects: the result is objects.restore(results)
 
 
 def match(request: LoadRequest, carried: Carried, seen: list[bytes] | None) -> Matched | None:
@@ -82,6 +83,7 @@ def match(request: LoadRequest, carried: Carried, seen: list[bytes] | None) -> M
 def _match(request: LoadRequest, storage: Storage, doc: CheckpointDoc, carried: Carried) -> Matched:
     target, include, path = request.target, request.include, request.path
     t_paths: list[tuple[KeyEntry, ...]] | None = None  # the target's key paths (None: the stored tree's)
+    objects: Objects | None = None  # the target's objects, restored after the read
     stored_of: list[ArrayMeta | ValueMeta | None]
     if include is None and target is None:  # the stored tree: its leaves in order, no paths to match
         t_leaves: list[Any] = [None] * len(doc.leaves)
@@ -108,6 +110,9 @@ def _match(request: LoadRequest, storage: Storage, doc: CheckpointDoc, carried: 
         structure = Node("dict", [("s", leaf.key) for _, leaf in chosen], [leaf_node(i) for i in range(len(chosen))])
     elif target is not None:
         t_leaves, t_paths, structure = flatten(target, is_leaf, namespace=request.namespace)
+        objects = expand_target(t_leaves, t_paths, structure, doc.tree, request.namespace)
+        if objects is not None:  # the target's objects as the checkpoint's subtrees at their keys
+            t_leaves, t_paths, structure = flatten(objects.tree, is_leaf, namespace=request.namespace)
     if t_paths is not None:
         stored_of = [by_path.get(p) for p in t_paths]
     # Before any destination is allocated: the stored bytes must back every claimed shape.
@@ -120,6 +125,8 @@ def _match(request: LoadRequest, storage: Storage, doc: CheckpointDoc, carried: 
     buffers = Buffers(huge=storage.options.huge_pages, meta=request.plan_only)
     lean = request.comm is None and not request.plan_only  # small whole arrays may be read without a plan
     m = Matching(request.comm, buffers, request.inplace, storage.small_whole if lean else None, [None] * len(t_leaves))
+    if objects is not None:
+        m.problems.extend(objects.problems)
     kind, of_stored = KINDS.kind, KINDS.stored
     with torch.no_grad():  # (a DTensor's to_local is then its local tensor, not an autograd call)
         for i, (leaf, stored) in enumerate(zip(t_leaves, stored_of, strict=True)):
@@ -135,4 +142,4 @@ def _match(request: LoadRequest, storage: Storage, doc: CheckpointDoc, carried: 
         raise TargetMismatchError(
             f"the target does not match the checkpoint at {describe(path)}:\n  " + "\n  ".join(m.problems)
         )
-    return Matched(storage, m, structure)
+    return Matched(storage, m, structure, objects)

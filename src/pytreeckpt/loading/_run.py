@@ -15,11 +15,11 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pytreeckpt.distributed._agree import Carried, agree_on_specs, gather_spans
-from pytreeckpt.distributed._comm import data_comm
+from pytreeckpt.distributed._comm import Comm, data_comm
 from pytreeckpt.execute._executor import read_arrays
 from pytreeckpt.execute._memory import Prefault
 from pytreeckpt.execute._monitor import Monitor, Progress, Span
-from pytreeckpt.leaves import small_result, span
+from pytreeckpt.leaves import Objects, small_result, span
 from pytreeckpt.plan import ArraySpec, LoadPlan, PlanCache, plan_load, spec_plan_key
 
 from ._match import LoadRequest, match
@@ -125,7 +125,23 @@ def load_once(request: LoadRequest, monitor: Monitor, seen: list[bytes] | None =
         monitor.add(Span("load", "h2d", me, end - h2d_seconds[0], end, h2d_bytes[0], thread))
     if comm is not None:
         gather_spans(comm, monitor)
+    if matched.objects is not None:
+        return _restored(matched.objects, results, comm)
     return matched.structure.unflatten(results)
+
+
+def _restored(objects: Objects, results: list[Any], comm: Comm | None) -> Any:
+    """The result tree, each object of the target given its loaded state (in a distributed load, once every rank
+    read its part; a rank whose object refused its state makes every rank raise)."""
+    if comm is None:
+        return objects.restore(results)
+    error, tree = None, None
+    try:
+        tree = objects.restore(results)
+    except Exception as e:
+        error = e
+    comm.agree(error, "restoring the target's objects")
+    return tree
 
 
 def _held(plan: LoadPlan, held: Sequence[Mapping[int, Any]]) -> LoadPlan:
