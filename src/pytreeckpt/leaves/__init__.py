@@ -36,8 +36,17 @@ from typing import Any
 from ._dests import small_result
 from ._dtensor import DTensorKind
 from ._kind import KINDS, SINGLE, ArrayIn, Buffers, Describing, Dest, LeafKind, Matching, Registry, span
-from ._object import AS_STORED, AsStoredKind, ModuleKind, ObjectKind, Objects, OptimizerKind, StatefulKind
-from ._object import expand_save, expand_target
+from ._object import (
+    AS_STORED,
+    AsStoredKind,
+    ModuleKind,
+    ObjectKind,
+    Objects,
+    OptimizerKind,
+    StatefulKind,
+    expand_save,
+    expand_target,
+)
 from ._sharded import AbstractKind, ShardedKind
 from ._sources import plain_data
 from ._value import ValueKind, value_entry
@@ -77,13 +86,13 @@ __all__ = [
     "ObjectKind",
     "Objects",
     "Registry",
+    "expand_save",
+    "expand_target",
     "is_leaf",
     "is_value",
     "plain_data",
     "plain_in",
     "small_result",
     "span",
-    "expand_save",
-    "expand_target",
     "value_entry",
 ]

@@ -1,4 +1,4 @@
-"""Objects with ``state_dict()`` and ``load_state_dict()``: each is saved as its state dict's subtree, and restored in place.
+"""Objects with ``state_dict()`` and ``load_state_dict()``: saved as their state dicts' subtrees, restored in place.
 
 Models (``nn.Module``), optimizers, LR schedulers, ``GradScaler``, stateful dataloaders and
 a user's class are leaves of the kinds here (:class:`ModuleKind`, :class:`OptimizerKind`,
@@ -257,7 +257,9 @@ class Objects:
                 continue
             count = len(f.indices)
             assert f.node is not None
-            loaded = f.node.unflatten(cast(Sequence[Any], dict(zip(f.indices, results[pos : pos + count], strict=True))))
+            loaded = f.node.unflatten(
+                cast(Sequence[Any], dict(zip(f.indices, results[pos : pos + count], strict=True)))
+            )
             pos += count
             try:
                 f.kind.restore(f.obj, loaded, f.key, self)
@@ -273,7 +275,7 @@ class Objects:
 def _find(leaves: Sequence[Any], key_of: Callable[[int], str]) -> list[Found]:
     """The objects among ``leaves`` (one kind lookup per type: a tree of tensors pays no call per leaf)."""
     kinds: dict[type, ObjectKind] = {}
-    for t, x in dict(zip(map(type, leaves), leaves)).items():
+    for t, x in dict(zip(map(type, leaves), leaves, strict=False)).items():
         kind = KINDS.of(x)
         if isinstance(kind, ObjectKind):
             kinds[t] = kind
