@@ -354,3 +354,51 @@ def test_a_checkpoint_saved_by_either_route_loads_by_the_other(tmp_path: Path) -
     pytreeckpt.load(path + "_again", {"model": model2, "optim": opt2})
     assert _equal(opt.state_dict(), opt2.state_dict())
     assert _equal(model.state_dict(), model2.state_dict())
+
+
+class Growing:
+    """A user's object whose state changes structure as it runs: a value that becomes a dict, a history tensor."""
+
+    def __init__(self) -> None:
+        self.cursor: dict[str, Any] | None = None
+        self.history = torch.zeros(0)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"cursor": self.cursor, "history": self.history}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.cursor, self.history = sd["cursor"], sd["history"]
+
+
+def test_an_objects_state_is_the_checkpoints_whatever_its_own_holds(tmp_path: Path) -> None:
+    g = Growing()
+    g.cursor, g.history = {"epoch": 2, "seed": torch.tensor([7])}, torch.arange(5.0)
+    pytreeckpt.save(tmp_path / "c", {"g": g})
+    fresh = Growing()  # a value where the checkpoint has a dict, an empty tensor where it has five elements
+    pytreeckpt.load(tmp_path / "c", {"g": fresh})
+    assert _equal(fresh.state_dict(), g.state_dict())
+    pytreeckpt.save(tmp_path / "d", {"g": Growing()})
+    pytreeckpt.load(tmp_path / "d", {"g": g})  # and back: a dict where the checkpoint has None
+    assert g.cursor is None
+    assert g.history.shape == (0,)
+
+
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
+def test_a_stateful_dataloader_resumes_where_it_was(tmp_path: Path) -> None:
+    sdl = pytest.importorskip("torchdata.stateful_dataloader")
+
+    def loader() -> Any:
+        return sdl.StatefulDataLoader(list(range(40)), batch_size=3, shuffle=True)
+
+    torch.manual_seed(0)
+    dl = loader()
+    it = iter(dl)
+    for _ in range(4):
+        next(it)
+    pytreeckpt.save(tmp_path / "c", {"data": dl, "step": 4})
+    rest = [b.tolist() for b in it]
+    torch.manual_seed(1)
+    dl2 = loader()
+    out = pytreeckpt.load(tmp_path / "c", {"data": dl2, "step": 0})
+    assert out["data"] is dl2
+    assert [b.tolist() for b in dl2] == rest

@@ -31,6 +31,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from pytreeckpt.core._dtypes import TORCH_NAMES
 from pytreeckpt.core._errors import CheckpointError, where
 from pytreeckpt.core._keys import KeyEntry, keystr
 from pytreeckpt.core._node import Node
@@ -45,6 +46,7 @@ from pytreeckpt.distributed._objects import (
 from pytreeckpt.format import ArrayMeta, ValueMeta
 
 from ._kind import KINDS, Describing, LeafKind, Matching
+from ._value import ValueKind
 
 __all__ = [
     "AS_STORED",
@@ -63,6 +65,7 @@ class ObjectKind(LeafKind):
     """An object saved as its state dict's subtree and restored in place: what every object kind does."""
 
     name = "object"
+    strict = False  # whether a load target's own state must match the checkpoint's (else the checkpoint's is taken)
 
     def claims(self, t: type) -> bool:
         return (
@@ -98,6 +101,7 @@ class ModuleKind(ObjectKind):
     torch.distributed is initialised."""
 
     name = "module"
+    strict = True
 
     def claims(self, t: type) -> bool:
         return issubclass(t, nn.Module)
@@ -299,13 +303,23 @@ def expand_save(leaves: list[Any], keys: list[str], root: Node) -> Any | None:
 
 
 def expand_target(
-    leaves: list[Any], paths: list[tuple[KeyEntry, ...]], root: Node, stored: Node, namespace: str
+    leaves: list[Any],
+    paths: list[tuple[KeyEntry, ...]],
+    root: Node,
+    stored: Node,
+    metas: Sequence[ArrayMeta | ValueMeta],
+    namespace: str,
 ) -> Objects | None:
     """A load target's objects (None if it holds none), with ``tree``: the target with each object's state in
-    its place, shaped as the checkpoint's subtree at its key path (``stored``: the checkpoint's structure).
+    its place, shaped as the checkpoint's subtree at its key path (``stored``: the checkpoint's structure,
+    ``metas``: its leaves).
 
-    A stored leaf the object's state lacks is loaded as stored (:data:`AS_STORED`); a leaf of its state the
-    checkpoint lacks, and an object whose key path holds no subtree in the checkpoint, are ``problems``.
+    The checkpoint's state is what an object gets: the object's own leaves say only where it goes (its
+    tensors' memory, its DTensors' layout). A stored leaf the object's state lacks is loaded as stored
+    (:data:`AS_STORED`); so is one the object holds as another kind of leaf (a value for an array, an array of
+    another shape or dtype), except in a model (a ``strict`` kind), where that is a mismatch, as is a leaf
+    of the model's state the checkpoint lacks (a load's problems are listed before any read). An object whose
+    key path holds no subtree in the checkpoint is a problem.
     """
     found = _find(leaves, lambda i: keystr(paths[i]))
     if not found:
@@ -329,12 +343,34 @@ def expand_target(
             raise CheckpointError(f"leaf {where(f.key)}: its state dict: {e}") from None
         mine = dict(zip(s_paths, s_leaves, strict=True))
         f.node, f.indices = sub, _leaf_indices(sub)
-        values = {i: mine.pop(p, AS_STORED) for i, p in zip(f.indices, sub.paths(), strict=True)}
-        for p in mine:
-            objects.problems.append(f"leaf {where(f.key + '.' + keystr(p))} of the target is not in the checkpoint")
+        strict = f.kind.strict
+        values = {}
+        for i, p in zip(f.indices, sub.paths(), strict=True):
+            leaf = mine.pop(p, AS_STORED)
+            values[i] = leaf if strict or leaf is AS_STORED or _fits(leaf, metas[i]) else AS_STORED
+        if strict:
+            for p in mine:
+                below = keystr(p)
+                objects.problems.append(
+                    f"leaf {where(f.key + '.' + below if f.key and below else f.key or below)} of the target is not "
+                    f"in the checkpoint"
+                )
         expanded[f.index] = sub.unflatten(cast(Sequence[Any], values))
     objects.tree = root.unflatten(expanded)
     return objects
+
+
+def _fits(leaf: Any, meta: ArrayMeta | ValueMeta) -> bool:
+    """Whether target ``leaf`` can take stored leaf ``meta`` as it is (a value a value; an array an array of its
+    shape and dtype)."""
+    if isinstance(meta, ValueMeta):
+        return isinstance(KINDS.of(leaf), ValueKind)
+    shape, dtype = getattr(leaf, "shape", None), getattr(leaf, "dtype", None)
+    if shape is None or tuple(shape) != meta.shape:
+        return False
+    if isinstance(dtype, torch.dtype):
+        return meta.dtype.name in TORCH_NAMES and dtype == meta.dtype.torch
+    return True
 
 
 def _subnode(node: Node, path: tuple[KeyEntry, ...]) -> Node | None:
