@@ -90,3 +90,24 @@ def helpers_route_load(rank: int, world: int, path: str) -> dict[str, Any]:
     msd, osd = _state_dicts(model, opt)
     pytreeckpt.save(path + "_again", {"model": model, "optim": opt})
     return {"model": _full(msd), "optim": _full(osd)}
+
+
+def objects_on_one_rank_only(rank: int, world: int, path: str) -> str:
+    """Rank 0's target holds the model as an object, rank 1's its state dict: refused on both, not a hang."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 3)
+    pytreeckpt.save(path, {"model": model})
+    try:
+        pytreeckpt.load(path, {"model": model if rank == 0 else model.state_dict()})
+    except pytreeckpt.CheckpointError as e:
+        return str(e)
+    return "no error"
+
+
+def optimizer_without_its_model(rank: int, world: int, path: str) -> str:
+    _, opt, _, _ = build(world, "plain", seed=0)
+    try:
+        pytreeckpt.save(path, {"optim": opt})
+    except pytreeckpt.CheckpointError as e:
+        return str(e)
+    return "no error"

@@ -402,3 +402,15 @@ def test_a_stateful_dataloader_resumes_where_it_was(tmp_path: Path) -> None:
     out = pytreeckpt.load(tmp_path / "c", {"data": dl2, "step": 0})
     assert out["data"] is dl2
     assert [b.tolist() for b in dl2] == rest
+
+
+def test_ranks_that_disagree_on_objects_are_refused(tmp_path: Path) -> None:
+    for r in run_world(2, ow.objects_on_one_rank_only, str(tmp_path / "c")):
+        assert "ranks disagree on the state to load" in r, r
+        assert "'model (a Linear object)' only on rank 0" in r, r
+
+
+def test_a_distributed_optimizer_needs_its_model_in_the_tree(tmp_path: Path) -> None:
+    for r in run_world(2, ow.optimizer_without_its_model, str(tmp_path / "c")):
+        assert "leaf 'optim'" in r, r
+        assert "need its model: put the model whose parameters it optimizes in the same tree" in r, r

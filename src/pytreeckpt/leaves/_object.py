@@ -240,6 +240,10 @@ class Objects:
             )
         return None
 
+    def described(self) -> list[str]:
+        """The objects, as ranks compare them before a distributed load (each restores its own after it)."""
+        return [f"{f.key or '(root)'} (a {type(f.obj).__name__} object)" for f in self.found]
+
     def state_of(self, f: Found) -> Any:
         try:
             return f.kind.state(f.obj, f.key, self)

@@ -44,7 +44,9 @@ def load_once(request: LoadRequest, monitor: Monitor, seen: list[bytes] | None =
         specs = [d.spec() for _, d in dests]
     base: tuple[Any, ...] | None = None
     if comm is not None:
-        agreed = agree_on_specs(comm, specs, [d.meta.dtype.name for _, d in dests], "load", carried.error)
+        # (a target's objects are restored after an agreement of their own: every rank must hold them)
+        objects = [] if matched is None or matched.objects is None else matched.objects.described()
+        agreed = agree_on_specs(comm, specs, [d.meta.dtype.name for _, d in dests], "load", carried.error, objects)
         base = None if agreed is None else agreed[0]
         world = comm.world
     else:
