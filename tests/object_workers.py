@@ -35,9 +35,11 @@ def fsdp_objects_save(rank: int, world: int, path: str, steps: int, more: int) -
     return {"losses": losses, "state": full if rank == 0 else None, "sched": sched.state_dict()}
 
 
-def fsdp_objects_resume(rank: int, world: int, path: str, more: int, inplace: bool) -> dict[str, Any]:
-    """Resume from objects: a model of another init, a fresh AdamW and scheduler, loaded with no glue."""
-    model, opt, dp_rank, dp_size = build(world, "fsdp", seed=123)
+def fsdp_objects_resume(
+    rank: int, world: int, path: str, more: int, inplace: bool, layout: str = "fsdp"
+) -> dict[str, Any]:
+    """Resume from objects: a model of another init in ``layout``, a fresh AdamW and scheduler, loaded with no glue."""
+    model, opt, dp_rank, dp_size = build(world, layout, seed=123)
     sched = _sched(opt)
     before = {n: p.to_local().data_ptr() for n, p in model.named_parameters()}
     out = pytreeckpt.load(path, {"model": model, "optim": opt, "sched": sched, "step": 0}, inplace=inplace)

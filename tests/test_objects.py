@@ -329,6 +329,14 @@ def test_fsdp2_objects_resume_at_two_ranks(fsdp_objects: tuple[Path, dict[str, A
     assert results[0]["losses"] == pytest.approx(saved["losses"], rel=1e-4)
 
 
+def test_fsdp2_objects_resume_on_a_2x2_fsdp_tp_mesh(fsdp_objects: tuple[Path, dict[str, Any]]) -> None:
+    path, saved = fsdp_objects
+    results = run_world(4, ow.fsdp_objects_resume, str(path), MORE, False, "fsdp_tp")
+    assert all(r["same"] and r["sharded"] for r in results)
+    _same_state(results[0]["state"], saved["state"])
+    assert results[0]["losses"] == pytest.approx(saved["losses"], rel=1e-4)
+
+
 def test_a_failing_restore_on_one_rank_fails_every_rank(tmp_path: Path) -> None:
     results = run_world(2, ow.restore_fails_on_one_rank, str(tmp_path / "c"))
     for r in results:
