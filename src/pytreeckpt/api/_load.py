@@ -74,9 +74,14 @@ def load(
         :class:`Abstract` (a full tensor, or the shards of its spec), a DTensor (its
         mesh and placements), or a plain Python value (replaced by the stored value;
         a stored enum member comes back as a member of the target leaf's enum type, or
-        of its own type if that type's module is imported). Stored leaves the target
-        lacks are an error, or with ``strict=False`` not read. A tensor on the meta device holds no memory to load into
-        and is refused.
+        of its own type if that type's module is imported), or an object with
+        ``state_dict()`` and ``load_state_dict()`` (a model, optimizer, LR scheduler,
+        GradScaler, dataloader: the stored subtree at its key is loaded where its own
+        state says, its leaves it lacks or holds in another form as stored, then given
+        to it in place, through torch's distributed state-dict helpers for models with
+        DTensor parameters or under torch.distributed, and their optimizers; the result
+        holds the object itself). Stored leaves the target lacks are an error, or with
+        ``strict=False`` not read. A tensor on the meta device holds no memory to load into and is refused.
       namespace: the optree namespace of custom pytree nodes.
       executor: concurrency of the I/O.
       include: key-path globs (``fnmatch``, e.g. ``"model.layers.*.weight"``): load only
@@ -98,7 +103,8 @@ def load(
         tensor whose memory cannot take them (on a GPU, or a non-contiguous view) gets a
         buffer of its own size, copied into it once read. Peak memory is the state plus
         at most those buffers, not twice the state as ``load`` then
-        ``load_state_dict``. Leaves with no memory (:class:`Abstract`) and plain Python
+        ``load_state_dict``; a model given as an object is read into its parameters.
+        Leaves with no memory (:class:`Abstract`) and plain Python
         values come back as ``load`` makes them. If the load fails, the target's tensors
         may hold part of the checkpoint (the error says so). Needs ``target``.
       cast: a target leaf of another dtype than the stored array (a tensor, Parameter,
@@ -134,7 +140,12 @@ def load(
       TargetMismatchError: listing every target leaf that the checkpoint lacks or that
         differs in shape, dtype (without ``cast``; or a dtype ``cast`` cannot convert) or
         kind, and (with ``strict``) every stored leaf the target lacks, meta-device
-        targets, and enum members whose type is neither imported nor given by the target.
+        targets, enum members whose type is neither imported nor given by the target,
+        objects whose key holds no subtree in the checkpoint, and a model's keys the
+        checkpoint lacks.
+      CheckpointError: an object's ``load_state_dict`` refused its loaded state (naming
+        its key path; in a distributed load, on every rank, after every rank read); a
+        per-rank part saved at another world size, with ``per_rank="own"``.
       MetadataError: the metadata is malformed or unsafe, or ``include`` selects a key
         path that names several leaves (documents of older versions).
     """

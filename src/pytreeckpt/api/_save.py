@@ -56,8 +56,16 @@ def save(
       tree: a pytree whose leaves are tensors, numpy arrays, :class:`ShardedLeaf` or
         plain Python values (int, float, bool, str, None, and enum members of those),
         nested at most 100 levels, with arrays of at most 32 dims. Every leaf's dotted
-        key path must name it alone: ``{"a.b": x, "a": {"b": y}}`` is refused.
-      spec: a pytree prefix of ``tree`` whose leaves are sharding specs or None. A
+        key path must name it alone: ``{"a.b": x, "a": {"b": y}}`` is refused. A leaf
+        may also be an object with ``state_dict()`` and ``load_state_dict()`` (an
+        ``nn.Module``, an optimizer, an LR scheduler, a ``GradScaler``, a stateful
+        dataloader, a class of the user's): it is saved as its state dict's subtree.
+        A model with DTensor parameters, or any model once torch.distributed is
+        initialised, and its optimizer (paired with the model of the tree whose
+        parameters it optimizes) give their state through torch's distributed
+        state-dict helpers; an optimizer with its model is stored keyed by parameter name.
+      spec: a pytree prefix of ``tree`` whose leaves are sharding specs or None (a
+        prefix at an object's key covers its whole state dict). A
         tensor under a spec is the global tensor, laid out as the spec says: this
         decides the chunk grid and which rank writes what.
       overwrite: replace a committed checkpoint at ``path``.
@@ -98,7 +106,8 @@ def save(
     Raises:
       CheckpointError: naming the leaf, for anything that cannot be saved (meta, sparse,
         nested and quantized tensors, subclasses of int, float and str that are not
-        enums, colliding key paths), before anything is written. In a distributed save
+        enums, colliding key paths, an object whose ``state_dict()`` fails, a
+        distributed optimizer without its model in the tree), before anything is written. In a distributed save
         every rank raises if any rank failed (the same error, naming the failed ranks and
         what failed there), and nothing is committed.
 

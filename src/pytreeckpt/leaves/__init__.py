@@ -12,9 +12,19 @@ kind           leaves                                          module
 ``sharded``    :class:`ShardedLeaf`                            ``_sharded``
 ``abstract``   :class:`Abstract`                               ``_sharded``
 ``tensor``     torch tensors and Parameters                    ``_whole``
+``as_stored``  ``AS_STORED``: a target leaf loaded as stored   ``_object``
+``module``     ``nn.Module`` (a subtree: its state dict)       ``_object``
+``optimizer``  ``torch.optim.Optimizer`` (likewise)             ``_object``
+``stateful``   other objects with ``state_dict()`` and         ``_object``
+               ``load_state_dict()`` (likewise)
 ``numpy``      numpy arrays and scalars (and any other leaf)   ``_whole``
 ``value``      bool, int, float, str, None, their enums        ``_value``
 =============  ==============================================  ===============
+
+Objects (the ``module``, ``optimizer`` and ``stateful`` kinds) are leaves of a tree as the
+user gives it; a save and a load put their state dicts in their place before describing
+or matching (:func:`expand_save`, :func:`expand_target`) and restore them after a load
+(:meth:`Objects.restore`).
 
 A new kind of leaf is a new :class:`LeafKind` registered here; nothing else dispatches
 on a leaf's type. Building a kind's result is this package's; talking to other ranks,
@@ -26,6 +36,17 @@ from typing import Any
 from ._dests import small_result
 from ._dtensor import DTensorKind
 from ._kind import KINDS, SINGLE, ArrayIn, Buffers, Describing, Dest, LeafKind, Matching, Registry, span
+from ._object import (
+    AS_STORED,
+    AsStoredKind,
+    ModuleKind,
+    ObjectKind,
+    Objects,
+    OptimizerKind,
+    StatefulKind,
+    expand_save,
+    expand_target,
+)
 from ._sharded import AbstractKind, ShardedKind
 from ._sources import plain_data
 from ._value import ValueKind, value_entry
@@ -35,6 +56,10 @@ KINDS.register(DTensorKind())  # (a torch.Tensor subclass: before the tensor kin
 KINDS.register(ShardedKind())
 KINDS.register(AbstractKind())
 KINDS.register(TensorKind())
+KINDS.register(AsStoredKind())
+KINDS.register(ModuleKind())
+KINDS.register(OptimizerKind())
+KINDS.register(StatefulKind())  # (after the modules and optimizers, which have state_dict too)
 KINDS.register(NumpyKind(), fallback=True)  # (numpy scalars subclass float: before the values)
 KINDS.register(ValueKind(), value=True)
 
@@ -48,6 +73,7 @@ def is_value(x: Any) -> bool:
 
 
 __all__ = [
+    "AS_STORED",
     "KINDS",
     "PLAIN",
     "SINGLE",
@@ -57,7 +83,11 @@ __all__ = [
     "Dest",
     "LeafKind",
     "Matching",
+    "ObjectKind",
+    "Objects",
     "Registry",
+    "expand_save",
+    "expand_target",
     "is_leaf",
     "is_value",
     "plain_data",

@@ -287,6 +287,7 @@ class Registry:
         self._by_container: dict[str, LeafKind] = {}
         self._value: LeafKind | None = None
         self._fallback: LeafKind | None = None
+        self._met: dict[type, tuple[int, frozenset[type]]] = {}  # kind class -> (len(_by_type), its types met)
 
     def register(self, kind: LeafKind, *, value: bool = False, fallback: bool = False) -> None:
         """Add ``kind`` after those registered (earlier kinds are asked first: a subclass's kind goes before).
@@ -296,6 +297,7 @@ class Registry:
         """
         self._kinds.append(kind)
         self._by_type.clear()
+        self._met.clear()
         if kind.container is not None:
             self._by_container.setdefault(kind.container, kind)
         if value:
@@ -323,6 +325,16 @@ class Registry:
             assert self._fallback is not None
             return self._fallback
         return kind
+
+    def met(self, cls: type[LeafKind]) -> frozenset[type]:
+        """The types met so far (asked :meth:`of`) whose kind is a ``cls``: none means a tree just flattened
+        holds no leaf of such a kind, known without a look at its leaves."""
+        n = len(self._by_type)
+        got = self._met.get(cls)
+        if got is None or got[0] != n:
+            types = frozenset(t for t, k in self._by_type.items() if isinstance(k, cls))
+            got = self._met[cls] = (n, types)
+        return got[1]
 
     def is_leaf(self, x: Any) -> bool:
         """Whether ``x`` is a leaf of some kind (what flattening a tree stops at)."""

@@ -21,7 +21,7 @@ from pytreeckpt.core._node import Node, leaf_node
 from pytreeckpt.core._tree import flatten
 from pytreeckpt.distributed._agree import Carried
 from pytreeckpt.format import ArrayMeta, CheckpointDoc, ValueMeta
-from pytreeckpt.leaves import KINDS, Buffers, Matching, is_leaf
+from pytreeckpt.leaves import KINDS, Buffers, Matching, Objects, expand_target, is_leaf
 from pytreeckpt.storage import ExecutorOptions, Storage
 from pytreeckpt.storage._location import Where, describe
 
@@ -62,6 +62,7 @@ class Matched:
     matching: Matching
     structure: Node
     local: Matching | None = None  # in a distributed load, this rank's own per-rank leaves: read by it alone
+    objects: Objects | None = None  # the target's objects: the result is objects.restore(results)
 
 
 def match(request: LoadRequest, carried: Carried, seen: list[bytes] | None) -> Matched | None:
@@ -89,6 +90,7 @@ def match(request: LoadRequest, carried: Carried, seen: list[bytes] | None) -> M
 def _match(request: LoadRequest, storage: Storage, doc: CheckpointDoc, carried: Carried) -> Matched:
     target, include, path = request.target, request.include, request.path
     t_paths: list[tuple[KeyEntry, ...]] | None = None  # the target's key paths (None: the stored tree's)
+    objects: Objects | None = None  # the target's objects, restored after the read
     stored_of: list[ArrayMeta | ValueMeta | None]
     if include is None and target is None:  # the stored tree: its leaves in order, no paths to match
         t_leaves: list[Any] = [None] * len(doc.leaves)
@@ -115,6 +117,9 @@ def _match(request: LoadRequest, storage: Storage, doc: CheckpointDoc, carried: 
         structure = Node("dict", [("s", leaf.key) for _, leaf in chosen], [leaf_node(i) for i in range(len(chosen))])
     elif target is not None:
         t_leaves, t_paths, structure = flatten(target, is_leaf, namespace=request.namespace)
+        objects = expand_target(t_leaves, t_paths, structure, doc.tree, doc.leaves, request.namespace)
+        if objects is not None:  # the target's objects as the checkpoint's subtrees at their keys
+            t_leaves, t_paths, structure = flatten(objects.tree, is_leaf, namespace=request.namespace)
     given = len(t_leaves)
     sites = per_rank_sites(doc.tree) if include is None else []
     parts = None
@@ -127,6 +132,12 @@ def _match(request: LoadRequest, storage: Storage, doc: CheckpointDoc, carried: 
             parts.stored(doc.tree, doc.leaves)
         else:
             parts.target(t_leaves, t_paths, structure, by_path, doc.leaves)  # type: ignore[arg-type]
+            if objects is not None and request.per_rank == "all" and parts.touched:
+                raise TargetMismatchError(
+                    "load(..., per_rank='all') puts every saved rank's subtree in place of the target's, which a "
+                    "target holding objects (restored in place) cannot take: load with per_rank='keep', or read "
+                    "every rank's part with load(path, per_rank='all') and no target"
+                )
         assert parts.structure is not None
         structure, t_leaves, stored_of = parts.structure, parts.t_leaves, parts.stored_of
     elif t_paths is not None:
@@ -147,6 +158,8 @@ def _match(request: LoadRequest, storage: Storage, doc: CheckpointDoc, carried: 
     m = Matching(request.comm, buffers, request.inplace, storage.small_whole if lean else None, [None] * len(t_leaves))
     m.cast = request.cast
     missing: list[str] = []
+    if objects is not None:
+        m.problems.extend(objects.problems)
     kind, of_stored = KINDS.kind, KINDS.stored
     local = None
     if parts is not None:
@@ -188,7 +201,7 @@ def _match(request: LoadRequest, storage: Storage, doc: CheckpointDoc, carried: 
         raise TargetMismatchError(
             f"the target does not match the checkpoint at {describe(path)}:\n  " + "\n  ".join(m.problems)
         )
-    return Matched(storage, m, structure, local)
+    return Matched(storage, m, structure, local, objects)
 
 
 def _unexpected(

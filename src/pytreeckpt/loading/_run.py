@@ -16,11 +16,11 @@ from typing import Any
 
 from pytreeckpt.core._dtypes import DType
 from pytreeckpt.distributed._agree import Carried, agree_on_specs, gather_spans
-from pytreeckpt.distributed._comm import data_comm
+from pytreeckpt.distributed._comm import Comm, data_comm
 from pytreeckpt.execute._executor import read_arrays
 from pytreeckpt.execute._memory import Prefault
 from pytreeckpt.execute._monitor import Monitor, Progress, Span
-from pytreeckpt.leaves import Matching, small_result, span
+from pytreeckpt.leaves import Matching, Objects, small_result, span
 from pytreeckpt.plan import ArraySpec, LoadPlan, PlanCache, plan_load, spec_plan_key
 
 from ._match import LoadRequest, match
@@ -46,7 +46,9 @@ def load_once(request: LoadRequest, monitor: Monitor, seen: list[bytes] | None =
     base: tuple[Any, ...] | None = None
     if comm is not None:
         names = [d.meta.dtype.name if d.cast is None else f"{d.meta.dtype.name}->{d.cast.name}" for _, d in dests]
-        agreed = agree_on_specs(comm, specs, names, "load", carried.error)
+        # (a target's objects are restored after an agreement of their own: every rank must hold them)
+        objects = [] if matched is None or matched.objects is None else matched.objects.described()
+        agreed = agree_on_specs(comm, specs, names, "load", carried.error, objects)
         base = None if agreed is None else agreed[0]
         world = comm.world
     else:
@@ -148,6 +150,8 @@ def load_once(request: LoadRequest, monitor: Monitor, seen: list[bytes] | None =
         monitor.add(Span("load", "h2d", me, end - h2d_seconds[0], end, h2d_bytes[0], thread))
     if comm is not None:
         gather_spans(comm, monitor)
+    if matched.objects is not None:
+        return _restored(matched.objects, results, comm)
     return matched.structure.unflatten(results)
 
 
@@ -170,6 +174,20 @@ def _read_local(storage: Any, local: Matching, progress: Any) -> int:
             storage, metas, plan.arrays, getters, None, array_done=done, progress=progress, casts=casts
         )
     return nbytes
+
+
+def _restored(objects: Objects, results: list[Any], comm: Comm | None) -> Any:
+    """The result tree, each object of the target given its loaded state (in a distributed load, once every rank
+    read its part; a rank whose object refused its state makes every rank raise)."""
+    if comm is None:
+        return objects.restore(results)
+    error, tree = None, None
+    try:
+        tree = objects.restore(results)
+    except Exception as e:
+        error = e
+    comm.agree(error, "restoring the target's objects")
+    return tree
 
 
 def _held(plan: LoadPlan, held: Sequence[Mapping[int, Any]]) -> LoadPlan:

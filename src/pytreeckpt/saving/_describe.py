@@ -28,7 +28,17 @@ from pytreeckpt.core._tree import broadcast_prefix, flatten
 from pytreeckpt.distributed._agree import Carried, agree_on_specs, everyone
 from pytreeckpt.execute._executor import PieceData
 from pytreeckpt.format import Compression
-from pytreeckpt.leaves import KINDS, SINGLE, ArrayIn, Describing, is_leaf, plain_data, span, value_entry
+from pytreeckpt.leaves import (
+    KINDS,
+    SINGLE,
+    ArrayIn,
+    Describing,
+    expand_save,
+    is_leaf,
+    plain_data,
+    span,
+    value_entry,
+)
 from pytreeckpt.plan import ArraySpec, ChunkingOptions, PlanCache, SavePlan, plan_save, plan_whole, spec_plan_key
 
 from ._per_rank import Sites
@@ -88,9 +98,14 @@ def plan_state(
     root: Any = None
     leaves: list[Any] = []
     keys: list[str] = []
+    objects = False  # whether the tree held objects (saved as their state dicts)
     sites = Sites()
     with carried.catch():
         leaves, paths, root = flatten(tree, is_leaf, namespace=namespace, keys=keys)
+        expanded = expand_save(leaves, keys, root)  # objects as their state dicts (None: the tree holds none)
+        if expanded is not None:  # (before the spec is broadcast: a spec at an object's key covers its state)
+            objects, keys = True, []
+            leaves, paths, root = flatten(expanded, is_leaf, namespace=namespace, keys=keys)
         leaf_specs = broadcast_prefix(spec, root, _is_spec, len(leaves), namespace=namespace, covers=sites.cover)
         if sites.nodes:
             sites.rename(paths, keys, 0 if comm is None else comm.rank)
@@ -172,7 +187,8 @@ def plan_state(
         data = [a.get for a in arrays]
         devices, watches = [a.device for a in arrays], [a.watch for a in arrays]
         memo = None
-        if spec is None and compression is None:  # (after the data is taken: remember takes it out of arrays)
+        if spec is None and compression is None and not objects:  # (after the data is taken: remember takes it
+            # out of arrays; a tree of objects is never recognised: its leaves are not its objects)
             memo = remember(context, leaves, keys, root, arrays, codecs, plan, specs, dtypes, agreed)
         return Planned(arrays, data, devices, watches, entries, root, user, codecs, plan, rank, memo)
     return None
