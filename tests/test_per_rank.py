@@ -218,3 +218,27 @@ def test_each_rank_gets_its_own_state_cast(saved: tuple[Path, list[dict[str, Any
     for rank in range(2):
         assert got[rank]["seen"].dtype == torch.int32
         assert int(got[rank]["seen"][0]) == 10 * rank + 7
+
+
+class _Loader:
+    """A stateful object each rank holds for itself."""
+
+    def __init__(self, position: int) -> None:
+        self.position = position
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"position": self.position, "seen": torch.arange(self.position)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.position = state["position"]
+
+
+def test_an_object_marked_per_rank_is_restored_from_its_own_rank(tmp_path: Path) -> None:
+    pytreeckpt.save(tmp_path / "c", {"data": _Loader(7), "step": 3}, {"data": PER_RANK})
+    assert pytreeckpt.metadata(tmp_path / "c").per_rank == {"data": 1}
+    loader = _Loader(0)
+    out = pytreeckpt.load(tmp_path / "c", {"data": loader, "step": 0})
+    assert out["data"] is loader
+    assert loader.position == 7
+    with pytest.raises(pytreeckpt.TargetMismatchError, match="per_rank='all'"):
+        pytreeckpt.load(tmp_path / "c", {"data": loader, "step": 0}, per_rank="all")

@@ -313,6 +313,8 @@ def expand_target(
     stored: Node,
     metas: Sequence[ArrayMeta | ValueMeta],
     namespace: str,
+    rank: int = 0,
+    world: int = 1,
 ) -> Objects | None:
     """A load target's objects (None if it holds none), with ``tree``: the target with each object's state in
     its place, shaped as the checkpoint's subtree at its key path (``stored``: the checkpoint's structure,
@@ -323,7 +325,9 @@ def expand_target(
     (:data:`AS_STORED`); so is one the object holds as another kind of leaf (a value for an array, an array of
     another shape or dtype), except in a model (a ``strict`` kind), where that is a mismatch, as is a leaf
     of the model's state the checkpoint lacks (a load's problems are listed before any read). An object whose
-    key path holds no subtree in the checkpoint is a problem.
+    key path holds no subtree in the checkpoint is a problem. At a per-rank part of the checkpoint
+    (``PER_RANK``) an object is shaped as the subtree its rank (``rank`` of ``world``) saved; a part saved at
+    another world size leaves it its own state, for the load's ``per_rank`` policy to judge.
     """
     found = _find(leaves, lambda i: keystr(paths[i]))
     if not found:
@@ -333,6 +337,16 @@ def expand_target(
     for f in found:
         state = objects.state_of(f)
         sub = _subnode(stored, paths[f.index])
+        if sub is not None and sub.kind == "per_rank":
+            if len(sub.children) != world:  # (its own state: the per_rank policy keeps it or refuses)
+                try:
+                    s_leaves, _, own = flatten(state, KINDS.is_leaf, namespace=namespace)
+                except CheckpointError as e:
+                    raise CheckpointError(f"leaf {where(f.key)}: its state dict: {e}") from None
+                f.node, f.indices = own, list(range(len(s_leaves)))
+                expanded[f.index] = state
+                continue
+            sub = sub.children[rank]
         if sub is None or sub.kind == "leaf":
             there = "nothing" if sub is None else "a single leaf"
             objects.problems.append(

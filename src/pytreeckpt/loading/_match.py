@@ -117,7 +117,8 @@ def _match(request: LoadRequest, storage: Storage, doc: CheckpointDoc, carried: 
         structure = Node("dict", [("s", leaf.key) for _, leaf in chosen], [leaf_node(i) for i in range(len(chosen))])
     elif target is not None:
         t_leaves, t_paths, structure = flatten(target, is_leaf, namespace=request.namespace)
-        objects = expand_target(t_leaves, t_paths, structure, doc.tree, doc.leaves, request.namespace)
+        me, world = (0, 1) if request.comm is None else (request.comm.rank, request.comm.world)
+        objects = expand_target(t_leaves, t_paths, structure, doc.tree, doc.leaves, request.namespace, me, world)
         if objects is not None:  # the target's objects as the checkpoint's subtrees at their keys
             t_leaves, t_paths, structure = flatten(objects.tree, is_leaf, namespace=request.namespace)
     given = len(t_leaves)
