@@ -84,3 +84,23 @@ def timed_saves(rank: int, world: int, directory: str) -> dict[str, Any]:
             if m.save(step, {"w": torch.full((4,), float(step)), "step": step}):
                 saved.append(step)
         return {"saved": saved, "steps": m.all_steps()}
+
+
+def preempted_from_outside(rank: int, world: int, directory: str) -> dict[str, Any]:
+    """Rank 0 sends SIGTERM to rank 1's process at step 10, while rank 1 runs on: both must stop at one step."""
+    import torch.distributed as dist
+
+    pids: list[Any] = [None] * world
+    dist.all_gather_object(pids, os.getpid())
+    with pytreeckpt.CheckpointManager(directory, save_interval_steps=1000, save_on_signals=(signal.SIGTERM,)) as m:
+        stopped = None
+        for step in range(1, 200):
+            w = torch.full((64,), float(step))
+            if rank == 0 and step == 10:
+                os.kill(pids[1], signal.SIGTERM)
+            time.sleep(0.002 * rank)
+            m.save(step, {"w": w, "step": step})
+            if m.reached_preemption(step):
+                stopped = step
+                break
+        return {"stopped": stopped, "steps": m.all_steps(), "signal": m._signals.signum if m._signals else None}

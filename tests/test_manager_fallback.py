@@ -13,8 +13,7 @@ import torch
 from multiproc import run_world
 
 import pytreeckpt
-from pytreeckpt import CheckpointManager, TwoTierManager
-CheckpointDamageWarning = UserWarning
+from pytreeckpt import CheckpointDamageWarning, CheckpointManager, TwoTierManager
 
 
 def state(step: int) -> dict:

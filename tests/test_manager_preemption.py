@@ -137,3 +137,14 @@ def test_signals_need_the_main_thread(tmp_path: Path) -> None:
     assert raised
     assert "save_on_signals" in str(raised[0])
     assert isinstance(raised[0], ValueError)
+
+
+def test_a_signal_sent_by_another_process_to_one_rank_stops_every_rank_at_the_same_saved_step(tmp_path: Path) -> None:
+    results = run_world(2, mw.preempted_from_outside, str(tmp_path))
+    stopped = results[0]["stopped"]
+    assert stopped in (10, 11), results  # where rank 1's handler ran: at step 10's save, or just after it
+    assert [r["stopped"] for r in results] == [stopped, stopped], results
+    assert [r["steps"] for r in results] == [[stopped], [stopped]], results
+    assert [r["signal"] for r in results] == [None, signal.SIGTERM], results
+    with CheckpointManager(tmp_path) as m:
+        assert torch.equal(m.restore()["w"], torch.full((64,), float(stopped)))
