@@ -103,4 +103,5 @@ def preempted_from_outside(rank: int, world: int, directory: str) -> dict[str, A
             if m.reached_preemption(step):
                 stopped = step
                 break
-        return {"stopped": stopped, "steps": m.all_steps(), "signal": m._signals.signum if m._signals else None}
+        flag = m._triggers.flag
+        return {"stopped": stopped, "steps": m.all_steps(), "signal": flag.signum if flag else None}

@@ -18,14 +18,13 @@ import numpy as np
 from pytreeckpt.api import SaveHandle, async_save, load, save
 from pytreeckpt.core._errors import CheckpointError, NotCommittedError
 from pytreeckpt.distributed._comm import distributed_comm as _comm
-from pytreeckpt.distributed._vote import vote_max
 from pytreeckpt.execute._staging import staging_pool
 from pytreeckpt.format import METADATA_FILE, STEP_DIR
 from pytreeckpt.storage import LOCK_WAIT, Location, Storage, Where, describe, remove_tree, resolve
 
 from ._fallback import first_that_loads
 from ._policy import Deleter, Retention
-from ._preempt import SignalFlag
+from ._preempt import Triggers
 
 __all__ = ["CheckpointManager"]
 
@@ -164,17 +163,12 @@ class CheckpointManager:
         )
         self.best_fn = best_fn
         self.save_interval_seconds = save_interval_seconds
-        self._clock = clock
-        self._last_save_time = clock()
         self._metrics: dict[int, float | None] = {}  # step -> best_fn of its user metadata
         self._times: dict[int, float] = {}  # step -> when this manager saved it
         self._deleter = Deleter(self._remove_soon, str(self.directory))
         self.last_restored_step: int | None = None
         """The step the last :meth:`restore` loaded (after a fallback, the older step it fell back to)."""
-        self._preempted = False  # the ranks agreed that a signal arrived
-        self.preemption_step: int | None = None
-        """The step saved for a preemption signal, once it is saved."""
-        self._signals = SignalFlag(save_on_signals) if save_on_signals else None
+        self._triggers = Triggers(save_on_signals, save_interval_seconds, clock, self._comm, self._is_leader)
         if self._is_leader:
             if isinstance(self.directory, Path):
                 self.directory.mkdir(parents=True, exist_ok=True)
@@ -250,7 +244,7 @@ class CheckpointManager:
         """
         self._check_open()
         step = check_step(step)
-        preempt, timed = self._triggers()
+        preempt, timed = self._triggers.due()
         if not (force or preempt or timed or step % self.save_interval_steps == 0):
             return False
         self._finish_in_flight()
@@ -267,8 +261,7 @@ class CheckpointManager:
             local = isinstance(self.directory, Path)  # object stores have no links: every chunk is written
             if local and latest is not None and latest != step and "base" not in kwargs:
                 kwargs["base"] = self.step_path(latest)
-        self._last_save_time = self._clock()
-        self._times[step] = self._last_save_time
+        self._times[step] = self._triggers.saved(step, preempt)
         if self.best_fn is not None:
             self._metrics[step] = self._metric(step, kwargs.get("user_metadata") or {})
         if self.async_ and not preempt:
@@ -277,25 +270,13 @@ class CheckpointManager:
             save(path, tree, spec, overwrite=force, **kwargs)
             self._apply_retention()
         if preempt:
-            self.preemption_step = step
             logger.warning("%s: step %d saved for a preemption signal", self.directory, step)
         return True
 
-    def _triggers(self) -> tuple[bool, bool]:
-        """(a preemption save is due now, a timed save is due now), the same on every rank."""
-        if self.preemption_step is not None:  # saved already: the signal is spent
-            return False, False
-        signalled = self._signals is not None and self._signals.signum is not None
-        timed = (
-            self.save_interval_seconds is not None
-            and self._is_leader
-            and self._clock() - self._last_save_time >= self.save_interval_seconds
-        )
-        if (self._signals is not None and not self._preempted) or self.save_interval_seconds is not None:
-            voted = vote_max(self._comm, [int(signalled), int(timed)])
-            self._preempted = self._preempted or bool(voted[0])
-            timed = bool(voted[1])
-        return self._preempted, timed
+    @property
+    def preemption_step(self) -> int | None:
+        """The step saved for a preemption signal, once it is saved."""
+        return self._triggers.preemption_step
 
     def reached_preemption(self, step: int) -> bool:
         """Whether the loop should stop at ``step``: a preemption signal reached some rank and its step is saved.
@@ -307,12 +288,7 @@ class CheckpointManager:
         agreeing at ``save``, a signal is looked for here with one small all-reduce.
         """
         self._check_open()
-        step = check_step(step)
-        if self._signals is None:
-            return False
-        if not self._preempted:
-            self._preempted = bool(vote_max(self._comm, [int(self._signals.signum is not None)])[0])
-        return self.preemption_step is not None and step >= self.preemption_step
+        return self._triggers.reached(check_step(step))
 
     def _metric(self, step: int, user_metadata: Mapping[str, Any]) -> float | None:
         assert self.best_fn is not None
@@ -495,8 +471,7 @@ class CheckpointManager:
                 self._deleter.close()
             finally:
                 self._closed = True
-                if self._signals is not None:
-                    self._signals.restore()
+                self._triggers.close()
                 staging_pool().free()
 
     def __enter__(self) -> CheckpointManager:

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import signal
 from collections.abc import Callable, Iterable
 from types import FrameType
 from typing import Any
 
-__all__ = ["SignalFlag"]
+from pytreeckpt.distributed._vote import vote_max
+
+__all__ = ["SignalFlag", "Triggers"]
 
 logger = logging.getLogger("pytreeckpt")
 
@@ -51,3 +54,63 @@ class SignalFlag:
             except ValueError as e:  # not the main thread: the handler stays (it only sets a flag)
                 logger.warning("the handler of %s could not be restored: %s", signal.Signals(sig).name, e)
         self._previous = {}
+
+
+class Triggers:
+    """When a save is due off the step interval: a preemption signal on any rank, or rank 0's clock.
+
+    ``comm`` is the checkpoint group's (None in a single process); :meth:`due` and
+    :meth:`reached` give every rank the same answer, with one all-reduce of two
+    integers (of one in :meth:`reached`) while a signal or a timed save could be due.
+    """
+
+    def __init__(
+        self,
+        signals: Iterable[int],
+        interval_seconds: float | None,
+        clock: Callable[[], float],
+        comm: Any,
+        leader: bool,
+    ) -> None:
+        self._vote = functools.partial(vote_max, comm)
+        self.flag = SignalFlag(signals) if signals else None
+        self.interval_seconds = interval_seconds
+        self.clock = clock
+        self._leader = leader
+        self.last_save_time = clock()
+        self.preempted = False  # the ranks agreed that a signal arrived
+        self.preemption_step: int | None = None
+
+    def due(self) -> tuple[bool, bool]:
+        """(a preemption save is due now, a timed save is due now), the same on every rank."""
+        if self.preemption_step is not None:  # saved already: the signal is spent
+            return False, False
+        signalled = self.flag is not None and self.flag.signum is not None
+        timed = (
+            self.interval_seconds is not None
+            and self._leader
+            and self.clock() - self.last_save_time >= self.interval_seconds
+        )
+        if (self.flag is not None and not self.preempted) or self.interval_seconds is not None:
+            voted = self._vote([int(signalled), int(timed)])
+            self.preempted = self.preempted or bool(voted[0])
+            timed = bool(voted[1])
+        return self.preempted, timed
+
+    def saved(self, step: int, preempt: bool) -> float:
+        """Note a save of ``step`` (the preemption's when ``preempt``); its time."""
+        self.last_save_time = self.clock()
+        if preempt:
+            self.preemption_step = step
+        return self.last_save_time
+
+    def reached(self, step: int) -> bool:
+        if self.flag is None:
+            return False
+        if not self.preempted:
+            self.preempted = bool(self._vote([int(self.flag.signum is not None)])[0])
+        return self.preemption_step is not None and step >= self.preemption_step
+
+    def close(self) -> None:
+        if self.flag is not None:
+            self.flag.restore()

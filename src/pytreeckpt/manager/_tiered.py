@@ -90,8 +90,8 @@ class TwoTierManager:
         off its interval. Other arguments are those of :meth:`CheckpointManager.save`.
         """
         step = check_step(step)
-        durable = self.durable
-        preempt = durable.preemption_step is None and durable._signals is not None and durable._triggers()[0]
+        triggers = self.durable._triggers
+        preempt = triggers.flag is not None and triggers.preemption_step is None and triggers.due()[0]
         if force or preempt or step % self.durable_interval_steps == 0:
             self.fast.wait()  # one save runs at a time; let the fast tier's retention run now
             self.durable.save(step, tree, spec, force=force, **kwargs)
