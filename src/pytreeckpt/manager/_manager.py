@@ -23,7 +23,7 @@ from pytreeckpt.format import METADATA_FILE, STEP_DIR
 from pytreeckpt.storage import LOCK_WAIT, Location, Storage, Where, describe, remove_tree, resolve
 
 from ._fallback import first_that_loads
-from ._policy import Deleter, Retention
+from ._policy import Deleter, Retention, StepFacts
 from ._preempt import Triggers
 
 __all__ = ["CheckpointManager"]
@@ -163,8 +163,7 @@ class CheckpointManager:
         )
         self.best_fn = best_fn
         self.save_interval_seconds = save_interval_seconds
-        self._metrics: dict[int, float | None] = {}  # step -> best_fn of its user metadata
-        self._times: dict[int, float] = {}  # step -> when this manager saved it
+        self._facts = StepFacts(best_fn, str(self.directory), self.metadata_of, self._metadata_file)
         self._deleter = Deleter(self._remove_soon, str(self.directory))
         self.last_restored_step: int | None = None
         """The step the last :meth:`restore` loaded (after a fallback, the older step it fell back to)."""
@@ -261,9 +260,7 @@ class CheckpointManager:
             local = isinstance(self.directory, Path)  # object stores have no links: every chunk is written
             if local and latest is not None and latest != step and "base" not in kwargs:
                 kwargs["base"] = self.step_path(latest)
-        self._times[step] = self._triggers.saved(step, preempt)
-        if self.best_fn is not None:
-            self._metrics[step] = self._metric(step, kwargs.get("user_metadata") or {})
+        self._facts.note(step, self._triggers.saved(step, preempt), kwargs.get("user_metadata") or {})
         if self.async_ and not preempt:
             self._handle = async_save(path, tree, spec, overwrite=force, **kwargs)
         else:
@@ -290,21 +287,6 @@ class CheckpointManager:
         self._check_open()
         return self._triggers.reached(check_step(step))
 
-    def _metric(self, step: int, user_metadata: Mapping[str, Any]) -> float | None:
-        assert self.best_fn is not None
-        try:
-            value = self.best_fn(user_metadata)
-            return None if value is None else float(value)
-        except Exception as e:
-            logger.warning(
-                "%s: step %d has no metric for keep_best (best_fn raised %s: %s)",
-                self.directory,
-                step,
-                type(e).__name__,
-                e,
-            )
-            return None
-
     def _finish_in_flight(self) -> None:
         if self._handle is not None:
             handle, self._handle = self._handle, None
@@ -322,35 +304,17 @@ class CheckpointManager:
         if not self._is_leader:
             return
         committed = [s for s, _, c in self._listed() if c]
-        metrics = None
-        if self.retention.keep_best:
-            metrics = {s: self._metrics[s] if s in self._metrics else self._stored_metric(s) for s in committed}
-        times = {s: self._step_time(s) for s in committed} if self.retention.keep_period_seconds else None
+        facts = self._facts
+        metrics = {s: facts.metric(s) for s in committed} if self.retention.keep_best else None
+        times = {s: facts.time(s) for s in committed} if self.retention.keep_period_seconds else None
         keep = self.retention.keep(committed, metrics, times)
         for s in committed:
             if s not in keep:
                 self._deleter.submit(s)
 
-    def _stored_metric(self, step: int) -> float | None:
-        """The metric of a step saved before this manager, from its metadata (then remembered)."""
-        try:
-            user_metadata = self.metadata_of(step)
-        except CheckpointError as e:
-            logger.warning("%s: step %d: its metadata is unreadable, so it has no metric: %s", self.directory, step, e)
-            user_metadata = {}
-        self._metrics[step] = self._metric(step, user_metadata)
-        return self._metrics[step]
-
-    def _step_time(self, step: int) -> float | None:
-        """When ``step`` was saved: by this manager's clock, or its metadata file's time; None if unknown."""
-        if step in self._times:
-            return self._times[step]
+    def _metadata_file(self, step: int) -> Path | None:
         path = self.step_path(step)
-        if isinstance(path, Path):
-            with contextlib.suppress(OSError):
-                self._times[step] = os.stat(path / METADATA_FILE).st_mtime
-                return self._times[step]
-        return None
+        return path / METADATA_FILE if isinstance(path, Path) else None
 
     def _remove(self, step: int) -> bool:
         """Remove a committed step; False if it was skipped (a save is replacing it, or it is gone already)."""

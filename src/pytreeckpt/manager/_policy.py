@@ -1,14 +1,20 @@
-"""Which steps retention keeps (a pure function of the steps, their metrics and times), and the deleter thread."""
+"""Which steps retention keeps (a pure function of the steps, their metrics and times), what it knows of each
+step, and the deleter thread."""
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
-__all__ = ["Deleter", "Retention"]
+from pytreeckpt.core._errors import CheckpointError
+
+__all__ = ["Deleter", "Retention", "StepFacts"]
 
 logger = logging.getLogger("pytreeckpt")
 
@@ -133,3 +139,63 @@ class Deleter:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+
+
+class StepFacts:
+    """What retention knows of each step: its metric (``best_fn`` of its user metadata) and when it was saved.
+
+    Steps this manager saved are noted as they are saved; those of earlier processes are
+    read once: the metric from ``user_metadata(step)``, the time from the modification
+    time of the file ``metadata_file(step)`` (None: unknown, as on an object store).
+    """
+
+    def __init__(
+        self,
+        best_fn: Callable[[Mapping[str, Any]], float] | None,
+        where: str,
+        user_metadata: Callable[[int], Mapping[str, Any]],
+        metadata_file: Callable[[int], Path | None],
+    ) -> None:
+        self.best_fn = best_fn
+        self._where = where
+        self._user_metadata = user_metadata
+        self._metadata_file = metadata_file
+        self._metrics: dict[int, float | None] = {}
+        self._times: dict[int, float] = {}
+
+    def note(self, step: int, when: float, user_metadata: Mapping[str, Any]) -> None:
+        self._times[step] = when
+        if self.best_fn is not None:
+            self._metrics[step] = self._metric(step, user_metadata)
+
+    def metric(self, step: int) -> float | None:
+        if step not in self._metrics:
+            try:
+                user_metadata = self._user_metadata(step)
+            except CheckpointError as e:
+                logger.warning("%s: step %d: its metadata is unreadable, so it has no metric: %s", self._where, step, e)
+                user_metadata = {}
+            self._metrics[step] = self._metric(step, user_metadata)
+        return self._metrics[step]
+
+    def time(self, step: int) -> float | None:
+        if step not in self._times:
+            path = self._metadata_file(step)
+            if path is None:
+                return None
+            try:
+                self._times[step] = os.stat(path).st_mtime
+            except OSError:
+                return None
+        return self._times[step]
+
+    def _metric(self, step: int, user_metadata: Mapping[str, Any]) -> float | None:
+        if self.best_fn is None:
+            return None
+        try:
+            value = self.best_fn(user_metadata)
+            return None if value is None else float(value)
+        except Exception as e:
+            why = f"{type(e).__name__}: {e}"
+            logger.warning("%s: step %d has no metric for keep_best (best_fn raised %s)", self._where, step, why)
+            return None
