@@ -50,7 +50,7 @@ def test_a_signal_between_save_and_reached_preemption_saves_the_next_step(tmp_pa
         assert m.save(10, {"step": 10})
         assert not m.reached_preemption(10)
         os.kill(os.getpid(), signal.SIGUSR1)
-        assert not m.reached_preemption(10)  # noted, but no step saved for it yet
+        assert not m.reached_preemption(10)  # no step saved for it yet: the next save is
         assert m.save(11, {"step": 11})
         assert m.reached_preemption(11)
         assert m.all_steps() == [10, 11]

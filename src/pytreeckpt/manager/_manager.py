@@ -243,7 +243,7 @@ class CheckpointManager:
         """
         self._check_open()
         step = check_step(step)
-        preempt, timed = self._triggers.due()
+        preempt, timed = self._triggers.due(step)
         if not (force or preempt or timed or step % self.save_interval_steps == 0):
             return False
         self._finish_in_flight()
@@ -280,9 +280,9 @@ class CheckpointManager:
 
         True on every rank alike once the step saved for the signal (by :meth:`save`,
         which every rank calls at every step) is ``step`` or older. A signal noted here
-        before that save (it arrived between ``save`` and this call) makes the next
-        ``save`` the preemption's, and this returns False until then. Off the ranks
-        agreeing at ``save``, a signal is looked for here with one small all-reduce.
+        after the ranks agreed at this step's ``save`` is seen by the next ``save``, which
+        is then the preemption's; this returns False until then. Called at a step whose
+        ``save`` was not called, it looks for a signal itself, with one small all-reduce.
         """
         self._check_open()
         return self._triggers.reached(check_step(step))

@@ -80,9 +80,10 @@ class Triggers:
         self.last_save_time = clock()
         self.preempted = False  # the ranks agreed that a signal arrived
         self.preemption_step: int | None = None
+        self._voted_at: int | None = None  # the step of the last save's vote
 
-    def due(self) -> tuple[bool, bool]:
-        """(a preemption save is due now, a timed save is due now), the same on every rank."""
+    def due(self, step: int) -> tuple[bool, bool]:
+        """(a preemption save is due now, a timed save is due now) at ``step``, the same on every rank."""
         if self.preemption_step is not None:  # saved already: the signal is spent
             return False, False
         signalled = self.flag is not None and self.flag.signum is not None
@@ -93,6 +94,7 @@ class Triggers:
         )
         if (self.flag is not None and not self.preempted) or self.interval_seconds is not None:
             voted = self._vote([int(signalled), int(timed)])
+            self._voted_at = step
             self.preempted = self.preempted or bool(voted[0])
             timed = bool(voted[1])
         return self.preempted, timed
@@ -105,9 +107,10 @@ class Triggers:
         return self.last_save_time
 
     def reached(self, step: int) -> bool:
+        """Whether a preemption's step is saved and ``step`` is it or newer; a vote unless this step's save voted."""
         if self.flag is None:
             return False
-        if not self.preempted:
+        if not self.preempted and self._voted_at != step:
             self.preempted = bool(self._vote([int(self.flag.signum is not None)])[0])
         return self.preemption_step is not None and step >= self.preemption_step
 

@@ -91,7 +91,7 @@ class TwoTierManager:
         """
         step = check_step(step)
         triggers = self.durable._triggers
-        preempt = triggers.flag is not None and triggers.preemption_step is None and triggers.due()[0]
+        preempt = triggers.flag is not None and triggers.preemption_step is None and triggers.due(step)[0]
         if force or preempt or step % self.durable_interval_steps == 0:
             self.fast.wait()  # one save runs at a time; let the fast tier's retention run now
             self.durable.save(step, tree, spec, force=force, **kwargs)
