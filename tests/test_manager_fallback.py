@@ -67,6 +67,7 @@ def test_restore_falls_back_to_the_newest_step_that_loads(tmp_path: Path, damage
         with pytest.warns(CheckpointDamageWarning, match=r"step 3 of .* does not load; falling back") as caught:
             restored = m.restore()
         assert len(caught) == 1
+        assert caught[0].filename == __file__  # the warning points at the restore() call
         assert restored["step"] == 2
         assert torch.equal(restored["w"], torch.full((1024, 512), 2.0))
         assert m.last_restored_step == 2

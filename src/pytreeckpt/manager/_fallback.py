@@ -92,6 +92,6 @@ def first_that_loads(
         warnings.warn(
             f"step {step} of {where} does not load; falling back to an older step. {why}",
             CheckpointDamageWarning,
-            stacklevel=4,
+            stacklevel=3,
         )
         skipped[(step, where)] = why
