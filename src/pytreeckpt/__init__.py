@@ -53,6 +53,7 @@ from pytreeckpt.format import Compression as Compression
 from pytreeckpt.interop._dcp import import_dcp as import_dcp
 from pytreeckpt.interop._safetensors import export_safetensors as export_safetensors
 from pytreeckpt.interop._safetensors import import_safetensors as import_safetensors
+from pytreeckpt.manager._fallback import CheckpointDamageWarning as CheckpointDamageWarning
 from pytreeckpt.manager._manager import CheckpointManager as CheckpointManager
 from pytreeckpt.manager._tiered import TwoTierManager as TwoTierManager
 from pytreeckpt.storage import ExecutorOptions as ExecutorOptions
@@ -69,6 +70,7 @@ __all__ = [
     "PER_RANK",
     "Abstract",
     "ArrayMeta",
+    "CheckpointDamageWarning",
     "CheckpointError",
     "CheckpointManager",
     "CheckpointMetadata",

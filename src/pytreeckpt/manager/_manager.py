@@ -8,7 +8,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -22,13 +22,16 @@ from pytreeckpt.execute._staging import staging_pool
 from pytreeckpt.format import METADATA_FILE, STEP_DIR
 from pytreeckpt.storage import LOCK_WAIT, Location, Storage, Where, describe, remove_tree, resolve
 
+from ._fallback import first_that_loads
+from ._policy import Deleter, Retention, StepFacts
+from ._preempt import Triggers
+
 __all__ = ["CheckpointManager"]
 
 logger = logging.getLogger("pytreeckpt")
 
 _TRASH = ".pytreeckpt-removing-"
 """A step directory being deleted is first renamed to this prefix (atomically: it is never half there)."""
-_RESTORE_ATTEMPTS = 4
 
 
 def check_step(step: Any) -> int:
@@ -58,6 +61,29 @@ class CheckpointManager:
     In a distributed program every rank makes the manager and calls its methods; rank 0
     lists and deletes, and the ranks agree on its answers.
 
+    Retention rules combine: a step kept by any rule is kept, and the newest committed
+    step is never deleted. ``keep_best`` keeps the best steps by ``best_fn`` of their
+    ``user_metadata`` (``best_mode`` ``"min"`` or ``"max"``); ``keep_period_seconds``
+    keeps one step per period (walking from the oldest, a step saved at least that long
+    after the previous one kept so; a step's time is when this manager saved it, else
+    its metadata file's modification time, and unknown on an object store, which keeps
+    it). With either of these and ``max_to_keep=None``, the newest step is the only one
+    the count keeps. Deletions run on a thread of their own (a step still vanishes
+    whole: renamed away, then deleted); :meth:`wait` and :meth:`close` wait for them, and
+    one that fails is logged and asked for again by the next retention.
+
+    ``save_interval_seconds`` adds a save whenever that long passed since the last one
+    (rank 0's ``clock`` decides for every rank). ``save_on_signals`` (e.g.
+    ``(signal.SIGTERM,)``) installs a handler that only notes the signal and chains to
+    the handler installed before it (a Python callable; not ``SIG_DFL``, whose default
+    action would end the process before the save, nor ``SIG_IGN``, nor
+    ``signal.default_int_handler``, whose ``KeyboardInterrupt`` would). The next
+    :meth:`save` on every rank, once any rank got the signal, saves that step whatever
+    the intervals, synchronously, and :meth:`reached_preemption` then says to stop.
+    Ranks agree at each :meth:`save` (one all-reduce of two integers on the checkpoint's
+    own group when either option is on). :meth:`close` restores the previous handlers.
+    The handlers need the main thread.
+
     >>> import tempfile, torch
     >>> with CheckpointManager(tempfile.mkdtemp(), max_to_keep=2) as m:
     ...     for step in range(1, 5):
@@ -77,11 +103,45 @@ class CheckpointManager:
         async_: bool = True,
         process_group: Any = None,
         incremental: bool = False,
+        save_interval_seconds: float | None = None,
+        save_on_signals: Iterable[int] = (),
+        keep_best: int | None = None,
+        best_fn: Callable[[Mapping[str, Any]], float] | None = None,
+        best_mode: str = "min",
+        keep_period_seconds: float | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
+        """See the class. Also:
+
+        Args:
+          save_interval_seconds: also save when this long passed since the last save
+            (or since the manager was made).
+          save_on_signals: signals (``signal.SIGTERM``) after which the next save is
+            made whatever the intervals, and :meth:`reached_preemption` says to stop.
+          keep_best: keep the best this many steps by ``best_fn`` (needs ``best_fn``).
+          best_fn: a step's metric from its ``user_metadata``; a step it fails on (or
+            returns None for) is not ranked.
+          best_mode: ``"min"`` or ``"max"``: which metric is best.
+          keep_period_seconds: keep one step per this many seconds.
+          clock: the time in seconds since the epoch (``time.time``; tests inject theirs).
+
+        Raises:
+          ValueError: a bad option, or ``save_on_signals`` off the main thread.
+        """
         if max_to_keep is not None and max_to_keep < 1:
             raise ValueError(f"max_to_keep must be at least 1 or None, found {max_to_keep}")
         if save_interval_steps < 1:
             raise ValueError(f"save_interval_steps must be at least 1, found {save_interval_steps}")
+        if keep_best is not None and (keep_best < 1 or best_fn is None):
+            raise ValueError(f"keep_best must be at least 1 and comes with a best_fn, found {keep_best}, {best_fn}")
+        if best_mode not in ("min", "max"):
+            raise ValueError(f"best_mode is 'min' or 'max', found {best_mode!r}")
+        for name, value in (
+            ("save_interval_seconds", save_interval_seconds),
+            ("keep_period_seconds", keep_period_seconds),
+        ):
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be positive or None, found {value}")
         self._where = resolve(directory)
         self.directory: Path | str = self._where.path if self._where.path is not None else self._where.url
         self._kv = None if self._where.is_local else Storage(directory).kv
@@ -94,6 +154,20 @@ class CheckpointManager:
         self._comm = _comm(process_group)
         self._handle: SaveHandle | None = None
         self._closed = False
+        self.retention = Retention(
+            max_to_keep=max_to_keep,
+            keep_every_n_steps=keep_every_n_steps,
+            keep_best=keep_best,
+            best_mode=best_mode,
+            keep_period_seconds=keep_period_seconds,
+        )
+        self.best_fn = best_fn
+        self.save_interval_seconds = save_interval_seconds
+        self._facts = StepFacts(best_fn, str(self.directory), self.metadata_of, self._metadata_file)
+        self._deleter = Deleter(self._remove_soon, str(self.directory))
+        self.last_restored_step: int | None = None
+        """The step the last :meth:`restore` loaded (after a fallback, the older step it fell back to)."""
+        self._triggers = Triggers(save_on_signals, save_interval_seconds, clock, self._comm, self._is_leader)
         if self._is_leader:
             if isinstance(self.directory, Path):
                 self.directory.mkdir(parents=True, exist_ok=True)
@@ -137,8 +211,12 @@ class CheckpointManager:
         return sorted(out, key=lambda e: (e[0], str(e[1])))
 
     def all_steps(self) -> list[int]:
-        """Committed steps, oldest first."""
-        steps = [s for s, _, committed in self._listed() if committed] if self._is_leader else None
+        """Committed steps, oldest first (not those retention is deleting on its thread)."""
+        if self._is_leader:
+            going = self._deleter.pending()
+            steps = [s for s, _, committed in self._listed() if committed and s not in going]
+        else:
+            steps = None
         return list(self._agree(steps))
 
     def latest_step(self) -> int | None:
@@ -148,18 +226,25 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ save
     def save(self, step: int, tree: Any, spec: Any = None, *, force: bool = False, **kwargs: Any) -> bool:
-        """Save ``tree`` as ``step``; returns False (and saves nothing) off the save interval.
+        """Save ``tree`` as ``step``; returns False (and saves nothing) when no save is due.
 
-        ``force`` saves off the interval and replaces a committed step of the same
-        number (which stays loadable until the new one commits); otherwise saving a step
-        that exists is an error. Other keyword arguments go to :func:`pytreeckpt.save`.
-        With ``async_`` the call returns after the snapshot; a failure of that save (which
-        removes what it wrote) is raised by the next call that waits for it (``save``,
-        ``wait``, ``restore``, ``delete``, ``close``), and the manager carries on from there.
+        A save is due on the step interval, when ``save_interval_seconds`` passed since
+        the last save, and at the first call after a preemption signal (then it is
+        synchronous: the save in flight is waited for, this one is committed before the
+        call returns). Call it at every step: off the intervals it costs a comparison,
+        or, with ``save_interval_seconds`` or ``save_on_signals`` in a distributed
+        program, one small all-reduce. ``force`` saves off the interval and replaces a
+        committed step of the same number (which stays loadable until the new one
+        commits); otherwise saving a step that exists is an error. Other keyword
+        arguments go to :func:`pytreeckpt.save`. With ``async_`` the call returns after
+        the snapshot; a failure of that save (which removes what it wrote) is raised by
+        the next call that waits for it (``save``, ``wait``, ``restore``, ``delete``,
+        ``close``), and the manager carries on from there.
         """
         self._check_open()
         step = check_step(step)
-        if not force and step % self.save_interval_steps != 0:
+        preempt, timed = self._triggers.due(step)
+        if not (force or preempt or timed or step % self.save_interval_steps == 0):
             return False
         self._finish_in_flight()
         if not force and step in self.all_steps():
@@ -175,12 +260,32 @@ class CheckpointManager:
             local = isinstance(self.directory, Path)  # object stores have no links: every chunk is written
             if local and latest is not None and latest != step and "base" not in kwargs:
                 kwargs["base"] = self.step_path(latest)
-        if self.async_:
+        self._facts.note(step, self._triggers.saved(step, preempt), kwargs.get("user_metadata") or {})
+        if self.async_ and not preempt:
             self._handle = async_save(path, tree, spec, overwrite=force, **kwargs)
         else:
             save(path, tree, spec, overwrite=force, **kwargs)
             self._apply_retention()
+        if preempt:
+            logger.warning("%s: step %d saved for a preemption signal", self.directory, step)
         return True
+
+    @property
+    def preemption_step(self) -> int | None:
+        """The step saved for a preemption signal, once it is saved."""
+        return self._triggers.preemption_step
+
+    def reached_preemption(self, step: int) -> bool:
+        """Whether the loop should stop at ``step``: a preemption signal reached some rank and its step is saved.
+
+        True on every rank alike once the step saved for the signal (by :meth:`save`,
+        which every rank calls at every step) is ``step`` or older. A signal noted here
+        after the ranks agreed at this step's ``save`` is seen by the next ``save``, which
+        is then the preemption's; this returns False until then. Called at a step whose
+        ``save`` was not called, it looks for a signal itself, with one small all-reduce.
+        """
+        self._check_open()
+        return self._triggers.reached(check_step(step))
 
     def _finish_in_flight(self) -> None:
         if self._handle is not None:
@@ -189,20 +294,27 @@ class CheckpointManager:
             self._apply_retention()
 
     def wait(self) -> None:
-        """Block until the save in flight has committed (and retention has run)."""
+        """Block until the save in flight has committed and retention's deletions have run."""
         self._finish_in_flight()
+        self._deleter.wait()
 
     # ------------------------------------------------------------------ retention
     def _apply_retention(self) -> None:
+        """Ask the deleter thread to delete the committed steps no rule keeps (rank 0)."""
         if not self._is_leader:
             return
         committed = [s for s, _, c in self._listed() if c]
-        keep = set(committed[-self.max_to_keep :]) if self.max_to_keep is not None else set(committed)
-        if self.keep_every_n_steps:
-            keep |= {s for s in committed if s % self.keep_every_n_steps == 0}
+        facts = self._facts
+        metrics = {s: facts.metric(s) for s in committed} if self.retention.keep_best else None
+        times = {s: facts.time(s) for s in committed} if self.retention.keep_period_seconds else None
+        keep = self.retention.keep(committed, metrics, times)
         for s in committed:
             if s not in keep:
-                self._remove(s)
+                self._deleter.submit(s)
+
+    def _metadata_file(self, step: int) -> Path | None:
+        path = self.step_path(step)
+        return path / METADATA_FILE if isinstance(path, Path) else None
 
     def _remove(self, step: int) -> bool:
         """Remove a committed step; False if it was skipped (a save is replacing it, or it is gone already)."""
@@ -245,7 +357,7 @@ class CheckpointManager:
                     attempt(Storage(path).remove, path)
                 continue
             attempt(functools.partial(_discard, path, committed=False), path)  # skipped while a save is writing it
-        if isinstance(self.directory, Path):  # removals a crash interrupted
+        if isinstance(self.directory, Path) and not self._deleter.pending():  # removals a crash interrupted
             with contextlib.suppress(FileNotFoundError):
                 for p in self.directory.iterdir():
                     if p.name.startswith(_TRASH):
@@ -264,10 +376,22 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ restore
     def restore(self, step: int | None = None, target: Any = None, **kwargs: Any) -> Any:
-        """Load ``step`` (the latest committed when None) into ``target`` (see :func:`pytreeckpt.load`).
+        """Load ``step`` into ``target`` (see :func:`pytreeckpt.load`); without a step, the newest that loads.
 
-        The latest step removed while it is being loaded (by another manager's retention)
-        gives way to the latest one then.
+        Without ``step``, committed steps are tried newest first: one that fails to load
+        with a :class:`CheckpointError` (a chunk failing its checksum, a missing or
+        unreadable file, malformed metadata) is skipped with a
+        :class:`CheckpointDamageWarning` naming the step and the damage, and the next
+        older one is tried. A target mismatch, a bad layout or a permission error is the
+        caller's and is raised. In a distributed restore the ranks agree on each step's
+        outcome, so every rank falls back to the same step. A step removed while it is
+        being loaded (another manager's retention) gives way to the newest one then.
+        :attr:`last_restored_step` says which step was restored. ``restore(step=N)`` is
+        strict: it loads N or raises.
+
+        Raises:
+          NotCommittedError: no committed step (none that loads, without ``step``).
+          CheckpointError: ``step`` does not load, or the target does not match.
         """
         self._check_open()
         if step is not None:
@@ -275,18 +399,21 @@ class CheckpointManager:
         self._finish_in_flight()
         kwargs.setdefault("process_group", self._process_group)
         if step is not None:
-            return load(self._location(f"step_{step}"), target, **kwargs)
-        attempts = 0
-        while True:
-            latest = self.latest_step()
-            if latest is None:
-                raise NotCommittedError(f"no committed checkpoint in {self.directory}")
-            try:
-                return load(self._location(f"step_{latest}"), target, **kwargs)
-            except NotCommittedError:
-                attempts += 1
-                if attempts == _RESTORE_ATTEMPTS or latest in self.all_steps():
-                    raise
+            result = load(self._location(f"step_{step}"), target, **kwargs)
+            self.last_restored_step = step
+            return result
+        result, self.last_restored_step, _ = first_that_loads(
+            lambda: self._candidates(target, kwargs), self._comm, f"no committed checkpoint in {self.directory}"
+        )
+        return result
+
+    def _candidates(self, target: Any, kwargs: dict[str, Any]) -> list[tuple[int, str, Callable[[], Any]]]:
+        """This manager's committed steps, newest first, each with its load (for :func:`first_that_loads`)."""
+        where = str(self.directory)
+        return [
+            (s, where, functools.partial(load, self._location(f"step_{s}"), target, **kwargs))
+            for s in reversed(self.all_steps())
+        ]
 
     def metadata_of(self, step: int) -> Mapping[str, Any]:
         """The user metadata stored with ``step``."""
@@ -300,11 +427,16 @@ class CheckpointManager:
             raise CheckpointError(f"the CheckpointManager of {self.directory} is closed")
 
     def close(self) -> None:
-        """Finish the save in flight and free the staging memory; the manager cannot be used afterwards."""
+        """Finish the save in flight and the deletions, restore the signal handlers it replaced, and free the
+        staging memory; the manager cannot be used afterwards."""
         if not self._closed:
-            self._finish_in_flight()
-            self._closed = True
-            staging_pool().free()
+            try:
+                self._finish_in_flight()
+                self._deleter.close()
+            finally:
+                self._closed = True
+                self._triggers.close()
+                staging_pool().free()
 
     def __enter__(self) -> CheckpointManager:
         return self

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from types import TracebackType
 from typing import Any
 
-from pytreeckpt.core._errors import NotCommittedError
 from pytreeckpt.storage import Where, describe
 
+from ._fallback import first_that_loads
 from ._manager import CheckpointManager, check_step
 
 __all__ = ["TwoTierManager"]
@@ -26,6 +27,13 @@ class TwoTierManager:
     gone. Each tier is a :class:`CheckpointManager` with its own retention; the fast
     tier keeps ``fast_max_to_keep`` steps. In a distributed program the fast directory
     must be one that every rank sees (``/dev/shm`` on a single machine).
+
+    :meth:`restore` without a step falls back past steps that do not load (see
+    :meth:`CheckpointManager.restore`), through the fast tier's and down to the durable
+    tier's; :attr:`last_restored_step` and :attr:`last_restored_tier` say what it
+    restored. With ``save_on_signals``, the save after a preemption signal goes to the
+    durable tier (a preempted machine's memory goes with it), synchronously, and
+    :meth:`reached_preemption` says to stop.
 
     >>> import tempfile, torch
     >>> fast, durable = tempfile.mkdtemp(), tempfile.mkdtemp()
@@ -49,6 +57,7 @@ class TwoTierManager:
         keep_every_n_steps: int | None = None,
         async_: bool = True,
         process_group: Any = None,
+        save_on_signals: Iterable[int] = (),
     ) -> None:
         if fast_interval_steps < 1 or durable_interval_steps < 1:
             raise ValueError(
@@ -67,16 +76,23 @@ class TwoTierManager:
             keep_every_n_steps=keep_every_n_steps,
             async_=async_,
             process_group=process_group,
+            save_on_signals=save_on_signals,
         )
+        self.last_restored_step: int | None = None
+        """The step the last :meth:`restore` loaded."""
+        self.last_restored_tier: str | None = None
+        """The tier (``"fast"`` or ``"durable"``) the last :meth:`restore` loaded from."""
 
     def save(self, step: int, tree: Any, spec: Any = None, *, force: bool = False, **kwargs: Any) -> str | None:
         """Save ``step`` to the tier whose interval it is on: returns ``"durable"``, ``"fast"`` or None.
 
-        ``force`` saves to the durable tier off its interval. Other arguments are those of
-        :meth:`CheckpointManager.save`.
+        ``force``, and the first save after a preemption signal, save to the durable tier
+        off its interval. Other arguments are those of :meth:`CheckpointManager.save`.
         """
         step = check_step(step)
-        if force or step % self.durable_interval_steps == 0:
+        triggers = self.durable._triggers
+        preempt = triggers.flag is not None and triggers.preemption_step is None and triggers.due(step)[0]
+        if force or preempt or step % self.durable_interval_steps == 0:
             self.fast.wait()  # one save runs at a time; let the fast tier's retention run now
             self.durable.save(step, tree, spec, force=force, **kwargs)
             return "durable"
@@ -95,21 +111,39 @@ class TwoTierManager:
         steps = [s for s in (self.fast.latest_step(), self.durable.latest_step()) if s is not None]
         return max(steps) if steps else None
 
+    def reached_preemption(self, step: int) -> bool:
+        """Whether the loop should stop at ``step`` (see :meth:`CheckpointManager.reached_preemption`)."""
+        return self.durable.reached_preemption(step)
+
     def restore(self, step: int | None = None, target: Any = None, **kwargs: Any) -> Any:
-        """Load ``step`` (default: the newest committed of either tier; the fast tier first on a tie)."""
+        """Load ``step``, or without one the newest that loads of either tier (the fast tier first on a tie).
+
+        A step that does not load is skipped with a warning, down to older steps of
+        either tier (see :meth:`CheckpointManager.restore`); ``restore(step=N)`` is strict.
+        """
         if step is not None:
             step = check_step(step)
         self.wait()
-        if step is None:
-            step = self.latest_step()
-            if step is None:
-                raise NotCommittedError(
-                    f"no committed checkpoint in the fast tier {self.fast.directory} "
-                    f"nor in the durable tier {self.durable.directory}"
-                )
-        if step in self.fast.all_steps():
-            return self.fast.restore(step, target, **kwargs)
-        return self.durable.restore(step, target, **kwargs)
+        if step is not None:
+            tier = "fast" if step in self.fast.all_steps() else "durable"
+            result = (self.fast if tier == "fast" else self.durable).restore(step, target, **kwargs)
+            self.last_restored_step, self.last_restored_tier = step, tier
+            return result
+        tiers = {str(self.fast.directory): "fast", str(self.durable.directory): "durable"}
+
+        def candidates() -> list[tuple[int, str, Callable[[], Any]]]:
+            both = self.fast._candidates(target, {"process_group": self.fast._process_group, **kwargs})
+            both += self.durable._candidates(target, {"process_group": self.durable._process_group, **kwargs})
+            return sorted(both, key=lambda c: (-c[0], tiers[c[1]] != "fast"))
+
+        result, self.last_restored_step, where = first_that_loads(
+            candidates,
+            self.fast._comm,
+            f"no committed checkpoint in the fast tier {self.fast.directory} "
+            f"nor in the durable tier {self.durable.directory}",
+        )
+        self.last_restored_tier = tiers[where]
+        return result
 
     def wait(self) -> None:
         """Block until both tiers' saves have committed."""

@@ -1,0 +1,157 @@
+"""CheckpointManager policies: keep the best by a metric, save and keep by time, delete off the training thread."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+
+import manager_workers as mw
+import pytest
+import torch
+from multiproc import run_world
+
+from pytreeckpt import CheckpointManager
+from pytreeckpt.manager import _manager
+
+
+def state(step: int) -> dict:
+    return {"w": torch.full((4,), float(step)), "step": step}
+
+
+LOSSES = {1: 0.9, 2: 0.3, 3: 0.8, 4: 0.1, 5: 0.7, 6: 0.2, 7: 0.95, 8: 0.6}
+
+
+@pytest.mark.parametrize(("mode", "best", "then"), [("min", [2, 4, 6], [4, 6, 9]), ("max", [1, 3, 7], [1, 7, 9])])
+def test_keep_best_keeps_the_best_by_the_metric_and_the_newest(
+    tmp_path: Path, mode: str, best: list[int], then: list[int]
+) -> None:
+    options = {"max_to_keep": 1, "keep_best": 3, "best_fn": lambda md: md["loss"], "best_mode": mode}
+    with CheckpointManager(tmp_path, **options) as m:  # type: ignore[arg-type]
+        for step, loss in LOSSES.items():
+            m.save(step, state(step), user_metadata={"loss": loss})
+        m.wait()
+        assert m.all_steps() == sorted({*best, 8})
+    # a new manager (a restarted job) reads the metrics of the steps from their metadata
+    with CheckpointManager(tmp_path, **options) as m:  # type: ignore[arg-type]
+        m.save(9, state(9), user_metadata={"loss": 0.05 if mode == "min" else 0.99})
+        m.wait()
+        assert m.all_steps() == then
+
+
+def test_keep_best_alone_keeps_the_best_and_the_newest_and_steps_without_a_metric_are_not_ranked(
+    tmp_path: Path,
+) -> None:
+    with CheckpointManager(tmp_path, keep_best=2, best_fn=lambda md: md["loss"], async_=False) as m:
+        for step, loss in LOSSES.items():
+            m.save(step, state(step), user_metadata={"loss": loss} if step != 3 else {})
+        m.save(9, state(9))  # no metric: kept as the newest only
+        m.save(10, state(10), user_metadata={"loss": 0.5})
+        m.wait()
+        assert m.all_steps() == [4, 6, 10]
+
+
+def test_save_interval_seconds_adds_saves_by_time(tmp_path: Path) -> None:
+    now = [1000.0]
+    with CheckpointManager(
+        tmp_path, save_interval_steps=5, save_interval_seconds=60, clock=lambda: now[0], async_=False
+    ) as m:
+        saved = []
+        for step in range(1, 13):
+            now[0] += 25.0 if step < 8 else 1.0  # slow steps, then fast ones
+            if m.save(step, state(step)):
+                saved.append(step)
+    # 60 s after the start at step 3 (75 s); step 5 on the step interval, and 10; not 60 s after step 5 till then
+    assert saved == [3, 5, 10]
+
+
+def test_rank_0s_clock_decides_the_timed_saves_of_every_rank(tmp_path: Path) -> None:
+    results = run_world(2, mw.timed_saves, str(tmp_path))
+    assert results[0] == results[1], results
+    assert results[0]["saved"] == [3, 6, 9, 12]
+
+
+def test_keep_period_keeps_one_step_per_period(tmp_path: Path) -> None:
+    now = [0.0]
+    with CheckpointManager(tmp_path, max_to_keep=2, keep_period_seconds=100, clock=lambda: now[0]) as m:
+        for step in range(1, 21):
+            now[0] = step * 30.0  # 30 s a step: steps 1, 5, 9, 13, 17 start a period of 100 s each
+            m.save(step, state(step))
+        m.wait()
+        assert m.all_steps() == [1, 5, 9, 13, 17, 19, 20]
+    # A restart: the times of earlier steps come from their metadata files, written within a second or so
+    # (this test's clock ran faster than the files'): one period holds them all, the oldest is kept.
+    with CheckpointManager(tmp_path, max_to_keep=2, keep_period_seconds=100) as m:
+        m.save(21, state(21))
+        m.wait()
+        assert m.all_steps() == [1, 20, 21]
+
+
+def test_rules_combine(tmp_path: Path) -> None:
+    now = [0.0]
+    with CheckpointManager(
+        tmp_path,
+        max_to_keep=2,
+        keep_every_n_steps=10,
+        keep_best=1,
+        best_fn=lambda md: md["loss"],
+        keep_period_seconds=1000,
+        clock=lambda: now[0],
+    ) as m:
+        for step in range(1, 26):
+            now[0] = step * 100.0
+            m.save(step, state(step), user_metadata={"loss": abs(step - 7)})
+        m.wait()
+        assert m.all_steps() == [1, 7, 10, 11, 20, 21, 24, 25]
+
+
+def test_old_steps_are_deleted_on_the_deleter_thread_and_wait_waits_for_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    threads: list[str] = []
+    remove_tree = _manager.remove_tree
+
+    def slow_remove(path: Path) -> None:
+        threads.append(threading.current_thread().name)
+        time.sleep(0.3)
+        remove_tree(path)
+
+    monkeypatch.setattr(_manager, "remove_tree", slow_remove)
+    with CheckpointManager(tmp_path, max_to_keep=1, async_=False) as m:
+        started = time.monotonic()
+        for step in range(1, 5):
+            m.save(step, state(step))
+        took = time.monotonic() - started
+        assert took < 0.9, took  # three deletions of 0.3 s each did not block the saves
+        assert m.all_steps() == [4]  # steps being deleted are not listed
+        m.wait()
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["step_4"]
+    assert threads
+    assert all(t.startswith("pytreeckpt-deleter") for t in threads), threads
+
+
+def test_a_failed_deletion_is_logged_and_retried_by_the_next_retention(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    failures = [1]
+    discard = _manager._discard
+
+    def failing_once(path: Path, committed: bool) -> bool:
+        if failures:
+            failures.pop()
+            raise OSError(f"{path}: the file system said no")
+        return discard(path, committed)
+
+    monkeypatch.setattr(_manager, "_discard", failing_once)
+    with caplog.at_level(logging.WARNING, logger="pytreeckpt"), CheckpointManager(tmp_path, max_to_keep=1) as m:
+        m.save(1, state(1))
+        m.save(2, state(2))
+        m.wait()
+        assert "deleting step 1 failed, the next retention retries" in caplog.text
+        assert "the file system said no" in caplog.text
+        assert m.all_steps() == [1, 2]  # still there
+        m.save(3, state(3))
+        m.wait()
+        assert m.all_steps() == [3]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_3"]
