@@ -23,11 +23,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_optimizer_state_dict,
-)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
@@ -116,11 +111,10 @@ def main() -> None:
     found = latest(args.dir)
     if found is not None:
         t0 = time.perf_counter()
-        target = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt), "step": 0}
-        # In place: the stored values land in the model's own sharded parameters (the
-        # tensors of its state dict are theirs), with no second copy of the state.
-        state = pytreeckpt.load(found, target, inplace=True)
-        set_optimizer_state_dict(model, opt, state["optim"])  # its hyperparameters too
+        # The model and optimizer are restored in place, resharded into this run's FSDP2
+        # layout; in place, the stored values land in the model's own sharded parameters,
+        # with no second copy of the state.
+        state = pytreeckpt.load(found, {"model": model, "optim": opt, "step": 0}, inplace=True)
         start = state["step"]
         saved_world = pytreeckpt.metadata(found).user_metadata.get("world_size")
         if rank == 0:
@@ -140,7 +134,7 @@ def main() -> None:
         opt.step()
         done = step + 1
         if done % args.save_every == 0 or done == start + args.steps:
-            state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt), "step": done}
+            state = {"model": model, "optim": opt, "step": done}
             # Returns once the state is copied; writing overlaps the next training steps.
             handle = pytreeckpt.async_save(
                 args.dir / f"step_{done}", state, overwrite=True, user_metadata={"world_size": world}
