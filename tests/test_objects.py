@@ -393,7 +393,7 @@ def test_an_objects_state_is_the_checkpoints_whatever_its_own_holds(tmp_path: Pa
 
 @pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
 def test_a_stateful_dataloader_resumes_where_it_was(tmp_path: Path) -> None:
-    sdl = pytest.importorskip("torchdata.stateful_dataloader")
+    import torchdata.stateful_dataloader as sdl  # (pinned in the test extras: never skipped)
 
     def loader() -> Any:
         return sdl.StatefulDataLoader(list(range(40)), batch_size=3, shuffle=True)
