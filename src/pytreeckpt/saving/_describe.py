@@ -51,7 +51,8 @@ __all__ = ["SAVE_PLANS", "Planned", "plan_state", "user_metadata_of"]
 
 SMALL_REPLICA = 1 << 20
 """The largest plain tensor every rank holds that a distributed save compares across ranks by default (larger
-ones with ``check_replicas="all"``: a crc32c of 1 GiB of DDP weights on every rank made their save 1.19-1.22x as long)."""
+ones with ``check_replicas="all"``: a crc32c of 1 GiB of DDP weights on every rank made their save 1.19-1.22x
+as long)."""
 
 SAVE_PLANS = PlanCache(4)  # the plans of the last few saves: a save in the layout of one of them reuses its plan
 
