@@ -137,3 +137,13 @@ def test_the_cold_load_benchmark_sets_every_load_against_fio_at_one_and_at_sever
         assert set(r["of_fio"]) >= {"fio 2 jobs", "pytreeckpt.load", "pytreeckpt.load inplace"}
         assert all(s > 0 for s in r["seconds"].values())
         assert 0.009 * 2**30 < r["bytes"] <= 0.01 * 2**30
+
+
+def test_the_replica_check_benchmark_compares_three_saves(tmp_path: Path) -> None:
+    from benchmarks import replicas
+
+    r = replicas.run(1 / 1024, 2, 2, tmp_path / "replicas")
+    assert set(r["seconds"]) == {"plain", "plain default", "dtensor"}
+    assert len(r["round_ratios"]) == len(r["default_round_ratios"]) == 2
+    assert r["ratio"] > 0
+    assert r["default_ratio"] > 0
