@@ -11,14 +11,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pytreeckpt.api import metadata, verify
 from pytreeckpt.core._errors import CheckpointError
 from pytreeckpt.core._values import decode_value, encode_value
 from pytreeckpt.format import LOCK_FILE, METADATA_FILE, STORED_DIRS, ArrayMeta
-from pytreeckpt.interop._dcp import import_dcp
-from pytreeckpt.interop._safetensors import export_safetensors, import_safetensors
+from pytreeckpt.loading._inspect import inspect, verify_checkpoint
 from pytreeckpt.storage import Storage
 from pytreeckpt.storage._location import resolve
+
+# ls, inspect and verify import no torch (they answer at once); export and import import what they need when run.
 
 __all__ = ["main"]
 
@@ -158,7 +158,7 @@ def _compression_text(a: ArrayMeta) -> str:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    meta = metadata(args.path)
+    meta = inspect(args.path, "", tree=False)  # (pytreeckpt.metadata without the tree of placeholders)
     storage = Storage(args.path)
     stored = {a.key: storage.stored_bytes(a) for a in meta.arrays.values()}
     doc = json.loads(storage.read_metadata())
@@ -216,7 +216,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     try:
-        report = verify(args.path)
+        report = verify_checkpoint(args.path, None)  # (pytreeckpt.verify)
     except CheckpointError as e:  # nothing could be checked: say so where the status goes, then fail
         if args.json:
             print(json.dumps({"ok": False, "error": str(e), "problems": []}, indent=2))
@@ -263,6 +263,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    from pytreeckpt.interop._safetensors import export_safetensors
+
     def progress(done: int, total: int) -> None:
         if args.progress:
             width = 30
@@ -281,6 +283,9 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_import(args: argparse.Namespace) -> int:
+    from pytreeckpt.interop._dcp import import_dcp
+    from pytreeckpt.interop._safetensors import import_safetensors
+
     src = Path(args.src)
     if (src / ".metadata").is_file():  # a torch.distributed.checkpoint directory
         names = import_dcp(src, args.out, overwrite=args.overwrite)
