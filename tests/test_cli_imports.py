@@ -18,10 +18,10 @@ from pytreeckpt import PER_RANK, Compression, FlatRanges, Location, ShardedLeaf,
 HEAVY = ("torch", "pytreeckpt.leaves", "pytreeckpt.api", "pytreeckpt.interop", "pytreeckpt.saving")
 
 
-def imported_after(code: str) -> dict[str, object]:
+def imported_after(code: str, heavy: tuple[str, ...] = HEAVY) -> dict[str, object]:
     """What ``code`` (run in a fresh interpreter, its result in ``out``) left in ``out`` and which of
-    ``HEAVY`` it imported."""
-    report = f"print(json.dumps({{'out': out, 'heavy': [m for m in {HEAVY!r} if m in sys.modules]}}))"
+    ``heavy`` it imported."""
+    report = f"print(json.dumps({{'out': out, 'heavy': [m for m in {heavy!r} if m in sys.modules]}}))"
     script = f"import json, sys\nout = None\n{code}\n{report}\n"
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
@@ -53,6 +53,12 @@ def test_ls_inspect_and_verify_import_no_torch(ckpts: Path) -> None:
         calls += [["inspect", ckpts / n], ["inspect", ckpts / n, "--json"], ["verify", ckpts / n, "--json"]]
     got = imported_after(cli(*calls))
     assert got["out"] == [0] * len(calls)
+    assert got["heavy"] == []
+
+
+def test_ls_of_a_local_directory_imports_no_tensorstore(ckpts: Path) -> None:
+    got = imported_after(cli(["ls", ckpts], ["ls", ckpts / "packed", "--json"]), (*HEAVY, "tensorstore", "ml_dtypes"))
+    assert got["out"] == [0, 0]
     assert got["heavy"] == []
 
 

@@ -9,16 +9,16 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pytreeckpt.core._errors import CheckpointError
-from pytreeckpt.core._values import decode_value, encode_value
-from pytreeckpt.format import LOCK_FILE, METADATA_FILE, STORED_DIRS, ArrayMeta
-from pytreeckpt.loading._inspect import inspect, verify_checkpoint
-from pytreeckpt.storage import Storage
-from pytreeckpt.storage._location import resolve
+from pytreeckpt.format._paths import LOCK_FILE, METADATA_FILE, STORED_DIRS
 
-# ls, inspect and verify import no torch (they answer at once); export and import import what they need when run.
+if TYPE_CHECKING:
+    from pytreeckpt.format import ArrayMeta
+
+# Each command imports what it needs when it runs: ls, inspect and verify import no torch (and ls of a
+# local directory neither numpy nor TensorStore), so they answer at once.
 
 __all__ = ["main"]
 
@@ -61,6 +61,9 @@ def _is_checkpoint_dir(p: Path) -> bool:
 
 def _kv_entries(where: str) -> list[dict[str, Any]]:
     """Checkpoints under a key-value store prefix (listings there carry no sizes or times)."""
+    from pytreeckpt.storage import Storage
+    from pytreeckpt.storage._location import resolve
+
     kv = Storage(where).kv
     assert kv is not None
     kv.check_reachable()
@@ -90,6 +93,8 @@ def _kv_entries(where: str) -> list[dict[str, Any]]:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
+    from pytreeckpt.storage._location import resolve
+
     if not resolve(args.dir).is_local:
         found = _kv_entries(args.dir)
         if args.json:
@@ -158,6 +163,10 @@ def _compression_text(a: ArrayMeta) -> str:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
+    from pytreeckpt.core._values import decode_value, encode_value
+    from pytreeckpt.loading._inspect import inspect
+    from pytreeckpt.storage import Storage
+
     meta = inspect(args.path, "", tree=False)  # (pytreeckpt.metadata without the tree of placeholders)
     storage = Storage(args.path)
     stored = {a.key: storage.stored_bytes(a) for a in meta.arrays.values()}
@@ -215,6 +224,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    from pytreeckpt.loading._inspect import verify_checkpoint
+
     try:
         report = verify_checkpoint(args.path, None)  # (pytreeckpt.verify)
     except CheckpointError as e:  # nothing could be checked: say so where the status goes, then fail

@@ -12,10 +12,9 @@
 array. ``pytreeckpt.api`` builds a :class:`LoadRequest` and runs these.
 """
 
-from __future__ import annotations
+from typing import TYPE_CHECKING
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from pytreeckpt.core._lazy import lazy_exports
 
 if TYPE_CHECKING:
     from ._inspect import CheckpointMetadata, VerifyReport, inspect, read_region, region_of, verify_once
@@ -24,35 +23,25 @@ if TYPE_CHECKING:
     from ._report import LoadReport
     from ._run import LOAD_PLANS, load_once
 
-# Each name imported on first use (PEP 562): the command line reads metadata and verifies
+# Each name imported on first use (``core._lazy``): the command line reads metadata and verifies
 # through ``_inspect`` and ``_open`` without importing torch, which ``_match`` and ``_run`` need.
-_EXPORTS = {
-    "CheckpointMetadata": "_inspect",
-    "VerifyReport": "_inspect",
-    "inspect": "_inspect",
-    "read_region": "_inspect",
-    "region_of": "_inspect",
-    "verify_once": "_inspect",
-    "LoadRequest": "_match",
-    "again_if_replaced": "_open",
-    "open_checkpoint": "_open",
-    "LoadReport": "_report",
-    "LOAD_PLANS": "_run",
-    "load_once": "_run",
-}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
-
+__getattr__, __dir__ = lazy_exports(
+    __name__,
+    {
+        "CheckpointMetadata": "._inspect",
+        "VerifyReport": "._inspect",
+        "inspect": "._inspect",
+        "read_region": "._inspect",
+        "region_of": "._inspect",
+        "verify_once": "._inspect",
+        "LoadRequest": "._match",
+        "again_if_replaced": "._open",
+        "open_checkpoint": "._open",
+        "LoadReport": "._report",
+        "LOAD_PLANS": "._run",
+        "load_once": "._run",
+    },
+)
 
 __all__ = [
     "LOAD_PLANS",
