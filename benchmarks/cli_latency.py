@@ -60,7 +60,10 @@ def _source_of(rev: str, into: Path) -> Path:
     if out.returncode != 0:
         raise RuntimeError(f"cannot read {rev} of {ROOT}: {out.stderr.decode(errors='replace').strip()}")
     with tarfile.open(fileobj=io.BytesIO(out.stdout)) as tar:
-        tar.extractall(into, filter="data")
+        if hasattr(tarfile, "data_filter"):  # (Python 3.10.12, 3.11.4 and later)
+            tar.extractall(into, filter="data")
+        else:
+            tar.extractall(into)  # (git's own archive of this repository)
     return into / "src"
 
 

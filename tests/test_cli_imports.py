@@ -94,3 +94,18 @@ def test_import_pytreeckpt_is_lazy_and_every_public_name_resolves() -> None:
     assert pytreeckpt.api.save is pytreeckpt.save  # the layers stay reachable as attributes
     with pytest.raises(AttributeError, match="no attribute 'nonesuch'"):
         pytreeckpt.nonesuch  # type: ignore[attr-defined]  # noqa: B018
+
+
+def test_the_latency_benchmark_times_each_command_of_each_version() -> None:
+    """``benchmarks/cli_latency.py`` end to end, once, beside this repository's last commit (no wall time asserted)."""
+    from benchmarks import cli_latency
+
+    if not (cli_latency.ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    r = cli_latency.run("HEAD", repeat=1)
+    assert set(r["seconds"]) == {"now", "before"}
+    assert all(set(s) == {"ls", "inspect", "verify"} for s in r["seconds"].values())
+    assert all(len(t) == 1 and t[0] > 0 for ts in r["rounds"].values() for t in ts.values())
+    assert [row[2:] for row in cli_latency.targets(r)] == [("<=", 0.5)] * 3
+    with pytest.raises(RuntimeError, match="cannot read no-such-revision"):
+        cli_latency.run("no-such-revision", repeat=1)
