@@ -9,16 +9,16 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pytreeckpt.api import metadata, verify
 from pytreeckpt.core._errors import CheckpointError
-from pytreeckpt.core._values import decode_value, encode_value
-from pytreeckpt.format import LOCK_FILE, METADATA_FILE, STORED_DIRS, ArrayMeta
-from pytreeckpt.interop._dcp import import_dcp
-from pytreeckpt.interop._safetensors import export_safetensors, import_safetensors
-from pytreeckpt.storage import Storage
-from pytreeckpt.storage._location import resolve
+from pytreeckpt.format._paths import LOCK_FILE, METADATA_FILE, STORED_DIRS
+
+if TYPE_CHECKING:
+    from pytreeckpt.format import ArrayMeta
+
+# Each command imports what it needs when it runs: ls, inspect and verify import no torch (and ls of a
+# local directory neither numpy nor TensorStore), so they answer at once.
 
 __all__ = ["main"]
 
@@ -61,6 +61,9 @@ def _is_checkpoint_dir(p: Path) -> bool:
 
 def _kv_entries(where: str) -> list[dict[str, Any]]:
     """Checkpoints under a key-value store prefix (listings there carry no sizes or times)."""
+    from pytreeckpt.storage import Storage
+    from pytreeckpt.storage._location import resolve
+
     kv = Storage(where).kv
     assert kv is not None
     kv.check_reachable()
@@ -90,6 +93,8 @@ def _kv_entries(where: str) -> list[dict[str, Any]]:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
+    from pytreeckpt.storage._location import resolve
+
     if not resolve(args.dir).is_local:
         found = _kv_entries(args.dir)
         if args.json:
@@ -158,7 +163,11 @@ def _compression_text(a: ArrayMeta) -> str:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    meta = metadata(args.path)
+    from pytreeckpt.core._values import decode_value, encode_value
+    from pytreeckpt.loading._inspect import inspect
+    from pytreeckpt.storage import Storage
+
+    meta = inspect(args.path, "", tree=False)  # (pytreeckpt.metadata without the tree of placeholders)
     storage = Storage(args.path)
     stored = {a.key: storage.stored_bytes(a) for a in meta.arrays.values()}
     doc = json.loads(storage.read_metadata())
@@ -215,8 +224,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    from pytreeckpt.loading._inspect import verify_checkpoint
+
     try:
-        report = verify(args.path)
+        report = verify_checkpoint(args.path, None)  # (pytreeckpt.verify)
     except CheckpointError as e:  # nothing could be checked: say so where the status goes, then fail
         if args.json:
             print(json.dumps({"ok": False, "error": str(e), "problems": []}, indent=2))
@@ -263,6 +274,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    from pytreeckpt.interop._safetensors import export_safetensors
+
     def progress(done: int, total: int) -> None:
         if args.progress:
             width = 30
@@ -281,6 +294,9 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_import(args: argparse.Namespace) -> int:
+    from pytreeckpt.interop._dcp import import_dcp
+    from pytreeckpt.interop._safetensors import import_safetensors
+
     src = Path(args.src)
     if (src / ".metadata").is_file():  # a torch.distributed.checkpoint directory
         names = import_dcp(src, args.out, overwrite=args.overwrite)

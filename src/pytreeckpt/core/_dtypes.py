@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ml_dtypes
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # (imported on first use: reading a checkpoint's metadata needs no torch)
+    import torch
 
 __all__ = ["DType", "dtype_from_name", "dtype_of_numpy", "dtype_of_torch", "numpy_view"]
 
@@ -34,7 +36,7 @@ class DType:
 
     @property
     def torch(self) -> torch.dtype:
-        return _TORCH[self.name]
+        return _torch_tables()[0][self.name]
 
     @property
     def numpy(self) -> np.dtype:
@@ -77,24 +79,63 @@ _STORAGE: dict[str, str] = {
     "bits16": "uint16",
 }
 
-_TORCH: dict[str, torch.dtype] = {n: getattr(torch, n) for n in _STORAGE if hasattr(torch, n)}
-_BY_TORCH: dict[torch.dtype, DType] = {t: DType(n, _STORAGE[n], t.itemsize) for n, t in _TORCH.items()}
-_BY_NAME: dict[str, DType] = {d.name: d for d in _BY_TORCH.values()}
-TORCH_NAMES = frozenset(_TORCH)
-"""The names of the dtypes torch has (the others are numpy's, e.g. ml_dtypes' float4)."""
+# Names torch 2.6 (the oldest supported) may lack; whether it has them is asked of torch itself.
+_NEWER_IN_TORCH = frozenset({"float8_e8m0fnu", "float4_e2m1fn_x2"})
+
+
+def _torch_has(name: str) -> bool:
+    if name not in _NEWER_IN_TORCH:
+        return True
+    import torch
+
+    return hasattr(torch, name)
+
+
+# Bytes per element of each stored type (as wide as its torch dtype): a document is parsed without importing torch.
+_WIDTH: dict[str, int] = {
+    **dict.fromkeys(("bool", "uint8", "int8"), 1),
+    **dict.fromkeys(("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu"), 1),
+    **dict.fromkeys(("int16", "uint16", "float16", "bfloat16"), 2),
+    **dict.fromkeys(("int32", "uint32", "float32"), 4),
+    **dict.fromkeys(("int64", "uint64", "float64", "complex64"), 8),
+    "complex128": 16,
+}
+_BY_NAME: dict[str, DType] = {n: DType(n, s, _WIDTH[s]) for n, s in _STORAGE.items()}
 # numpy-only dtypes torch does not have: stored under their own name (TensorStore's zarr v3
 # has no uint4, so ml_dtypes' uint4 is refused like any other dtype without a stored form).
-for _n in ("float8_e4m3b11fnuz", "int4", "float4_e2m1fn"):
-    if hasattr(ml_dtypes, _n):
-        _BY_NAME.setdefault(_n, DType(_n, _n, np.dtype(getattr(ml_dtypes, _n)).itemsize))
+_NUMPY_ONLY = frozenset(n for n in ("float8_e4m3b11fnuz", "int4", "float4_e2m1fn") if hasattr(ml_dtypes, n))
+for _n in _NUMPY_ONLY:
+    _BY_NAME.setdefault(_n, DType(_n, _n, np.dtype(getattr(ml_dtypes, _n)).itemsize))
 
-_UINT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+def _known(name: str) -> DType:
+    """The :class:`DType` named ``name``; KeyError if unknown (or a torch dtype this torch has not)."""
+    d = _BY_NAME[name]
+    if name not in _NUMPY_ONLY and not _torch_has(name):
+        raise KeyError(name)
+    return d
+
+
+@functools.cache
+def _torch_tables() -> tuple[dict[str, torch.dtype], dict[torch.dtype, DType], frozenset[str]]:
+    """The torch dtype of each name, the :class:`DType` of each torch dtype, the names torch has (on first use)."""
+    import torch
+
+    by_name = {n: getattr(torch, n) for n in _STORAGE if hasattr(torch, n)}
+    return by_name, {t: _BY_NAME[n] for n, t in by_name.items()}, frozenset(by_name)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "TORCH_NAMES":
+        # The names of the dtypes torch has (the others are numpy's, e.g. ml_dtypes' float4).
+        return _torch_tables()[2]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def dtype_of_torch(dtype: torch.dtype) -> DType:
     """The :class:`DType` of a torch dtype; ValueError for ones that cannot be stored."""
     try:
-        return _BY_TORCH[dtype]
+        return _torch_tables()[1][dtype]
     except KeyError:
         raise ValueError(
             f"torch dtype {dtype} cannot be stored (quantized and sub-byte types are not supported)"
@@ -104,19 +145,20 @@ def dtype_of_torch(dtype: torch.dtype) -> DType:
 def dtype_of_numpy(dtype: np.dtype) -> DType:
     """The :class:`DType` of a numpy dtype (ml_dtypes' bfloat16 and float8 included)."""
     name = np.dtype(dtype).name
-    if name in _BY_NAME and _BY_NAME[name].storage == name:
+    if name in _BY_NAME and _BY_NAME[name].storage == name and _torch_has(name):
         return _BY_NAME[name]
     raise ValueError(f"numpy dtype {dtype} cannot be stored (object, string and structured dtypes are not supported)")
 
 
 def dtype_from_name(name: str) -> DType:
     """The :class:`DType` recorded under ``name`` in metadata; KeyError if unknown."""
-    return _BY_NAME[name]
+    return _known(name)
 
 
 def numpy_view(t: torch.Tensor) -> np.ndarray:
     """A numpy array sharing memory with CPU tensor ``t``, with the stored element type.
 
+    >>> import torch
     >>> numpy_view(torch.ones(2, dtype=torch.bfloat16)).dtype
     dtype(bfloat16)
     """
@@ -125,7 +167,9 @@ def numpy_view(t: torch.Tensor) -> np.ndarray:
         t = t.detach()
     if d.name in _NUMPY_NATIVE:
         return t.numpy()
-    width = _UINT_OF_WIDTH[d.itemsize]
+    import torch
+
+    width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[d.itemsize]
     if t.dim() == 0:
         raw = t.reshape(1).view(width).numpy().reshape(())
     else:

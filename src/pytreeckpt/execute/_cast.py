@@ -10,10 +10,14 @@ executor's window, as the reads are.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-import torch
 
 from pytreeckpt.core._dtypes import DType
+
+if TYPE_CHECKING:  # (imported by a cast: the executor's reads need no torch, nor does ``pytreeckpt verify``)
+    import torch
 
 __all__ = ["CASTABLE", "cast_problem", "convert", "torch_view"]
 
@@ -61,6 +65,8 @@ def cast_problem(stored: DType, target: DType) -> str | None:
 
 def torch_view(a: np.ndarray, d: DType) -> torch.Tensor:
     """A CPU tensor of dtype ``d`` sharing memory with numpy array ``a`` (whose elements are ``d``'s)."""
+    import torch
+
     if a.dtype.kind in "biufc" and a.dtype.isbuiltin:  # numpy's own dtypes: torch takes them as they are
         return torch.from_numpy(a)
     raw = a.view(_INT_OF_WIDTH[d.itemsize])  # (ml_dtypes' bfloat16 and float8: torch sees their bits)
@@ -70,5 +76,7 @@ def torch_view(a: np.ndarray, d: DType) -> torch.Tensor:
 def convert(src: np.ndarray, src_dtype: DType, dst: np.ndarray, dst_dtype: DType) -> None:
     """Convert ``src`` (elements of ``src_dtype``) into ``dst`` (of ``dst_dtype``, the same shape) as
     ``Tensor.to`` does."""
+    import torch
+
     with torch.no_grad():
         torch_view(dst, dst_dtype).copy_(torch_view(src, src_dtype))

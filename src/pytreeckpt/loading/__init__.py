@@ -12,11 +12,36 @@
 array. ``pytreeckpt.api`` builds a :class:`LoadRequest` and runs these.
 """
 
-from ._inspect import CheckpointMetadata, VerifyReport, inspect, read_region, region_of, verify_once
-from ._match import LoadRequest
-from ._open import again_if_replaced, open_checkpoint
-from ._report import LoadReport
-from ._run import LOAD_PLANS, load_once
+from typing import TYPE_CHECKING
+
+from pytreeckpt.core._lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from ._inspect import CheckpointMetadata, VerifyReport, inspect, read_region, region_of, verify_once
+    from ._match import LoadRequest
+    from ._open import again_if_replaced, open_checkpoint
+    from ._report import LoadReport
+    from ._run import LOAD_PLANS, load_once
+
+# Each name imported on first use (``core._lazy``): the command line reads metadata and verifies
+# through ``_inspect`` and ``_open`` without importing torch, which ``_match`` and ``_run`` need.
+__getattr__, __dir__ = lazy_exports(
+    __name__,
+    {
+        "CheckpointMetadata": "._inspect",
+        "VerifyReport": "._inspect",
+        "inspect": "._inspect",
+        "read_region": "._inspect",
+        "region_of": "._inspect",
+        "verify_once": "._inspect",
+        "LoadRequest": "._match",
+        "again_if_replaced": "._open",
+        "open_checkpoint": "._open",
+        "LoadReport": "._report",
+        "LOAD_PLANS": "._run",
+        "load_once": "._run",
+    },
+)
 
 __all__ = [
     "LOAD_PLANS",

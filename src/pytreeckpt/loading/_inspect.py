@@ -8,28 +8,35 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
-import torch
-
-from pytreeckpt.core._dtypes import numpy_view
 from pytreeckpt.core._errors import CheckpointError, MetadataError, TargetMismatchError, where
 from pytreeckpt.core._keys import KeyEntry, keystr, typed_keystr
 from pytreeckpt.core._region import Region
 from pytreeckpt.core._sharding import ExplicitRegions
 from pytreeckpt.execute._executor import read_arrays
-from pytreeckpt.execute._memory import AllocationFailed, Prefault
 from pytreeckpt.format import ArrayMeta, CheckpointDoc
-from pytreeckpt.leaves import KINDS, Buffers
 from pytreeckpt.plan import ArraySpec, plan_load
 from pytreeckpt.storage import ExecutorOptions, Storage
 from pytreeckpt.storage._location import Where, describe
 
-from ._open import check_memory, open_checkpoint, replaced
+from ._open import again_if_replaced, check_memory, open_checkpoint, replaced
 from ._per_rank import per_rank_sites
 
-__all__ = ["Arrays", "CheckpointMetadata", "VerifyReport", "inspect", "read_region", "region_of", "verify_once"]
+if TYPE_CHECKING:  # (the leaf kinds and the reads are imported where used: metadata and verify need no torch)
+    import numpy as np
+    import torch
+
+__all__ = [
+    "Arrays",
+    "CheckpointMetadata",
+    "VerifyReport",
+    "inspect",
+    "read_region",
+    "region_of",
+    "verify_checkpoint",
+    "verify_once",
+]
 
 PathLike = Where
 
@@ -155,12 +162,24 @@ class VerifyReport:
         return tuple(dict.fromkeys(key for key, _, _ in self.problems))
 
 
-def inspect(path: PathLike, namespace: str) -> CheckpointMetadata:
-    """The stored tree (a placeholder for each array, from its kind), its arrays, user metadata and version."""
+def inspect(path: PathLike, namespace: str, *, tree: bool = True) -> CheckpointMetadata:
+    """The stored tree (a placeholder for each array, from its kind), its arrays, user metadata and version.
+
+    ``tree=False`` leaves the tree out (``None``): what the command line shows needs no leaf kinds, nor torch.
+    """
     _, doc = open_checkpoint(path, namespace, None)
-    leaves = [KINDS.stored(leaf).abstract(leaf) for leaf in doc.leaves]
     parts = {keystr(p): len(node.children) for p, node in per_rank_sites(doc.tree)}
+    if not tree:
+        return CheckpointMetadata(None, Arrays(path, doc), doc.user_metadata, doc.version, parts)
+    from pytreeckpt.leaves import KINDS
+
+    leaves = [KINDS.stored(leaf).abstract(leaf) for leaf in doc.leaves]
     return CheckpointMetadata(doc.tree.unflatten(leaves), Arrays(path, doc), doc.user_metadata, doc.version, parts)
+
+
+def verify_checkpoint(path: PathLike, executor: ExecutorOptions | None) -> VerifyReport:
+    """:func:`~pytreeckpt.verify`: every chunk read and checked, again if the checkpoint is replaced meanwhile."""
+    return again_if_replaced(path, executor, "verified", lambda seen: verify_once(path, executor, seen))
 
 
 def verify_once(path: PathLike, executor: ExecutorOptions | None, seen: list[bytes]) -> VerifyReport:
@@ -178,6 +197,10 @@ def verify_once(path: PathLike, executor: ExecutorOptions | None, seen: list[byt
 
 def read_region(storage: Storage, path: PathLike, meta: ArrayMeta, region: Region | None) -> torch.Tensor:
     """:func:`read_array` on ``storage`` (the location ``path``)."""
+    from pytreeckpt.core._dtypes import numpy_view
+    from pytreeckpt.execute._memory import AllocationFailed, Prefault
+    from pytreeckpt.leaves import Buffers
+
     storage.check_stored_sizes([meta])
     region = Region.full(meta.shape) if region is None else region
     check_memory(path, [(meta.key, region.size * meta.dtype.itemsize)])

@@ -17,23 +17,53 @@ per layout), ``_balance`` (handing out replicated work by bytes), ``_save`` (``p
 ``_load`` (``plan_load``), ``_cache`` (``PlanCache``).
 """
 
-from ._cache import PlanCache as PlanCache
-from ._cache import spec_digest as spec_digest
-from ._cache import spec_plan_key as spec_plan_key
-from ._load import plan_load as plan_load
-from ._save import check_complete as check_complete
-from ._save import plan_save as plan_save
-from ._save import plan_whole as plan_whole
-from ._types import ArrayLoadPlan as ArrayLoadPlan
-from ._types import ArraySavePlan as ArraySavePlan
-from ._types import ArraySpec as ArraySpec
-from ._types import ChunkingOptions as ChunkingOptions
-from ._types import Fragment as Fragment
-from ._types import LoadPlan as LoadPlan
-from ._types import ReadOp as ReadOp
-from ._types import SavePlan as SavePlan
-from ._types import WriteOp as WriteOp
-from ._types import array_spec_of as array_spec_of
+from typing import TYPE_CHECKING
+
+from pytreeckpt.core._lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from ._cache import PlanCache as PlanCache
+    from ._cache import spec_digest as spec_digest
+    from ._cache import spec_plan_key as spec_plan_key
+    from ._load import plan_load as plan_load
+    from ._save import check_complete as check_complete
+    from ._save import plan_save as plan_save
+    from ._save import plan_whole as plan_whole
+    from ._types import ArrayLoadPlan as ArrayLoadPlan
+    from ._types import ArraySavePlan as ArraySavePlan
+    from ._types import ArraySpec as ArraySpec
+    from ._types import ChunkingOptions as ChunkingOptions
+    from ._types import Fragment as Fragment
+    from ._types import LoadPlan as LoadPlan
+    from ._types import ReadOp as ReadOp
+    from ._types import SavePlan as SavePlan
+    from ._types import WriteOp as WriteOp
+    from ._types import array_spec_of as array_spec_of
+
+# Each name imported on first use (``core._lazy``): what the command line's ls, inspect and verify
+# reach of this package imports no more than they need.
+__getattr__, __dir__ = lazy_exports(
+    __name__,
+    {
+        "PlanCache": "._cache",
+        "spec_digest": "._cache",
+        "spec_plan_key": "._cache",
+        "plan_load": "._load",
+        "check_complete": "._save",
+        "plan_save": "._save",
+        "plan_whole": "._save",
+        "ArrayLoadPlan": "._types",
+        "ArraySavePlan": "._types",
+        "ArraySpec": "._types",
+        "ChunkingOptions": "._types",
+        "Fragment": "._types",
+        "LoadPlan": "._types",
+        "ReadOp": "._types",
+        "SavePlan": "._types",
+        "WriteOp": "._types",
+        "array_spec_of": "._types",
+    },
+)
 
 __all__ = [
     "ArrayLoadPlan",

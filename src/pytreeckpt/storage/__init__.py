@@ -10,20 +10,47 @@ per kind, so the parts are written once. Only this package and :mod:`pytreeckpt.
 I/O; what they and :mod:`pytreeckpt.manager` use of it is exported here.
 """
 
-from pytreeckpt.storage._chunkfiles import chunk_crc as chunk_crc
-from pytreeckpt.storage._integrity import ChunkSums as ChunkSums
-from pytreeckpt.storage._integrity import available_memory as available_memory
-from pytreeckpt.storage._integrity import chunk_hash as chunk_hash
-from pytreeckpt.storage._io import Window as Window
-from pytreeckpt.storage._io import in_background as in_background
-from pytreeckpt.storage._local import LOCK_WAIT as LOCK_WAIT
-from pytreeckpt.storage._local import remove_tree as remove_tree
-from pytreeckpt.storage._location import Location as Location
-from pytreeckpt.storage._location import Where as Where
-from pytreeckpt.storage._location import describe as describe
-from pytreeckpt.storage._location import resolve as resolve
-from pytreeckpt.storage._options import ExecutorOptions as ExecutorOptions
-from pytreeckpt.storage._storage import Storage as Storage
+from typing import TYPE_CHECKING
+
+from pytreeckpt.core._lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from pytreeckpt.storage._chunkfiles import chunk_crc as chunk_crc
+    from pytreeckpt.storage._integrity import ChunkSums as ChunkSums
+    from pytreeckpt.storage._integrity import available_memory as available_memory
+    from pytreeckpt.storage._integrity import chunk_hash as chunk_hash
+    from pytreeckpt.storage._io import Window as Window
+    from pytreeckpt.storage._io import in_background as in_background
+    from pytreeckpt.storage._local import LOCK_WAIT as LOCK_WAIT
+    from pytreeckpt.storage._local import remove_tree as remove_tree
+    from pytreeckpt.storage._location import Location as Location
+    from pytreeckpt.storage._location import Where as Where
+    from pytreeckpt.storage._location import describe as describe
+    from pytreeckpt.storage._location import resolve as resolve
+    from pytreeckpt.storage._options import ExecutorOptions as ExecutorOptions
+    from pytreeckpt.storage._storage import Storage as Storage
+
+# Each name imported on first use (``core._lazy``): what the command line's ls, inspect and verify
+# reach of this package imports no more than they need.
+__getattr__, __dir__ = lazy_exports(
+    __name__,
+    {
+        "chunk_crc": "pytreeckpt.storage._chunkfiles",
+        "ChunkSums": "pytreeckpt.storage._integrity",
+        "available_memory": "pytreeckpt.storage._integrity",
+        "chunk_hash": "pytreeckpt.storage._integrity",
+        "Window": "pytreeckpt.storage._io",
+        "in_background": "pytreeckpt.storage._io",
+        "LOCK_WAIT": "pytreeckpt.storage._local",
+        "remove_tree": "pytreeckpt.storage._local",
+        "Location": "pytreeckpt.storage._location",
+        "Where": "pytreeckpt.storage._location",
+        "describe": "pytreeckpt.storage._location",
+        "resolve": "pytreeckpt.storage._location",
+        "ExecutorOptions": "pytreeckpt.storage._options",
+        "Storage": "pytreeckpt.storage._storage",
+    },
+)
 
 __all__ = [
     "LOCK_WAIT",

@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import tensorstore as ts
-
 from pytreeckpt.core._errors import CheckpointError
 from pytreeckpt.plan import ChunkingOptions
+
+# (TensorStore is imported where used: ``pytreeckpt ls`` of a local directory needs none)
 
 __all__ = ["KvPrefix", "Location", "Resolved", "StorageOptions", "describe", "resolve"]
 
@@ -252,6 +252,8 @@ _SHARED_LOCK = threading.Lock()
 
 def _shared_parent() -> Any:
     """One parent context per process, so ``memory://`` data outlives the call that wrote it."""
+    import tensorstore as ts
+
     with _SHARED_LOCK:
         if "parent" not in _SHARED:
             _SHARED["parent"] = ts.Context()
@@ -357,6 +359,8 @@ def context_spec(r: Resolved, file_io_concurrency: int, data_copy_concurrency: i
 
 
 def make_context(r: Resolved, file_io_concurrency: int = 16, data_copy_concurrency: int = 4) -> Any:
+    import tensorstore as ts
+
     spec = context_spec(r, file_io_concurrency, data_copy_concurrency)
     if r.spec is not None and r.spec.get("driver") == "memory":
         return ts.Context(spec, parent=_shared_parent())
@@ -378,6 +382,8 @@ class KvPrefix:
 
     @property
     def store(self) -> Any:
+        import tensorstore as ts
+
         if self._store is None:
             self._store = self._run(lambda: ts.KvStore.open(self.resolved.spec, context=self.context).result(), "open")
         return self._store
@@ -414,20 +420,28 @@ class KvPrefix:
 
     def list(self, prefix: str = "") -> list[str]:
         """Every key below ``prefix`` (relative to the location), sorted."""
+        import tensorstore as ts
+
         rng = ts.KvStore.KeyRange(prefix, _after(prefix)) if prefix else None
         keys = self._run(lambda: self.store.list(rng).result(), f"list {prefix or 'the location'}")
         return sorted(k.decode() for k in keys)
 
     def delete_prefix(self, prefix: str) -> None:
         """Delete every key below ``prefix`` (all keys when empty)."""
+        import tensorstore as ts
+
         rng = ts.KvStore.KeyRange(prefix, _after(prefix)) if prefix else ts.KvStore.KeyRange()
         self._run(lambda: self.store.delete_range(rng).result(), f"delete {prefix or 'the location'}")
 
     def delete(self, key: str) -> None:
+        import tensorstore as ts
+
         self._run(lambda: self.store.delete_range(ts.KvStore.KeyRange(key, key + "\0")).result(), f"delete {key!r}")
 
     def check_reachable(self) -> None:
         """Raise now if the store cannot be listed (no such bucket, wrong credentials, no endpoint)."""
+        import tensorstore as ts
+
         probe = ".pytreeckpt-probe/"  # a listing of a key range that holds nothing: one cheap request
         self._run(lambda: self.store.list(ts.KvStore.KeyRange(probe, _after(probe))).result(), "reach the store")
 

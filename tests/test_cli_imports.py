@@ -1,0 +1,111 @@
+"""The command line's ls, inspect and verify import no torch (so they answer at once), and ``import
+pytreeckpt`` imports its public names on first use. (Their wall time is ``benchmarks/cli_latency.py``'s.)"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import unpacked
+
+import pytreeckpt
+from pytreeckpt import PER_RANK, Compression, FlatRanges, Location, ShardedLeaf, StorageOptions
+
+HEAVY = ("torch", "pytreeckpt.leaves", "pytreeckpt.api", "pytreeckpt.interop", "pytreeckpt.saving")
+
+
+def imported_after(code: str, heavy: tuple[str, ...] = HEAVY) -> dict[str, object]:
+    """What ``code`` (run in a fresh interpreter, its result in ``out``) left in ``out`` and which of
+    ``heavy`` it imported."""
+    report = f"print(json.dumps({{'out': out, 'heavy': [m for m in {heavy!r} if m in sys.modules]}}))"
+    script = f"import json, sys\nout = None\n{code}\n{report}\n"
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    result: dict[str, object] = json.loads(done.stdout.splitlines()[-1])
+    return result
+
+
+def cli(*calls: list[object]) -> str:
+    """Code running the command line's ``main`` on each argument list, their exit statuses in ``out``."""
+    return "from pytreeckpt._cli import main\nout = [main(a) for a in " + repr([list(map(str, c)) for c in calls]) + "]"
+
+
+@pytest.fixture
+def ckpts(tmp_path: Path) -> Path:
+    w = torch.arange(40.0).reshape(8, 5)
+    state = {"model": {"w": ShardedLeaf.from_global(w, FlatRanges([(0, 13), (13, 40)]))}, "step": 1, "lr": 0.5}
+    pytreeckpt.save(tmp_path / "packed", {**state, "b": torch.ones(3, dtype=torch.bfloat16)})  # zip archives
+    pytreeckpt.save(unpacked(tmp_path / "files"), state)  # chunk files
+    pytreeckpt.save(tmp_path / "zstd", {"w": torch.randn(64, 64)}, compression=Compression("zstd"))
+    pytreeckpt.save(Location(tmp_path / "ocdbt", StorageOptions(pack_format="ocdbt")), {"w": torch.ones(4)})
+    pytreeckpt.save(tmp_path / "per_rank", {"rng": torch.ones(2), "step": 3}, spec={"rng": PER_RANK})
+    return tmp_path
+
+
+def test_ls_inspect_and_verify_import_no_torch(ckpts: Path) -> None:
+    names = ("packed", "files", "zstd", "ocdbt", "per_rank")
+    calls = [["ls", ckpts], ["ls", ckpts, "--json"]]
+    for n in names:
+        calls += [["inspect", ckpts / n], ["inspect", ckpts / n, "--json"], ["verify", ckpts / n, "--json"]]
+    got = imported_after(cli(*calls))
+    assert got["out"] == [0] * len(calls)
+    assert got["heavy"] == []
+
+
+def test_ls_of_a_local_directory_imports_no_tensorstore(ckpts: Path) -> None:
+    got = imported_after(cli(["ls", ckpts], ["ls", ckpts / "packed", "--json"]), (*HEAVY, "tensorstore", "ml_dtypes"))
+    assert got["out"] == [0, 0]
+    assert got["heavy"] == []
+
+
+def test_verify_of_a_damaged_or_missing_checkpoint_imports_no_torch(ckpts: Path) -> None:
+    chunk = next(p for p in (ckpts / "files" / "arrays").rglob("*") if p.is_file() and p.name != "zarr.json")
+    chunk.write_bytes(bytes([chunk.read_bytes()[0] ^ 0x80]) + chunk.read_bytes()[1:])
+    got = imported_after(
+        cli(["verify", ckpts / "files"], ["verify", ckpts / "nothing"], ["inspect", ckpts / "nothing"])
+    )
+    assert got["out"] == [1, 2, 2]
+    assert got["heavy"] == []
+
+
+def test_the_console_script_and_python_m_import_no_torch(ckpts: Path) -> None:
+    code = (
+        "import runpy\nsys.argv = ['pytreeckpt', 'inspect', " + repr(str(ckpts / "packed")) + "]\n"
+        "try:\n    runpy.run_module('pytreeckpt', run_name='__main__')\nexcept SystemExit as e:\n    out = e.code\n"
+    )
+    got = imported_after(code)
+    assert got["out"] == 0
+    assert got["heavy"] == []
+
+
+def test_import_pytreeckpt_is_lazy_and_every_public_name_resolves() -> None:
+    got = imported_after("import pytreeckpt\nout = sorted(dir(pytreeckpt))")
+    assert got["heavy"] == []
+    assert set(pytreeckpt.__all__) <= set(got["out"])  # type: ignore[arg-type]
+    got = imported_after("from pytreeckpt import *\nout = sorted(k for k in dir() if not k.startswith('_'))")
+    assert set(pytreeckpt.__all__) <= set(got["out"])  # type: ignore[arg-type]
+    for name in pytreeckpt.__all__:
+        assert getattr(pytreeckpt, name) is not None, name
+    assert pytreeckpt.plan_load.__name__ == "plan_load_of"
+    assert pytreeckpt.api.save is pytreeckpt.save  # the layers stay reachable as attributes
+    with pytest.raises(AttributeError, match="no attribute 'nonesuch'"):
+        pytreeckpt.nonesuch  # type: ignore[attr-defined]  # noqa: B018
+
+
+def test_the_latency_benchmark_times_each_command_of_each_version() -> None:
+    """``benchmarks/cli_latency.py`` end to end, once, beside this repository's last commit (no wall time asserted)."""
+    from benchmarks import cli_latency
+
+    if not (cli_latency.ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    r = cli_latency.run("HEAD", repeat=1)
+    assert set(r["seconds"]) == {"now", "before"}
+    assert all(set(s) == {"ls", "inspect", "verify"} for s in r["seconds"].values())
+    assert all(len(t) == 1 and t[0] > 0 for ts in r["rounds"].values() for t in ts.values())
+    assert [row[2:] for row in cli_latency.targets(r)] == [("<=", 0.5)] * 3
+    with pytest.raises(RuntimeError, match="cannot read no-such-revision"):
+        cli_latency.run("no-such-revision", repeat=1)
