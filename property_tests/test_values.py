@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 import pytreeckpt
 from pytreeckpt import ChunkingOptions, ExecutorOptions, Location, Mesh, Shard, ShardedLeaf, ShardingSpec
 from pytreeckpt import StorageOptions as Storage
-from pytreeckpt.core._dtypes import _BY_NAME, _BY_TORCH
+from pytreeckpt.core._dtypes import _BY_NAME, _torch_tables
 
 CHUNKING = ChunkingOptions(single_chunk_bytes=48, min_chunk_bytes=16, max_chunk_bytes=48)
 EXECUTOR = ExecutorOptions(staging_bytes=256, staging_piece_bytes=64)
@@ -38,7 +38,7 @@ NUMPY_DTYPES = [
     *(np.dtype(getattr(ml_dtypes, d.name)) for d in _BY_NAME.values() if d.storage == d.name and d.name not in
       {np.dtype(c).name for c in (*_NUMERIC, "?", "i1", "u1")}),
 ]  # fmt: skip
-TORCH_DTYPES = sorted(_BY_TORCH, key=str)
+TORCH_DTYPES = sorted(_torch_tables()[1], key=str)  # (every torch dtype with a DType)
 _NIBBLES = ("int4", "uint4", "float4_e2m1fn")
 
 
