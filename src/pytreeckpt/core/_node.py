@@ -231,6 +231,15 @@ class Node:
             _check_unique(entries, kind, path)
         return node
 
+    def leaf_indices(self) -> list[int]:
+        """The indices of the leaves below this node (itself, if a leaf), in walk order."""
+        if self.kind == "leaf":
+            return [self.leaf]
+        out: list[int] = []
+        for c in self.children:
+            out += c.leaf_indices()
+        return out
+
     def paths(self) -> list[tuple[KeyEntry, ...]]:
         """Typed key paths of the leaves, in flatten order."""
         out: list[tuple[KeyEntry, ...]] = []

@@ -360,7 +360,7 @@ def expand_target(
         except CheckpointError as e:
             raise CheckpointError(f"leaf {where(f.key)}: its state dict: {e}") from None
         mine = dict(zip(s_paths, s_leaves, strict=True))
-        f.node, f.indices = sub, _leaf_indices(sub)
+        f.node, f.indices = sub, sub.leaf_indices()
         strict = f.kind.strict
         values = {}
         for i, p in zip(f.indices, sub.paths(), strict=True):
@@ -401,13 +401,3 @@ def _subnode(node: Node, path: tuple[KeyEntry, ...]) -> Node | None:
         else:
             return None
     return node
-
-
-def _leaf_indices(node: Node) -> list[int]:
-    """The leaf indices below ``node``, in flatten order."""
-    if node.kind == "leaf":
-        return [node.leaf]
-    out: list[int] = []
-    for c in node.children:
-        out.extend(_leaf_indices(c))
-    return out

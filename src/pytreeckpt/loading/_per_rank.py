@@ -90,7 +90,7 @@ class PerRankParts:
         self.stored_of = list(leaves)
         if self.policy == "all":
             self.structure = doc_tree
-            self.local = {i for _, node in self.sites for i in _leaf_indices(node)}
+            self.local = {i for _, node in self.sites for i in node.leaf_indices()}
             return
         swap: dict[int, Node] = {}
         for path, node in self.sites:
@@ -105,9 +105,9 @@ class PerRankParts:
                     self._refused(path, len(node.children))
                 continue
             swap[id(node)] = node.children[self.rank]
-            self.local.update(_leaf_indices(node.children[self.rank]))
+            self.local.update(node.children[self.rank].leaf_indices())
         self.structure = _view(doc_tree, swap)
-        shown = set(_leaf_indices(self.structure))
+        shown = set(self.structure.leaf_indices())
         self.stored_of = [m if i in shown else SKIP for i, m in enumerate(leaves)]
 
     def target(
@@ -175,15 +175,6 @@ class PerRankParts:
         kids[list(parent.entries).index(path[-1])] = new
         parent.children = kids
         return structure
-
-
-def _leaf_indices(node: Node) -> list[int]:
-    if node.kind == "leaf":
-        return [node.leaf]
-    out: list[int] = []
-    for c in node.children:
-        out += _leaf_indices(c)
-    return out
 
 
 def _view(node: Node, swap: dict[int, Node]) -> Node:

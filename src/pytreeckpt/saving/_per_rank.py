@@ -39,7 +39,7 @@ class Sites:
 
     def own_keys(self, keys: Sequence[str]) -> frozenset[str]:
         """The keys of this rank's leaves under the sites (after :meth:`rename`)."""
-        return frozenset(keys[i] for node in self.nodes for i in _leaves(node))
+        return frozenset(keys[i] for node in self.nodes for i in node.leaf_indices())
 
     def keys(self) -> list[str]:
         """The sites' key paths (what the ranks agree on)."""
@@ -49,7 +49,7 @@ class Sites:
         """Key the leaves under each site as rank ``rank``'s: ``site.rank<r>.rest``."""
         for path, node in zip(self.paths, self.nodes, strict=True):
             n = len(path)
-            for i in _leaves(node):
+            for i in node.leaf_indices():
                 keys[i] = keystr((*path, rank_entry(rank), *paths[i][n:]))
 
     def own(self, d: Describing, codecs: dict[str, Any]) -> list[tuple[Any, list[tuple[Any, ...]]]]:
@@ -58,7 +58,7 @@ class Sites:
         slots = _array_slots(d.entries)
         out = []
         for node in self.nodes:
-            leaves = _leaves(node)
+            leaves = node.leaf_indices()
             first = leaves[0] if leaves else 0
             described: list[tuple[Any, ...]] = []
             for i in leaves:
@@ -128,16 +128,6 @@ class Sites:
                 )
             )
         return new_root, arrays, entries
-
-
-def _leaves(node: Node) -> list[int]:
-    """The leaf indices under ``node``, in walk order."""
-    if node.kind == "leaf":
-        return [node.leaf]
-    out: list[int] = []
-    for c in node.children:
-        out += _leaves(c)
-    return out
 
 
 def _array_slots(entries: Sequence[dict[str, Any] | None]) -> list[int]:
