@@ -1,0 +1,53 @@
+"""The torchtitan backend (``pytreeckpt.integrations.torchtitan``): torchtitan's llama3 debug model on gloo ranks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("torchtitan")
+pytest.importorskip("triton", reason="torchtitan's llama3 model imports triton (in the test extras)")
+
+import torchtitan_workers as w
+from multiproc import run_world
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
+    base = tmp_path_factory.mktemp("torchtitan")
+    return base, run_world(4, w.save_and_resume, str(base), timeout=400)
+
+
+def test_resumed_at_four_ranks_the_losses_are_those_of_the_uninterrupted_run(
+    saved: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    base, results = saved
+    for r in results:
+        assert r["first"] == r["full"][: w.STOP]
+        assert r["resumed"] == r["full"][w.STOP :]  # bit for bit
+        assert r["ntokens_seen"] == w.STEPS * w.BATCH * w.SEQ
+    # saved every step, the latest 2 kept (the last step's, the model only, purges nothing, as with DCP)
+    assert sorted(p.name for p in (base / "checkpoint").iterdir()) == ["step-4", "step-5", "step-6"]
+
+
+def test_resumed_at_two_ranks_it_loads_and_trains_on(saved: tuple[Path, list[dict[str, Any]]], tmp_path: Path) -> None:
+    base, four = saved
+    results = run_world(2, w.resume_at_two, str(base), str(tmp_path), timeout=300)
+    for r in results:
+        # the last step's model, saved in bfloat16, as an initial load: the model alone
+        assert r["loaded_initial"] is True
+        assert r["initial_step"] == 0
+        assert r["initial_model"] == four[0]["last_model"]
+        # step 4, the LR scheduler excluded
+        assert r["step"] == w.STOP
+        assert r["ntokens_seen"] == w.STOP * w.BATCH * w.SEQ
+        assert r["last_epoch"] == 0
+        assert len(r["losses"]) == w.STEPS - w.STOP
+        assert all(0 < x < 20 for x in r["losses"])
+    assert sorted(p.name for p in (base / "checkpoint").iterdir()) == [
+        "step-4",
+        "step-5",
+        "step-6",
+    ]  # load_only: no save

@@ -1,0 +1,210 @@
+"""Rank functions of the torchtitan tests: torchtitan's llama3 debug model trained on CPU gloo ranks.
+
+The trainer's own loop (``torchtitan.trainer.Trainer``) runs on an accelerator only (its device is
+``cuda`` when none is found), so these functions do what it does with torchtitan's components: the
+llama3 ``debugmodel`` (2 of its 6 layers, torch's SDPA in place of FlexAttention, which needs
+torch.compile), FSDP2 applied by torchtitan's ``apply_fsdp_to_decoder`` on a CPU mesh, its AdamW
+optimizers container and warmup/decay LR schedulers, a ``ParallelAwareDataloader`` of synthetic
+tokens, and the checkpointer built from its config with the trainer's arguments, called where the
+trainer calls it (``load`` before training, ``maybe_wait_for_staging`` before the optimizer steps,
+``save`` after each step).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.device_mesh import init_device_mesh
+from torch.utils.data import IterableDataset
+
+SEQ = 32
+BATCH = 2
+VOCAB = 2048
+
+
+class Tokens(IterableDataset[tuple[dict[str, torch.Tensor], torch.Tensor]], Stateful):
+    """Synthetic token sequences, a different stream per data-parallel rank, resumable."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.i = 0
+
+    def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
+        while True:
+            g = torch.Generator().manual_seed(100_003 * self.rank + self.i)
+            t = torch.randint(0, VOCAB, (SEQ + 1,), generator=g)
+            self.i += 1
+            yield {"input": t[:-1]}, t[1:]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"i": self.i}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.i = state["i"]
+
+
+class TrainState(Stateful):
+    """What the trainer saves of itself (``Trainer.state_dict``)."""
+
+    def __init__(self) -> None:
+        self.step = 0
+        self.ntokens_seen = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "ntokens_seen": self.ntokens_seen}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = state["step"]
+        self.ntokens_seen = state["ntokens_seen"]
+
+
+def model_config() -> Any:
+    from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
+    from torchtitan.models.llama3 import model_registry
+
+    config = model_registry("debugmodel").model
+    config.layers = config.layers[:2]
+    for _, _, parent, attr in list(config.traverse(FlexAttention.Config)):
+        setattr(parent, attr, ScaledDotProductAttention.Config())
+    return config
+
+
+class Job:
+    """One training job's objects, built as torchtitan's trainer builds them."""
+
+    def __init__(self, rank: int, world: int, base: str, steps: int, seed: int, **checkpoint: Any) -> None:
+        from torch.distributed.fsdp import FSDPModule
+        from torchtitan.components.dataloader import ParallelAwareDataloader
+        from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
+        from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
+
+        from pytreeckpt.integrations.torchtitan import CheckpointManager
+
+        self.steps = steps
+        self.world = world
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
+        torch.manual_seed(seed)
+        with torch.device("meta"):
+            model = model_config().build()
+        apply_fsdp_to_decoder(model, mesh, param_dtype=torch.float32, reduce_dtype=torch.float32, pp_enabled=False)
+        for m in model.modules():  # gloo has no PREMUL_SUM (torchtitan sums gradients, dividing by 1)
+            if isinstance(m, FSDPModule):
+                m.set_force_sum_reduction_for_comms(True)
+        model.to_empty(device="cpu")
+        with torch.no_grad():
+            model.init_weights(buffer_device=None)
+        model.train()
+        self.model = model
+        self.optimizers = default_adamw(lr=8e-4).build(model_parts=[model])
+        self.lr_schedulers = LRSchedulersContainer.Config(
+            warmup_steps=2, decay_ratio=0.8, decay_type="linear", min_lr_factor=0.0
+        ).build(optimizers=self.optimizers, training_steps=steps)
+        self.dataloader = ParallelAwareDataloader(Tokens(rank), dp_rank=rank, dp_world_size=world, batch_size=BATCH)
+        self.train_state = TrainState()
+        self.config = CheckpointManager.Config(enable=True, **checkpoint)
+        self.checkpointer = self.config.build(
+            dataloader=self.dataloader,
+            model_parts=[model],
+            optimizers=self.optimizers,
+            lr_schedulers=self.lr_schedulers,
+            states={"train_state": self.train_state},
+            sd_adapter=None,
+            base_folder=base,
+        )
+
+    def train(self, until: int | None = None, load: bool = True) -> list[float]:
+        """Load (unless not ``load``), then train to step ``until`` (the job's last step by default); the global
+        losses."""
+        if load:
+            self.checkpointer.load(step=self.config.load_step)
+        losses = []
+        batches = iter(self.dataloader)
+        while self.train_state.step < (until or self.steps):
+            self.train_state.step += 1
+            self.optimizers.zero_grad()
+            inputs, labels = next(batches)
+            self.train_state.ntokens_seen += labels.numel()
+            pred = self.model(inputs["input"])
+            # as torchtitan's loss: the sum over this rank's tokens over the global token count
+            loss = F.cross_entropy(pred.flatten(0, 1).float(), labels.flatten(), reduction="sum")
+            loss = loss / (labels.numel() * self.world)
+            loss.backward()
+            self.checkpointer.maybe_wait_for_staging()
+            self.optimizers.step()
+            self.lr_schedulers.step()
+            loss = loss.detach()
+            dist.all_reduce(loss)
+            losses.append(loss.item())
+            self.checkpointer.save(self.train_state.step, last_step=self.train_state.step == self.steps)
+        return losses
+
+    def param_sums(self, dtype: torch.dtype) -> dict[str, float]:
+        """Each parameter, whole and rounded to ``dtype``, summed in float64."""
+        return {n: float(p.full_tensor().to(dtype).double().sum()) for n, p in self.model.named_parameters()}
+
+    def close(self) -> None:
+        self.checkpointer.close()
+
+
+STEPS = 6
+STOP = 4
+
+
+def save_and_resume(rank: int, world: int, base: str) -> dict[str, Any]:
+    """An uninterrupted run; the same run stopped at step 4 (saving every step, keeping the latest 2, copying
+    behind the next step); a job of another initialisation resuming it to the end, saving the model in bfloat16
+    at the last."""
+    full = Job(rank, world, base + "/full", STEPS, seed=0, interval=100)
+    full_losses = full.train()
+    full.close()
+
+    ckpt = {"interval": 1, "keep_latest_k": 2, "async_mode": "async_with_pinned_mem", "export_dtype": "bfloat16"}
+    first = Job(rank, world, base, STEPS, seed=0, **ckpt)
+    first_losses = first.train(until=STOP)
+    first.close()
+    del first
+
+    resumed = Job(rank, world, base, STEPS, seed=1, **ckpt)
+    resumed_losses = resumed.train()
+    resumed.close()
+    return {
+        "full": full_losses,
+        "first": first_losses,
+        "resumed": resumed_losses,
+        "last_model": resumed.param_sums(torch.bfloat16),
+        "ntokens_seen": resumed.train_state.ntokens_seen,
+    }
+
+
+def resume_at_two(rank: int, world: int, base: str, fresh: str) -> dict[str, Any]:
+    """Ranks of another world size: the model saved at the last step as an initial load (model only, in
+    bfloat16); then step 4 resumed, the LR scheduler excluded, and training continued without saving."""
+    initial = Job(rank, world, fresh, STEPS, seed=2, initial_load_path=base + "/checkpoint/step-6")
+    loaded_initial = initial.checkpointer.load()
+    initial_model = initial.param_sums(torch.float32)
+    initial_step = initial.train_state.step
+    initial.close()
+
+    job = Job(rank, world, base, STEPS, seed=2, load_step=STOP, load_only=True, exclude_from_loading=["lr_scheduler"])
+    job.checkpointer.load(step=STOP)
+    step, last_epoch, ntokens = (
+        job.train_state.step,
+        job.lr_schedulers.schedulers[0].last_epoch,
+        job.train_state.ntokens_seen,
+    )
+    losses = job.train(load=False)
+    job.close()
+    return {
+        "loaded_initial": loaded_initial,
+        "initial_model": initial_model,
+        "initial_step": initial_step,
+        "step": step,
+        "last_epoch": last_epoch,
+        "ntokens_seen": ntokens,
+        "losses": losses,
+    }
