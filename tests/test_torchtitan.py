@@ -35,19 +35,30 @@ def test_resumed_at_four_ranks_the_losses_are_those_of_the_uninterrupted_run(
 def test_resumed_at_two_ranks_it_loads_and_trains_on(saved: tuple[Path, list[dict[str, Any]]], tmp_path: Path) -> None:
     base, four = saved
     results = run_world(2, w.resume_at_two, str(base), str(tmp_path), timeout=300)
+    assert results[0]["hf"]
     for r in results:
         # the last step's model, saved in bfloat16, as an initial load: the model alone
         assert r["loaded_initial"] is True
         assert r["initial_step"] == 0
         assert r["initial_model"] == four[0]["last_model"]
+        # saved again at the last step, as Hugging Face safetensors in bfloat16
+        if r["hf"]:
+            assert r["hf"]["model.embed_tokens.weight"] == (
+                "torch.bfloat16",
+                r["initial_model"]["tok_embeddings.weight"],
+            )
+            assert r["hf"]["model.layers.1.mlp.down_proj.weight"] == (
+                "torch.bfloat16",
+                r["initial_model"]["layers.1.feed_forward.w2.weight"],
+            )
+            assert len(r["hf"]) == 2 + 9 * 2 + 1  # embeddings, lm_head, 9 per layer (q, k, v apart), norm
         # step 4, the LR scheduler excluded
         assert r["step"] == w.STOP
         assert r["ntokens_seen"] == w.STOP * w.BATCH * w.SEQ
         assert r["last_epoch"] == 0
         assert len(r["losses"]) == w.STEPS - w.STOP
         assert all(0 < x < 20 for x in r["losses"])
-    assert sorted(p.name for p in (base / "checkpoint").iterdir()) == [
-        "step-4",
-        "step-5",
-        "step-6",
-    ]  # load_only: no save
+    assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == ["step-6"]
+    assert sorted(p.name for p in (tmp_path / "checkpoint" / "step-6").iterdir()) == ["model.safetensors"]
+    # load_only: nothing saved
+    assert sorted(p.name for p in (base / "checkpoint").iterdir()) == ["step-4", "step-5", "step-6"]

@@ -77,11 +77,14 @@ def model_config() -> Any:
 class Job:
     """One training job's objects, built as torchtitan's trainer builds them."""
 
-    def __init__(self, rank: int, world: int, base: str, steps: int, seed: int, **checkpoint: Any) -> None:
+    def __init__(
+        self, rank: int, world: int, base: str, steps: int, seed: int, hf: bool = False, **checkpoint: Any
+    ) -> None:
         from torch.distributed.fsdp import FSDPModule
         from torchtitan.components.dataloader import ParallelAwareDataloader
         from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
         from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
+        from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
 
         from pytreeckpt.integrations.torchtitan import CheckpointManager
 
@@ -89,8 +92,9 @@ class Job:
         self.world = world
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
         torch.manual_seed(seed)
+        config = model_config()
         with torch.device("meta"):
-            model = model_config().build()
+            model = config.build()
         apply_fsdp_to_decoder(model, mesh, param_dtype=torch.float32, reduce_dtype=torch.float32, pp_enabled=False)
         for m in model.modules():  # gloo has no PREMUL_SUM (torchtitan sums gradients, dividing by 1)
             if isinstance(m, FSDPModule):
@@ -113,7 +117,7 @@ class Job:
             optimizers=self.optimizers,
             lr_schedulers=self.lr_schedulers,
             states={"train_state": self.train_state},
-            sd_adapter=None,
+            sd_adapter=Llama3StateDictAdapter(config, None) if hf else None,
             base_folder=base,
         )
 
@@ -184,11 +188,21 @@ def save_and_resume(rank: int, world: int, base: str) -> dict[str, Any]:
 def resume_at_two(rank: int, world: int, base: str, fresh: str) -> dict[str, Any]:
     """Ranks of another world size: the model saved at the last step as an initial load (model only, in
     bfloat16); then step 4 resumed, the LR scheduler excluded, and training continued without saving."""
-    initial = Job(rank, world, fresh, STEPS, seed=2, initial_load_path=base + "/checkpoint/step-6")
+    initial = Job(
+        rank, world, fresh, STEPS, seed=2, hf=True, initial_load_path=base + "/checkpoint/step-6",
+        last_save_in_hf=True, export_dtype="bfloat16",
+    )  # fmt: skip
     loaded_initial = initial.checkpointer.load()
     initial_model = initial.param_sums(torch.float32)
     initial_step = initial.train_state.step
+    initial.checkpointer.save(STEPS, last_step=True)  # as Hugging Face safetensors, in bfloat16
     initial.close()
+    hf = {}
+    if rank == 0:
+        from safetensors.torch import load_file
+
+        exported = load_file(fresh + "/checkpoint/step-6/model.safetensors")
+        hf = {k: (str(v.dtype), float(v.double().sum())) for k, v in exported.items()}
 
     job = Job(rank, world, base, STEPS, seed=2, load_step=STOP, load_only=True, exclude_from_loading=["lr_scheduler"])
     job.checkpointer.load(step=STOP)
@@ -203,6 +217,7 @@ def resume_at_two(rank: int, world: int, base: str, fresh: str) -> dict[str, Any
         "loaded_initial": loaded_initial,
         "initial_model": initial_model,
         "initial_step": initial_step,
+        "hf": hf,
         "step": step,
         "last_epoch": last_epoch,
         "ntokens_seen": ntokens,
