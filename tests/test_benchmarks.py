@@ -147,3 +147,14 @@ def test_the_replica_check_benchmark_compares_three_saves(tmp_path: Path) -> Non
     assert len(r["round_ratios"]) == len(r["default_round_ratios"]) == 2
     assert r["ratio"] > 0
     assert r["default_ratio"] > 0
+
+
+def test_the_torchtitan_benchmark_times_both_backends(tmp_path: Path) -> None:
+    pytest.importorskip("triton", reason="torchtitan's llama3 model imports triton (in the test extras)")
+    from benchmarks import torchtitan
+
+    r = torchtitan.run(2, 1, 2, 2, tmp_path / "torchtitan")
+    assert set(r["seconds"]) == {"pytreeckpt", "dcp"}
+    for m in torchtitan.MEASURES:
+        assert len(r["round_ratios"][m]) == 2
+        assert r["ratio"][m] > 0
