@@ -80,7 +80,10 @@ class _Own:
         return _bytes_as_arrays(self.obj.state_dict())
 
     def load_state_dict(self, state: Any) -> None:
-        self.obj.load_state_dict(_arrays_as_bytes(state, self.obj.state_dict()))
+        try:
+            self.obj.load_state_dict(_arrays_as_bytes(state, self.obj.state_dict()))
+        except Exception as e:  # (pytreeckpt's error names the leaf, this the object)
+            raise RuntimeError(f"{type(self.obj).__name__}.load_state_dict: {type(e).__name__}: {e}") from e
 
 
 def _bytes_as_arrays(x: Any) -> Any:
