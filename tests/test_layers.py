@@ -35,6 +35,7 @@ LAYERS = [
     "api",
     "manager",
     "interop",
+    "integrations",
     "testing",
 ]
 
