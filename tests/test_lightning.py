@@ -179,6 +179,11 @@ def test_remove_takes_a_link_not_its_target_and_a_missing_path_is_no_error(tmp_p
     io.remove_checkpoint(tmp_path / "a.ckpt")
     io.remove_checkpoint(tmp_path / "a.ckpt")
     assert not (tmp_path / "a.ckpt").exists()
+    io.save_checkpoint({"w": torch.ones(3)}, "memory://lightning/b.ckpt")  # a URL: an object store's prefix
+    assert io.load_checkpoint("memory://lightning/b.ckpt")["w"].sum() == 3
+    io.remove_checkpoint("memory://lightning/b.ckpt")
+    with pytest.raises(pytreeckpt.NotCommittedError):
+        pytreeckpt.load("memory://lightning/b.ckpt")
 
 
 def test_under_ddp_rank_zero_saves_alone_and_every_rank_loads(tmp_path: Path) -> None:
