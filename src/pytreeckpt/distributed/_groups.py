@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from pytreeckpt.core._errors import CheckpointError
 
-__all__ = ["checkpoint_group", "group_ranks", "release_groups", "this_rank"]
+__all__ = ["checkpoint_group", "group_ranks", "own_group", "release_groups", "this_rank"]
 
 _GROUPS: dict[tuple[Any, ...], tuple[Any, Any]] = {}
 _GROUPS_LOCK = threading.Lock()
@@ -77,6 +77,26 @@ def checkpoint_group(group: Any = None) -> tuple[Any, Any]:
                 _HOOKED.append(True)
                 atexit.register(release_groups)
         return _GROUPS[key]
+
+
+def own_group() -> Any:
+    """A process group of this rank alone, for a save or load it runs by itself; None outside a distributed job.
+
+    For a caller that saves on one rank while the others do not take part (Lightning saves
+    on global rank 0 alone): with it, ``save`` runs as a single process does, issuing no
+    collective. Made by this rank alone (``use_local_synchronization``), once per world.
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return None
+    key = (id(dist.distributed_c10d._get_default_group()), "own")
+    with _GROUPS_LOCK:
+        if key not in _GROUPS or not all(_alive(g) for g in _GROUPS[key]):
+            g = dist.new_group([dist.get_rank()], backend="gloo", use_local_synchronization=True)
+            _GROUPS[key] = (g, g)
+            if not _HOOKED:
+                _HOOKED.append(True)
+                atexit.register(release_groups)
+        return _GROUPS[key][0]
 
 
 def _check_group_history(group: Any, ranks: tuple[int, ...]) -> None:
