@@ -157,3 +157,14 @@ def test_the_command_line_exports_to_dcp(tmp_path: Path, capsys: pytest.CaptureF
     assert "already holds a DCP checkpoint" in capsys.readouterr().err
     assert main(["export", str(tmp_path / "c"), str(tmp_path / "d"), "--format", "dcp", "--overwrite"]) == 0
     assert capsys.readouterr().out.startswith(f"exported 2 items to {tmp_path / 'd'}")
+
+
+def test_the_memory_benchmark_runs_both_routes_at_a_tiny_size(tmp_path: Path) -> None:
+    """``benchmarks/dcp_export.py`` end to end (its figures are not asserted: this machine is shared)."""
+    from benchmarks import dcp_export
+
+    r = dcp_export.run(0.5, 2, "64KB", 1, tmp_path)
+    assert set(r["routes"]) == set(dcp_export.ROUTES)
+    for got in r["routes"].values():
+        assert got["peak"] >= got["before"] > 0
+    assert r["routes"]["export_dcp"]["files"] > 2
