@@ -108,7 +108,7 @@ def export_dcp(
         )
     stored: dict[int, ArrayMeta] = {}  # id of a meta tensor standing for a stored array -> the array
     state = _state_dict(meta.tree, "", meta.arrays, stored)
-    _check_terminals(state, stored)
+    _check_terminals(state)
     out_dir = _clear(Path(out), overwrite)
     total = sum(a.nbytes for a in stored.values())
     planner = _ExportPlanner(Storage(path), path, stored, limit, total, progress)
@@ -149,7 +149,7 @@ def _entry(k: Any) -> str:
     return str(k)
 
 
-def _check_terminals(state: dict[str, Any], stored: dict[int, ArrayMeta]) -> None:
+def _check_terminals(state: dict[str, Any]) -> None:
     """Refuse two items of one DCP name, and what DCP would store as one pickled object but that holds arrays
     (DCP's own traversal decides both)."""
     names: set[str] = set()
