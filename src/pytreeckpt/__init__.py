@@ -61,6 +61,7 @@ if TYPE_CHECKING:
     from pytreeckpt.format import ArrayMeta as ArrayMeta
     from pytreeckpt.format import Compression as Compression
     from pytreeckpt.interop._dcp import import_dcp as import_dcp
+    from pytreeckpt.interop._dcp_export import export_dcp as export_dcp
     from pytreeckpt.interop._safetensors import export_safetensors as export_safetensors
     from pytreeckpt.interop._safetensors import import_safetensors as import_safetensors
     from pytreeckpt.manager._fallback import CheckpointDamageWarning as CheckpointDamageWarning
@@ -115,6 +116,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "ArrayMeta": ("pytreeckpt.format", "ArrayMeta"),
     "Compression": ("pytreeckpt.format", "Compression"),
     "import_dcp": ("pytreeckpt.interop._dcp", "import_dcp"),
+    "export_dcp": ("pytreeckpt.interop._dcp_export", "export_dcp"),
     "export_safetensors": ("pytreeckpt.interop._safetensors", "export_safetensors"),
     "import_safetensors": ("pytreeckpt.interop._safetensors", "import_safetensors"),
     "CheckpointDamageWarning": ("pytreeckpt.manager._fallback", "CheckpointDamageWarning"),
@@ -200,6 +202,7 @@ __all__ = [
     "TwoTierManager",
     "VerifyReport",
     "async_save",
+    "export_dcp",
     "export_safetensors",
     "import_dcp",
     "import_safetensors",

@@ -273,7 +273,35 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0 if report.ok else 2
 
 
+def cmd_export_dcp(args: argparse.Namespace) -> int:
+    """``export --format dcp``: a torch.distributed.checkpoint directory."""
+    from pytreeckpt.interop._dcp_export import export_dcp
+
+    def progress(done: int, total: int) -> None:
+        width = 30
+        filled = width * done // max(total, 1)
+        print(f"\r[{'#' * filled}{'.' * (width - filled)}] {_size(done)} / {_size(total)}", end="", file=sys.stderr)
+
+    names = export_dcp(
+        args.path,
+        args.out,
+        max_file_size=args.max_file_size,
+        overwrite=args.overwrite,
+        progress=progress if args.progress else None,
+    )
+    if args.progress:
+        print(file=sys.stderr)
+    files = sorted(Path(args.out).glob("*.distcp"))
+    if args.json:
+        print(json.dumps({"out": str(args.out), "names": names, "files": [str(f) for f in files]}))
+    else:
+        print(f"exported {len(names)} items to {args.out} (.metadata and {len(files)} .distcp files)")
+    return 0
+
+
 def cmd_export(args: argparse.Namespace) -> int:
+    if args.format == "dcp":
+        return cmd_export_dcp(args)
     from pytreeckpt.interop._safetensors import export_safetensors
 
     def progress(done: int, total: int) -> None:
@@ -325,10 +353,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     ver.add_argument("path")
     ver.set_defaults(run=cmd_verify)
-    exp = sub.add_parser("export", help="write consolidated safetensors files")
+    exp = sub.add_parser("export", help="write consolidated safetensors files, or a DCP directory (--format dcp)")
     exp.add_argument("path")
     exp.add_argument("out")
-    exp.add_argument("--format", choices=["safetensors"], default="safetensors")
+    exp.add_argument("--format", choices=["safetensors", "dcp"], default="safetensors")
+    exp.add_argument("--max-file-size", default="256MB", help="--format dcp: the most tensor bytes in one .distcp file")
+    exp.add_argument("--overwrite", action="store_true", help="--format dcp: replace a DCP checkpoint in OUT")
     exp.add_argument("--max-shard-size", default="5GB", help="split into files of at most this size (default 5GB)")
     exp.add_argument("--progress", action="store_true", help="show a progress bar on stderr")
     exp.set_defaults(run=cmd_export)
