@@ -46,15 +46,23 @@ def bytes_read() -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
 
 
-def export(rank: int, world: int, ckpt: str, out: str) -> int:
-    """Every rank exports its share of the checkpoint's model; the bytes it read doing so."""
+def export(rank: int, world: int, ckpt: str, out: str) -> dict[str, Any]:
+    """Every rank exports its share of the checkpoint's model; the bytes it read doing so, and the error every
+    rank raises when rank 1 cannot write."""
     # a first export of one small tensor imports what an export imports (module files are read too)
     pytreeckpt.export_safetensors(ckpt, f"{out}-warm-{rank}", include="model.model.norm.weight")
     before = bytes_read()
     pytreeckpt.export_safetensors(
         ckpt, out, include=["model.*"], rename=lambda k: k.removeprefix("model."), max_shard_size="60KB"
     )
-    return bytes_read() - before
+    read = bytes_read() - before
+    # a rank that cannot write (its directory is under a file) fails the export on every rank
+    where = f"{out}-ok" if rank == 0 else f"{out}-blocked/sub"
+    try:
+        pytreeckpt.export_safetensors(ckpt, where, include=["model.*"], max_shard_size="60KB")
+    except pytreeckpt.CheckpointError as e:
+        return {"read": read, "error": str(e)}
+    return {"read": read, "error": None}
 
 
 def load_fsdp(rank: int, world: int, src: str) -> dict[str, Any]:

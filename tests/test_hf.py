@@ -87,7 +87,11 @@ def test_an_export_from_2_ranks_shares_the_files_out_and_loads_with_from_pretrai
     model = w.model(seed=0)
     pytreeckpt.save(tmp_path / "ckpt", {"model": model, "step": 7})
     total = pytreeckpt.metadata(tmp_path / "ckpt").nbytes
-    read = run_world(2, w.export, str(tmp_path / "ckpt"), str(tmp_path / "hf"))
+    (tmp_path / "hf-blocked").write_text("a file, where rank 1 is told to write a directory")
+    got = run_world(2, w.export, str(tmp_path / "ckpt"), str(tmp_path / "hf"))
+    for r in got:
+        assert "export_safetensors failed on 1 of 2 ranks: rank 1" in (r["error"] or ""), r["error"]
+    read = [r["read"] for r in got]
     assert all(r < 0.75 * total for r in read), (read, total)  # each rank read its own share, not the model
     assert sum(read) >= total
     index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
@@ -207,3 +211,14 @@ def test_an_index_naming_files_elsewhere_or_wrongly_is_refused(tmp_path: Path) -
         pytreeckpt.CheckpointError, match=r"puts tensor 'v' in model\.safetensors, which does not hold it"
     ):
         pytreeckpt.load_safetensors(tmp_path, {"w": torch.empty(2)})
+
+
+def test_an_export_over_an_earlier_one_leaves_only_its_own_files(tmp_path: Path) -> None:
+    pytreeckpt.save(tmp_path / "ckpt", {"a": torch.ones(16), "b": torch.ones(16)})
+    sharded = pytreeckpt.export_safetensors(tmp_path / "ckpt", tmp_path / "hf", max_shard_size=64)
+    (tmp_path / "hf" / "config.json").write_text("{}")
+    single = pytreeckpt.export_safetensors(tmp_path / "ckpt", tmp_path / "hf")
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["config.json", "model.safetensors"]
+    assert pytreeckpt.export_safetensors(tmp_path / "ckpt", tmp_path / "hf", max_shard_size=64) == sharded
+    assert sorted((tmp_path / "hf").iterdir()) == sorted([*sharded, tmp_path / "hf" / "config.json"])
+    assert single == [tmp_path / "hf" / "model.safetensors"]

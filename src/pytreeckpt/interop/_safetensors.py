@@ -24,6 +24,7 @@ import json
 import math
 import mmap
 import os
+import re
 import struct
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -47,6 +48,8 @@ __all__ = ["Rename", "export_safetensors", "import_safetensors", "renamer"]
 
 VALUES_KEY = "pytreeckpt.values"
 """The ``__metadata__`` entry holding a checkpoint's Python values: JSON, ``{key path: encoded value}``."""
+
+_SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 
 Rename = Mapping[str, str] | Callable[[str], str]
 """A renaming of tensors: a mapping (names it lacks are kept) or a function of the name."""
@@ -122,6 +125,18 @@ class _Out:
     def prepare(self) -> None:
         if self.dir is not None:
             self.dir.mkdir(parents=True, exist_ok=True)
+
+    def remove_stale(self, keep: Sequence[str]) -> None:
+        """Remove the files an earlier export left here that this one did not write (transformers would read a
+        stale ``model.safetensors`` or index before this export's files)."""
+        names = [p.name for p in self.dir.iterdir()] if self.dir is not None else self.kv.list() if self.kv else []
+        for name in names:
+            if name in keep or not (name in ("model.safetensors", INDEX) or _SHARD.fullmatch(name)):
+                continue
+            if self.dir is not None:
+                (self.dir / name).unlink(missing_ok=True)
+            elif self.kv is not None:
+                self.kv.delete(name)
 
     def write(self, name: str, header: bytes, parts: Callable[[], Any]) -> None:
         """Write ``name``: ``header`` then each buffer ``parts()`` yields."""
@@ -269,20 +284,22 @@ def export_safetensors(
     if comm is not None:
         comm.agree(error, "export_safetensors")
     written = [target.where(f) for f in files]
-    if len(shards) > 1:
-        if rank == 0:
-            try:
+    if rank == 0:
+        try:
+            target.remove_stale([*files, INDEX] if len(shards) > 1 else files)
+            if len(shards) > 1:
                 index = {
                     "metadata": {"total_size": sum(sizes)},
                     "weight_map": {names[i]: files[n] for n, s in enumerate(shards) for i in s},
                 }
                 target.write(INDEX, json.dumps(index, indent=2).encode(), lambda: ())
-            except Exception as e:
-                if comm is None:
-                    raise
-                error = e
-        if comm is not None:
-            comm.agree(error, "export_safetensors (the index)")
+        except Exception as e:
+            if comm is None:
+                raise
+            error = e
+    if comm is not None:
+        comm.agree(error, "export_safetensors (the index)")
+    if len(shards) > 1:
         written.append(target.where(INDEX))
     return written
 

@@ -84,8 +84,11 @@ def _boxes(t: torch.Tensor) -> list[tuple[Region, torch.Tensor]]:
     out = []
     for piece in spec.pieces_of(ranks.index(me), tuple(t.shape)):
         box = piece.region
-        if piece.local_box is None:
-            view = local.reshape(-1)[piece.local_offset : piece.local_offset + box.size].view(box.shape)
+        if piece.local_box is None and piece.local_offset == 0 and tuple(local.shape) == box.shape:
+            view = local  # (the whole local tensor, contiguous or not)
+        elif piece.local_box is None:
+            flat = local.view(-1)  # (a view: an error for memory that is not one run, never a copy written to)
+            view = flat[piece.local_offset : piece.local_offset + box.size].view(box.shape)
         else:
             view = local[tuple(slice(o, o + s) for o, s in zip(piece.local_box, box.shape, strict=True))]
         out.append((box, view))
