@@ -29,7 +29,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # (nothing here reaches the hub: m
 def _logits(model: Any) -> torch.Tensor:
     x = torch.arange(16).reshape(2, 8) % 256
     with torch.no_grad():
-        return model(x).logits
+        return model.eval()(x).logits
 
 
 def test_save_pretrained_files_load_into_an_fsdp2_model_each_rank_reading_its_shards(tmp_path: Path) -> None:
@@ -222,3 +222,23 @@ def test_an_export_over_an_earlier_one_leaves_only_its_own_files(tmp_path: Path)
     assert pytreeckpt.export_safetensors(tmp_path / "ckpt", tmp_path / "hf", max_shard_size=64) == sharded
     assert sorted((tmp_path / "hf").iterdir()) == sorted([*sharded, tmp_path / "hf" / "config.json"])
     assert single == [tmp_path / "hf" / "model.safetensors"]
+
+
+def test_gpt2_with_tied_weights_both_ways(tmp_path: Path) -> None:
+    """save_pretrained writes the tied embedding once; the model's state dict names it twice: both loads agree."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=256, n_positions=16, n_embd=32, n_layer=1, n_head=2)
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(config)
+    model.save_pretrained(tmp_path / "theirs")
+    torch.manual_seed(1)
+    other = GPT2LMHeadModel(config)
+    pytreeckpt.load_safetensors(tmp_path / "theirs", other)  # strict: lm_head.weight is wte's memory
+    assert torch.equal(_logits(other), _logits(model))
+    pytreeckpt.save(tmp_path / "ckpt", {"model": model, "step": 1})
+    pytreeckpt.export_safetensors(tmp_path / "ckpt", tmp_path / "ours", include="model.*", rename=lambda k: k[6:])
+    config.save_pretrained(tmp_path / "ours")
+    assert torch.equal(_logits(GPT2LMHeadModel.from_pretrained(tmp_path / "ours")), _logits(model))
+    with pytest.raises(pytreeckpt.TargetMismatchError, match="'w' is a tensor on the meta device"):
+        pytreeckpt.load_safetensors(tmp_path / "theirs", {"w": torch.empty(2, device="meta")}, strict=False)

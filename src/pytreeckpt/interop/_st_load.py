@@ -68,6 +68,19 @@ def _target_leaves(target: Any) -> tuple[Any, list[str], list[torch.Tensor]]:
     return tree, keys, tensors
 
 
+def _memory_groups(tensors: list[torch.Tensor]) -> list[int]:
+    """For each tensor, the index of the first of ``tensors`` that is the same memory (itself if none)."""
+    from torch.distributed.tensor import DTensor
+
+    first: dict[tuple[Any, ...], int] = {}
+    out = []
+    for i, t in enumerate(tensors):
+        local = t.to_local() if isinstance(t, DTensor) else t
+        ident = (local.device, local.untyped_storage().data_ptr(), local.storage_offset(), local.shape, local.stride())
+        out.append(first.setdefault(ident, i) if local.numel() else i)
+    return out
+
+
 def _boxes(t: torch.Tensor) -> list[tuple[Region, torch.Tensor]]:
     """The boxes of the global tensor this rank holds of ``t``, each with the view of the local tensor it fills."""
     from torch.distributed.tensor import DTensor
@@ -162,7 +175,9 @@ def load_safetensors(
       target: a tree whose tensor leaves (tensors, Parameters, DTensors) are filled in
         place, matched by key path (``{"model": {"w": t}}`` is ``model.w``); or a module
         (an object with ``state_dict()`` and ``load_state_dict()``), whose state dict's
-        tensors, which share its parameters' memory, are filled.
+        tensors, which share its parameters' memory, are filled. Tensors that share
+        memory (tied weights, which ``save_pretrained`` writes once) are loaded when the
+        files hold any of their names. A tensor on the meta device is refused.
       rename: the target key path of each stored tensor: a mapping from the stored name
         (names it lacks keep their own) or a function of it.
       cast: a target tensor of another dtype than the stored one gets it converted, as
@@ -193,8 +208,15 @@ def load_safetensors(
             raise CheckpointError(f"rename gives stored tensors {by_key[key].name!r} and {name!r} the same key {key!r}")
         by_key[key] = found
     tree, keys, tensors = _target_leaves(target)
+    for key, t in zip(keys, tensors, strict=True):
+        if t.is_meta:
+            raise TargetMismatchError(f"leaf {key!r} is a tensor on the meta device: it holds no memory to load into")
     report = report if report is not None else LoadReport()
-    report.missing[:] = [k for k in keys if k not in by_key]
+    # Tensors sharing memory (tied weights: a model's state dict names them twice, save_pretrained once)
+    # are loaded when the files hold any of their names.
+    group = _memory_groups(tensors)
+    loaded = {group[i] for i, k in enumerate(keys) if k in by_key}
+    report.missing[:] = [k for i, k in enumerate(keys) if k not in by_key and group[i] not in loaded]
     wanted = set(keys)
     report.unexpected[:] = [s.name for k, s in by_key.items() if k not in wanted]
     report.cast.clear()
