@@ -27,6 +27,7 @@ import os
 import re
 import struct
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -216,7 +217,64 @@ def export_safetensors(
       CheckpointError: ``include`` matches nothing, ``rename`` gives two leaves one name,
         a dtype safetensors cannot hold, or a checkpoint problem.
     """
-    limit = parse_size(max_shard_size)
+    comm = distributed_comm(process_group)
+    rank, world = (0, 1) if comm is None else (comm.rank, comm.world)
+    error: BaseException | None = None
+    try:  # (a failure on one rank fails the export on every rank, as soon as the ranks agree)
+        plan = _plan(path, include, rename, dtype, parse_size(max_shard_size), world)
+        target = _Out(out)
+        _write_files(path, plan, target, rank, progress)
+    except Exception as e:
+        if comm is None:
+            raise
+        error = e
+    if comm is not None:
+        comm.agree(error, "export_safetensors")
+    if rank == 0:
+        try:
+            target.remove_stale([*plan.files, INDEX] if len(plan.files) > 1 else plan.files)
+            if len(plan.files) > 1:
+                index = {
+                    "metadata": {"total_size": sum(plan.sizes)},
+                    "weight_map": {plan.names[i]: plan.files[n] for n, s in enumerate(plan.shards) for i in s},
+                }
+                target.write(INDEX, json.dumps(index, indent=2).encode(), lambda: ())
+        except Exception as e:
+            if comm is None:
+                raise
+            error = e
+    if comm is not None:
+        comm.agree(error, "export_safetensors (the index)")
+    return [target.where(f) for f in [*plan.files, *([INDEX] if len(plan.files) > 1 else [])]]
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What an export writes: the arrays, their names and dtypes, which go in which file, and who writes it."""
+
+    arrays: list[ArrayMeta]
+    names: list[str]
+    dtypes: list[torch.dtype]
+    sizes: list[int]
+    """Bytes of each array as exported."""
+    shards: list[list[int]]
+    """The arrays of each file, by index."""
+    files: list[str]
+    owners: list[int]
+    """The rank writing each file."""
+    values: dict[str, Any]
+    """The encoded Python values, by exported name."""
+
+
+def _plan(
+    path: str | os.PathLike[str] | Location,
+    include: str | Sequence[str] | None,
+    rename: Rename | None,
+    dtype: torch.dtype | str | None,
+    limit: int,
+    world: int,
+) -> _Plan:
+    """The export's plan, the same on every rank (made from the checkpoint's metadata alone)."""
     patterns = [include] if isinstance(include, str) else None if include is None else list(include)
     want = _dtype(dtype)
     meta = metadata(path)
@@ -240,68 +298,48 @@ def export_safetensors(
         if len(shards) == 1
         else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     )
-    comm = distributed_comm(process_group)
-    rank, world = (0, 1) if comm is None else (comm.rank, comm.world)
     owners = _owners([sum(sizes[i] for i in s) for s in shards], world)
-    target = _Out(out)
-    total = sum(sizes[i] for s, o in zip(shards, owners, strict=True) if o == rank for i in s)
+    return _Plan(arrays, names, dtypes, sizes, shards, files, owners, values)
+
+
+def _write_files(
+    path: str | os.PathLike[str] | Location,
+    plan: _Plan,
+    target: _Out,
+    rank: int,
+    progress: Callable[[int, int], None] | None,
+) -> None:
+    """Write the files ``rank`` owns, each tensor read from the checkpoint in turn."""
+    mine = [n for n, o in enumerate(plan.owners) if o == rank]
+    total = sum(plan.sizes[i] for n in mine for i in plan.shards[n])
     done = 0
-    error: BaseException | None = None
-    try:
-        target.prepare()
-        for n, (file, group) in enumerate(zip(files, shards, strict=True)):
-            if owners[n] != rank:
-                continue
-            header: dict[str, Any] = {"__metadata__": {"format": "pt", "source": "pytreeckpt"}}
-            if values and n == 0:
-                header["__metadata__"][VALUES_KEY] = json.dumps(values, allow_nan=False, separators=(",", ":"))
-            offset = 0
+    target.prepare()
+    for n in mine:
+        header: dict[str, Any] = {"__metadata__": {"format": "pt", "source": "pytreeckpt"}}
+        if plan.values and n == 0:
+            header["__metadata__"][VALUES_KEY] = json.dumps(plan.values, allow_nan=False, separators=(",", ":"))
+        offset = 0
+        for i in plan.shards[n]:
+            header[plan.names[i]] = {
+                "dtype": TO_ST[str(plan.dtypes[i]).removeprefix("torch.")],
+                "shape": list(plan.arrays[i].shape),
+                "data_offsets": [offset, offset + plan.sizes[i]],
+            }
+            offset += plan.sizes[i]
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # the tensors start 8-byte aligned
+
+        def parts(group: list[int] = plan.shards[n]) -> Any:
+            nonlocal done
             for i in group:
-                header[names[i]] = {
-                    "dtype": TO_ST[str(dtypes[i]).removeprefix("torch.")],
-                    "shape": list(arrays[i].shape),
-                    "data_offsets": [offset, offset + sizes[i]],
-                }
-                offset += sizes[i]
-            raw = json.dumps(header, separators=(",", ":")).encode()
-            raw += b" " * (-len(raw) % 8)  # the tensors start 8-byte aligned
+                t = read_array(path, plan.arrays[i]).to(plan.dtypes[i])
+                yield t.contiguous().reshape(-1).view(torch.uint8).numpy()
+                del t
+                done += plan.sizes[i]
+                if progress is not None:
+                    progress(done, total)
 
-            def parts(group: list[int] = group) -> Any:
-                nonlocal done
-                for i in group:
-                    t = read_array(path, arrays[i]).to(dtypes[i])
-                    yield t.contiguous().reshape(-1).view(torch.uint8).numpy()
-                    del t
-                    done += sizes[i]
-                    if progress is not None:
-                        progress(done, total)
-
-            target.write(file, struct.pack("<Q", len(raw)) + raw, parts)
-    except Exception as e:
-        if comm is None:
-            raise
-        error = e
-    if comm is not None:
-        comm.agree(error, "export_safetensors")
-    written = [target.where(f) for f in files]
-    if rank == 0:
-        try:
-            target.remove_stale([*files, INDEX] if len(shards) > 1 else files)
-            if len(shards) > 1:
-                index = {
-                    "metadata": {"total_size": sum(sizes)},
-                    "weight_map": {names[i]: files[n] for n, s in enumerate(shards) for i in s},
-                }
-                target.write(INDEX, json.dumps(index, indent=2).encode(), lambda: ())
-        except Exception as e:
-            if comm is None:
-                raise
-            error = e
-    if comm is not None:
-        comm.agree(error, "export_safetensors (the index)")
-    if len(shards) > 1:
-        written.append(target.where(INDEX))
-    return written
+        target.write(plan.files[n], struct.pack("<Q", len(raw)) + raw, parts)
 
 
 def _dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
