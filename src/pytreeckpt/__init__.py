@@ -64,6 +64,7 @@ if TYPE_CHECKING:
     from pytreeckpt.interop._dcp_export import export_dcp as export_dcp
     from pytreeckpt.interop._safetensors import export_safetensors as export_safetensors
     from pytreeckpt.interop._safetensors import import_safetensors as import_safetensors
+    from pytreeckpt.interop._st_load import load_safetensors as load_safetensors
     from pytreeckpt.manager._fallback import CheckpointDamageWarning as CheckpointDamageWarning
     from pytreeckpt.manager._manager import CheckpointManager as CheckpointManager
     from pytreeckpt.manager._tiered import TwoTierManager as TwoTierManager
@@ -119,6 +120,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "export_dcp": ("pytreeckpt.interop._dcp_export", "export_dcp"),
     "export_safetensors": ("pytreeckpt.interop._safetensors", "export_safetensors"),
     "import_safetensors": ("pytreeckpt.interop._safetensors", "import_safetensors"),
+    "load_safetensors": ("pytreeckpt.interop._st_load", "load_safetensors"),
     "CheckpointDamageWarning": ("pytreeckpt.manager._fallback", "CheckpointDamageWarning"),
     "CheckpointManager": ("pytreeckpt.manager._manager", "CheckpointManager"),
     "TwoTierManager": ("pytreeckpt.manager._tiered", "TwoTierManager"),
@@ -207,6 +209,7 @@ __all__ = [
     "import_dcp",
     "import_safetensors",
     "load",
+    "load_safetensors",
     "load_slice",
     "metadata",
     "placements_from_spec",

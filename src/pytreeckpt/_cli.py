@@ -299,8 +299,51 @@ def cmd_export_dcp(args: argparse.Namespace) -> int:
     return 0
 
 
+def _pairs(texts: Sequence[str] | None, option: str) -> list[tuple[str, str]]:
+    out = []
+    for t in texts or ():
+        old, sep, new = t.partition("=")
+        if not sep:
+            raise CheckpointError(f"{option} {t!r}: expected OLD=NEW")
+        out.append((old, new))
+    return out
+
+
+def _export_rename(exact: Sequence[str] | None, prefixes: Sequence[str] | None) -> Any:
+    """``--rename OLD=NEW`` (a whole key) and ``--rename-prefix OLD=NEW`` (its start; the first that matches) as one
+    function, or None."""
+    table = dict(_pairs(exact, "--rename"))
+    starts = _pairs(prefixes, "--rename-prefix")
+    if not table and not starts:
+        return None
+
+    def rename(key: str) -> str:
+        if key in table:
+            return table[key]
+        for old, new in starts:
+            if key.startswith(old):
+                return new + key[len(old) :]
+        return key
+
+    return rename
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     if args.format == "dcp":
+        given = [
+            o
+            for o, v in (
+                ("--include", args.include),
+                ("--rename", args.rename),
+                ("--rename-prefix", args.rename_prefix),
+                ("--dtype", args.dtype),
+            )
+            if v
+        ]
+        if given:
+            raise CheckpointError(
+                f"export --format dcp: {', '.join(given)} apply to safetensors only; DCP gets the checkpoint whole"
+            )
         return cmd_export_dcp(args)
     from pytreeckpt.interop._safetensors import export_safetensors
 
@@ -310,7 +353,15 @@ def cmd_export(args: argparse.Namespace) -> int:
             filled = width * done // max(total, 1)
             print(f"\r[{'#' * filled}{'.' * (width - filled)}] {_size(done)} / {_size(total)}", end="", file=sys.stderr)
 
-    files = export_safetensors(args.path, args.out, max_shard_size=args.max_shard_size, progress=progress)
+    files = export_safetensors(
+        args.path,
+        args.out,
+        include=args.include,
+        rename=_export_rename(args.rename, args.rename_prefix),
+        dtype=args.dtype,
+        max_shard_size=args.max_shard_size,
+        progress=progress,
+    )
     if args.progress:
         print(file=sys.stderr)
     if args.json:
@@ -353,13 +404,21 @@ def _parser() -> argparse.ArgumentParser:
     )
     ver.add_argument("path")
     ver.set_defaults(run=cmd_verify)
-    exp = sub.add_parser("export", help="write consolidated safetensors files, or a DCP directory (--format dcp)")
+    exp = sub.add_parser(
+        "export", help="write safetensors files (a part, renamed, in a dtype), or a DCP directory (--format dcp)"
+    )
     exp.add_argument("path")
     exp.add_argument("out")
     exp.add_argument("--format", choices=["safetensors", "dcp"], default="safetensors")
     exp.add_argument("--max-file-size", default="256MB", help="--format dcp: the most tensor bytes in one .distcp file")
     exp.add_argument("--overwrite", action="store_true", help="--format dcp: replace a DCP checkpoint in OUT")
     exp.add_argument("--max-shard-size", default="5GB", help="split into files of at most this size (default 5GB)")
+    exp.add_argument("--include", action="append", help="export only the leaves whose key path matches this glob")
+    exp.add_argument("--rename", action="append", metavar="OLD=NEW", help="name the leaf OLD as NEW")
+    exp.add_argument(
+        "--rename-prefix", action="append", metavar="OLD=NEW", help="replace the start OLD of key paths by NEW"
+    )
+    exp.add_argument("--dtype", help="convert floating-point tensors to this dtype (e.g. bfloat16)")
     exp.add_argument("--progress", action="store_true", help="show a progress bar on stderr")
     exp.set_defaults(run=cmd_export)
     imp = sub.add_parser(

@@ -1,9 +1,15 @@
 """Conversions between pytreeckpt checkpoints and Hugging Face safetensors files.
 
-The safetensors format is an 8-byte little-endian header length, a JSON header giving
-each tensor's dtype, shape and byte range, then the tensors' raw bytes. It is simple
-enough to write and read here directly, which keeps memory bounded by one tensor on
-export (each is read from the checkpoint and written in turn) and needs no pickle.
+The safetensors format (``_st_format``) is simple enough to write and read here directly,
+which keeps memory bounded by one tensor on export to a directory (each is read from the
+checkpoint and written in turn; to an object store, where an object is put whole, by one
+shard file) and needs no pickle.
+
+An export chooses a part of the checkpoint (key-path globs), renames it (a mapping or a
+function), converts its floating-point tensors to one dtype and splits it into files of
+a bounded size with Hugging Face's ``model.safetensors.index.json``. Under
+torch.distributed every rank calls it and writes its own share of the files, so no rank
+holds the whole model; rank 0 writes the index once every file is written.
 
 A checkpoint's plain Python leaves (step counters, learning rates, data positions) are
 not tensors: they travel in the header's ``__metadata__`` (whose values are strings),
@@ -13,12 +19,15 @@ come back on import under their key paths.
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import math
 import mmap
 import os
+import re
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,121 +38,317 @@ from pytreeckpt.core._errors import CheckpointError
 from pytreeckpt.core._keys import keystr
 from pytreeckpt.core._tree import flatten
 from pytreeckpt.core._values import decode_value, encode_value
+from pytreeckpt.distributed._comm import distributed_comm
 from pytreeckpt.format import ArrayMeta
+from pytreeckpt.interop._st_format import INDEX, TO_ST, open_regular, parse_size, read_header, safetensors_files
 from pytreeckpt.leaves import is_leaf as _is_leaf
 from pytreeckpt.leaves import is_value as _is_value
+from pytreeckpt.storage import Location, Storage, describe, resolve
 
-__all__ = ["export_safetensors", "import_safetensors"]
+__all__ = ["Rename", "export_safetensors", "import_safetensors", "renamer"]
 
-_TO_ST = {
-    "bool": "BOOL", "uint8": "U8", "int8": "I8", "int16": "I16", "uint16": "U16", "float16": "F16",
-    "bfloat16": "BF16", "int32": "I32", "uint32": "U32", "float32": "F32", "float64": "F64", "int64": "I64",
-    "uint64": "U64", "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2", "complex64": "C64",
-    "float8_e8m0fnu": "F8_E8M0",
-}  # fmt: skip
-_FROM_ST = {v: getattr(torch, k) for k, v in _TO_ST.items()}
-INDEX = "model.safetensors.index.json"
-MAX_HEADER = 100 * 1024 * 1024
 VALUES_KEY = "pytreeckpt.values"
 """The ``__metadata__`` entry holding a checkpoint's Python values: JSON, ``{key path: encoded value}``."""
 
+_SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 
-def _parse_size(text: str | int) -> int:
-    if isinstance(text, int):
-        return text
-    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
-    t = text.strip().upper()
-    num = t.rstrip("KMGIB")
-    unit = t[len(num) :]
-    if unit not in units or not num:
-        raise ValueError(f"cannot read {text!r} as a size such as 5GB or 500MiB")
-    return int(float(num) * units[unit])
+Rename = Mapping[str, str] | Callable[[str], str]
+"""A renaming of tensors: a mapping (names it lacks are kept) or a function of the name."""
+
+
+def renamer(rename: Rename | None) -> Callable[[str], str]:
+    """``rename`` as a function (the identity for None)."""
+    if rename is None:
+        return lambda k: k
+    if isinstance(rename, Mapping):
+        table = dict(rename)
+        return lambda k: table.get(k, k)
+    return rename
+
+
+def _renamed(keys: Sequence[str], rename: Rename | None, what: str) -> list[str]:
+    """The new names of ``keys``, checked to be non-empty strings, none given twice."""
+    fn = renamer(rename)
+    out: list[str] = []
+    seen: dict[str, str] = {}
+    for k in keys:
+        new = fn(k)
+        if not isinstance(new, str) or not new:
+            raise CheckpointError(f"rename gave {new!r} for {what} {k!r}; a name is a non-empty string")
+        if new in seen:
+            raise CheckpointError(f"rename gives {what}s {seen[new]!r} and {k!r} the same name {new!r}")
+        seen[new] = k
+        out.append(new)
+    return out
+
+
+def _included(key: str, include: Sequence[str] | None) -> bool:
+    return include is None or any(fnmatch.fnmatchcase(key, p) for p in include)
+
+
+def _shards(sizes: Sequence[int], limit: int) -> list[list[int]]:
+    """Consecutive groups of the indices of ``sizes``, each at most ``limit`` bytes (or one item)."""
+    shards: list[list[int]] = [[]]
+    size = 0
+    for i, n in enumerate(sizes):
+        if shards[-1] and size + n > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append(i)
+        size += n
+    return shards
+
+
+def _owners(sizes: Sequence[int], world: int) -> list[int]:
+    """The rank writing each shard: the largest shards first, each to the rank with the fewest bytes so far."""
+    load = [0] * world
+    owner = [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        r = min(range(world), key=lambda r: (load[r], r))
+        owner[i] = r
+        load[r] += sizes[i]
+    return owner
+
+
+class _Out:
+    """Where the files go: a local directory (each file streamed to a temporary name, fsynced, renamed) or an
+    object store prefix (each file put whole, through the storage layer)."""
+
+    def __init__(self, out: str | os.PathLike[str] | Location) -> None:
+        r = resolve(out)
+        self.dir = r.path
+        self.kv = None if r.path is not None else Storage(out).kv
+        self.url = r.url
+
+    def where(self, name: str) -> Path | str:
+        return self.dir / name if self.dir is not None else f"{self.url}/{name}"
+
+    def prepare(self) -> None:
+        if self.dir is not None:
+            self.dir.mkdir(parents=True, exist_ok=True)
+
+    def remove_stale(self, keep: Sequence[str]) -> None:
+        """Remove the files an earlier export left here that this one did not write (transformers would read a
+        stale ``model.safetensors`` or index before this export's files)."""
+        names = [p.name for p in self.dir.iterdir()] if self.dir is not None else self.kv.list() if self.kv else []
+        for name in names:
+            if name in keep or not (name in ("model.safetensors", INDEX) or _SHARD.fullmatch(name)):
+                continue
+            if self.dir is not None:
+                (self.dir / name).unlink(missing_ok=True)
+            elif self.kv is not None:
+                self.kv.delete(name)
+
+    def write(self, name: str, header: bytes, parts: Callable[[], Any]) -> None:
+        """Write ``name``: ``header`` then each buffer ``parts()`` yields."""
+        if self.dir is None:
+            assert self.kv is not None
+            buf = bytearray(header)
+            for p in parts():
+                buf += memoryview(p).cast("B")
+            self.kv.write(name, buf)  # type: ignore[arg-type]
+            return
+        tmp = self.dir / f".{name}.tmp"
+        with open(tmp, "wb") as f:
+            f.write(header)
+            for p in parts():
+                f.write(p)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.dir / name)
 
 
 def export_safetensors(
-    path: str | os.PathLike[str],
-    out: str | os.PathLike[str],
+    path: str | os.PathLike[str] | Location,
+    out: str | os.PathLike[str] | Location,
     *,
+    include: str | Sequence[str] | None = None,
+    rename: Rename | None = None,
+    dtype: torch.dtype | str | None = None,
     max_shard_size: int | str = "5GB",
+    process_group: Any = None,
     progress: Callable[[int, int], None] | None = None,
-) -> list[Path]:
-    """Write a checkpoint's tensors as consolidated safetensors files in directory ``out``.
+) -> list[Any]:
+    """Write a checkpoint's tensors as Hugging Face safetensors files in directory or prefix ``out``.
 
-    Tensors are named by their key paths and stored whole (resharded to one piece).
-    Up to ``max_shard_size`` they go to ``model.safetensors``; above it, to
+    Tensors are named by their key paths (or as ``rename`` says) and stored whole. Up to
+    ``max_shard_size`` they go to ``model.safetensors``; above it, to
     ``model-0000i-of-0000n.safetensors`` files with a ``model.safetensors.index.json``,
-    as Hugging Face writes them. Memory is bounded by the largest tensor. Plain Python
-    leaves (step counters, learning rates) go in the first file's header metadata,
-    under ``"pytreeckpt.values"``, and :func:`import_safetensors` puts them back.
-    ``progress(done_bytes, total_bytes)`` is called after each tensor.
+    as Hugging Face writes them. Each tensor is read from the checkpoint and written in
+    turn, so memory holds one tensor (on an object store, one file: an object is put
+    whole). Plain Python leaves (step counters, learning rates) go in the first file's
+    header metadata, under ``"pytreeckpt.values"``, and :func:`import_safetensors` puts
+    them back.
+
+    >>> import tempfile, torch, pytreeckpt
+    >>> d = tempfile.mkdtemp()
+    >>> pytreeckpt.save(d + "/c", {"model": {"w": torch.ones(2, 2)}, "optim": {"m": torch.zeros(2, 2)}})
+    >>> files = pytreeckpt.export_safetensors(
+    ...     d + "/c", d + "/hf", include="model.*", rename=lambda k: k.removeprefix("model."), dtype=torch.bfloat16
+    ... )
+    >>> [f.name for f in files]
+    ['model.safetensors']
+
+    Args:
+      path: a committed checkpoint (a path, URL or :class:`Location`).
+      out: the directory, or object store prefix (``s3://bucket/prefix`` or a
+        :class:`Location`), to write into.
+      include: key-path globs (``fnmatch``, e.g. ``"model.*"``): export only the
+        matching leaves (tensors and values).
+      rename: the name of each exported leaf: a mapping from key path to name (key
+        paths it lacks keep their own) or a function of the key path.
+      dtype: convert floating-point tensors to this dtype (``torch.bfloat16`` or its
+        name); integer and bool tensors keep theirs.
+      max_shard_size: the most bytes of tensors per file (``"5GB"``, ``"500MiB"`` or
+        an int); a larger tensor gets a file of its own.
+      process_group: the ranks exporting together: those of ``process_group``, else the
+        whole world when torch.distributed is initialised. Each of them calls this with
+        the same arguments; the files are shared out among them by bytes and each
+        writes its own, reading one tensor at a time, so no rank holds the whole model.
+        Rank 0 writes the index once all are written; if any rank fails every rank raises.
+      progress: ``progress(done_bytes, total_bytes)``, called after each tensor this
+        rank writes.
 
     Returns:
-      The files written.
+      Every file of the export (local paths as :class:`~pathlib.Path`, object store
+      ones as URLs), the same list on every rank.
 
     Raises:
-      CheckpointError: a dtype safetensors cannot hold, or a checkpoint problem.
+      CheckpointError: ``include`` matches nothing, ``rename`` gives two leaves one name,
+        a dtype safetensors cannot hold, or a checkpoint problem.
     """
-    limit = _parse_size(max_shard_size)
+    comm = distributed_comm(process_group)
+    rank, world = (0, 1) if comm is None else (comm.rank, comm.world)
+    error: BaseException | None = None
+    try:  # (a failure on one rank fails the export on every rank, as soon as the ranks agree)
+        plan = _plan(path, include, rename, dtype, parse_size(max_shard_size), world)
+        target = _Out(out)
+        _write_files(path, plan, target, rank, progress)
+    except Exception as e:
+        if comm is None:
+            raise
+        error = e
+    if comm is not None:
+        comm.agree(error, "export_safetensors")
+    if rank == 0:
+        try:
+            target.remove_stale([*plan.files, INDEX] if len(plan.files) > 1 else plan.files)
+            if len(plan.files) > 1:
+                index = {
+                    "metadata": {"total_size": sum(plan.sizes)},
+                    "weight_map": {plan.names[i]: plan.files[n] for n, s in enumerate(plan.shards) for i in s},
+                }
+                target.write(INDEX, json.dumps(index, indent=2).encode(), lambda: ())
+        except Exception as e:
+            if comm is None:
+                raise
+            error = e
+    if comm is not None:
+        comm.agree(error, "export_safetensors (the index)")
+    return [target.where(f) for f in [*plan.files, *([INDEX] if len(plan.files) > 1 else [])]]
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What an export writes: the arrays, their names and dtypes, which go in which file, and who writes it."""
+
+    arrays: list[ArrayMeta]
+    names: list[str]
+    dtypes: list[torch.dtype]
+    sizes: list[int]
+    """Bytes of each array as exported."""
+    shards: list[list[int]]
+    """The arrays of each file, by index."""
+    files: list[str]
+    owners: list[int]
+    """The rank writing each file."""
+    values: dict[str, Any]
+    """The encoded Python values, by exported name."""
+
+
+def _plan(
+    path: str | os.PathLike[str] | Location,
+    include: str | Sequence[str] | None,
+    rename: Rename | None,
+    dtype: torch.dtype | str | None,
+    limit: int,
+    world: int,
+) -> _Plan:
+    """The export's plan, the same on every rank (made from the checkpoint's metadata alone)."""
+    patterns = [include] if isinstance(include, str) else None if include is None else list(include)
+    want = _dtype(dtype)
     meta = metadata(path)
-    arrays = list(meta.arrays.values())
-    values = _values_of(meta.tree)
-    for a in arrays:
-        if a.dtype.name not in _TO_ST:
-            raise CheckpointError(f"leaf {a.key!r}: safetensors has no type for dtype {a.dtype.name}")
-    shards: list[list[ArrayMeta]] = [[]]
-    size = 0
-    for a in arrays:
-        if shards[-1] and size + a.nbytes > limit:
-            shards.append([])
-            size = 0
-        shards[-1].append(a)
-        size += a.nbytes
-    out_dir = Path(out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    names = (
+    arrays = [a for a in meta.arrays.values() if _included(a.key, patterns)]
+    values = {k: v for k, v in _values_of(meta.tree).items() if _included(k, patterns)}
+    if patterns is not None and not arrays and not values:
+        raise CheckpointError(f"include={patterns} matches no leaf of the checkpoint at {describe(path)}")
+    names = _renamed([a.key for a in arrays], rename, "leaf")
+    values = dict(zip(_renamed(list(values), rename, "value"), values.values(), strict=True))
+    clash = next((k for k in values if k in set(names)), None)
+    if clash is not None:
+        raise CheckpointError(f"{clash!r} would name both a tensor and a value of the export")
+    dtypes = [want if want is not None and a.dtype.torch.is_floating_point else a.dtype.torch for a in arrays]
+    for a, d in zip(arrays, dtypes, strict=True):
+        if str(d).removeprefix("torch.") not in TO_ST:
+            raise CheckpointError(f"leaf {a.key!r}: safetensors has no type for dtype {d}")
+    sizes = [math.prod(a.shape) * d.itemsize for a, d in zip(arrays, dtypes, strict=True)]
+    shards = _shards(sizes, limit)
+    files = (
         ["model.safetensors"]
         if len(shards) == 1
         else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     )
-    total = sum(a.nbytes for a in arrays)
+    owners = _owners([sum(sizes[i] for i in s) for s in shards], world)
+    return _Plan(arrays, names, dtypes, sizes, shards, files, owners, values)
+
+
+def _write_files(
+    path: str | os.PathLike[str] | Location,
+    plan: _Plan,
+    target: _Out,
+    rank: int,
+    progress: Callable[[int, int], None] | None,
+) -> None:
+    """Write the files ``rank`` owns, each tensor read from the checkpoint in turn."""
+    mine = [n for n, o in enumerate(plan.owners) if o == rank]
+    total = sum(plan.sizes[i] for n in mine for i in plan.shards[n])
     done = 0
-    written = []
-    for name, group in zip(names, shards, strict=True):
+    target.prepare()
+    for n in mine:
         header: dict[str, Any] = {"__metadata__": {"format": "pt", "source": "pytreeckpt"}}
-        if values and name == names[0]:
-            header["__metadata__"][VALUES_KEY] = json.dumps(values, allow_nan=False, separators=(",", ":"))
+        if plan.values and n == 0:
+            header["__metadata__"][VALUES_KEY] = json.dumps(plan.values, allow_nan=False, separators=(",", ":"))
         offset = 0
-        for a in group:
-            header[a.key] = {
-                "dtype": _TO_ST[a.dtype.name],
-                "shape": list(a.shape),
-                "data_offsets": [offset, offset + a.nbytes],
+        for i in plan.shards[n]:
+            header[plan.names[i]] = {
+                "dtype": TO_ST[str(plan.dtypes[i]).removeprefix("torch.")],
+                "shape": list(plan.arrays[i].shape),
+                "data_offsets": [offset, offset + plan.sizes[i]],
             }
-            offset += a.nbytes
+            offset += plan.sizes[i]
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)  # the tensors start 8-byte aligned
-        tmp = out_dir / f".{name}.tmp"
-        with open(tmp, "wb") as f:
-            f.write(struct.pack("<Q", len(raw)))
-            f.write(raw)
-            for a in group:
-                t = read_array(path, a)
-                f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-                done += a.nbytes
+
+        def parts(group: list[int] = plan.shards[n]) -> Any:
+            nonlocal done
+            for i in group:
+                t = read_array(path, plan.arrays[i]).to(plan.dtypes[i])
+                yield t.contiguous().reshape(-1).view(torch.uint8).numpy()
+                del t
+                done += plan.sizes[i]
                 if progress is not None:
                     progress(done, total)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, out_dir / name)
-        written.append(out_dir / name)
-    if len(shards) > 1:
-        index = {
-            "metadata": {"total_size": total},
-            "weight_map": {a.key: name for name, group in zip(names, shards, strict=True) for a in group},
-        }
-        (out_dir / INDEX).write_text(json.dumps(index, indent=2))
-        written.append(out_dir / INDEX)
-    return written
+
+        target.write(plan.files[n], struct.pack("<Q", len(raw)) + raw, parts)
+
+
+def _dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    found = vars(torch).get(str(dtype).removeprefix("torch."))
+    if not isinstance(found, torch.dtype):
+        raise CheckpointError(f"dtype {dtype!r} is not a torch dtype (such as bfloat16 or float16)")
+    return found
 
 
 def _values_of(tree: Any) -> dict[str, Any]:
@@ -163,49 +368,20 @@ def _values_of(tree: Any) -> dict[str, Any]:
     return out
 
 
-def _read_header(f: Any, size: int, file: Path) -> dict[str, Any]:
-    head = f.read(8)
-    if len(head) != 8:
-        raise CheckpointError(f"{file} is not a safetensors file (shorter than 8 bytes)")
-    (n,) = struct.unpack("<Q", head)
-    if n > min(MAX_HEADER, size - 8):
-        raise CheckpointError(f"{file}: header of {n} bytes does not fit the file ({size} bytes)")
-    try:
-        header = json.loads(f.read(n))
-    except (ValueError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{file}: the safetensors header is not JSON: {e}") from None
-    if not isinstance(header, dict):
-        raise CheckpointError(f"{file}: the safetensors header is not a JSON object")
-    header["__start__"] = 8 + n
-    return header
-
-
 def _tensors_of(file: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The tensors of one safetensors file, mapped copy-on-write (read lazily, never written back), and its values."""
-    size = file.stat().st_size
-    with open(file, "rb") as f:
-        header = _read_header(f, size, file)
-        start = header.pop("__start__")
-        values = _header_values(header.pop("__metadata__", None), file)
+    with open_regular(file) as f:
+        size = os.fstat(f.fileno()).st_size
+        header = read_header(f, size, file)
+        values = _header_values(header.metadata, file)
         buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size else b""
     out = {}
-    for name, info in header.items():
-        try:
-            dtype = _FROM_ST[info["dtype"]]
-            shape = tuple(int(s) for s in info["shape"])
-            lo, hi = (int(v) for v in info["data_offsets"])
-        except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"{file}: tensor {name!r} has a malformed or unsupported entry {info!r}") from None
-        nbytes = math.prod(shape) * dtype.itemsize
-        if any(s < 0 for s in shape) or hi - lo != nbytes or lo < 0 or start + hi > size:
-            raise CheckpointError(
-                f"{file}: tensor {name!r} claims bytes {lo}..{hi} that do not fit its shape or the file"
-            )
-        if nbytes == 0:
-            out[name] = torch.empty(shape, dtype=dtype)
+    for name, e in header.tensors.items():
+        if e.nbytes == 0:
+            out[name] = torch.empty(e.shape, dtype=e.dtype)
             continue
-        raw = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=start + lo)  # type: ignore[arg-type]
-        out[name] = raw.view(dtype).reshape(shape)
+        raw = torch.frombuffer(buf, dtype=torch.uint8, count=e.nbytes, offset=e.start)  # type: ignore[arg-type]
+        out[name] = raw.view(e.dtype).reshape(e.shape)
     return out, values
 
 
@@ -229,25 +405,12 @@ def import_safetensors(src: str | os.PathLike[str], out: str | os.PathLike[str],
     ``model.safetensors.index.json`` naming several. The checkpoint's tree is a flat
     dict from tensor name to tensor, followed by the Python values the files carry (as
     :func:`export_safetensors` writes them) under their key paths. Returns the tensor
-    names.
+    names. (:func:`~pytreeckpt.load_safetensors` loads such files into a model directly.)
     """
     src = Path(src)
-    if src.is_dir():
-        if (src / INDEX).exists():
-            index = json.loads((src / INDEX).read_text())
-            files = sorted({src / f for f in index.get("weight_map", {}).values()})
-            for f in files:
-                if f.parent != src or not f.name.endswith(".safetensors"):
-                    raise CheckpointError(f"{src / INDEX} names {f.name!r}, which is not a safetensors file beside it")
-        else:
-            files = sorted(src.glob("*.safetensors"))
-        if not files:
-            raise CheckpointError(f"{src} holds no .safetensors files")
-    else:
-        files = [src]
     tensors: dict[str, torch.Tensor] = {}
     values: dict[str, Any] = {}
-    for f in files:
+    for f in safetensors_files(src):
         got, vals = _tensors_of(f)
         for name, t in got.items():
             if name in tensors:
