@@ -157,6 +157,10 @@ def test_the_command_line_exports_to_dcp(tmp_path: Path, capsys: pytest.CaptureF
     assert "already holds a DCP checkpoint" in capsys.readouterr().err
     assert main(["export", str(tmp_path / "c"), str(tmp_path / "d"), "--format", "dcp", "--overwrite"]) == 0
     assert capsys.readouterr().out.startswith(f"exported 2 items to {tmp_path / 'd'}")
+    # the safetensors-only options are refused, not silently dropped
+    assert main(["export", str(tmp_path / "c"), str(tmp_path / "e"), "--format", "dcp", "--dtype", "bfloat16"]) == 2
+    assert "--dtype apply to safetensors only" in capsys.readouterr().err
+    assert not (tmp_path / "e").exists()
 
 
 def test_the_memory_benchmark_runs_both_routes_at_a_tiny_size(tmp_path: Path) -> None:
