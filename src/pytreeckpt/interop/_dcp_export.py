@@ -43,7 +43,7 @@ from pytreeckpt.core._region import Region
 from pytreeckpt.core._tree import flatten
 from pytreeckpt.core._values import StoredEnum
 from pytreeckpt.format import ArrayMeta
-from pytreeckpt.interop._safetensors import _parse_size
+from pytreeckpt.interop._st_format import parse_size
 from pytreeckpt.leaves import is_leaf as _is_leaf
 from pytreeckpt.loading._inspect import read_region
 from pytreeckpt.storage import Storage
@@ -97,7 +97,7 @@ def export_dcp(
         dict is one); ``out`` already holding a DCP checkpoint without ``overwrite``; or a
         problem reading the checkpoint.
     """
-    limit = _parse_size(max_file_size)
+    limit = parse_size(max_file_size)
     if limit < 1:
         raise ValueError(f"max_file_size must be positive, found {max_file_size!r}")
     meta = metadata(path)
