@@ -65,6 +65,7 @@ if TYPE_CHECKING:
     from pytreeckpt.interop._safetensors import import_safetensors as import_safetensors
     from pytreeckpt.manager._fallback import CheckpointDamageWarning as CheckpointDamageWarning
     from pytreeckpt.manager._manager import CheckpointManager as CheckpointManager
+    from pytreeckpt.manager._peers import PeerTierManager as PeerTierManager
     from pytreeckpt.manager._tiered import TwoTierManager as TwoTierManager
     from pytreeckpt.plan import ChunkingOptions as ChunkingOptions
     from pytreeckpt.plan import LoadPlan as LoadPlan
@@ -119,6 +120,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "import_safetensors": ("pytreeckpt.interop._safetensors", "import_safetensors"),
     "CheckpointDamageWarning": ("pytreeckpt.manager._fallback", "CheckpointDamageWarning"),
     "CheckpointManager": ("pytreeckpt.manager._manager", "CheckpointManager"),
+    "PeerTierManager": ("pytreeckpt.manager._peers", "PeerTierManager"),
     "TwoTierManager": ("pytreeckpt.manager._tiered", "TwoTierManager"),
     "ExecutorOptions": ("pytreeckpt.storage", "ExecutorOptions"),
     "Location": ("pytreeckpt.storage._location", "Location"),
@@ -184,6 +186,7 @@ __all__ = [
     "MetadataError",
     "Monitor",
     "NotCommittedError",
+    "PeerTierManager",
     "PerRank",
     "PermissionDeniedError",
     "Region",
