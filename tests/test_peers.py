@@ -35,17 +35,36 @@ def test_a_lost_node_restores_from_its_peer_and_without_a_replica_from_the_durab
         assert r["warnings"] == []
     assert "step_4" in restored[2]["local"]  # node 1's part is back in its own directory
 
-    shutil.rmtree(local / "node1")  # lost again, and this time node 0's replica of it is gone too
-    shutil.rmtree(local / "node0" / "replicas")
+    # Lost again; this time node 0's replica of node 1's step 4 is damaged (a flipped bit) and of step 3 gone.
+    shutil.rmtree(local / "node1")
+    _flip_shards(local / "node0" / "replicas" / "node_1" / "step_4", step=4, ranks=(2, 3))
+    shutil.rmtree(local / "node0" / "replicas" / "node_1" / "step_3")
     restored = run_world(4, peer_restore, str(local), str(durable))
     for rank, r in enumerate(restored):
         assert (r["step"], r["tier"]) == (3, "durable"), r
-        assert r["w"]
-        assert r["model"]
+        assert r["w"], r
+        assert r["model"], r
         assert r["rng"] == [100.0 * rank + 3] * 2
         assert r["durable_opened"] > 0
-        assert len(r["warnings"]) == 1, r["warnings"]
-        assert "node 1 lacks steps [4, 3]" in r["warnings"][0]
+        assert len(r["warnings"]) == 2, r["warnings"]
+        assert "step 4 of peers does not load" in r["warnings"][0]
+        assert "node 1 lacks steps [3]" in r["warnings"][1]
+    assert "damaged" in restored[2]["warnings"][0]  # (the ranks that read it name the damage)
+
+
+def _flip_shards(step_dir: Path, step: int, ranks: tuple[int, ...]) -> None:
+    """Flip a byte of each of ``ranks``' shards of ``w`` where the files of ``step_dir`` hold it."""
+    full = (torch.arange(4 * 8 * 4, dtype=torch.float32).reshape(4 * 8, 4) + step).numpy()
+    found = 0
+    for f in (p for p in step_dir.rglob("*") if p.is_file()):
+        data = bytearray(f.read_bytes())
+        for r in ranks:
+            at = data.find(full[r * 8 : (r + 1) * 8].tobytes())
+            if at >= 0:
+                data[at + 5] ^= 0xFF
+                found += 1
+        f.write_bytes(bytes(data))
+    assert found == len(ranks)
 
 
 def test_peers_need_more_nodes_and_nodes_must_divide_the_ranks(tmp_path: Path) -> None:
