@@ -13,7 +13,9 @@ receiver checks every file's crc32c before it keeps any.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import mmap
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -80,6 +82,36 @@ def _tensor(data: np.ndarray | bytes) -> torch.Tensor:
     return torch.from_numpy(array.copy() if not array.flags.writeable else array)
 
 
+def _mapped(path: Path) -> np.ndarray:
+    """The bytes of the file ``path``, mapped (copy on write: nothing is copied to send them)."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if not size:
+            return np.empty(0, dtype=np.uint8)
+        return np.frombuffer(mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY), dtype=np.uint8)
+
+
+def _receive_into(path: Path, n: int, group: Any, src: int) -> int:
+    """Receive ``n`` bytes from ``src`` straight into the new file ``path`` (mapped): their crc32c."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w+b") as f:
+        if not n:
+            return crc32c(b"")
+        f.truncate(n)
+        mapped = mmap.mmap(f.fileno(), n)
+        try:
+            array = np.frombuffer(mapped, dtype=np.uint8)
+            dist.recv(torch.from_numpy(array), src, group=group)
+            crc = crc32c(array)
+            del array  # (the map closes once no view of it is left)
+            mapped.flush()
+        finally:
+            with contextlib.suppress(BufferError):
+                mapped.close()
+        os.fsync(f.fileno())
+    return crc
+
+
 def send_files(group: Any, dst: int, root: Path | None, what: str) -> Callable[[], None]:
     """Start sending the files under ``root`` to global rank ``dst`` (which calls :func:`receive_files`).
 
@@ -96,7 +128,7 @@ def send_files(group: Any, dst: int, root: Path | None, what: str) -> Callable[[
     try:
         if root is None or not root.is_dir():
             raise FileNotFoundError(f"{root} is not a directory")
-        files = [(name, np.fromfile(root / name, dtype=np.uint8)) for name in step_files(root)]
+        files = [(name, _mapped(root / name)) for name in step_files(root)]
     except OSError as e:
         error = f"{what} could not be read on rank {dist.get_rank()}: {e}"
         files = []
@@ -131,19 +163,6 @@ def receive_files(group: Any, src: int, into: Path, what: str) -> None:
     header = json.loads(raw.numpy().tobytes())
     if header["error"] is not None:
         raise CheckpointError(header["error"])
-    bad = []
-    for name, n, crc in header["files"]:
-        data = torch.empty(n, dtype=torch.uint8)
-        if n:
-            dist.recv(data, src, group=group)
-        array = data.numpy()
-        if crc32c(array) != crc:
-            bad.append(name)
-        path = into / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "wb") as f:
-            f.write(array.data)
-            f.flush()
-            os.fsync(f.fileno())
+    bad = [name for name, n, crc in header["files"] if _receive_into(into / name, n, group, src) != crc]
     if bad:
         raise CheckpointError(f"{what}: files arrived damaged from rank {src} (crc32c differs): {', '.join(bad)}")

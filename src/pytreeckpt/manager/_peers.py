@@ -177,7 +177,8 @@ class PeerTierManager:
         self.last_restored_tier: str | None = None
         """``"peers"`` (each node's directory or a peer's replica) or ``"durable"``."""
         self.last_restored_sources: dict[int, str] = {}
-        """Where each node's part came from at the last restore from the peer tier: ``"local"`` or ``"node <n>"``."""
+        """Where each node's part (by node id) came from at the last restore from the peer tier: ``"local"`` or
+        ``"node <id>"`` (a peer's replica)."""
         if self._is_leader:
             for d in (self._root, *self._root.glob("replicas/node_*")):
                 for p in d.glob(f"{_INCOMING}*") if d.is_dir() else ():
@@ -225,7 +226,7 @@ class PeerTierManager:
             assert isinstance(path, Path)
             for j in range(1, self.peers + 1):
                 to, frm = (self.node + j) % nodes, (self.node - j) % nodes
-                sent = send_files(self._xfer, self._leaders[to], path, f"step {step} of node {self.node}")
+                sent = send_files(self._xfer, self._leaders[to], path, f"step {step} of node {self._ids[self.node]}")
                 self._receive(frm, step, self._replica_dir(frm))
                 sent()
                 self._prune(self._replica_dir(frm))
@@ -237,7 +238,7 @@ class PeerTierManager:
         into.mkdir(parents=True, exist_ok=True)
         incoming = into / f"{_INCOMING}step_{step}-{uuid.uuid4().hex[:12]}"
         try:
-            receive_files(self._xfer, self._leaders[frm], incoming, f"step {step} of node {frm}")
+            receive_files(self._xfer, self._leaders[frm], incoming, f"step {step} of node {self._ids[frm]}")
             final = into / f"step_{step}"
             if final.exists():
                 remove_tree(final)
@@ -342,7 +343,7 @@ class PeerTierManager:
             )
         except NotCommittedError as e:
             if newest is not None:
-                lacking = "; ".join(f"node {n} lacks steps {steps}" for n, steps in sorted(missing.items()))
+                lacking = "; ".join(f"node {self._ids[n]} lacks steps {steps}" for n, steps in sorted(missing.items()))
                 warnings.warn(
                     f"the peer tier has no step that loads ({lacking or e}); restoring from the durable tier "
                     f"{self.durable.directory}",
@@ -359,7 +360,7 @@ class PeerTierManager:
         sources = whole[self.last_restored_step]
         self.last_restored_tier = "peers"
         self.last_restored_sources = {
-            n: f"node {self._ids[sources[n]]}" if n in sources else "local" for n in range(len(self._ids))
+            i: f"node {self._ids[sources[n]]}" if n in sources else "local" for n, i in enumerate(self._ids)
         }
         return result
 
@@ -370,7 +371,7 @@ class PeerTierManager:
             for needer, holder in sorted(sources.items()):
                 if self._is_leader and self.node == holder:
                     path = self._replica_dir(needer) / f"step_{step}"
-                    send_files(self._xfer, self._leaders[needer], path, f"node {needer}'s step {step}")()
+                    send_files(self._xfer, self._leaders[needer], path, f"node {self._ids[needer]}'s step {step}")()
                 elif self._is_leader and self.node == needer:
                     self._receive(holder, step, self._root)
         except Exception as e:  # every rank hears of it before any raises
