@@ -227,8 +227,10 @@ class PeerTierManager:
             for j in range(1, self.peers + 1):
                 to, frm = (self.node + j) % nodes, (self.node - j) % nodes
                 sent = send_files(self._xfer, self._leaders[to], path, f"step {step} of node {self._ids[self.node]}")
-                self._receive(frm, step, self._replica_dir(frm))
-                sent()
+                try:
+                    self._receive(frm, step, self._replica_dir(frm))
+                finally:
+                    sent()  # (the buffers being sent stay alive until they are)
                 self._prune(self._replica_dir(frm))
         except BaseException as e:
             self._thread_error = e
