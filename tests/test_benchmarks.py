@@ -158,3 +158,13 @@ def test_the_torchtitan_benchmark_times_both_backends(tmp_path: Path) -> None:
     for m in torchtitan.MEASURES:
         assert len(r["round_ratios"][m]) == 2
         assert r["ratio"][m] > 0
+
+
+def test_the_peer_tier_benchmark_times_recovery_and_the_loop(tmp_path: Path) -> None:
+    from benchmarks import peers
+
+    r = peers.run(1 / 1024, 2, 1, 1, tmp_path / "peers", compute=64)  # (2 nodes of 1 rank: fewer processes)
+    assert set(r["recovery_seconds"]) == {"peers", "durable"}
+    assert set(r["loop_seconds"]) == {"peers=1", "peers=0"}
+    assert r["durable_over_peers"] > 0
+    assert r["save_compute_wait_ratio"] > 0

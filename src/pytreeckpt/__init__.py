@@ -67,6 +67,7 @@ if TYPE_CHECKING:
     from pytreeckpt.interop._st_load import load_safetensors as load_safetensors
     from pytreeckpt.manager._fallback import CheckpointDamageWarning as CheckpointDamageWarning
     from pytreeckpt.manager._manager import CheckpointManager as CheckpointManager
+    from pytreeckpt.manager._peers import PeerTierManager as PeerTierManager
     from pytreeckpt.manager._tiered import TwoTierManager as TwoTierManager
     from pytreeckpt.plan import ChunkingOptions as ChunkingOptions
     from pytreeckpt.plan import LoadPlan as LoadPlan
@@ -123,6 +124,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "load_safetensors": ("pytreeckpt.interop._st_load", "load_safetensors"),
     "CheckpointDamageWarning": ("pytreeckpt.manager._fallback", "CheckpointDamageWarning"),
     "CheckpointManager": ("pytreeckpt.manager._manager", "CheckpointManager"),
+    "PeerTierManager": ("pytreeckpt.manager._peers", "PeerTierManager"),
     "TwoTierManager": ("pytreeckpt.manager._tiered", "TwoTierManager"),
     "ExecutorOptions": ("pytreeckpt.storage", "ExecutorOptions"),
     "Location": ("pytreeckpt.storage._location", "Location"),
@@ -188,6 +190,7 @@ __all__ = [
     "MetadataError",
     "Monitor",
     "NotCommittedError",
+    "PeerTierManager",
     "PerRank",
     "PermissionDeniedError",
     "Region",
