@@ -273,13 +273,13 @@ class CheckpointManager(BaseCheckpointManager):  # type: ignore[misc]  # (torcht
 
     def _save_hf(self, hf_state: dict[str, Any], path: str) -> None:
         """Hugging Face safetensors (and their index) in ``path``, from every rank's shards: saved as a
-        pytreeckpt checkpoint beside it, which rank 0 exports and removes."""
+        pytreeckpt checkpoint beside it, which every rank exports its share of, and rank 0 removes."""
         staged = path + ".pytreeckpt"
         save(staged, hf_state, overwrite=True)
+        export_safetensors(staged, path)  # (every rank together: each writes its own files)
         error: BaseException | None = None
         if self._rank == 0:
             try:
-                export_safetensors(staged, path)
                 filesystem.rmtree(staged)
             except Exception as e:
                 error = e
