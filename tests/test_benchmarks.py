@@ -20,7 +20,9 @@ def test_the_per_leaf_benchmark_times_every_tool_and_checks_its_targets(tmp_path
         assert set(r["seconds"]) >= {"torch.save", "safetensors.save", "dcp.save", "pytreeckpt.save"}
         assert all(t > 0 for t in r["seconds"].values())
         assert set(r["save_phases"]) == {"plan", "write", "commit"}
-        assert len(small.targets(r, cold=False)) == 4
+        assert len(small.targets(r, cold=False)) == 6  # (issue 18's four, issue 44's stall against two)
+        assert r["seconds"]["pytreeckpt.async_save stall"] > 0
+        assert len(r["stall_ratios"]["torch.save"]) == 1
     rows = small.scale_targets(runs[0], runs[1], cold=False)
     assert [row[0] for row in rows][:2] == [
         "save time at 10x the leaves / at 1x",
