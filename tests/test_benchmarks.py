@@ -149,3 +149,18 @@ def test_the_replica_check_benchmark_compares_three_saves(tmp_path: Path) -> Non
     assert len(r["round_ratios"]) == len(r["default_round_ratios"]) == 2
     assert r["ratio"] > 0
     assert r["default_ratio"] > 0
+
+
+def test_the_packed_leaves_benchmark_times_both_counts_in_the_same_rounds(tmp_path: Path) -> None:
+    from benchmarks import packed
+
+    r = packed.run((10, 100), 12, 4, 2, tmp_path, cold=False)
+    assert r["packed"]
+    assert r["chunks_per_leaf"] == 3
+    assert set(r["seconds"]) == {"small save", "big save", "small load", "big load"}
+    assert all(len(t) == 2 for t in r["rounds"].values())
+    each = r["rounds"]
+    assert r["ratios"]["load"] == [b / a for a, b in zip(each["small load"], each["big load"], strict=True)]
+    rows = packed.targets(r)
+    assert [row[3] for row in rows] == [11.0, 11.0]
+    assert len(packed.table(r)) == 7
