@@ -164,3 +164,17 @@ def test_the_packed_leaves_benchmark_times_both_counts_in_the_same_rounds(tmp_pa
     rows = packed.targets(r)
     assert [row[3] for row in rows] == [11.0, 11.0]
     assert len(packed.table(r)) == 7
+
+
+def test_the_read_limit_is_the_fastest_way_and_never_slower_than_one_thread() -> None:
+    """Issue 44: fio's 4 jobs timed from outside were slower than one thread's read() of the same files, and
+    were still called the limit. The limit is fio's fastest way; one slower than the baseline is refused."""
+    from benchmarks import cold
+
+    seconds = {"fio 4 jobs": 1.5, "fio 4 jobs large files": 0.7, cold.BASELINE: 1.1, "pytreeckpt.load": 0.2}
+    ways = ["fio 4 jobs", "fio 4 jobs large files", cold.BASELINE]
+    assert cold.sound_limit(seconds, ways) == ("fio 4 jobs large files", 0.7)
+    with pytest.raises(RuntimeError, match=r"no sound read limit: the fastest way, 'fio 4 jobs', took 1.500 s"):
+        cold.sound_limit(seconds, ["fio 4 jobs", cold.BASELINE])
+    with pytest.raises(RuntimeError, match="needs fio's ways and the single-threaded baseline"):
+        cold.sound_limit({"fio 4 jobs": 0.5}, ["fio 4 jobs"])
