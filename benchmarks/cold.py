@@ -1,20 +1,31 @@
-"""Cold loads against the disk's parallel read limit (issue 19), in one run.
+"""Cold loads against the disk's read limit (issues 19 and 44), in one run.
 
     python -m benchmarks.cold [--gib 1 4] [--leaves 16] [--repeat 3] [--jobs 4] [--ranks 4]
 
 For each size: the state saved once, then, in turns (a new order each round) and with the
-page cache dropped before each, medians of ``--repeat``: ``fio`` reading the checkpoint's own chunk files
-(``--jobs`` jobs, each a quarter of the files, 4 MiB blocks: the physical limit with the
-same bytes, files and queue depth), a single-threaded raw read of the same files,
-``pytreeckpt.load`` (functional; also with ``ExecutorOptions(huge_pages=False)``, its new
-memory in 4 KiB pages) and ``pytreeckpt.load(..., inplace=True)``. Prints one
-JSON object per size with the seconds and each load's rate as a fraction of fio's.
+page cache dropped before each, medians of ``--repeat`` of every way to read the same bytes
+and of the loads:
+
+- ``fio`` in ``--jobs`` jobs (psync, 4 MiB blocks) over the checkpoint's own chunk files (each
+  job a share of them, one after another), buffered and ``--direct=1``; and over ``--jobs``
+  large files of a share of the bytes each (laid out once by fio itself, fsynced), buffered
+  and direct. Each is timed by fio's own runtime (its JSON's ``read.runtime``, the group's),
+  not from outside with the process's start-up; fio must have read every byte.
+- a single-threaded raw read of the chunk files (``read()`` of 16 MiB, timed in this process):
+  the baseline.
+- ``pytreeckpt.load`` (functional; also with ``ExecutorOptions(huge_pages=False)``, its new
+  memory in 4 KiB pages) and ``pytreeckpt.load(..., inplace=True)``.
+
+The read limit is the fastest of fio's ways, ``limit_by`` names it, and each load's rate is
+given as a fraction of it (``of_limit``; ``of_fio`` is the same, the old name). Issue 44 found
+the old limit, fio's 4 jobs walking 16 MiB files timed from outside, slower than one thread's
+``read()`` of the same files: :func:`sound_limit` refuses a limit slower than that
+single-threaded baseline (a RuntimeError: no rate is set against a limit that is none).
 
 With ``--ranks N`` (N > 1) the same is done by N gloo ranks, each holding a
 ``Shard(0)`` row block of every matrix (a DTensor): the state is saved by the N ranks,
 and each load is every rank loading its own share, timed between barriers (the slowest
-rank's time); fio reads the same files in ``--jobs`` jobs (the same bytes, files and
-queue depth as N ranks reading a share each when ``--jobs`` is N).
+rank's time); the ways to read the bytes run on rank 0 alone, between the same barriers.
 Needs root (to drop the page cache) and fio (Debian's package ``fio``).
 """
 
@@ -41,17 +52,59 @@ import pytreeckpt
 from ._common import GiB, can_drop_caches, drop_caches, free_port, gloo_rank, make_state
 
 
-def _fio(root: Path, files: list[Path], jobs: int) -> None:
-    """fio reading ``files`` (under ``root``) in ``jobs`` jobs, each a share of the files, one after another."""
+def _fio_seconds(cmd: list[str], nbytes: int) -> float:
+    """Run fio (``--group_reporting``, JSON) and return its own runtime in seconds: the group's ``read.runtime``
+    (from the first I/O to the last), not the process's, for ``nbytes`` bytes. With ``--direct=1`` fio reads whole
+    blocks only (a chunk file's last 4 bytes, its crc32c, are left): its time is scaled to ``nbytes`` (its rate).
+    RuntimeError if it read less than half of them."""
+    done = subprocess.run([*cmd, "--output-format=json", "--group_reporting"], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"fio failed: {done.stderr[-2000:]}")
+    text = done.stdout[done.stdout.index("{") :]  # (fio may print notes before its JSON)
+    read = json.loads(text)["jobs"][0]["read"]
+    got = int(read["io_bytes"])
+    if not nbytes / 2 <= got <= nbytes:
+        raise RuntimeError(f"fio read {got} bytes, expected {nbytes}: {' '.join(cmd)}")
+    # (milliseconds: at least one, so the rate of a tiny read is finite)
+    return max(float(read["runtime"]), 1.0) / 1000 * nbytes / got
+
+
+def _fio(root: Path, files: list[Path], jobs: int, direct: bool = False) -> float:
+    """fio reading ``files`` (under ``root``) in ``jobs`` jobs, each a share of the files, one after another;
+    its own runtime in seconds."""
     groups = [files[k::jobs] for k in range(jobs)]
+    sizes = [f.stat().st_size for f in files]
+    bs = 4 << 20
+    if min(sizes) < bs:  # (fio reads whole blocks of each file: smaller ones for small files, as in a test)
+        bs = max(4096, 1 << (min(sizes).bit_length() - 1))
     # Paths relative to the directory given: fio caps the length of an option's value.
-    cmd = ["fio", "--output-format=json", f"--directory={root}", "--rw=read", "--bs=4M", "--ioengine=psync"]
+    cmd = ["fio", f"--directory={root}", "--rw=read", f"--bs={bs}", "--ioengine=psync", f"--direct={int(direct)}"]
     for k, group in enumerate(g for g in groups if g):
         names = ":".join(str(f.relative_to(root)).replace(":", "\\:") for f in group)
         cmd += [f"--name=j{k}", f"--filename={names}", "--file_service_type=sequential"]
+    return _fio_seconds(cmd, sum(sizes))
+
+
+def _large_files_cmd(where: Path, nbytes: int, jobs: int) -> list[str]:
+    """fio's options for ``jobs`` jobs, each on a file of its own of ``nbytes / jobs`` (rounded to 4 MiB blocks)."""
+    per = max(4 << 20, nbytes // jobs // (4 << 20) * (4 << 20))
+    return ["fio", "--name=large", f"--directory={where}", f"--numjobs={jobs}", f"--size={per}", "--bs=4M"]
+
+
+def lay_out_large(where: Path, nbytes: int, jobs: int) -> int:
+    """Write the large files of :func:`_fio_large` (fio's own data, fsynced at the end); returns their bytes."""
+    where.mkdir(parents=True, exist_ok=True)
+    cmd = [*_large_files_cmd(where, nbytes, jobs), "--rw=write", "--ioengine=psync", "--end_fsync=1"]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
-        raise RuntimeError(f"fio failed: {done.stderr[-2000:]}")
+        raise RuntimeError(f"fio failed laying out its files: {done.stderr[-2000:]}")
+    return sum(p.stat().st_size for p in where.iterdir())
+
+
+def _fio_large(where: Path, nbytes: int, jobs: int, direct: bool = False) -> float:
+    """fio reading the large files laid out by :func:`lay_out_large`, a job each; its own runtime in seconds."""
+    cmd = [*_large_files_cmd(where, nbytes, jobs), "--rw=read", "--ioengine=psync", f"--direct={int(direct)}"]
+    return _fio_seconds(cmd, sum(p.stat().st_size for p in where.iterdir()))
 
 
 def _raw(files: list[Path]) -> None:
@@ -61,6 +114,42 @@ def _raw(files: list[Path]) -> None:
                 pass
 
 
+BASELINE = "raw read (1 thread)"
+
+
+def read_ways(path: Path, files: list[Path], nbytes: int, jobs: int, workdir: Path) -> dict[str, Callable[[], Any]]:
+    """Every way of reading the checkpoint's bytes the limit is the fastest of: fio's (returning their own runtime)
+    and the single-threaded baseline (timed from outside, in this process, as the loads are)."""
+    large = workdir / "fio-large"
+    lay_out_large(large, nbytes, jobs)
+    return {
+        f"fio {jobs} jobs": lambda: _fio(path / "arrays", files, jobs),
+        f"fio {jobs} jobs direct": lambda: _fio(path / "arrays", files, jobs, direct=True),
+        f"fio {jobs} jobs large files": lambda: _fio_large(large, nbytes, jobs),
+        f"fio {jobs} jobs large files direct": lambda: _fio_large(large, nbytes, jobs, direct=True),
+        BASELINE: lambda: _raw(files),
+    }
+
+
+def sound_limit(seconds: dict[str, float], ways: list[str], baseline: str = BASELINE) -> tuple[str, float]:
+    """The read limit: the fastest of ``ways`` (fio's, names in ``seconds``), with its seconds.
+
+    Raises:
+      RuntimeError: that limit is slower than the single-threaded ``baseline``'s time (issue 44: a
+        "limit" slower than one thread's read loop is none, and no rate is set against it).
+    """
+    parallel = [w for w in ways if w != baseline]
+    if not parallel or baseline not in seconds:
+        raise RuntimeError(f"a read limit needs fio's ways and the single-threaded baseline {baseline!r}: {ways}")
+    name = min(parallel, key=seconds.__getitem__)
+    if seconds[name] > seconds[baseline]:
+        raise RuntimeError(
+            f"no sound read limit: the fastest way, {name!r}, took {seconds[name]:.3f} s, slower than the "
+            f"single-threaded {baseline!r}'s {seconds[baseline]:.3f} s"
+        )
+    return name, seconds[name]
+
+
 _SMALL_PAGES = pytreeckpt.ExecutorOptions(huge_pages=False)  # new memory as before huge pages were asked for
 
 
@@ -68,15 +157,27 @@ def _chunk_files(path: Path) -> list[Path]:
     return sorted(p for p in (path / "arrays").rglob("*") if p.is_file() and p.name != "zarr.json")
 
 
-def _summary(times: dict[str, list[float]], limit_name: str, nbytes: int) -> dict[str, Any]:
+def _summary(times: dict[str, list[float]], ways: list[str], nbytes: int) -> dict[str, Any]:
     seconds = {k: statistics.median(v) for k, v in times.items()}
-    limit = seconds[limit_name]
+    name, limit = sound_limit(seconds, ways)
+    of_limit = {k: limit / s for k, s in seconds.items()}
     return {
         "bytes": nbytes,
         "seconds": seconds,
         "all_seconds": times,
-        "of_fio": {k: limit / s for k, s in seconds.items()},
+        "limit_by": name,
+        "limit_seconds": limit,
+        "of_limit": of_limit,
+        "of_fio": of_limit,  # (the old name)
     }
+
+
+def _timed(fn: Callable[[], Any]) -> float:
+    """Seconds of ``fn``: its own figure when it returns one (fio's runtime), else the wall clock's."""
+    t0 = time.perf_counter()
+    own = fn()
+    wall = time.perf_counter() - t0
+    return float(own) if isinstance(own, float) else wall
 
 
 def run(gib: float, leaves: int, repeat: int, jobs: int, workdir: Path) -> dict[str, Any]:
@@ -87,9 +188,9 @@ def run(gib: float, leaves: int, repeat: int, jobs: int, workdir: Path) -> dict[
     target = {k: torch.zeros_like(v) for k, v in state.items()}
     nbytes = sum(v.numel() * v.element_size() for v in state.values())
     del state
-    variants = {
-        f"fio {jobs} jobs": lambda: _fio(path / "arrays", files, jobs),
-        "raw read (1 thread)": lambda: _raw(files),
+    ways = read_ways(path, files, nbytes, jobs, workdir)
+    variants: dict[str, Callable[[], Any]] = {
+        **ways,
         "pytreeckpt.load": lambda: pytreeckpt.load(path, target),
         "pytreeckpt.load 4 KiB pages": lambda: pytreeckpt.load(path, target, executor=_SMALL_PAGES),
         "pytreeckpt.load inplace": lambda: pytreeckpt.load(path, target, inplace=True),
@@ -102,11 +203,10 @@ def run(gib: float, leaves: int, repeat: int, jobs: int, workdir: Path) -> dict[
         for name in names:
             fn = variants[name]
             drop_caches()
-            t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
+            times[name].append(_timed(fn))
     shutil.rmtree(path, ignore_errors=True)
-    return _summary(times, f"fio {jobs} jobs", nbytes)
+    shutil.rmtree(workdir / "fio-large", ignore_errors=True)
+    return _summary(times, list(ways), nbytes)
 
 
 def _rank_state(rank: int, world: int, gib: float, leaves: int, mesh: Any, fresh: bool) -> dict[str, Any]:
@@ -140,16 +240,27 @@ def _rank_worker(rank: int, world: int, port: int, args: dict[str, Any]) -> None
         inplace_target = dict(state)  # memory already faulted in, as a training job's
         del state
 
-        def fio() -> None:
-            if rank == 0:
-                _fio(path / "arrays", files, jobs)
+        ways = read_ways(path, files, sum(f.stat().st_size for f in files), jobs, path.parent) if rank == 0 else {}
+        own: dict[str, float] = {}  # rank 0's figure for a way (fio's own runtime)
+
+        def way(name: str) -> Callable[[], None]:
+            def run() -> None:
+                if rank == 0:
+                    got = ways[name]()
+                    if isinstance(got, float):
+                        own[name] = got
+
+            return run
+
+        names = [f"fio {jobs} jobs", f"fio {jobs} jobs direct", f"fio {jobs} jobs large files"]
+        names += [f"fio {jobs} jobs large files direct", BASELINE]
 
         def load(executor: pytreeckpt.ExecutorOptions | None = None) -> None:
             target = _rank_state(rank, world, args["gib"], args["leaves"], mesh, fresh=True)
             pytreeckpt.load(path, target, executor=executor)
 
         variants: dict[str, Callable[[], Any]] = {
-            f"fio {jobs} jobs": fio,
+            **{name: way(name) for name in names},
             "pytreeckpt.load": load,
             "pytreeckpt.load 4 KiB pages": lambda: load(_SMALL_PAGES),
             "pytreeckpt.load inplace": lambda: pytreeckpt.load(path, inplace_target, inplace=True),
@@ -168,9 +279,11 @@ def _rank_worker(rank: int, world: int, port: int, args: dict[str, Any]) -> None
                 t0 = time.perf_counter()
                 fn()
                 dist.barrier()
-                times[name].append(time.perf_counter() - t0)
+                times[name].append(own.pop(name, time.perf_counter() - t0))
         if rank == 0:
-            (path.parent / "result-cold-ranks.json").write_text(json.dumps({"times": times, "bytes": nbytes}))
+            shutil.rmtree(path.parent / "fio-large", ignore_errors=True)
+            result = {"times": times, "bytes": nbytes, "ways": names}
+            (path.parent / "result-cold-ranks.json").write_text(json.dumps(result))
 
 
 def run_ranks(ranks: int, gib: float, leaves: int, repeat: int, jobs: int, workdir: Path) -> dict[str, Any]:
@@ -180,7 +293,7 @@ def run_ranks(ranks: int, gib: float, leaves: int, repeat: int, jobs: int, workd
     mp.spawn(_rank_worker, args=(ranks, free_port(), args), nprocs=ranks, join=True)
     got = json.loads((workdir / "result-cold-ranks.json").read_text())
     shutil.rmtree(path, ignore_errors=True)
-    return {"ranks": ranks, **_summary(got["times"], f"fio {jobs} jobs", got["bytes"])}
+    return {"ranks": ranks, **_summary(got["times"], got["ways"], got["bytes"])}
 
 
 def main() -> None:

@@ -208,3 +208,39 @@ def test_progress_bar_and_debug_logging(tmp_path: Path, capsys: pytest.CaptureFi
     assert "load [" in err
     assert "100%" in err
     assert any("write" in r.getMessage() for r in caplog.records)
+
+
+def test_many_small_leaves_are_staged_in_a_few_pieces_and_saved_as_they_were(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """async_save staged each of 20,000 tiny leaves as a piece of its own (~30 us each, planned and copied):
+    the caller waited 0.8-0.9 s where save took 0.2 s. Small whole arrays are copied in batches of
+    ``staging_piece_bytes``, written as save writes them; the snapshot holds the tree of the call."""
+    acquired: list[int] = []
+    acquire = StagingPool.acquire
+
+    def counting(self: StagingPool, nbytes: int) -> Any:
+        acquired.append(nbytes)
+        return acquire(self, nbytes)
+
+    monkeypatch.setattr(StagingPool, "acquire", counting)
+    g = torch.Generator().manual_seed(0)
+    state: dict[str, Any] = {f"p{i}": torch.randn(4, generator=g) for i in range(2_000)}
+    state["bf16"] = torch.randn(3, 5, generator=g).to(torch.bfloat16)
+    state["ints"] = torch.arange(7, dtype=torch.int64)
+    state["flag"] = torch.tensor(True)
+    state["strided"] = torch.randn(6, 4, generator=g).t()
+    state["big"] = torch.randn(256, 1024, generator=g)  # 1 MiB: through the pipeline's pieces
+    expected = {k: v.clone() for k, v in state.items()}
+    h = pytreeckpt.async_save(tmp_path / "c", state, executor=ExecutorOptions(staging_piece_bytes=8 << 10))
+    for v in state.values():
+        v.zero_()  # training goes on: the checkpoint holds the state of the call
+    h.wait()
+    # 2,004 small arrays of at most 16 bytes aligned: 4 batches of 8 KiB; the big array in its pieces (128)
+    assert len(acquired) <= 4 + 128 + 1, len(acquired)
+    out = pytreeckpt.load(tmp_path / "c")
+    assert out.keys() == expected.keys()
+    for k, v in expected.items():
+        assert out[k].dtype == v.dtype, k
+        assert torch.equal(out[k], v), k
+    pytreeckpt.verify(tmp_path / "c")

@@ -20,7 +20,9 @@ def test_the_per_leaf_benchmark_times_every_tool_and_checks_its_targets(tmp_path
         assert set(r["seconds"]) >= {"torch.save", "safetensors.save", "dcp.save", "pytreeckpt.save"}
         assert all(t > 0 for t in r["seconds"].values())
         assert set(r["save_phases"]) == {"plan", "write", "commit"}
-        assert len(small.targets(r, cold=False)) == 4
+        assert len(small.targets(r, cold=False)) == 6  # (issue 18's four, issue 44's stall against two)
+        assert r["seconds"]["pytreeckpt.async_save stall"] > 0
+        assert len(r["stall_ratios"]["torch.save"]) == 1
     rows = small.scale_targets(runs[0], runs[1], cold=False)
     assert [row[0] for row in rows][:2] == [
         "save time at 10x the leaves / at 1x",
@@ -168,3 +170,32 @@ def test_the_peer_tier_benchmark_times_recovery_and_the_loop(tmp_path: Path) -> 
     assert set(r["loop_seconds"]) == {"peers=1", "peers=0"}
     assert r["durable_over_peers"] > 0
     assert r["save_compute_wait_ratio"] > 0
+
+
+def test_the_packed_leaves_benchmark_times_both_counts_in_the_same_rounds(tmp_path: Path) -> None:
+    from benchmarks import packed
+
+    r = packed.run((10, 100), 12, 4, 2, tmp_path, cold=False)
+    assert r["packed"]
+    assert r["chunks_per_leaf"] == 3
+    assert set(r["seconds"]) == {"small save", "big save", "small load", "big load"}
+    assert all(len(t) == 2 for t in r["rounds"].values())
+    each = r["rounds"]
+    assert r["ratios"]["load"] == [b / a for a, b in zip(each["small load"], each["big load"], strict=True)]
+    rows = packed.targets(r)
+    assert [row[3] for row in rows] == [11.0, 11.0]
+    assert len(packed.table(r)) == 7
+
+
+def test_the_read_limit_is_the_fastest_way_and_never_slower_than_one_thread() -> None:
+    """Issue 44: fio's 4 jobs timed from outside were slower than one thread's read() of the same files, and
+    were still called the limit. The limit is fio's fastest way; one slower than the baseline is refused."""
+    from benchmarks import cold
+
+    seconds = {"fio 4 jobs": 1.5, "fio 4 jobs large files": 0.7, cold.BASELINE: 1.1, "pytreeckpt.load": 0.2}
+    ways = ["fio 4 jobs", "fio 4 jobs large files", cold.BASELINE]
+    assert cold.sound_limit(seconds, ways) == ("fio 4 jobs large files", 0.7)
+    with pytest.raises(RuntimeError, match=r"no sound read limit: the fastest way, 'fio 4 jobs', took 1.500 s"):
+        cold.sound_limit(seconds, ["fio 4 jobs", cold.BASELINE])
+    with pytest.raises(RuntimeError, match="needs fio's ways and the single-threaded baseline"):
+        cold.sound_limit({"fio 4 jobs": 0.5}, ["fio 4 jobs"])

@@ -34,6 +34,7 @@ __all__ = [
     "WriteItem",
     "assemble",
     "read_arrays",
+    "small_whole_sources",
     "write_arrays",
     "write_items",
     "write_small_whole",
@@ -144,12 +145,36 @@ def write_small_whole(
 
     Returns the bytes written and the arrays :func:`write_arrays` is left to write (None: all).
     """
+    small, datas, rest = small_whole_sources(storage, metas, plans, data)
+    if not small:
+        return 0, None
+    written = storage.write_small([metas[i] for i in small], datas, lambda k, crc: sums.add_single(small[k], crc))
+    progress(written)
+    return written, rest
+
+
+def small_whole_sources(
+    storage: Storage,
+    metas: Sequence[ArrayMeta],
+    plans: Sequence[ArraySavePlan],
+    data: Sequence[PieceData],
+    max_bytes: int | None = None,
+    skip: Sequence[bool] | None = None,
+) -> tuple[list[int], list[np.ndarray], list[int]]:
+    """The arrays of a single process's save that :meth:`Storage.write_small` may write in one batch (each
+    whole from one piece of the writer's memory, taken by :meth:`Storage.small_whole`; of at most
+    ``max_bytes`` when given; not ``skip[i]``), with views of their memory, and the other arrays."""
     small: list[int] = []
     datas: list[np.ndarray] = []
     rest: list[int] = []
     small_whole = storage.small_whole
     for i, (meta, ap) in enumerate(zip(metas, plans, strict=True)):
-        if small_whole(meta) and len(ap.writes) == 1:
+        if (
+            small_whole(meta)
+            and len(ap.writes) == 1
+            and (max_bytes is None or meta.nbytes <= max_bytes)
+            and (skip is None or not skip[i])
+        ):
             op = ap.writes[0]
             if len(op.sources) == 1 and op.sources[0].rank == op.writer:
                 src, where = data[i](op.writer, op.sources[0].piece)
@@ -163,11 +188,7 @@ def write_small_whole(
                     datas.append(src)
                     continue
         rest.append(i)
-    if not small:
-        return 0, None
-    written = storage.write_small([metas[i] for i in small], datas, lambda k, crc: sums.add_single(small[k], crc))
-    progress(written)
-    return written, rest
+    return small, datas, rest
 
 
 def read_arrays(

@@ -31,7 +31,7 @@ from pytreeckpt.plan import ArraySavePlan, Fragment
 from ._executor import PieceData
 from ._staging import Stage, StagingPool, copy_into
 
-__all__ = ["DeviceData", "Snapshot", "StagedWrite", "staged_writes"]
+__all__ = ["DeviceData", "SmallBatch", "Snapshot", "StagedWrite", "small_batches", "staged_writes"]
 
 DeviceData = Callable[[int, int], tuple[torch.Tensor, Region]]
 """``(rank, piece) -> (tensor view, region)`` for leaves on a CUDA device."""
@@ -47,14 +47,18 @@ class StagedWrite:
     nbytes: int
 
 
-def staged_writes(plans: Sequence[ArraySavePlan], rank: int | None, max_bytes: int) -> list[StagedWrite]:
-    """The pieces the caller copies: every write in one process (``rank=None``), else this rank's direct writes.
+def staged_writes(
+    plans: Sequence[ArraySavePlan], rank: int | None, max_bytes: int, only: Sequence[int] | None = None
+) -> list[StagedWrite]:
+    """The pieces the caller copies: every write in one process (``rank=None``), else this rank's direct writes;
+    of arrays ``only`` when given.
 
     Writes merged from other ranks' fragments take another path in a distributed save
     (the fragments travel to the writer), so only direct writes are staged there.
     """
     out: list[StagedWrite] = []
-    for i, plan in enumerate(plans):
+    for i in range(len(plans)) if only is None else only:
+        plan = plans[i]
         for op in plan.writes:
             if rank is not None and (op.writer != rank or not op.is_direct):
                 continue
@@ -68,7 +72,41 @@ def staged_writes(plans: Sequence[ArraySavePlan], rank: int | None, max_bytes: i
     return out
 
 
+@dataclass(frozen=True, slots=True)
+class SmallBatch:
+    """Whole small arrays copied together into one piece of staging memory: ``arrays[k]``'s elements from
+    ``sources[k]`` (a view of the caller's memory) to bytes ``offsets[k]`` of the piece."""
+
+    arrays: tuple[int, ...]
+    sources: tuple[np.ndarray, ...]
+    offsets: tuple[int, ...]
+    nbytes: int
+
+
+def small_batches(arrays: Sequence[int], sources: Sequence[np.ndarray], max_bytes: int) -> list[SmallBatch]:
+    """Batches of the whole small arrays ``arrays`` (their memory ``sources``), each at most ``max_bytes`` (or one
+    array): one staging piece and one copy loop for thousands of leaves, where a piece each cost the caller
+    ~30 us of planning and copying per leaf (issue 44: 20,000 leaves of 4 floats stalled 0.8-0.9 s, the
+    blocking save took 0.2 s)."""
+    out: list[SmallBatch] = []
+    start, end = 0, 0
+    offsets: list[int] = []
+    for k, src in enumerate(sources):
+        size = -(-src.nbytes // 16) * 16  # (aligned for any element type)
+        if offsets and end + size > max_bytes:
+            out.append(SmallBatch(tuple(arrays[start:k]), tuple(sources[start:k]), tuple(offsets), end))
+            start, end, offsets = k, 0, []
+        offsets.append(end)
+        end += size
+    if offsets:
+        out.append(SmallBatch(tuple(arrays[start:]), tuple(sources[start:]), tuple(offsets), end))
+    return out
+
+
 _DONE = object()
+# Below this, numpy copies an array in 0.7 us, torch's copy (copy_into) in 5.4 us; above, torch's is as fast
+# and takes a large array on all its threads.
+_TINY_BYTES = 4096
 
 
 class Snapshot:
@@ -85,8 +123,11 @@ class Snapshot:
         hold: bool = False,
         watch: Sequence[Sequence[tuple[torch.Tensor, int]]] = (),
         keys: Sequence[str] = (),
+        small: Sequence[SmallBatch] = (),
     ) -> None:
         self.writes = writes
+        # copied first, each batch one piece: the writer takes them (small_items) before the writes (items)
+        self.small = small
         self.data = data
         self.device_data = device_data
         self.dtypes = dtypes
@@ -107,7 +148,7 @@ class Snapshot:
 
     @property
     def nbytes(self) -> int:
-        return sum(w.nbytes for w in self.writes)
+        return sum(w.nbytes for w in self.writes) + sum(b.nbytes for b in self.small)
 
     def run(self, progress: Callable[[int], None] | None = None) -> None:
         """Copy every piece, in order, waiting for room in the pool; the writer is fed as pieces are ready.
@@ -121,6 +162,19 @@ class Snapshot:
             side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
             side.wait_stream(main)
         try:
+            for b in self.small:
+                stage = self.pool.acquire(b.nbytes)
+                try:
+                    views = self._copy_small(b, stage)
+                    for i in b.arrays:
+                        self._check_unchanged(i)
+                except BaseException:
+                    self.pool.release(stage)
+                    raise
+                self.queue.put((b, views, stage, None))
+                self.copied_bytes += b.nbytes
+                if progress is not None:
+                    progress(b.nbytes)
             for w in self.writes:
                 stage = self.pool.acquire(w.nbytes)
                 try:
@@ -165,6 +219,19 @@ class Snapshot:
             event.record(side)
         return buf, event
 
+    @staticmethod
+    def _copy_small(b: SmallBatch, stage: Stage) -> list[np.ndarray]:
+        arena = stage.buf.numpy()
+        views = []
+        for src, at in zip(b.sources, b.offsets, strict=True):
+            view = arena[at : at + src.nbytes].view(src.dtype).reshape(src.shape)
+            if src.nbytes < _TINY_BYTES:
+                np.copyto(view, src, casting="no")
+            else:
+                copy_into(view, src)
+            views.append(view)
+        return views
+
     def _check_unchanged(self, i: int) -> None:
         if not self.watch:
             return
@@ -177,14 +244,31 @@ class Snapshot:
                     f"optimizer)) before the optimizer step"
                 )
 
-    def items(self) -> Iterator[tuple[int, Region, np.ndarray, Callable[[], None]]]:
-        """The writer's side: each piece once its copy is complete, with the callback that frees its memory."""
-        while True:
-            item = self.queue.get()
-            if item is _DONE:
+    def small_items(self) -> Iterator[tuple[tuple[int, ...], list[np.ndarray], Callable[[], None]]]:
+        """The writer's side, first: each batch of small arrays once copied (the arrays, their staged elements),
+        with the callback that frees its memory."""
+        for _ in self.small:
+            item = self._next()
+            if item is None:
                 return
-            if isinstance(item, BaseException):
-                raise item
+            b, views, stage, _ = item
+            yield b.arrays, views, _releaser(self.pool, stage)
+
+    def _next(self) -> Any:
+        item = self.queue.get()
+        if item is _DONE:
+            return None
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def items(self) -> Iterator[tuple[int, Region, np.ndarray, Callable[[], None]]]:
+        """The writer's side, after :meth:`small_items`: each piece once its copy is complete, with the callback
+        that frees its memory."""
+        while True:
+            item = self._next()
+            if item is None:
+                return
             w, buf, stage, event = item
             if event is not None:
                 event.synchronize()

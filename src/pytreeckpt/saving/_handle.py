@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from pytreeckpt.core._errors import CheckpointError
-from pytreeckpt.execute._calls import in_flight
+from pytreeckpt.execute._calls import gc_paused, in_flight
 from pytreeckpt.execute._monitor import Monitor
 from pytreeckpt.execute._pipeline import Snapshot
 from pytreeckpt.execute._staging import PoolAborted, staging_pool
@@ -185,7 +185,17 @@ class SaveHandle:
 
 
 def start(job: SaveJob, path: Where, monitor: Monitor | None, lazy: bool) -> SaveHandle:
-    """Stage ``job``'s snapshot and start its writer: return once the state is copied (``lazy``: at once)."""
+    """Stage ``job``'s snapshot and start its writer: return once the state is copied (``lazy``: at once).
+
+    The collector is paused while the caller waits (as ``save`` and the planning pause it): its passes
+    over the objects staging makes for many small leaves, and over the caller's, cost more than the
+    copy (20,000 leaves of 4 floats: 0.45 s of a 0.6 s stall).
+    """
+    with gc_paused():
+        return _start(job, path, monitor, lazy)
+
+
+def _start(job: SaveJob, path: Where, monitor: Monitor | None, lazy: bool) -> SaveHandle:
     try:
         if job.pending is None:
             snap, begun, merged = job.stage()

@@ -14,7 +14,7 @@ import itertools
 import operator
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
@@ -25,9 +25,16 @@ from pytreeckpt.core._errors import CheckpointError
 from pytreeckpt.core._region import Region
 from pytreeckpt.distributed._agree import gather_spans
 from pytreeckpt.distributed._comm import data_comm
-from pytreeckpt.execute._executor import ChunkReuse, PieceData, write_arrays, write_items, write_small_whole
+from pytreeckpt.execute._executor import (
+    ChunkReuse,
+    PieceData,
+    small_whole_sources,
+    write_arrays,
+    write_items,
+    write_small_whole,
+)
 from pytreeckpt.execute._monitor import Monitor, Progress, Span
-from pytreeckpt.execute._pipeline import Snapshot, staged_writes
+from pytreeckpt.execute._pipeline import SmallBatch, Snapshot, small_batches, staged_writes
 from pytreeckpt.execute._staging import staging_pool
 from pytreeckpt.format import (
     CHECKSUMS_FILE,
@@ -50,6 +57,10 @@ if TYPE_CHECKING:
 __all__ = ["Derived", "SaveJob"]
 
 _T = TypeVar("_T")
+
+# The largest array an asynchronous save copies in a batch of small whole arrays (``Snapshot.small``): below it
+# a staged piece's own cost (planning it, ~30 us) outweighs its copy; above, the pipeline's pieces overlap writes.
+_SMALL_BATCH_BYTES = 64 << 10
 
 
 @dataclass(slots=True)
@@ -75,6 +86,7 @@ class SaveJob:
     cancelled: threading.Event = field(default_factory=threading.Event)  # set at exit: stop, commit nothing
     generation: int = 0  # of the stored names (see generation_name)
     derived: Derived | None = None  # kept for the next save of a tree like this one (saving/_recall.py)
+    rest: list[int] | None = None  # an async save's arrays not in the snapshot's batches of small ones (None: all)
 
     def ready(self) -> None:
         """In a distributed save, agree that every rank planned (and staged) its part: else all raise."""
@@ -102,12 +114,22 @@ class SaveJob:
             self.data, merged = snapshot_merges(self.plan.arrays, self.data, self.comm.rank)
         opts = self.storage.options
         rank = None if self.comm is None else self.comm.rank
-        writes = staged_writes(self.plan.arrays, rank, opts.staging_piece_bytes)
-        sizes = [-(-max(w.nbytes, 1) // 64) * 64 for w in writes]
+        device = self.device or [None] * len(self.metas)
+        small: list[SmallBatch] = []
+        rest: list[int] | None = None
+        if self.comm is None and self.reuse is None:
+            # the small whole arrays in batches, as a blocking save writes them (write_small_whole)
+            on_device = [d is not None for d in device]
+            arrays, sources, rest = small_whole_sources(
+                self.storage, self.metas, self.plan.arrays, self.data, _SMALL_BATCH_BYTES, on_device
+            )
+            small = small_batches(arrays, sources, opts.staging_piece_bytes)
+        writes = staged_writes(self.plan.arrays, rank, opts.staging_piece_bytes, rest)
+        pieces = itertools.chain((b.nbytes for b in small), (w.nbytes for w in writes))
+        sizes = [-(-max(n, 1) // 64) * 64 for n in pieces]
         need = sum(sizes)
         capacity = need if opts.staging_bytes is None else min(need, opts.staging_bytes)
         capacity = max(capacity, max(sizes, default=0))
-        device = self.device or [None] * len(self.metas)
         pool = staging_pool()
         pool.reserve(capacity, pin=any(d is not None for d in device), huge=opts.huge_pages)
         torch_dtypes = [_torch_dtype_or_none(m) for m in self.metas]
@@ -123,7 +145,9 @@ class SaveJob:
             hold=capacity >= need,
             watch=watch,
             keys=[m.key for m in self.metas],
+            small=small,
         )
+        self.rest = rest
         return self.snap, start, merged
 
     def snapshot(self, snap: Snapshot, start: float, merged: int) -> None:
@@ -184,6 +208,8 @@ class SaveJob:
                             box[0], only = write_small_whole(
                                 self.storage, self.metas, self.plan.arrays, self.data, progress.advance, sums
                             )
+                        elif self.snap is not None and self.snap.small:
+                            box[0], only = self._write_small_staged(progress.advance, sums), self.rest
                         box[0] += write_arrays(
                             self.storage,
                             self.metas,
@@ -213,6 +239,20 @@ class SaveJob:
                     self._lock = None
         self.timings["write"] = t1 - t0
         self.timings["commit"] = time.perf_counter() - t1
+
+    def _write_small_staged(self, progress: Any, sums: ChunkSums) -> int:
+        """The snapshot's batches of small whole arrays (:func:`small_batches`), each in one :meth:`Storage.write_small`
+        call as a blocking save writes them; returns the bytes written."""
+        assert self.snap is not None
+        written = 0
+        for arrays, views, release in self._until_cancelled(self.snap.small_items()):
+            try:
+                n = self.storage.write_small([self.metas[i] for i in arrays], views, _recorder(sums, arrays))
+            finally:
+                release()
+            written += n
+            progress(n)
+        return written
 
     def _sums(self) -> ChunkSums:
         """The record of every chunk this process writes (its crc32c; its hash when ``reuse``)."""
@@ -412,6 +452,15 @@ class SaveJob:
 _PATH = operator.attrgetter("path")
 _DATABASE = operator.attrgetter("database")
 _NBYTES = operator.attrgetter("nbytes")
+
+
+def _recorder(sums: ChunkSums, arrays: Sequence[int]) -> Callable[[int, int], None]:
+    """``record(k, crc32c)`` of :meth:`Storage.write_small` for arrays ``arrays``: each one's single chunk."""
+
+    def record(k: int, crc: int) -> None:
+        sums.add_single(arrays[k], crc)
+
+    return record
 
 
 def _versions(tensors: tuple[torch.Tensor, ...]) -> tuple[tuple[torch.Tensor, int], ...]:
