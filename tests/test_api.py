@@ -152,12 +152,13 @@ def test_load_never_unpickles(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     def forbidden(*args: object, **kwargs: object) -> None:
         raise AssertionError("pickle used while loading")
 
+    # (the DCP importer's allowlisted unpicklers subclass pickle.Unpickler when imported: imported before
+    # pickle is patched, else run alone this test made them subclass the patch, and patched apart)
+    from pytreeckpt.interop import _dcp
+
     for name in ("load", "loads", "Unpickler"):
         monkeypatch.setattr(pickle, name, forbidden)
     monkeypatch.setattr(torch, "load", forbidden)
-    # (the DCP importer's allowlisted unpicklers subclass pickle.Unpickler at import: patched apart)
-    from pytreeckpt.interop import _dcp
-
     for unpickler in (_dcp._MetadataUnpickler, _dcp._BlobUnpickler):
         monkeypatch.setattr(unpickler, "load", forbidden)
     out = pytreeckpt.load(tmp_path / "c")
