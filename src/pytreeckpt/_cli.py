@@ -273,21 +273,23 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0 if report.ok else 2
 
 
+def _progress_bar(done: int, total: int) -> None:
+    """An export's progress on stderr, redrawn in place."""
+    width = 30
+    filled = width * done // max(total, 1)
+    print(f"\r[{'#' * filled}{'.' * (width - filled)}] {_size(done)} / {_size(total)}", end="", file=sys.stderr)
+
+
 def cmd_export_dcp(args: argparse.Namespace) -> int:
     """``export --format dcp``: a torch.distributed.checkpoint directory."""
     from pytreeckpt.interop._dcp_export import export_dcp
-
-    def progress(done: int, total: int) -> None:
-        width = 30
-        filled = width * done // max(total, 1)
-        print(f"\r[{'#' * filled}{'.' * (width - filled)}] {_size(done)} / {_size(total)}", end="", file=sys.stderr)
 
     names = export_dcp(
         args.path,
         args.out,
         max_file_size=args.max_file_size,
         overwrite=args.overwrite,
-        progress=progress if args.progress else None,
+        progress=_progress_bar if args.progress else None,
     )
     if args.progress:
         print(file=sys.stderr)
@@ -347,12 +349,6 @@ def cmd_export(args: argparse.Namespace) -> int:
         return cmd_export_dcp(args)
     from pytreeckpt.interop._safetensors import export_safetensors
 
-    def progress(done: int, total: int) -> None:
-        if args.progress:
-            width = 30
-            filled = width * done // max(total, 1)
-            print(f"\r[{'#' * filled}{'.' * (width - filled)}] {_size(done)} / {_size(total)}", end="", file=sys.stderr)
-
     files = export_safetensors(
         args.path,
         args.out,
@@ -360,7 +356,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         rename=_export_rename(args.rename, args.rename_prefix),
         dtype=args.dtype,
         max_shard_size=args.max_shard_size,
-        progress=progress,
+        progress=_progress_bar if args.progress else None,
     )
     if args.progress:
         print(file=sys.stderr)
