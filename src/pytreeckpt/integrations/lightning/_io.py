@@ -183,15 +183,8 @@ class AsyncPytreeCheckpointIO(PytreeCheckpointIO):
     Args: those of :class:`PytreeCheckpointIO`.
     """
 
-    def __init__(
-        self,
-        *,
-        compression: Any = None,
-        chunking: ChunkingOptions | None = None,
-        executor: ExecutorOptions | None = None,
-    ) -> None:
-        super().__init__(compression=compression, chunking=chunking, executor=executor)
-        self._in_flight: tuple[str, SaveHandle] | None = None
+    _in_flight: tuple[str, SaveHandle] | None = None
+    """The save being written, and its path (set on the instance by each save)."""
 
     def wait(self) -> None:
         """Wait for the save in flight, if any.
