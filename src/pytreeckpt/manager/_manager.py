@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import functools
 import logging
@@ -11,7 +12,7 @@ import uuid
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, Self
 
 import numpy as np
 
@@ -41,7 +42,23 @@ def check_step(step: Any) -> int:
     return int(step)
 
 
-class CheckpointManager:
+class ClosesOnExit(abc.ABC):
+    """A manager used in ``with``: closed when the block ends, however it ends."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Finish what is in flight and release the manager's threads and resources."""
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+class CheckpointManager(ClosesOnExit):
     """Saves numbered steps under one directory and keeps the ones worth keeping.
 
     Each step, a non-negative integer, is a checkpoint at ``directory/step_<n>``.
@@ -437,14 +454,6 @@ class CheckpointManager:
                 self._closed = True
                 self._triggers.close()
                 staging_pool().free()
-
-    def __enter__(self) -> CheckpointManager:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"CheckpointManager({str(self.directory)!r}, max_to_keep={self.max_to_keep})"

@@ -10,7 +10,6 @@ import uuid
 import warnings
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 from pytreeckpt.api import load
@@ -24,7 +23,7 @@ from pytreeckpt.storage import Storage, Where, describe, remove_tree, resolve
 
 from ._fallback import CheckpointDamageWarning, first_that_loads
 from ._local_view import local_view, put_back
-from ._manager import CheckpointManager, check_step
+from ._manager import CheckpointManager, ClosesOnExit, check_step
 
 __all__ = ["PeerTierManager", "node_layout"]
 
@@ -75,7 +74,7 @@ def node_layout(
     return node_of
 
 
-class PeerTierManager:
+class PeerTierManager(ClosesOnExit):
     """Checkpoints to each node's own local directory, replicated to ``peers`` other nodes, and to durable storage.
 
     A node is a group of ranks on one machine (``ranks_per_node``, a node id per rank in
@@ -398,14 +397,6 @@ class PeerTierManager:
         finally:
             self.local.close()
             self.durable.close()
-
-    def __enter__(self) -> PeerTierManager:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return (

@@ -3,18 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from types import TracebackType
 from typing import Any
 
 from pytreeckpt.storage import Where, describe
 
 from ._fallback import first_that_loads
-from ._manager import CheckpointManager, check_step
+from ._manager import CheckpointManager, ClosesOnExit, check_step
 
 __all__ = ["TwoTierManager"]
 
 
-class TwoTierManager:
+class TwoTierManager(ClosesOnExit):
     """Checkpoints every ``fast_interval_steps`` to a fast tier and every ``durable_interval_steps`` to durable storage.
 
     The fast tier is a directory in memory, such as ``/dev/shm/<run>``: saving there
@@ -153,14 +152,6 @@ class TwoTierManager:
     def close(self) -> None:
         self.fast.close()
         self.durable.close()
-
-    def __enter__(self) -> TwoTierManager:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"TwoTierManager(fast={str(self.fast.directory)!r}, durable={str(self.durable.directory)!r})"
