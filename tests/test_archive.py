@@ -375,3 +375,46 @@ def test_the_chunks_of_every_packed_array_are_counted_in_one_pass_over_the_archi
     got = [reader.chunk_entries(f"arrays/{name}") for name in names]
     assert got == [k % 4 + 1 for k in range(len(names))]
     assert _CountingIndex.passes == 1
+
+
+def test_an_array_of_several_packed_chunks_is_read_in_one_read_each_chunk_checked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 44 item 6: a load of many multi-chunk packed arrays read each chunk entry on its own (a read and an
+    fstat per chunk); an array's chunks follow one another in its archive and are read together, and each one is
+    still checked: a damaged chunk and an entry whose header names another are refused naming the leaf."""
+    from pytreeckpt.storage._archive import ArchiveReader
+
+    g = torch.Generator().manual_seed(11)
+    tree = {f"w{i}": torch.randn(96, generator=g) for i in range(40)}  # 384 bytes: 3 chunks of 128
+    chunking = pytreeckpt.ChunkingOptions(single_chunk_bytes=128, min_chunk_bytes=128, max_chunk_bytes=128)
+    path = tmp_path / "c"
+    pytreeckpt.save(Location(path, ZIP), tree, chunking=chunking)
+    assert _doc(path)["leaves"][0]["chunk_shape"] == [32]
+    reads = []
+    real = ArchiveReader._pread
+
+    def counted(self: ArchiveReader, at: int, size: int, offset: int) -> bytes:
+        reads.append(size)
+        return real(self, at, size, offset)
+
+    monkeypatch.setattr(ArchiveReader, "_pread", counted)
+    got = pytreeckpt.load(path)
+    assert all(torch.equal(got[k], v) for k, v in tree.items())
+    chunks = [r for r in reads if 3 * 132 < r < 3 * 200]  # (a chunk: 128 bytes, its crc, its header)
+    assert len(chunks) == len(tree), reads  # (the rest: each array's zarr.json, the archives' directories)
+    archive = path / "packed" / "0" / "0.zip"
+    good = archive.read_bytes()
+    with zipfile.ZipFile(archive) as z:
+        info = z.getinfo("arrays/w7/c/1")
+    at = info.header_offset + 30 + len(info.filename) + 5
+    archive.write_bytes(good[:at] + bytes([good[at] ^ 0x10]) + good[at + 1 :])
+    with pytest.raises(pytreeckpt.CheckpointError, match=r"leaf 'w7': chunk \[1\].*damaged"):
+        pytreeckpt.load(path)
+    # The second chunk's header names the third (the directory still says the second is there).
+    name = info.header_offset + 30
+    archive.write_bytes(good[:name] + b"arrays/w7/c/2" + good[name + len(info.filename) :])
+    with pytest.raises(pytreeckpt.CheckpointError, match=r"leaf 'w7'.*'arrays/w7/c/1'.*header does not name it"):
+        pytreeckpt.load(path)
+    archive.write_bytes(good)
+    assert torch.equal(pytreeckpt.load(path)["w7"], tree["w7"])

@@ -9,6 +9,7 @@ transfers done by the distributed adapter) one rank among many."""
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -225,18 +226,20 @@ def read_arrays(
         if cast is not None:
             read += _read_cast(storage, meta, store, mine, get, rank, cast, window, after, array_done, progress, i)
             continue
-        if len(mine) == 1 and len(mine[0].targets) == 1 and storage.handles_packed(meta):
-            # A small packed array read whole into one target: one key-value read per chunk.
-            op, t = mine[0], mine[0].targets[0]
+        if mine and storage.handles_packed(meta) and _whole_into_one(mine, meta):
+            # A packed array read whole into one target: one key-value read per chunk (from zip archives, one
+            # read of all its chunks, which follow one another).
+            t = mine[0].targets[0]
             view, where = get(t.rank, t.piece)
-            if t.region.shape == meta.shape and where.shape == meta.shape and view.dtype == meta.dtype.numpy:
+            if where.shape == meta.shape and view.dtype == meta.dtype.numpy:
                 nbytes = meta.nbytes
                 finish = storage.read_packed_whole(meta, store, view)
+                landed = [(op, view[op.region.relative_to(where).slices()]) for op in mine] if after else []
                 window.add(
                     _Finish(finish),
                     nbytes,
                     f"leaf {meta.key!r}: reading {meta.path!r}",
-                    _then(after, progress, array_done, i, op, view, nbytes),
+                    _then(after, progress, array_done, i, landed, nbytes),
                 )
                 read += nbytes
                 continue
@@ -277,6 +280,16 @@ def read_arrays(
             window.add(future, nbytes, f"leaf {meta.key!r}: reading {op.region} of {meta.path!r}", fan_out)
     window.drain()
     return read
+
+
+def _whole_into_one(mine: Sequence[ReadOp], meta: ArrayMeta) -> bool:
+    """Whether the reads ``mine`` (each within one chunk) are the whole array, each into the same one target."""
+    first = mine[0].targets[0]
+    return (
+        all(len(op.targets) == 1 and op.targets[0].rank == first.rank for op in mine)
+        and all(op.targets[0].piece == first.piece and op.targets[0].region == op.region for op in mine)
+        and sum(op.region.size for op in mine) == math.prod(meta.shape)
+    )
 
 
 def _read_cast(
@@ -351,17 +364,18 @@ def _then(
     progress: Callable[[int], None] | None,
     array_done: Callable[[int], None] | None,
     i: int,
-    op: ReadOp,
-    data: np.ndarray,
+    landed: list[tuple[ReadOp, np.ndarray]],
     nbytes: int,
 ) -> Callable[[], None] | None:
-    """What runs once a whole array's read has landed: ``after``, ``progress``, ``array_done``."""
+    """What runs once a whole array's reads have landed: ``after`` (each read and its data in ``landed``),
+    ``progress``, ``array_done``."""
     if after is None and progress is None and array_done is None:
         return None
 
     def then() -> None:
         if after is not None:
-            after(i, op, data)
+            for op, data in landed:
+                after(i, op, data)
         if progress is not None:
             progress(nbytes)
         if array_done is not None:

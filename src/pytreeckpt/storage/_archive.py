@@ -406,6 +406,38 @@ class ArchiveReader:
             self.check_unchanged(at)
         return value
 
+    def run(self, keys: Sequence[str], size: int) -> list[memoryview] | None:
+        """Entries ``keys``, each of ``size`` bytes, read with one ``pread`` where they lie one after another in one
+        archive, as a writer appends an array's chunks, their headers naming them and having no extra field; None
+        otherwise (the caller reads them with :meth:`value`, which says what is wrong). The archive must not have
+        changed since it was opened."""
+        if not self._loaded:
+            self._load()
+        index = self._index
+        first = index.get(keys[0]) if keys else None
+        if first is None or len(keys) > _WINDOW_BYTES // max(size, 1):
+            return None
+        at, low, high = first[0], first[1], first[1]
+        names = []
+        for key in keys:
+            got = index.get(key)
+            name = key.encode()
+            if got is None or got[0] != at or got[1] != high or got[2] != size:
+                return None
+            names.append(name)
+            high += 30 + len(name) + size  # (30: a local header's size)
+        raw = memoryview(self._pread(at, high - low, low))
+        out = []
+        p = 0
+        for name in names:
+            start = p + 30 + len(name)
+            if raw[p : p + 4] != _PAIR_HEAD or raw[p + 28 : start] != _NO_EXTRA + name:
+                return None
+            out.append(raw[start : start + size])
+            p = start + size
+        self.check_unchanged(at)
+        return out
+
     def pairs(self, wanted: Sequence[tuple[str, str, int]], limit: int) -> list[tuple[bytes, bytes] | None]:
         """For each ``(first, second, size)``: ``(value(first, limit=limit), value(second, size))`` where the
         second entry follows the first in their archive (as a small array's ``zarr.json`` and chunk do), their

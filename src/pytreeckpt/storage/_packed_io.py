@@ -82,7 +82,14 @@ class PackedIO(FileChecks):
         grid = ChunkGrid(meta.shape, chunk)
         indices = [(0,) * len(chunk)] if one else list(grid.touching(Region.full(meta.shape)))
         try:
-            reads = [(index, _read_key(store, meta, index)) for index in indices]
+            run = None
+            if not one and isinstance(store, ArchiveReader):  # (an array's chunk entries follow one another)
+                size = math.prod(chunk) * meta.dtype.itemsize + 4
+                run = store.run([f"{meta.path}/{_chunk_key(index)}" for index in indices], size)
+            if run is not None:
+                reads = [(index, _Landed(value)) for index, value in zip(indices, run, strict=True)]
+            else:
+                reads = [(index, _read_key(store, meta, index)) for index in indices]
         except Exception as e:
             raise CheckpointError(f"leaf {meta.key!r}: reading {meta.path!r} in {meta.database!r}: {e}") from e
 
@@ -225,6 +232,19 @@ def _read_key(store: Any, meta: ArrayMeta, index: tuple[int, ...]) -> Any:
     if isinstance(store, ArchiveReader):
         return store.read(key, math.prod(meta.chunk_shape) * meta.dtype.itemsize + 4)
     return store.read(key)
+
+
+class _Landed:
+    """A key's value already read, as TensorStore's read results give it (``state``, ``value``), and its future."""
+
+    __slots__ = ("value",)
+    state = "value"
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def result(self) -> _Landed:
+        return self
 
 
 def _landed(landing: Any, meta: ArrayMeta, what: str, expected: int | None) -> np.ndarray:
