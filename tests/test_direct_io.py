@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import mmap
 import os
 import tempfile
 from pathlib import Path
@@ -62,6 +63,35 @@ def test_a_direct_chunk_file_is_the_buffered_one(tmp_path: Path, shape: Any, chu
     out = np.zeros([b.stop for b in box], dtype=np.float32)
     read_chunk(direct, chunk, out.shape, [(tuple(slice(None) for _ in out.shape), out)], "chunk", expected=crc)
     assert np.array_equal(out, data[box])
+
+
+@needs_direct
+@pytest.mark.parametrize("extra", [0, 100, 4 * MiB + 5])
+def test_page_aligned_memory_is_written_straight_from_itself(tmp_path: Path, extra: int) -> None:
+    """An asynchronous save's staging memory starts on a page: its whole blocks go to the device from there, in
+    one write, not through the bounce buffer (a copy of every byte); the file is the buffered one."""
+    n = 3 * MiB // 4 + extra // 4  # float32 elements
+    memory = mmap.mmap(-1, n * 4)
+    data = np.frombuffer(memory, dtype=np.float32)
+    data[:] = np.random.default_rng(1).standard_normal(n)
+    assert data.ctypes.data % 4096 == 0
+    plain, direct = tmp_path / "plain", tmp_path / "direct"
+    crc = write_chunk(plain, data, (n + 3,), fsync=True)  # (3 elements of padding)
+    calls = []
+    real = chunkfiles._pwrite_direct
+
+    def spy(fd: int, block: np.ndarray, offset: int) -> bool:
+        calls.append((block.ctypes.data, block.nbytes, offset))
+        return real(fd, block, offset)
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(chunkfiles, "_pwrite_direct", spy)
+        assert write_chunk(direct, data, (n + 3,), fsync=True, direct=True) == crc
+    assert direct.read_bytes() == plain.read_bytes()
+    whole = n * 4 // 4096 * 4096
+    assert calls[0] == (data.ctypes.data, whole, 0)  # (then at most the last block, through the bounce buffer)
+    assert len(calls) <= 2
+    assert all(offset >= whole for _, _, offset in calls[1:])
 
 
 @needs_direct

@@ -223,6 +223,10 @@ def write_chunk(path: Path, data: np.ndarray, chunk_shape: Sequence[int], fsync:
     chunk = tuple(chunk_shape)
     raw = _encoded_prefix(data, chunk)
     pad = math.prod(chunk) * data.dtype.itemsize - raw.nbytes
+    if direct and _O_DIRECT and raw.nbytes + pad >= DIRECT_MIN_BYTES:
+        written = _write_direct(path, raw, pad, fsync)
+        if written is not None:
+            return written
     crc = crc32c(raw)
     parts = [raw]
     if pad:
@@ -230,8 +234,6 @@ def write_chunk(path: Path, data: np.ndarray, chunk_shape: Sequence[int], fsync:
         crc = crc32c(zeros, crc)
         parts.append(zeros)
     parts.append(np.frombuffer(crc.to_bytes(4, "little"), dtype=np.uint8))
-    if direct and _O_DIRECT and raw.nbytes + pad >= DIRECT_MIN_BYTES and _write_direct(path, parts, fsync):
-        return int(crc)
     fd = os.open(path, NEW_FILE, 0o666)  # less the umask
     try:
         _write_all(fd, parts)
@@ -378,46 +380,69 @@ _BOUNCE_BYTES = 2 << 20
 _BOUNCE = threading.local()  # .buf: this I/O thread's page-aligned buffer for direct writes
 
 
-def _write_direct(path: Path, parts: list[np.ndarray], fsync: bool) -> bool:
-    """Write the bytes of ``parts`` (flat uint8) as a new file at ``path`` with ``O_DIRECT``: False, with
-    nothing written, where the file system refuses it.
+def _write_direct(path: Path, raw: np.ndarray, pad: int, fsync: bool) -> int | None:
+    """Write ``raw`` (flat uint8), ``pad`` zero bytes and their crc32c as a new file at ``path`` with
+    ``O_DIRECT``; returns the crc32c, or None, with nothing written, where the file system refuses it.
 
-    The bytes go from the caller's memory to the device without a copy in the page cache
-    that the kernel then writes back: an asynchronous save's writer takes much less CPU
-    from the training loop beside it (figures: ``ExecutorOptions.direct_io``). ``O_DIRECT``
-    wants aligned memory, so the bytes pass through this thread's own page-aligned buffer,
-    2 MiB at a time; the file's last part, shorter than a block, is written through the
-    page cache, and ``fsync`` makes all of it durable.
+    The bytes go from memory to the device without a copy in the page cache that the kernel
+    then writes back: an asynchronous save's writer takes much less CPU from the training
+    loop beside it (figures: ``ExecutorOptions.direct_io``). ``O_DIRECT`` wants aligned
+    memory: where ``raw`` starts on a page (an asynchronous save's staging memory, a load's
+    own) its whole blocks are written straight from it, in one call; the rest (all of it
+    where ``raw`` does not start on a page, as a tensor's memory rarely does) passes through
+    this thread's page-aligned buffer, 2 MiB at a time, its checksum computed there while the
+    bytes are in the cache. The file's last part, shorter than a block, is written through
+    the page cache, and ``fsync`` makes all of it durable.
     """
     try:
         fd = os.open(path, NEW_FILE | _O_DIRECT, 0o666)
     except OSError as e:
         if e.errno == errno.EINVAL:  # (tmpfs, some network and FUSE file systems)
-            return False
+            return None
         raise
     try:
+        crc = offset = 0
+        if raw.ctypes.data % _DIRECT_ALIGN == 0:
+            whole = raw.nbytes - raw.nbytes % _DIRECT_ALIGN
+            while offset < whole:
+                block = raw[offset : offset + min(_MAX_IO, whole - offset)]
+                crc = crc32c(block, crc)
+                if not _pwrite_direct(fd, block, offset):
+                    return None
+                offset += block.nbytes
+            raw = raw[whole:]
         buf = _bounce()
-        offset = filled = 0
-        for part in parts:
+        filled = 0
+        tail = np.zeros(4, dtype=np.uint8)  # (the crc32c, once the bytes before it are all counted)
+        for part, zero in ((raw, False), (pad, True), (tail, False)):
+            n = part if isinstance(part, int) else part.nbytes
+            if part is tail:
+                tail[:] = np.frombuffer(crc.to_bytes(4, "little"), dtype=np.uint8)
             done = 0
-            while done < part.nbytes:
-                k = min(len(buf) - filled, part.nbytes - done)
-                buf[filled : filled + k] = part[done : done + k]
+            while done < n:
+                k = min(len(buf) - filled, n - done)
+                into = buf[filled : filled + k]
+                if zero:
+                    into[:] = 0
+                else:
+                    into[:] = part[done : done + k]  # type: ignore[index]
+                if part is not tail:
+                    crc = crc32c(into, crc)
                 filled, done = filled + k, done + k
                 if filled == len(buf):
                     if not _pwrite_direct(fd, buf, offset):
-                        return False
+                        return None
                     offset, filled = offset + filled, 0
         whole = filled - filled % _DIRECT_ALIGN
         if whole:
             if not _pwrite_direct(fd, buf[:whole], offset):
-                return False
+                return None
             offset += whole
         if filled > whole:
             _write_buffered(fd, buf[whole:filled], offset)
         if fsync:
             os.fsync(fd)
-        return True
+        return int(crc)
     finally:
         os.close(fd)
 
