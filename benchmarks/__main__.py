@@ -211,19 +211,22 @@ def main() -> None:
                 report["runs"][key] = r if r["peak_rss"] >= report["runs"][key]["peak_rss"] else report["runs"][key]
         if "cold" in only:
             if shutil.which("fio") is None or not cold:
-                print("-- cold loads against fio: skipped (needs fio, apt-get install fio, and root)", flush=True)
+                print(
+                    "-- saves and cold loads against fio: skipped (needs fio, apt-get install fio, and root)",
+                    flush=True,
+                )
             else:
                 for ranks in (1, args.ranks):
                     for gib in args.sizes_gib:
                         who = "" if ranks == 1 else f" at {ranks} gloo ranks"
-                        key = f"cold load {gib:g} GiB{who} against fio"
+                        key = f"save and cold load {gib:g} GiB{who} against the disk's limits"
                         print(f"-- {key}", flush=True)
                         if ranks == 1:
                             r = cold_bench.run(gib, 16, args.repeat, 4, workdir)
                         else:
                             r = cold_bench.run_ranks(ranks, gib, 16, args.repeat, 4, workdir)
                         report["runs"][key] = r
-                        print(json.dumps(r["of_fio"]), flush=True)
+                        print(json.dumps({"load": r["of_limit"], "save": r["save_of_limit"]}), flush=True)
         if "train" in only:
             # A process of its own: DCP's process-based save needs a process group and keeps its
             # checkpointing process for the rest of the program.
@@ -243,9 +246,15 @@ def main() -> None:
     report["seconds_total"] = time.time() - started
     checks: list[str] = []
     for key, r in report["runs"].items():
-        if key.startswith("cold load"):
-            of, by = r.get("of_limit", r["of_fio"]), r.get("limit_by", "fio")
+        if key.startswith("save and cold load"):
+            of, by = r["of_limit"], r["limit_by"]
             rows = [
+                (
+                    f"pytreeckpt.save rate / the write limit's ({r['write_limit_by']})",
+                    r["save_of_limit"]["pytreeckpt.save"],
+                    ">=",
+                    0.9,
+                ),
                 (f"pytreeckpt.load rate / the read limit's ({by})", of["pytreeckpt.load"], ">=", 0.85),
                 (f"pytreeckpt.load inplace rate / the read limit's ({by})", of["pytreeckpt.load inplace"], ">=", 0.95),
             ]

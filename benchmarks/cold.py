@@ -1,38 +1,51 @@
-"""Cold loads against the disk's read limit (issues 19 and 44), in one run.
+"""Durable saves and cold loads against the disk's write and read limits (issues 19 and 44), in one run.
 
     python -m benchmarks.cold [--gib 1 4] [--leaves 16] [--repeat 3] [--jobs 4] [--ranks 4]
 
-For each size: the state saved once, then, in turns (a new order each round) and with the
-page cache dropped before each, medians of ``--repeat`` of every way to read the same bytes
-and of the loads:
+For each size: the state saved once, then, in turns (a new order each round), medians of ``--repeat`` of
+every way to write the same bytes and of ``pytreeckpt.save`` (the last output removed, ``sync`` run and the
+page cache dropped before each), then of every way to read them and of the loads (the page cache dropped
+before each).
+
+Writes, each durable when it ends (the checkpoint's durability: nothing the commit names is lost on power
+failure):
+
+- ``fio`` in ``--jobs`` jobs (psync, 4 MiB blocks, ``--end_fsync=1``) writing new files as large as the
+  checkpoint's chunk files (each job a share of them, one after another), and ``--jobs`` large files of a
+  share of the bytes each; buffered and ``--direct=1``. Each is timed by fio's own runtime (its JSON's
+  ``write.runtime``, the final fsync included), not from outside with the process's start-up.
+- a single-threaded raw write of the state's tensors (a file each, ``write`` then ``fsync``): the baseline.
+- ``pytreeckpt.save``, timed until it returns (its commit durable).
+
+Reads:
 
 - ``fio`` in ``--jobs`` jobs (psync, 4 MiB blocks) over the checkpoint's own chunk files (each
   job a share of them, one after another), buffered and ``--direct=1``; and over ``--jobs``
   large files of a share of the bytes each (laid out once by fio itself, fsynced), buffered
-  and direct. Each is timed by fio's own runtime (its JSON's ``read.runtime``, the group's),
-  not from outside with the process's start-up; fio must have read every byte.
+  and direct, each timed by fio's own runtime; fio must have read every byte.
 - a single-threaded raw read of the chunk files (``read()`` of 16 MiB, timed in this process):
   the baseline.
 - ``pytreeckpt.load`` (functional; also with ``ExecutorOptions(huge_pages=False)``, its new
   memory in 4 KiB pages) and ``pytreeckpt.load(..., inplace=True)``.
 
-The read limit is the fastest of fio's ways, ``limit_by`` names it, and each load's rate is
-given as a fraction of it (``of_limit``; ``of_fio`` is the same, the old name). Issue 44 found
-the old limit, fio's 4 jobs walking 16 MiB files timed from outside, slower than one thread's
-``read()`` of the same files: :func:`sound_limit` refuses a limit slower than that
-single-threaded baseline (a RuntimeError: no rate is set against a limit that is none).
+Each limit is the fastest of fio's ways (``limit_by``, ``write_limit_by``), and each load's or save's rate is
+given as a fraction of it (``of_limit``, ``save_of_limit``; ``of_fio`` is ``of_limit``'s old name). Issue 44
+found the old read limit, fio's 4 jobs walking 16 MiB files timed from outside, slower than one thread's
+``read()`` of the same files: :func:`sound_limit` refuses a limit slower than the single-threaded baseline (a
+RuntimeError: no rate is set against a limit that is none).
 
-With ``--ranks N`` (N > 1) the same is done by N gloo ranks, each holding a
-``Shard(0)`` row block of every matrix (a DTensor): the state is saved by the N ranks,
-and each load is every rank loading its own share, timed between barriers (the slowest
-rank's time); the ways to read the bytes run on rank 0 alone, between the same barriers.
-Needs root (to drop the page cache) and fio (Debian's package ``fio``).
+With ``--ranks N`` (N > 1) the same is done by N gloo ranks, each holding a ``Shard(0)`` row block of
+every matrix (a DTensor): the state is saved by the N ranks, and each load is every rank loading its own
+share, each timed between barriers (the slowest rank's time); the ways to write and read the bytes run on
+rank 0 alone, between the same barriers, over every rank's bytes (the write baseline: rank 0's tensors
+written N times). Needs root (to drop the page cache) and fio (Debian's package ``fio``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import shutil
 import statistics
@@ -52,19 +65,24 @@ import pytreeckpt
 from ._common import GiB, can_drop_caches, drop_caches, free_port, gloo_rank, make_state
 
 
-def _fio_seconds(cmd: list[str], nbytes: int) -> float:
+def _fio_seconds(cmd: list[str], nbytes: int, rw: str = "read") -> float:
     """Run fio (``--group_reporting``, JSON) and return its own runtime in seconds: the group's ``read.runtime``
-    (from the first I/O to the last), not the process's, for ``nbytes`` bytes. With ``--direct=1`` fio reads whole
-    blocks only (a chunk file's last 4 bytes, its crc32c, are left): its time is scaled to ``nbytes`` (its rate).
-    RuntimeError if it read less than half of them."""
-    done = subprocess.run([*cmd, "--output-format=json", "--group_reporting"], capture_output=True, text=True)
+    (``write.runtime`` with ``rw="write"``; from the first I/O to the last, a final fsync included), not the
+    process's, for ``nbytes`` bytes. With ``--direct=1`` fio reads whole blocks only (a chunk file's last 4 bytes,
+    its crc32c, are left): its time is scaled to ``nbytes`` (its rate). RuntimeError if it moved less than half of
+    them, or more."""
+    # (global options before the first job's --name: after it they would be that job's alone, and fio would report
+    # a group of some jobs only)
+    done = subprocess.run(
+        [cmd[0], "--output-format=json", "--group_reporting", *cmd[1:]], capture_output=True, text=True
+    )
     if done.returncode != 0:
         raise RuntimeError(f"fio failed: {done.stderr[-2000:]}")
     text = done.stdout[done.stdout.index("{") :]  # (fio may print notes before its JSON)
-    read = json.loads(text)["jobs"][0]["read"]
+    read = json.loads(text)["jobs"][0][rw]
     got = int(read["io_bytes"])
     if not nbytes / 2 <= got <= nbytes:
-        raise RuntimeError(f"fio read {got} bytes, expected {nbytes}: {' '.join(cmd)}")
+        raise RuntimeError(f"fio moved {got} bytes, expected {nbytes}: {' '.join(cmd)}")
     # (milliseconds: at least one, so the rate of a tiny read is finite)
     return max(float(read["runtime"]), 1.0) / 1000 * nbytes / got
 
@@ -131,8 +149,65 @@ def read_ways(path: Path, files: list[Path], nbytes: int, jobs: int, workdir: Pa
     }
 
 
-def sound_limit(seconds: dict[str, float], ways: list[str], baseline: str = BASELINE) -> tuple[str, float]:
-    """The read limit: the fastest of ``ways`` (fio's, names in ``seconds``), with its seconds.
+WRITE_BASELINE = "raw write (1 thread)"
+
+
+def _fio_write(where: Path, sizes: list[int], jobs: int, direct: bool) -> float:
+    """fio writing new files of ``sizes`` bytes (each rounded down to 4 KiB) in ``where`` (emptied first), in ``jobs``
+    jobs, each a share of the files one after another, 4 MiB blocks (less for small files), an fsync of each job's
+    files at its end (``--end_fsync``: durable as a save is); fio's own runtime in seconds."""
+    shutil.rmtree(where, ignore_errors=True)
+    where.mkdir(parents=True)
+    groups = [sizes[k::jobs] for k in range(jobs)]
+    cmd = ["fio", f"--directory={where}", "--rw=write", "--ioengine=psync", f"--direct={int(direct)}", "--end_fsync=1"]
+    total = 0
+    for k, group in enumerate(g for g in groups if g):
+        size = max(4096, min(group) // 4096 * 4096)  # (fio writes files of one size per job: the share's smallest)
+        bs = min(4 << 20, 1 << (size.bit_length() - 1))
+        cmd += [f"--name=w{k}", f"--nrfiles={len(group)}", f"--filesize={size}", f"--size={size * len(group)}"]
+        cmd += [f"--bs={bs}", "--file_service_type=sequential"]
+        total += size * len(group)
+    seconds = _fio_seconds(cmd, total, "write")
+    shutil.rmtree(where, ignore_errors=True)
+    return seconds * sum(sizes) / total  # (its rate, over the bytes asked for)
+
+
+def _raw_write(state: dict[str, Any], where: Path) -> None:
+    """The state's tensors (a DTensor's local part) written by one thread, a file each, each fsynced, then the
+    directory: a plain program's durable write of the same bytes."""
+    shutil.rmtree(where, ignore_errors=True)
+    where.mkdir(parents=True)
+    for k, v in state.items():
+        local = v.to_local() if hasattr(v, "to_local") else v
+        with open(where / k, "wb", buffering=0) as f:
+            f.write(memoryview(local.contiguous().view(torch.uint8).numpy()))
+            os.fsync(f.fileno())
+    fd = os.open(where, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_ways(sizes: list[int], jobs: int, workdir: Path) -> dict[str, Callable[[], Any]]:
+    """Every way of writing the checkpoint's bytes durably the write limit is the fastest of: fio's (their own
+    runtime, a final fsync included) over files as large as the checkpoint's chunk files (``sizes``) and over
+    ``jobs`` large files, buffered and direct; the single-threaded baseline is :func:`_raw_write` (in the caller)."""
+    where = workdir / "fio-write"
+    nbytes = sum(sizes)
+    large = [nbytes // jobs] * jobs
+    return {
+        f"fio {jobs} jobs write": lambda: _fio_write(where, sizes, jobs, direct=False),
+        f"fio {jobs} jobs write direct": lambda: _fio_write(where, sizes, jobs, direct=True),
+        f"fio {jobs} jobs write large files": lambda: _fio_write(where, large, jobs, direct=False),
+        f"fio {jobs} jobs write large files direct": lambda: _fio_write(where, large, jobs, direct=True),
+    }
+
+
+def sound_limit(
+    seconds: dict[str, float], ways: list[str], baseline: str = BASELINE, what: str = "read"
+) -> tuple[str, float]:
+    """The ``what`` (read or write) limit: the fastest of ``ways`` (fio's, names in ``seconds``), with its seconds.
 
     Raises:
       RuntimeError: that limit is slower than the single-threaded ``baseline``'s time (issue 44: a
@@ -140,11 +215,11 @@ def sound_limit(seconds: dict[str, float], ways: list[str], baseline: str = BASE
     """
     parallel = [w for w in ways if w != baseline]
     if not parallel or baseline not in seconds:
-        raise RuntimeError(f"a read limit needs fio's ways and the single-threaded baseline {baseline!r}: {ways}")
+        raise RuntimeError(f"a {what} limit needs fio's ways and the single-threaded baseline {baseline!r}: {ways}")
     name = min(parallel, key=seconds.__getitem__)
     if seconds[name] > seconds[baseline]:
         raise RuntimeError(
-            f"no sound read limit: the fastest way, {name!r}, took {seconds[name]:.3f} s, slower than the "
+            f"no sound {what} limit: the fastest way, {name!r}, took {seconds[name]:.3f} s, slower than the "
             f"single-threaded {baseline!r}'s {seconds[baseline]:.3f} s"
         )
     return name, seconds[name]
@@ -157,11 +232,15 @@ def _chunk_files(path: Path) -> list[Path]:
     return sorted(p for p in (path / "arrays").rglob("*") if p.is_file() and p.name != "zarr.json")
 
 
-def _summary(times: dict[str, list[float]], ways: list[str], nbytes: int) -> dict[str, Any]:
+def _summary(
+    times: dict[str, list[float]], ways: list[str], nbytes: int, writes: list[str] | None = None
+) -> dict[str, Any]:
+    """Medians, the read limit and each load's rate as a fraction of it (``of_limit``); with ``writes`` (the write
+    ways, the baseline among them), the write limit and each save's fraction of it (``save_of_limit``)."""
     seconds = {k: statistics.median(v) for k, v in times.items()}
     name, limit = sound_limit(seconds, ways)
-    of_limit = {k: limit / s for k, s in seconds.items()}
-    return {
+    of_limit = {k: limit / s for k, s in seconds.items() if k not in (writes or []) and k != "pytreeckpt.save"}
+    out = {
         "bytes": nbytes,
         "seconds": seconds,
         "all_seconds": times,
@@ -170,6 +249,11 @@ def _summary(times: dict[str, list[float]], ways: list[str], nbytes: int) -> dic
         "of_limit": of_limit,
         "of_fio": of_limit,  # (the old name)
     }
+    if writes is not None:
+        wname, wlimit = sound_limit(seconds, writes, WRITE_BASELINE, "write")
+        out["write_limit_by"], out["write_limit_seconds"] = wname, wlimit
+        out["save_of_limit"] = {k: wlimit / seconds[k] for k in [*writes, "pytreeckpt.save"]}
+    return out
 
 
 def _timed(fn: Callable[[], Any]) -> float:
@@ -180,11 +264,51 @@ def _timed(fn: Callable[[], Any]) -> float:
     return float(own) if isinstance(own, float) else wall
 
 
+def _clean(*paths: Path) -> Callable[[], None]:
+    """A save's setup: the last output removed, its writeback done (``sync``), the page cache dropped."""
+
+    def setup() -> None:
+        for p in paths:
+            shutil.rmtree(p, ignore_errors=True)
+        drop_caches()
+
+    return setup
+
+
+def _turns(variants: dict[str, Callable[[], Any]], repeat: int, setup: Callable[[], None]) -> dict[str, list[float]]:
+    """Each variant's seconds in each of ``repeat`` rounds, in a new order each round (seeded), ``setup`` first."""
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    order = random.Random(0)
+    for _ in range(repeat):
+        names = list(variants)
+        order.shuffle(names)  # none always follows the same one (what it freed, what the disk still does)
+        for name in names:
+            setup()
+            times[name].append(_timed(variants[name]))
+    return times
+
+
+def _save_turns(
+    state: dict[str, torch.Tensor], sizes: list[int], repeat: int, jobs: int, workdir: Path, gib: float
+) -> tuple[list[str], dict[str, list[float]]]:
+    """The write ways (chunk files of ``sizes``), the baseline and ``pytreeckpt.save`` of ``state``, in turns."""
+    saved, raw = workdir / f"save_{gib:g}", workdir / "raw-write"
+    writes: dict[str, Callable[[], Any]] = {
+        **write_ways(sizes, jobs, workdir),
+        WRITE_BASELINE: lambda: _raw_write(state, raw),
+    }
+    times = _turns({**writes, "pytreeckpt.save": lambda: pytreeckpt.save(saved, state)}, repeat, _clean(saved, raw))
+    _clean(saved, raw)()
+    return list(writes), times
+
+
 def run(gib: float, leaves: int, repeat: int, jobs: int, workdir: Path) -> dict[str, Any]:
+    """One process: durable saves against the write limit, then cold loads against the read limit."""
     state = make_state(int(gib * GiB), leaves)
     path = workdir / f"cold_{gib:g}"
     pytreeckpt.save(path, state, overwrite=True)
     files = _chunk_files(path)
+    writes, times = _save_turns(state, [f.stat().st_size for f in files], repeat, jobs, workdir, gib)
     target = {k: torch.zeros_like(v) for k, v in state.items()}
     nbytes = sum(v.numel() * v.element_size() for v in state.values())
     del state
@@ -195,18 +319,10 @@ def run(gib: float, leaves: int, repeat: int, jobs: int, workdir: Path) -> dict[
         "pytreeckpt.load 4 KiB pages": lambda: pytreeckpt.load(path, target, executor=_SMALL_PAGES),
         "pytreeckpt.load inplace": lambda: pytreeckpt.load(path, target, inplace=True),
     }
-    times: dict[str, list[float]] = {k: [] for k in variants}
-    order = random.Random(0)
-    for _ in range(repeat):
-        names = list(variants)
-        order.shuffle(names)  # none always follows the same one (what it freed, what the disk still does)
-        for name in names:
-            fn = variants[name]
-            drop_caches()
-            times[name].append(_timed(fn))
+    times.update(_turns(variants, repeat, _clean()))
     shutil.rmtree(path, ignore_errors=True)
     shutil.rmtree(workdir / "fio-large", ignore_errors=True)
-    return _summary(times, list(ways), nbytes)
+    return _summary(times, list(ways), nbytes, writes)
 
 
 def _rank_state(rank: int, world: int, gib: float, leaves: int, mesh: Any, fresh: bool) -> dict[str, Any]:
@@ -236,22 +352,13 @@ def _rank_worker(rank: int, world: int, port: int, args: dict[str, Any]) -> None
         pytreeckpt.save(path, state, overwrite=True)
         dist.barrier()
         files = _chunk_files(path)
+        own: dict[str, float] = {}  # rank 0's figure for a way (fio's own runtime)
+        wnames, times = _rank_saves(rank, world, state, [f.stat().st_size for f in files], args, own, path.parent)
         nbytes = sum(t.numel() * t.element_size() for t in state.values())  # (a DTensor's numel is global)
         inplace_target = dict(state)  # memory already faulted in, as a training job's
         del state
 
         ways = read_ways(path, files, sum(f.stat().st_size for f in files), jobs, path.parent) if rank == 0 else {}
-        own: dict[str, float] = {}  # rank 0's figure for a way (fio's own runtime)
-
-        def way(name: str) -> Callable[[], None]:
-            def run() -> None:
-                if rank == 0:
-                    got = ways[name]()
-                    if isinstance(got, float):
-                        own[name] = got
-
-            return run
-
         names = [f"fio {jobs} jobs", f"fio {jobs} jobs direct", f"fio {jobs} jobs large files"]
         names += [f"fio {jobs} jobs large files direct", BASELINE]
 
@@ -260,30 +367,77 @@ def _rank_worker(rank: int, world: int, port: int, args: dict[str, Any]) -> None
             pytreeckpt.load(path, target, executor=executor)
 
         variants: dict[str, Callable[[], Any]] = {
-            **{name: way(name) for name in names},
+            **{name: _on_rank0(rank, ways.get(name, lambda: None), name, own) for name in names},
             "pytreeckpt.load": load,
             "pytreeckpt.load 4 KiB pages": lambda: load(_SMALL_PAGES),
             "pytreeckpt.load inplace": lambda: pytreeckpt.load(path, inplace_target, inplace=True),
         }
-        times: dict[str, list[float]] = {k: [] for k in variants}
-        order = random.Random(0)  # the same order on every rank
-        for _ in range(args["repeat"]):
-            names = list(variants)
-            order.shuffle(names)
-            for name in names:
-                fn = variants[name]
-                dist.barrier()
-                if rank == 0:
-                    drop_caches()
-                dist.barrier()
-                t0 = time.perf_counter()
-                fn()
-                dist.barrier()
-                times[name].append(own.pop(name, time.perf_counter() - t0))
+        times.update(_rank_turns(variants, args["repeat"], rank, own, ()))
         if rank == 0:
             shutil.rmtree(path.parent / "fio-large", ignore_errors=True)
-            result = {"times": times, "bytes": nbytes, "ways": names}
+            result = {"times": times, "bytes": nbytes, "ways": names, "writes": wnames}
             (path.parent / "result-cold-ranks.json").write_text(json.dumps(result))
+
+
+def _on_rank0(rank: int, fn: Callable[[], Any], name: str, own: dict[str, float]) -> Callable[[], None]:
+    """``fn`` run by rank 0 alone (the others wait at the barriers); its own figure (fio's runtime) kept in ``own``."""
+
+    def run() -> None:
+        if rank == 0:
+            got = fn()
+            if isinstance(got, float):
+                own[name] = got
+
+    return run
+
+
+def _rank_saves(
+    rank: int,
+    world: int,
+    state: dict[str, Any],
+    sizes: list[int],
+    args: dict[str, Any],
+    own: dict[str, float],
+    where: Path,
+) -> tuple[list[str], dict[str, list[float]]]:
+    """The write ways (on rank 0, over chunk files of ``sizes``: every rank's), the baseline (rank 0 writing as
+    many bytes as all ranks hold) and every rank's ``pytreeckpt.save`` of ``state``, in turns."""
+    jobs = args["jobs"]
+    saved, raw = where / "save-ranks", where / "raw-write"
+    writes = write_ways(sizes, jobs, where) if rank == 0 else {}
+    wnames = [f"fio {jobs} jobs write", f"fio {jobs} jobs write direct", f"fio {jobs} jobs write large files"]
+    wnames += [f"fio {jobs} jobs write large files direct"]
+    copies = {f"{k}.{r}": v for r in range(world) for k, v in state.items()}  # (every rank's bytes, as many)
+    saves: dict[str, Callable[[], Any]] = {
+        **{name: _on_rank0(rank, writes.get(name, lambda: None), name, own) for name in wnames},
+        WRITE_BASELINE: _on_rank0(rank, lambda: _raw_write(copies, raw), WRITE_BASELINE, own),
+        "pytreeckpt.save": lambda: pytreeckpt.save(saved, state),
+    }
+    return [*wnames, WRITE_BASELINE], _rank_turns(saves, args["repeat"], rank, own, (saved, raw))
+
+
+def _rank_turns(
+    variants: dict[str, Callable[[], Any]], repeat: int, rank: int, own: dict[str, float], clean: tuple[Path, ...]
+) -> dict[str, list[float]]:
+    """:func:`_turns` at every rank (the same order on each): rank 0 removes ``clean`` and drops the page cache
+    between barriers, each run is timed between barriers (the slowest rank's time), or is rank 0's own figure."""
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    order = random.Random(0)  # the same order on every rank
+    for _ in range(repeat):
+        names = list(variants)
+        order.shuffle(names)
+        for name in names:
+            dist.barrier()
+            if rank == 0:
+                _clean(*clean)()
+            dist.barrier()
+            t0 = time.perf_counter()
+            variants[name]()
+            dist.barrier()
+            times[name].append(own.pop(name, time.perf_counter() - t0))
+    if rank == 0:
+        _clean(*clean)()
+    return times
 
 
 def run_ranks(ranks: int, gib: float, leaves: int, repeat: int, jobs: int, workdir: Path) -> dict[str, Any]:
@@ -293,7 +447,7 @@ def run_ranks(ranks: int, gib: float, leaves: int, repeat: int, jobs: int, workd
     mp.spawn(_rank_worker, args=(ranks, free_port(), args), nprocs=ranks, join=True)
     got = json.loads((workdir / "result-cold-ranks.json").read_text())
     shutil.rmtree(path, ignore_errors=True)
-    return {"ranks": ranks, **_summary(got["times"], got["ways"], got["bytes"])}
+    return {"ranks": ranks, **_summary(got["times"], got["ways"], got["bytes"], got["writes"])}
 
 
 def main() -> None:

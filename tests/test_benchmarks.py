@@ -109,6 +109,7 @@ def test_the_training_loop_benchmark_times_every_save_behind_the_loop(tmp_path: 
     assert done.returncode == 0, done.stderr
     r = json.loads(done.stdout.strip().splitlines()[-1])
     assert set(r["variants"]) == {
+        "memcpy into warm memory",
         "pytreeckpt.async_save",
         "pytreeckpt.async_save nice 0",
         "pytreeckpt.async_save nice 19",
@@ -116,12 +117,15 @@ def test_the_training_loop_benchmark_times_every_save_behind_the_loop(tmp_path: 
         "dcp.async_save process",
     }
     assert r["base_step_ms"]["mean"] > 0
-    for v in r["variants"].values():
+    for name, v in r["variants"].items():
+        if name == "memcpy into warm memory":
+            assert 0 < v["stall_s"] == v["write_s"]
+            continue
         assert 0 < v["stall_s"] < v["write_s"]
         assert v["slowdown"] > 0
     from benchmarks import train_loop
 
-    assert len(train_loop.targets(r)) == 3
+    assert len(train_loop.targets(r)) == 4
     # Every save landed whole: the checkpoints load (pytreeckpt's) and were written durably.
     import pytreeckpt
 
@@ -132,11 +136,17 @@ def test_the_training_loop_benchmark_times_every_save_behind_the_loop(tmp_path: 
 @pytest.mark.skipif(
     shutil.which("fio") is None or not can_drop_caches(), reason="needs fio and root (drops the page cache)"
 )
-def test_the_cold_load_benchmark_sets_every_load_against_fio_at_one_and_at_several_ranks(tmp_path: Path) -> None:
+def test_the_disk_benchmark_sets_saves_and_cold_loads_against_the_limits_at_one_and_at_several_ranks(
+    tmp_path: Path,
+) -> None:
     from benchmarks import cold
 
     for r in (cold.run(0.01, 2, 1, 2, tmp_path), cold.run_ranks(2, 0.01, 2, 1, 2, tmp_path)):
-        assert set(r["of_fio"]) >= {"fio 2 jobs", "pytreeckpt.load", "pytreeckpt.load inplace"}
+        assert set(r["of_limit"]) >= {"fio 2 jobs", cold.BASELINE, "pytreeckpt.load", "pytreeckpt.load inplace"}
+        assert set(r["save_of_limit"]) >= {"fio 2 jobs write direct", cold.WRITE_BASELINE, "pytreeckpt.save"}
+        assert not set(r["of_limit"]) & set(r["save_of_limit"])
+        assert r["write_limit_by"].startswith("fio 2 jobs write")
+        assert r["save_of_limit"][r["write_limit_by"]] == 1.0
         assert all(s > 0 for s in r["seconds"].values())
         assert 0.009 * 2**30 < r["bytes"] <= 0.01 * 2**30
 
@@ -199,3 +209,6 @@ def test_the_read_limit_is_the_fastest_way_and_never_slower_than_one_thread() ->
         cold.sound_limit(seconds, ["fio 4 jobs", cold.BASELINE])
     with pytest.raises(RuntimeError, match="needs fio's ways and the single-threaded baseline"):
         cold.sound_limit({"fio 4 jobs": 0.5}, ["fio 4 jobs"])
+    writes = {"fio 4 jobs write": 0.9, cold.WRITE_BASELINE: 0.8}
+    with pytest.raises(RuntimeError, match=r"no sound write limit: the fastest way, 'fio 4 jobs write', took 0.900 s"):
+        cold.sound_limit(writes, list(writes), cold.WRITE_BASELINE, "write")
