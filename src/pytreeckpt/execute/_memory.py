@@ -87,22 +87,47 @@ def _failed(shape: tuple[int, ...], itemsize: int, e: BaseException) -> Allocati
     return AllocationFailed(f"cannot allocate {nbytes} bytes of memory for an array of shape {shape}: {e}")
 
 
+_PAGE = 4096
+PAGE_ALIGNED_MIN = 1 << 20
+"""New host buffers of this many bytes or more start on a page of their own (see :func:`empty_host`)."""
+
+
 def empty_host(shape: tuple[int, ...], dtype: torch.dtype, *, pin: bool = False, huge: bool = True) -> torch.Tensor:
     """``torch.empty`` on the CPU, its pages advised huge when ``huge`` (pinned memory never is);
-    :class:`AllocationFailed` where the memory cannot be had."""
+    :class:`AllocationFailed` where the memory cannot be had.
+
+    A buffer of :data:`PAGE_ALIGNED_MIN` bytes or more starts on a page, as ``torch.empty``'s never does (its
+    large blocks start 64 bytes into one): a chunk file can then be read into it, and written from it, around
+    the page cache (``O_DIRECT`` wants aligned memory). It is a view into a block a page larger (its
+    ``storage_offset`` is not 0); it is resizable and freed as any tensor.
+    """
+    numel = math.prod(shape)
+    nbytes = numel * dtype.itemsize
     try:
-        t = torch.empty(shape, dtype=dtype, pin_memory=pin)
+        if pin or nbytes < PAGE_ALIGNED_MIN:
+            t = torch.empty(shape, dtype=dtype, pin_memory=pin)
+        else:
+            block = torch.empty(nbytes + _PAGE, dtype=torch.uint8)
+            skip = -block.data_ptr() % _PAGE  # (a multiple of 64: of every element's size)
+            t = block[skip : skip + nbytes].view(dtype).view(shape)
     except (MemoryError, RuntimeError) as e:  # (torch's allocator raises RuntimeError)
         raise _failed(shape, dtype.itemsize, e) from e
     if huge and not pin:
-        advise_huge_pages(t.data_ptr(), t.numel() * t.element_size())
+        advise_huge_pages(t.data_ptr(), nbytes)
     return t
 
 
 def empty_numpy(shape: tuple[int, ...], dtype: np.dtype, *, huge: bool = True) -> np.ndarray:
-    """``np.empty``, its pages advised huge when ``huge``; :class:`AllocationFailed` where it cannot be had."""
+    """``np.empty``, its pages advised huge when ``huge``; :class:`AllocationFailed` where it cannot be had.
+    Page-aligned from :data:`PAGE_ALIGNED_MIN` bytes, as :func:`empty_host` says."""
+    nbytes = math.prod(shape) * dtype.itemsize
     try:
-        a = np.empty(shape, dtype=dtype)
+        if nbytes < PAGE_ALIGNED_MIN:
+            a = np.empty(shape, dtype=dtype)
+        else:
+            block = np.empty(nbytes + _PAGE, dtype=np.uint8)
+            skip = -block.ctypes.data % _PAGE
+            a = block[skip : skip + nbytes].view(dtype).reshape(shape)
     except MemoryError as e:
         raise _failed(shape, dtype.itemsize, e) from e
     if huge:
@@ -111,7 +136,6 @@ def empty_numpy(shape: tuple[int, ...], dtype: np.dtype, *, huge: bool = True) -
 
 
 _MADV_POPULATE_WRITE = 23  # linux/mman.h, Linux 5.14 and later
-_PAGE = 4096
 _PREFAULT_STEP = 8 << 20
 
 

@@ -310,7 +310,16 @@ class ArrayIO(PackedIO):
             assert files is not None
             path = self.root / meta.path / _chunk_key(index)
             return io_pool().submit(
-                workers, _read_file_chunk, path, meta, whole.shape, targets, what, expected, files.real_root()
+                workers,
+                _read_file_chunk,
+                path,
+                meta,
+                whole.shape,
+                targets,
+                what,
+                expected,
+                files.real_root(),
+                self.options.direct_io,
             )
         # One target wanting the whole chunk gets it straight in its memory; otherwise the
         # chunk lands in scratch memory and the targets' boxes are copied from there.

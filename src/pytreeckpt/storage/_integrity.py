@@ -123,8 +123,19 @@ def _read_file_chunk(
     what: str,
     expected: int | None,
     inside: str,
+    direct: bool = False,
 ) -> None:
-    read_chunk(path, meta.chunk_shape, valid, targets, what, dtype=meta.dtype.numpy, expected=expected, inside=inside)
+    read_chunk(
+        path,
+        meta.chunk_shape,
+        valid,
+        targets,
+        what,
+        dtype=meta.dtype.numpy,
+        expected=expected,
+        inside=inside,
+        direct=direct,
+    )
 
 
 def _check_stored_chunk(
