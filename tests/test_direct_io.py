@@ -203,3 +203,114 @@ def test_saves_with_and_without_direct_io_load_the_same(
         assert torch.equal(got[k], state[k]), k
     assert got["step"] == 7
     assert pytreeckpt.verify(tmp_path / "c").problems == ()
+
+
+def _evict(path: Path) -> None:
+    """Drop every chunk file below ``path`` from the page cache (its pages are clean: no root needed)."""
+    for f in path.rglob("*"):
+        if f.is_file():
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+@needs_direct
+def test_a_cold_load_into_new_memory_reads_around_the_page_cache_and_a_warm_one_from_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 44 item 3: a cold load into new memory filled the page cache and the memory (twice the fresh pages;
+    4 GiB took 7.4 s against fio's 2.7 s). New buffers start on a page, and chunk files the cache holds none of
+    are read straight into them with O_DIRECT; cached ones, and memory off a page (a caller's tensors), through
+    the cache. The bytes are checked the same way: a damaged chunk read around the cache is caught."""
+    if chunkfiles._syscall() is None:
+        pytest.skip("this kernel has no cachestat (Linux 6.5 and later)")
+    g = torch.Generator().manual_seed(2)
+    state = {
+        "w": torch.randn(1024, 1024, generator=g),  # chunks of 2 MiB: each starts on a page of new memory
+        "t": torch.randn(1024, 1027, generator=g),  # chunks of 510 rows: the second starts off a page
+        "b": torch.randn(1024, 1024, generator=g).to(torch.bfloat16),
+    }
+    path = tmp_path / "c"
+    pytreeckpt.save(path, state, chunking=pytreeckpt.ChunkingOptions(max_chunk_bytes=2 * MiB))
+    reads: list[tuple[bool, int, int]] = []  # (on a page, bytes, bytes read around the cache)
+    real = chunkfiles._read_direct
+
+    def spy(fd: int, head: np.ndarray) -> int:
+        reads.append((head.ctypes.data % 4096 == 0, head.nbytes, done := real(fd, head)))
+        return done
+
+    monkeypatch.setattr(chunkfiles, "_read_direct", spy)
+    _evict(path)
+    got = pytreeckpt.load(path)
+    assert all(torch.equal(got[k], v) for k, v in state.items())
+    assert all(t.data_ptr() % 4096 == 0 for t in got.values())  # (new memory of a MiB or more starts on a page)
+    assert sum(aligned for aligned, _, _ in reads) == 4  # (w: 2 chunks, t: its first, b: 1)
+    assert all(done == (nbytes // 4096 * 4096 if aligned else 0) for aligned, nbytes, done in reads), reads
+    reads.clear()
+    for f in path.rglob("*"):  # (the cache holds them: read by another program)
+        if f.is_file():
+            f.read_bytes()
+    got = pytreeckpt.load(path)
+    assert reads
+    assert all(done == 0 for _, _, done in reads)  # warm: every chunk from the cache
+    assert all(torch.equal(got[k], v) for k, v in state.items())
+    reads.clear()
+    _evict(path)
+    pytreeckpt.load(path, {k: torch.zeros_like(v) for k, v in state.items()}, inplace=True)
+    assert reads
+    assert all(done == 0 for _, _, done in reads)  # a caller's tensors start 64 bytes into a page: the cache
+    # A byte of a chunk changed on disk, read around the cache: its checksum says so.
+    chunk = next(f for f in sorted((path / "arrays" / "w").rglob("*")) if f.is_file() and f.name != "zarr.json")
+    data = bytearray(chunk.read_bytes())
+    data[12345] ^= 0x40
+    chunk.write_bytes(bytes(data))
+    os.sync()
+    _evict(path)
+    with pytest.raises(pytreeckpt.CheckpointError, match=r"leaf 'w'.*damaged.*fails its checksum"):
+        pytreeckpt.load(path)
+
+
+@needs_direct
+def test_a_direct_read_of_a_file_cut_short_is_an_error_not_a_short_tensor(tmp_path: Path) -> None:
+    if chunkfiles._syscall() is None:
+        pytest.skip("this kernel has no cachestat (Linux 6.5 and later)")
+    data = np.random.default_rng(3).standard_normal(MiB // 2).astype(np.float32)  # 2 MiB
+    path = tmp_path / "chunk"
+    crc = write_chunk(path, data, data.shape, fsync=True, direct=True)
+    with open(path, "r+b") as f:
+        f.truncate(MiB + 100)
+    _evict(tmp_path)
+    out = np.frombuffer(mmap.mmap(-1, data.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), dtype=np.float32)
+    with pytest.raises(pytreeckpt.CheckpointError, match=r"holds 1048676 bytes, expected 2097156"):
+        read_chunk(path, data.shape, data.shape, [((slice(None),), out)], "chunk", expected=crc, direct=True)
+
+
+@needs_direct
+def test_an_asynchronous_save_writes_each_chunk_straight_from_its_staging_memory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 44 item 4: the staging memory started 64 bytes into a page, so every byte an asynchronous save wrote
+    around the page cache was copied once more, into the bounce buffer. Its pieces of a MiB or more now start
+    on a page: each chunk file goes out in one write from there. A blocking save of a tensor (64 bytes into a
+    page) still writes through the bounce buffer, 2 MiB at a time."""
+    sizes: list[int] = []
+    real = chunkfiles._pwrite_direct
+
+    def spy(fd: int, block: np.ndarray, offset: int) -> bool:
+        sizes.append(block.nbytes)
+        return real(fd, block, offset)
+
+    monkeypatch.setattr(chunkfiles, "_pwrite_direct", spy)
+    g = torch.Generator().manual_seed(4)
+    state = {"small": torch.randn(100, generator=g), "w": torch.randn(2048, 1024, generator=g)}  # 8 MiB
+    chunking = pytreeckpt.ChunkingOptions(max_chunk_bytes=4 * MiB)
+    pytreeckpt.async_save(tmp_path / "a", state, chunking=chunking).wait()
+    assert sizes == [4 * MiB, 4 * MiB]
+    sizes.clear()
+    pytreeckpt.save(tmp_path / "s", state, chunking=chunking)
+    assert sizes == [2 * MiB] * 4
+    for name in ("a", "s"):
+        got = pytreeckpt.load(tmp_path / name)
+        assert all(torch.equal(got[k], v) for k, v in state.items())

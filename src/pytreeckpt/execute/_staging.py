@@ -23,11 +23,18 @@ import torch
 
 from pytreeckpt.core._errors import CheckpointError
 
-from ._memory import empty_host
+from ._memory import PAGE_ALIGNED_MIN, empty_host
 
-__all__ = ["PoolAborted", "Stage", "StagingPool", "copy_into", "staging_pool"]
+__all__ = ["PoolAborted", "Stage", "StagingPool", "copy_into", "staged_bytes", "staging_pool"]
 
 _ALIGN = 64
+_PAGE = 4096  # where a piece of PAGE_ALIGNED_MIN bytes or more starts (the arena itself starts on a page)
+
+
+def staged_bytes(nbytes: int) -> int:
+    """The room a piece of ``nbytes`` takes in the pool at most: its size rounded up, and for one that starts on a
+    page, the most that may be skipped to get there."""
+    return -(-max(nbytes, 1) // _ALIGN) * _ALIGN + (_PAGE if nbytes >= PAGE_ALIGNED_MIN else 0)
 
 
 class PoolAborted(Exception):
@@ -99,6 +106,7 @@ class StagingPool:
     def acquire(self, nbytes: int) -> Stage:
         """``nbytes`` of staging memory, waiting for releases while the ring has no room."""
         size = -(-max(nbytes, 1) // _ALIGN) * _ALIGN
+        align = _PAGE if nbytes >= PAGE_ALIGNED_MIN else _ALIGN  # (written around the page cache from there)
         with self._cond:
             if self._arena is None or size > self._arena.numel():
                 raise CheckpointError(
@@ -107,7 +115,7 @@ class StagingPool:
             while True:
                 if self._aborted:
                     raise PoolAborted()
-                start = self._fit(size)
+                start = self._fit(size, align)
                 if start is not None:
                     break
                 self._cond.wait()
@@ -117,20 +125,22 @@ class StagingPool:
             self.peak_bytes = max(self.peak_bytes, self._used)
             return stage
 
-    def _fit(self, size: int) -> int | None:
+    def _fit(self, size: int, align: int) -> int | None:
+        """Where a piece of ``size`` bytes starting at a multiple of ``align`` fits, or None."""
         cap = self.capacity
         if not self._live:
             return 0
         oldest, newest = self._live[0].start, self._live[-1].stop
+        at = -(-newest // align) * align
         if newest > oldest or (newest == oldest and self._live[-1].start >= oldest):
             # not wrapped: room after the newest, else at the start before the oldest
-            if cap - newest >= size:
-                return newest
+            if cap - at >= size:
+                return at
             if oldest >= size:
                 return 0
             return None
         # wrapped: room only between the newest and the oldest
-        return newest if oldest - newest >= size else None
+        return at if oldest - at >= size else None
 
     def release(self, stage: Stage) -> None:
         with self._cond:

@@ -35,7 +35,7 @@ from pytreeckpt.execute._executor import (
 )
 from pytreeckpt.execute._monitor import Monitor, Progress, Span
 from pytreeckpt.execute._pipeline import SmallBatch, Snapshot, small_batches, staged_writes
-from pytreeckpt.execute._staging import staging_pool
+from pytreeckpt.execute._staging import staged_bytes, staging_pool
 from pytreeckpt.format import (
     CHECKSUMS_FILE,
     PACKED_DIR,
@@ -126,7 +126,7 @@ class SaveJob:
             small = small_batches(arrays, sources, opts.staging_piece_bytes)
         writes = staged_writes(self.plan.arrays, rank, opts.staging_piece_bytes, rest)
         pieces = itertools.chain((b.nbytes for b in small), (w.nbytes for w in writes))
-        sizes = [-(-max(n, 1) // 64) * 64 for n in pieces]
+        sizes = [staged_bytes(n) for n in pieces]
         need = sum(sizes)
         capacity = need if opts.staging_bytes is None else min(need, opts.staging_bytes)
         capacity = max(capacity, max(sizes, default=0))
