@@ -242,9 +242,15 @@ def test_a_cold_load_into_new_memory_reads_around_the_page_cache_and_a_warm_one_
         return done
 
     monkeypatch.setattr(chunkfiles, "_read_direct", spy)
+    from pytreeckpt.execute import _memory
+
+    advised: list[int] = []
+    advise = _memory.advise_huge_pages
+    monkeypatch.setattr(_memory, "advise_huge_pages", lambda a, n: advised.append(n) or advise(a, n))
     _evict(path)
     got = pytreeckpt.load(path)
     assert all(torch.equal(got[k], v) for k, v in state.items())
+    assert advised == []  # (cold: the reads fault the new pages in, 4 KiB at a time, cheaper than huge pages)
     assert all(t.data_ptr() % 4096 == 0 for t in got.values())  # (new memory of a MiB or more starts on a page)
     assert sum(aligned for aligned, _, _ in reads) == 4  # (w: 2 chunks, t: its first, b: 1)
     assert all(done == (nbytes // 4096 * 4096 if aligned else 0) for aligned, nbytes, done in reads), reads
@@ -255,6 +261,7 @@ def test_a_cold_load_into_new_memory_reads_around_the_page_cache_and_a_warm_one_
     got = pytreeckpt.load(path)
     assert reads
     assert all(done == 0 for _, _, done in reads)  # warm: every chunk from the cache
+    assert len(advised) == 3  # (into huge pages, faulted in beside the reads)
     assert all(torch.equal(got[k], v) for k, v in state.items())
     reads.clear()
     _evict(path)

@@ -115,11 +115,13 @@ class Buffers:
     ``huge``: its pages advised huge (``ExecutorOptions.huge_pages``); ``meta``: a load that
     is only planned (``plan_load``) gets tensors on the meta device (shapes, no memory),
     one per shape and dtype. ``fresh`` records every buffer made, as (address, bytes), for
-    :class:`~pytreeckpt.execute._memory.Prefault`.
+    :class:`~pytreeckpt.execute._memory.Prefault` (with ``prefault``; a cold load reading around the page
+    cache leaves the faults to its reads).
     """
 
     huge: bool = True
     meta: bool = False
+    prefault: bool = True
     fresh: list[tuple[int, int]] = field(default_factory=list)
     _shapes: dict[tuple[tuple[int, ...], torch.dtype], torch.Tensor] = field(default_factory=dict)
     # this rank's shards in a distributed load, by (spec, shape, placement) objects (a model's layers share
@@ -134,12 +136,13 @@ class Buffers:
                 got = self._shapes[shape, dtype] = torch.empty(shape, dtype=dtype, device="meta")
             return got
         t = empty_host(shape, dtype, pin=pinned and torch.cuda.is_available(), huge=self.huge)
-        self.fresh.append((t.data_ptr(), t.numel() * t.element_size()))
+        if self.prefault:
+            self.fresh.append((t.data_ptr(), t.numel() * t.element_size()))
         return t
 
     def numpy(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         a = empty_numpy(shape, dtype, huge=self.huge and not self.meta)
-        if not self.meta:
+        if not self.meta and self.prefault:
             self.fresh.append((a.ctypes.data, a.nbytes))
         return a
 

@@ -154,7 +154,9 @@ def _match(request: LoadRequest, storage: Storage, doc: CheckpointDoc, carried: 
     target_given = target is not None
     if not target_given:  # whole arrays of the shapes the metadata claims (a target's shapes are the caller's)
         check_memory(path, [(m.key, m.nbytes) for m in wanted])
-    buffers = Buffers(huge=storage.options.huge_pages, meta=request.plan_only)
+    # New memory for cold reads around the page cache is faulted in by the reads, in 4 KiB pages (Storage.cold).
+    cold = not request.plan_only and not request.inplace and storage.cold(wanted)
+    buffers = Buffers(huge=storage.options.huge_pages and not cold, meta=request.plan_only, prefault=not cold)
     lean = request.comm is None and not request.plan_only  # small whole arrays may be read without a plan
     m = Matching(request.comm, buffers, request.inplace, storage.small_whole if lean else None, [None] * len(t_leaves))
     m.cast = request.cast

@@ -49,6 +49,7 @@ __all__ = [
     "NEW_FILE",
     "IOPool",
     "chunk_crc",
+    "cold_files",
     "lower_priority",
     "make_dirs",
     "no_link",
@@ -404,6 +405,29 @@ def _pages_cached(fn: Any, fd: int, nbytes: int = 0) -> int | None:
     if fn(_CACHESTAT, ctypes.c_long(fd), ctypes.byref(span), ctypes.byref(got), ctypes.c_long(0)) != 0:
         return None if ctypes.get_errno() in (errno.ENOSYS, errno.EPERM) else 0  # (fd 0 may be anything: EBADF)
     return int(got.cache)
+
+
+def cold_files(paths: Sequence[Path]) -> bool:
+    """Whether the page cache holds less than half of these files' pages (``cachestat``): a load reads them around
+    it (:func:`_read_direct`) into new memory. False where the kernel cannot say, or where none can be opened."""
+    fn = _syscall()
+    if fn is None:
+        return False
+    cached = pages = 0
+    for path in paths:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            size = os.fstat(fd).st_size
+            got = _pages_cached(fn, fd)
+        finally:
+            os.close(fd)
+        if got is None:
+            return False
+        cached, pages = cached + got, pages + -(-size // _DIRECT_ALIGN)
+    return pages > 0 and cached * 2 < pages
 
 
 def _read_direct(fd: int, head: np.ndarray) -> int:
