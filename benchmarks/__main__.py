@@ -306,6 +306,14 @@ def main() -> None:
             md += [f"### {key}", "", "```", json.dumps(r, indent=2), "```", ""]
         if "before" in r and "ratios" in r:
             md += [f"This tree over {r['before']}, {_each_ratio(r['ratios'])}", ""]
+        if "write_limit_by" in r:
+            md += [
+                f"Write limit: {r['write_limit_by']} ({r['write_limit_seconds']:.3f} s); read limit: {r['limit_by']} "
+                f"({r['limit_seconds']:.3f} s): the fastest of fio's ways (medians), each at least the "
+                "single-threaded raw write's or read's rate. Every round: "
+                + "; ".join(f"{k} " + ", ".join(f"{x:.2f}" for x in v) for k, v in r["all_seconds"].items()),
+                "",
+            ]
         if "files" in r:
             md += ["Files written: " + ", ".join(f"{k} {v}" for k, v in r["files"].items()), ""]
         if "first_save" in r:
