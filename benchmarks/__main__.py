@@ -219,7 +219,7 @@ def main() -> None:
                 for ranks in (1, args.ranks):
                     for gib in args.sizes_gib:
                         who = "" if ranks == 1 else f" at {ranks} gloo ranks"
-                        key = f"save and cold load {gib:g} GiB{who} against the disk's limits"
+                        key = f"save and cold load {gib:g} GiB{who} against the disk limits"
                         print(f"-- {key}", flush=True)
                         if ranks == 1:
                             r = cold_bench.run(gib, 16, args.repeat, 4, workdir)
