@@ -88,7 +88,8 @@ def gloo_rank(rank: int, world: int, port: int) -> Iterator[Any]:
     (the tools' warnings silenced), yielding a 1-D CPU device mesh over the group; the group is
     destroyed on the way out."""
     warnings.filterwarnings("ignore")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # (every rank on this machine, as torchrun says with LOCAL_WORLD_SIZE: they share its disk)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_WORLD_SIZE=str(world))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         from torch.distributed.device_mesh import init_device_mesh

@@ -431,3 +431,19 @@ def test_a_packed_chunk_missing_from_its_database_names_leaf_and_database(tmp_pa
     with pytest.raises(pytreeckpt.CheckpointError, match=r"leaf 'b'.* missing from the OCDBT database 'ocdbt/0'"):
         pytreeckpt.load(tmp_path / "c")
     assert pytreeckpt.load(tmp_path / "c", include=["a"])["a"].tolist() == [1.0] * 4
+
+
+def test_the_ranks_of_one_machine_share_its_file_operations(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 44: four ranks of 16 file operations each kept about 100 requests in the disk's queue (40-50 ms each)
+    where one process keeps about 20 (9 ms): a distributed save runs its share of them, by torchrun's
+    LOCAL_WORLD_SIZE."""
+    from pytreeckpt.storage._options import per_rank
+
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert per_rank(None).file_io_concurrency == 16
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert per_rank(None).file_io_concurrency == 4
+    given = pytreeckpt.ExecutorOptions(file_io_concurrency=6, progress=True)
+    assert per_rank(given) == pytreeckpt.ExecutorOptions(file_io_concurrency=2, progress=True)  # (at least 2)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "many")
+    assert per_rank(given) is given

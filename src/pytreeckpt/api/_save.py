@@ -23,6 +23,7 @@ from pytreeckpt.plan import ChunkingOptions, SavePlan
 from pytreeckpt.saving import SaveHandle, SaveRequest, plan_state, prepare, start
 from pytreeckpt.storage import ExecutorOptions
 from pytreeckpt.storage._location import Where
+from pytreeckpt.storage._options import per_rank
 
 __all__ = ["SaveHandle", "async_save", "plan_save_of", "save"]
 
@@ -118,6 +119,7 @@ def save(
     7
     """
     wait_in_flight()
+    comm = distributed_comm(process_group)
     request = SaveRequest(
         path,
         tree,
@@ -125,9 +127,9 @@ def save(
         overwrite,
         user_metadata,
         chunking,
-        executor,
+        executor if comm is None else per_rank(executor),
         namespace,
-        distributed_comm(process_group),
+        comm,
         compression,
         base,
         chunk_hashes,
@@ -198,6 +200,7 @@ def async_save(
     if snapshot not in ("eager", "lazy"):
         raise ValueError(f"snapshot must be 'eager' or 'lazy', found {snapshot!r}")
     wait_in_flight()
+    comm = distributed_comm(process_group)
     request = SaveRequest(
         path,
         tree,
@@ -205,9 +208,9 @@ def async_save(
         overwrite,
         user_metadata,
         chunking,
-        executor,
+        executor if comm is None else per_rank(executor),
         namespace,
-        distributed_comm(process_group),
+        comm,
         compression,
         base,
         chunk_hashes,

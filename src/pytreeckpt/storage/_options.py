@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
 from dataclasses import dataclass
 
-__all__ = ["ExecutorOptions"]
+__all__ = ["ExecutorOptions", "per_rank"]
 
 logger = logging.getLogger("pytreeckpt")
 
@@ -19,7 +21,9 @@ class ExecutorOptions:
 
     Attributes:
       max_inflight_bytes: bytes of writes or reads issued and not yet finished.
-      file_io_concurrency: TensorStore's limit on concurrent file operations.
+      file_io_concurrency: the limit on concurrent file operations (TensorStore's and the
+        executor's own). In a distributed save the ranks of one machine share it
+        (:func:`per_rank`).
       data_copy_concurrency: TensorStore's limit on threads encoding and decoding chunks.
       staging_bytes: the bound on the staging memory of an asynchronous save. None: as
         much as the state this rank writes, so the caller waits only for the copy; a
@@ -74,3 +78,22 @@ class ExecutorOptions:
     def __post_init__(self) -> None:
         if not 0 <= self.background_nice <= 19:
             raise ValueError(f"background_nice is a niceness from 0 to 19, found {self.background_nice}")
+
+
+def per_rank(options: ExecutorOptions | None) -> ExecutorOptions:
+    """One rank's options in a distributed save: the ranks of one machine (``LOCAL_WORLD_SIZE``, which
+    torchrun sets) share its disks, so each runs its share of ``file_io_concurrency`` (at least 2).
+
+    Four ranks of 16 each kept about 100 requests in the disk's queue, each taking 40-50 ms, where one process
+    keeps about 20 of 9 ms: on the development machine a 4 GiB save at 4 ranks took 2.70-2.90 s that way, and
+    2.56-2.70 s with 4 each. (Loads keep theirs: a 1 GiB cold load at 4 ranks took 0.90 s with 4 each, 0.77 s
+    with 16.) Without ``LOCAL_WORLD_SIZE`` the options are as given.
+    """
+    options = options or ExecutorOptions()
+    try:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    except ValueError:
+        local = 1
+    if local <= 1:
+        return options
+    return dataclasses.replace(options, file_io_concurrency=max(2, options.file_io_concurrency // local))
