@@ -19,6 +19,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+import pytreeckpt
+
 GiB = 1 << 30
 MiB = 1 << 20
 
@@ -165,6 +167,32 @@ def round_ratios(top: list[float], bottom: list[float]) -> list[float]:
     times taken at one machine speed (their median is what a target takes; the ratio of the
     medians would pair a fast moment's time with a slow one's)."""
     return [t / b for t, b in zip(top, bottom, strict=True)]
+
+
+def growth_rounds(paths: dict[str, Path], save: Callable[[str], Any], repeat: int, cold: bool) -> dict[str, Any]:
+    """pytreeckpt's saves (``save(name)`` writes to ``paths[name]``) and loads of two states, ``"small"`` and
+    ``"big"``, alternated in the same rounds: how its time grows with the state, without the machine's drift
+    between two runs (minutes apart, this machine's speed can differ by 2x). Each state's first save in the
+    process is untimed (a job's later saves are timed); the loads are cold where ``cold``. The last saves stay
+    in ``paths`` for the caller to look at and remove. The growth is the median of each round's big over its
+    small (timed a second apart)."""
+    for name in paths:
+        fresh(paths[name])()
+        save(name)
+    times = rounds({f"{name} save": (lambda name=name: save(name), fresh(paths[name])) for name in paths}, repeat)
+    for name in paths:
+        fresh(paths[name])()
+        save(name)
+    setup = drop_caches if cold else None
+    loads = {f"{name} load": (lambda name=name: pytreeckpt.load(paths[name]), setup) for name in paths}
+    times.update(rounds(loads, repeat))
+    ratios = {op: round_ratios(times[f"big {op}"], times[f"small {op}"]) for op in ("save", "load")}
+    return {
+        "seconds": {name: statistics.median(t) for name, t in times.items()},
+        "growth": {op: statistics.median(r) for op, r in ratios.items()},
+        "ratios": ratios,
+        "rounds": times,
+    }
 
 
 def alternating_loads(

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import tempfile
 import warnings
 from pathlib import Path
@@ -31,7 +30,7 @@ import torch
 
 import pytreeckpt
 
-from ._common import can_drop_caches, drop_caches, fresh, round_ratios, rounds
+from ._common import can_drop_caches, fresh, growth_rounds
 
 KiB = 1024
 
@@ -53,38 +52,20 @@ def run(
     states = {"small": packed_state(small, leaf_kib), "big": packed_state(big, leaf_kib, seed=1)}
     paths = {name: workdir / f"packed-{name}" for name in states}
 
-    def save(name: str) -> None:
-        pytreeckpt.save(paths[name], states[name], chunking=chunking)
-
-    for name in states:  # each state's first save in the process, untimed (a job's later saves are timed)
-        fresh(paths[name])()
-        save(name)
+    r = growth_rounds(paths, lambda name: pytreeckpt.save(paths[name], states[name], chunking=chunking), repeat, cold)
     # packed: the chunks are entries of the zip archives, no array has files of its own
     where = paths["small"]
     packed = any((where / "packed").rglob("*.zip")) and not any(f.is_file() for f in (where / "arrays").rglob("*"))
-    chunks = -(-leaf_kib * KiB // chunk)
-    saves = {f"{name} save": (lambda name=name: save(name), fresh(paths[name])) for name in states}
-    times = rounds(saves, repeat)
-    for name in states:
-        fresh(paths[name])()
-        save(name)
-    setup = drop_caches if cold else None
-    loads = {f"{name} load": (lambda name=name: pytreeckpt.load(paths[name]), setup) for name in states}
-    times.update(rounds(loads, repeat))
     for p in paths.values():
         fresh(p)()
-    ratios = {op: round_ratios(times[f"big {op}"], times[f"small {op}"]) for op in ("save", "load")}
     return {
         "leaves": [small, big],
         "leaf_bytes": leaf_kib * KiB,
         "chunk_bytes": chunk,
-        "chunks_per_leaf": chunks,
+        "chunks_per_leaf": -(-leaf_kib * KiB // chunk),
         "packed": packed,
         "cold": cold,
-        "seconds": {name: statistics.median(t) for name, t in times.items()},
-        "growth": {op: statistics.median(r) for op, r in ratios.items()},
-        "ratios": ratios,
-        "rounds": times,
+        **r,
     }
 
 

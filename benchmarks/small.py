@@ -32,7 +32,18 @@ import torch
 
 import pytreeckpt
 
-from ._common import GiB, alternating, count_files, drop_caches, fresh, fsync_tree, nbytes_of, round_ratios, rounds
+from ._common import (
+    GiB,
+    alternating,
+    count_files,
+    drop_caches,
+    fresh,
+    fsync_tree,
+    growth_rounds,
+    nbytes_of,
+    round_ratios,
+    rounds,
+)
 
 
 def small_state(count: int, seed: int = 0) -> dict[str, dict[str, torch.Tensor]]:
@@ -149,31 +160,10 @@ def paired(small_count: int, big_count: int, repeat: int, workdir: Path, cold: b
     (minutes apart, this machine's speed can differ by 2x)."""
     states = {"small": small_state(small_count), "big": small_state(big_count)}
     paths = {name: workdir / f"paired-{name}" for name in states}
-    for name, state in states.items():  # each state's first save (a job's later saves are timed, as above)
-        fresh(paths[name])()
-        pytreeckpt.save(paths[name], state)
-    saves = {
-        f"{name} save": (lambda name=name: pytreeckpt.save(paths[name], states[name]), fresh(paths[name]))
-        for name in states
-    }
-    times = rounds(saves, repeat)
-    for name, state in states.items():
-        fresh(paths[name])()
-        pytreeckpt.save(paths[name], state)
-    setup = drop_caches if cold else None
-    loads = {f"{name} load": (lambda name=name: pytreeckpt.load(paths[name]), setup) for name in states}
-    times.update(rounds(loads, repeat))
+    r = growth_rounds(paths, lambda name: pytreeckpt.save(paths[name], states[name]), repeat, cold)
     for p in paths.values():
         fresh(p)()
-    # The growth: the median of each round's big over its small (timed a second apart)
-    ratios = {op: round_ratios(times[f"big {op}"], times[f"small {op}"]) for op in ("save", "load")}
-    return {
-        "leaves": [small_count, big_count],
-        "seconds": {name: statistics.median(t) for name, t in times.items()},
-        "growth": {op: statistics.median(r) for op, r in ratios.items()},
-        "ratios": ratios,
-        "rounds": times,
-    }
+    return {"leaves": [small_count, big_count], **r}
 
 
 def mixed_state(gib: float, seed: int = 0) -> dict[str, Any]:
