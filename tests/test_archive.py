@@ -124,17 +124,24 @@ def test_compressed_small_arrays_and_object_stores_are_not_zipped(tmp_path: Path
         StorageOptions(pack_format="tar")
 
 
+def _flip_value_byte(archive: Path, key: str, at: int, mask: int) -> tuple[bytes, zipfile.ZipInfo]:
+    """Flip ``mask``'s bits of byte ``at`` of entry ``key``'s value in ``archive``; returns the archive's bytes as
+    they were, and the entry's directory record."""
+    good = archive.read_bytes()
+    with zipfile.ZipFile(archive) as z:
+        info = z.getinfo(key)
+    k = info.header_offset + 30 + len(info.filename) + at
+    archive.write_bytes(good[:k] + bytes([good[k] ^ mask]) + good[k + 1 :])
+    return good, info
+
+
 def test_damaged_archives_are_refused_naming_the_leaf_or_the_archive(tmp_path: Path) -> None:
     path = tmp_path / "c"
     tree = {"a": torch.arange(8.0), "b": torch.ones(8)}
     pytreeckpt.save(Location(path, ZIP), tree)
     archive = path / "packed" / "0" / "0.zip"
-    good = archive.read_bytes()
     # A chunk's byte changed: its checksum says so, naming the leaf.
-    with zipfile.ZipFile(archive) as z:
-        info = z.getinfo("arrays/b/c/0")
-    at = info.header_offset + 30 + len(info.filename) + 2
-    archive.write_bytes(good[:at] + bytes([good[at] ^ 0xFF]) + good[at + 1 :])
+    good, _ = _flip_value_byte(archive, "arrays/b/c/0", 2, 0xFF)
     with pytest.raises(pytreeckpt.CheckpointError, match=r"leaf 'b'.*damaged"):
         pytreeckpt.load(path)
     assert torch.equal(pytreeckpt.load(path, include=["a"])["a"], tree["a"])
@@ -404,11 +411,7 @@ def test_an_array_of_several_packed_chunks_is_read_in_one_read_each_chunk_checke
     chunks = [r for r in reads if 3 * 132 < r < 3 * 200]  # (a chunk: 128 bytes, its crc, its header)
     assert len(chunks) == len(tree), reads  # (the rest: each array's zarr.json, the archives' directories)
     archive = path / "packed" / "0" / "0.zip"
-    good = archive.read_bytes()
-    with zipfile.ZipFile(archive) as z:
-        info = z.getinfo("arrays/w7/c/1")
-    at = info.header_offset + 30 + len(info.filename) + 5
-    archive.write_bytes(good[:at] + bytes([good[at] ^ 0x10]) + good[at + 1 :])
+    good, info = _flip_value_byte(archive, "arrays/w7/c/1", 5, 0x10)
     with pytest.raises(pytreeckpt.CheckpointError, match=r"leaf 'w7': chunk \[1\].*damaged"):
         pytreeckpt.load(path)
     # The second chunk's header names the third (the directory still says the second is there).
