@@ -21,7 +21,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
-import sys
 import threading
 from pathlib import Path
 
@@ -29,6 +28,7 @@ import numpy as np
 import torch
 
 from pytreeckpt.core._errors import CheckpointError
+from pytreeckpt.core._libc import linux_libc
 
 __all__ = ["AllocationFailed", "Prefault", "advise_huge_pages", "empty_host", "empty_numpy"]
 
@@ -40,15 +40,7 @@ _THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 @functools.cache
 def _madvise() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     """libc's ``madvise`` on Linux (None elsewhere)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
+    return linux_libc("madvise", ctypes.c_int, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int])
 
 
 @functools.cache

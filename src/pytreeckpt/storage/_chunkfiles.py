@@ -43,6 +43,7 @@ import numpy as np
 
 from pytreeckpt.core._checksum import crc32c
 from pytreeckpt.core._errors import CheckpointError, PermissionDeniedError
+from pytreeckpt.core._libc import linux_libc
 
 __all__ = [
     "LITTLE_ENDIAN",
@@ -388,14 +389,8 @@ _CACHESTAT = 451  # (Linux 6.5 and later; one number on every architecture, as e
 @functools.cache
 def _syscall() -> Any:
     """libc's ``syscall`` where the kernel has ``cachestat`` (Linux 6.5 and later), else None."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).syscall
-    except (OSError, AttributeError):
-        return None
-    fn.restype = ctypes.c_long
-    return fn if _pages_cached(fn, 0) is not None else None
+    fn = linux_libc("syscall", ctypes.c_long)
+    return fn if fn is not None and _pages_cached(fn, 0) is not None else None
 
 
 def _pages_cached(fn: Any, fd: int, nbytes: int = 0) -> int | None:
