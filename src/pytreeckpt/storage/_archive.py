@@ -44,6 +44,14 @@ _LOCAL_SIG, _CENTRAL_SIG, _END_SIG = 0x04034B50, 0x02014B50, 0x06054B50
 _VERSION = 20  # 2.0: stored entries, no ZIP64
 _PAIR_HEAD = _LOCAL_SIG.to_bytes(4, "little")  # a local header's first bytes
 _NO_EXTRA = bytes(2)  # a local header's last field: no extra field
+
+
+def _headed(raw: bytes | memoryview, p: int, name: bytes) -> bool:
+    """Whether a local header at byte ``p`` of ``raw`` names ``name`` and has no extra field (its name's length
+    is the directory's): read together with its neighbours, an entry's value starts right after it."""
+    return raw[p : p + 4] == _PAIR_HEAD and raw[p + 28 : p + 30 + len(name)] == _NO_EXTRA + name
+
+
 _WINDOW_BYTES, _GAP_BYTES = 4 << 20, 64 << 10  # ArchiveReader.pairs: the most it reads at once, and skips
 _DOS_DATE = (0 << 9) | (1 << 5) | 1  # 1980-01-01, the earliest a zip can say: the bytes do not depend on when
 
@@ -431,7 +439,7 @@ class ArchiveReader:
         p = 0
         for name in names:
             start = p + 30 + len(name)
-            if raw[p : p + 4] != _PAIR_HEAD or raw[p + 28 : start] != _NO_EXTRA + name:
+            if not _headed(raw, p, name):
                 return None
             out.append(raw[start : start + size])
             p = start + size
@@ -486,12 +494,7 @@ class ArchiveReader:
             start1 = p + 30 + len(name1)
             end1 = start1 + stored
             start2 = end1 + 30 + len(name2)
-            if (
-                raw.startswith(_PAIR_HEAD, p)
-                and raw[p + 28 : start1] == _NO_EXTRA + name1  # (the name's length: the directory's)
-                and raw.startswith(_PAIR_HEAD, end1)
-                and raw[end1 + 28 : start2] == _NO_EXTRA + name2
-            ):
+            if _headed(raw, p, name1) and _headed(raw, end1, name2):
                 out[k] = (raw[start1:end1], raw[start2 : start2 + size])
 
     def check_unchanged(self, at: int | None = None) -> None:
