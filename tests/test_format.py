@@ -90,8 +90,29 @@ def test_a_stored_array_that_disagrees_with_the_metadata_is_refused(tmp_path: Pa
     path, doc = saved(tmp_path)
     doc["leaves"][0]["shape"] = [2]  # smaller than stored: zarr.json disagrees
     rewrite(path, doc)
-    with pytest.raises(pytreeckpt.CheckpointError, match=r"leaf 'w': cannot open stored array"):
+    # (its chunk files are read by the executor, not opened by TensorStore: its zarr.json is compared field by field)
+    disagrees = r"leaf 'w': arrays/w/zarr\.json does not describe the array the document does: its shape is \[4\]"
+    with pytest.raises(pytreeckpt.CheckpointError, match=disagrees + r", the document's array has \[2\]"):
         pytreeckpt.load(path)
+
+
+def test_a_missing_or_foreign_zarr_json_is_refused(tmp_path: Path) -> None:
+    """zarr.json is what TensorStore and zarr read: a load refuses a checkpoint whose arrays they could not read
+    as the document says, though its own reads do not use it."""
+    path, _ = saved(tmp_path)
+    zarr = path / "arrays" / "w" / "zarr.json"
+    kept = zarr.read_bytes()
+    zarr.unlink()
+    with pytest.raises(pytreeckpt.CheckpointError, match=r"leaf 'w': arrays/w/zarr\.json is missing"):
+        pytreeckpt.load(path)
+    zarr.write_bytes(kept.replace(b'"float32"', b'"int32"'))
+    with pytest.raises(pytreeckpt.CheckpointError, match=r"leaf 'w': .*its data_type is \"int32\""):
+        pytreeckpt.load(path)
+    zarr.write_bytes(b"{" * 70_000)
+    with pytest.raises(pytreeckpt.CheckpointError, match=r"leaf 'w': .*zarr\.json holds 70000 bytes"):
+        pytreeckpt.load(path)
+    zarr.write_bytes(kept)
+    assert pytreeckpt.load(path)["w"].shape == (4,)
 
 
 def test_a_huge_claimed_shape_is_refused_before_any_allocation(tmp_path: Path) -> None:

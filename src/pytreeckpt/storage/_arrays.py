@@ -28,7 +28,7 @@ from pytreeckpt.format import (
     ArrayMeta,
     zarr_metadata,
 )
-from pytreeckpt.storage._chunkfiles import DIRECT_MIN_BYTES, LITTLE_ENDIAN, cold_files, write_chunk
+from pytreeckpt.storage._chunkfiles import DIRECT_MIN_BYTES, LITTLE_ENDIAN, cold_files, read_small, write_chunk
 from pytreeckpt.storage._integrity import (
     _INLINE_CHECK_BYTES,
     _Landing,
@@ -38,6 +38,8 @@ from pytreeckpt.storage._integrity import (
 from pytreeckpt.storage._io import OCDBT_INLINE_BYTES, _all_of, _chunk_key, io_pool
 from pytreeckpt.storage._location import OCDBT_CACHE
 from pytreeckpt.storage._packed import (
+    MAX_ZARR_JSON_BYTES,
+    check_zarr_json,
     describe_database,
     handles,
     in_archives,
@@ -159,6 +161,20 @@ class ArrayIO(PackedIO):
                     with contextlib.suppress(CheckpointError):
                         settle()
                     raise failed(meta, e) from e
+                continue
+            if not create and self._reads_files(meta):
+                # Read as files by the executor (read_chunk), not by TensorStore: nothing to open. Its zarr.json,
+                # which TensorStore and zarr read, must describe the array as the document does.
+                zarr = self.root / meta.path / "zarr.json"
+                what = f"leaf {meta.key!r}"
+                try:
+                    assert self.files is not None
+                    check_zarr_json(meta, read_small(zarr, self.files.real_root(), what, MAX_ZARR_JSON_BYTES))
+                except CheckpointError:
+                    with contextlib.suppress(CheckpointError):
+                        settle()
+                    raise
+                futures.append(_Ready(None))
                 continue
             spec = self._spec(meta, create)
             try:  # a spec TensorStore rejects (e.g. sizes past its limits) fails here, not in the future

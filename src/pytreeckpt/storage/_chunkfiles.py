@@ -56,6 +56,7 @@ __all__ = [
     "no_link",
     "open_regular",
     "read_chunk",
+    "read_small",
     "write_chunk",
 ]
 
@@ -349,6 +350,23 @@ def open_regular(path: Path | str, inside: str | None, what: str) -> tuple[int, 
         os.close(fd)
         raise
     return fd, st
+
+
+def read_small(path: Path, inside: str, what: str, limit: int) -> bytes | None:
+    """The bytes of a small file of a checkpoint (a ``zarr.json``), opened as :func:`open_regular` does; None where
+    it is missing. CheckpointError where it holds more than ``limit`` bytes."""
+    try:
+        fd, st = open_regular(path, inside, what)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    try:
+        if st.st_size > limit:
+            raise CheckpointError(f"{what}: {path} holds {st.st_size} bytes, more than the {limit} expected")
+        return os.pread(fd, limit + 1, 0)
+    except OSError as e:
+        raise _os_error(e, path, what) from e
+    finally:
+        os.close(fd)
 
 
 def _real_inside(path: Path | str, inside: str, what: str) -> str:

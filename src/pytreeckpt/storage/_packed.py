@@ -80,7 +80,7 @@ def _template(storage: str, ndim: int) -> tuple[str, str, str]:
 
 
 def zarr_json(meta: ArrayMeta) -> bytes:
-    """The ``zarr.json`` of a packed uncompressed array, exactly as TensorStore writes it."""
+    """The ``zarr.json`` of an uncompressed array (packed or of its own), exactly as TensorStore writes it."""
     return _zarr_json(meta.dtype.storage, meta.shape, meta.chunk_shape)
 
 
@@ -93,7 +93,7 @@ def _zarr_json(storage: str, shape: tuple[int, ...], chunk_shape: tuple[int, ...
 
 
 MAX_ZARR_JSON_BYTES = 1 << 16
-"""The most a packed array's stored ``zarr.json`` may hold (this library's are a few hundred bytes)."""
+"""The most an array's stored ``zarr.json`` may hold (this library's are a few hundred bytes)."""
 
 _ZARR_FIELDS = (
     "zarr_format",
@@ -108,13 +108,15 @@ _ZARR_FIELDS = (
 
 
 def check_zarr_json(meta: ArrayMeta, stored: bytes | None) -> None:
-    """Refuse a packed array's stored ``zarr.json`` (None: missing) that does not describe the array as the
-    document does, as TensorStore or zarr would read it: its shape, data type, chunk grid, chunk key
-    encoding, codecs and fill value. What this library writes (:func:`zarr_json`) is compared byte for
-    byte; another writing of the same (another TensorStore version's) field by field."""
+    """Refuse an uncompressed array's stored ``zarr.json`` (None: missing), packed or of its own, that does not
+    describe the array as the document does, as TensorStore or zarr would read it: its shape, data type, chunk
+    grid, chunk key encoding, codecs and fill value. What TensorStore writes (:func:`zarr_json`) is compared byte
+    for byte; another writing of the same (another TensorStore version's) field by field."""
     if stored is not None and stored == zarr_json(meta):
         return
-    where = f"leaf {meta.key!r}: {meta.path}/zarr.json in {describe_database(meta.database)}"
+    where = f"leaf {meta.key!r}: {meta.path}/zarr.json"
+    if meta.database is not None:
+        where += f" in {describe_database(meta.database)}"
     if stored is None:
         raise CheckpointError(
             f"{where} is missing: TensorStore or zarr could not open the array this document describes"
