@@ -404,9 +404,13 @@ def async_monitored_save(rank: int, world: int, path: str) -> dict[str, Any]:
     state["plain"].zero_()
     state["flat"].shards[rank].zero_()
     h.wait()
-    out = pytreeckpt.load(path, {"big": torch.zeros(256, 1024), "plain": torch.zeros(64, 1024), "flat": flat * 0})
+    loaded = pytreeckpt.Monitor()
+    target = {"big": torch.zeros(256, 1024), "plain": torch.zeros(64, 1024), "flat": flat * 0}
+    out = pytreeckpt.load(path, target, monitor=loaded)
     same = torch.equal(out["big"], big) and torch.equal(out["plain"], plain) and torch.equal(out["flat"], flat)
     return {
+        "load_ranks": sorted({s.rank for s in loaded.spans}),
+        "load_phases": sorted({s.phase for s in loaded.spans}),
         "same": same,
         "ranks": sorted({s.rank for s in monitor.spans}),
         "phases": sorted({s.phase for s in monitor.spans}),
@@ -660,6 +664,9 @@ def one_rank_fails(rank: int, world: int, path: str) -> list[dict[str, Any]]:
         def load_another_tree(me: bool = me) -> None:
             pytreeckpt.load(f"{path}/base", {**good(), "extra": torch.ones(2)} if me else good())
 
+        def load_from_nowhere(me: bool = me) -> None:  # (rank 0 sends the document, or its failure, to the others)
+            pytreeckpt.load("nosuch://x" if me else f"{path}/base", good())
+
         cases = [
             ("save_meta_tensor", "b", save_meta_tensor),
             ("save_meta_dtensor", "w", save_meta_dtensor),
@@ -668,6 +675,7 @@ def one_rank_fails(rank: int, world: int, path: str) -> list[dict[str, Any]]:
             ("save_another_tree", "extra", save_another_tree),
             ("load_another_shape", "b", load_another_shape),
             ("load_another_tree", "extra", load_another_tree),
+            ("load_from_nowhere", None, load_from_nowhere),
         ]
         if bad == 0:  # a step after the exchange that only rank 0 takes: the committed checkpoint is not replaced
 

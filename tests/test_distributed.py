@@ -172,6 +172,9 @@ def test_async_save_through_a_small_pool_with_every_ranks_spans_on_rank_0(tmp_pa
     assert all(r["same"] for r in results)
     assert results[0]["ranks"] == [0, 1, 2, 3]  # gathered on rank 0
     assert results[1]["ranks"] == [1]  # the others keep their own
+    assert results[0]["load_ranks"] == [0, 1, 2, 3]  # a load's too
+    assert results[1]["load_ranks"] == [1]
+    assert {"plan", "read"} <= set(results[0]["load_phases"])
     assert {"plan", "snapshot", "write", "merge", "commit"} <= set(results[0]["phases"])
     state_bytes = (256 * 1024 + 64 * 1024 + 37 * 11) * 4
     assert results[0]["written"] == state_bytes  # every byte written once, summed over ranks
@@ -247,7 +250,7 @@ def test_one_ranks_error_is_raised_by_every_rank_and_the_groups_stay_usable(tmp_
     world = 2
     results = run_world(world, w.one_rank_fails, str(tmp_path), timeout=60)
     cases = {(c["case"], c["bad"]) for c in results[0]}
-    assert len(cases) == 2 * 7 + 1
+    assert len(cases) == 2 * 8 + 1
     for i, case in enumerate(results[0]):
         seen = [r[i] for r in results]
         what = (case["case"], case["bad"])
@@ -262,6 +265,10 @@ def test_one_ranks_error_is_raised_by_every_rank_and_the_groups_stay_usable(tmp_
     kinds = {c["case"]: c["kind"] for c in results[0]}
     assert kinds["load_another_shape"] == "TargetMismatchError"
     assert "committed" in next(c["message"] for c in results[0] if c["case"] == "save_over_committed")
+    nowhere = {c["bad"]: c["message"] for c in results[0] if c["case"] == "load_from_nowhere"}
+    assert nowhere[0].startswith("reading the checkpoint metadata failed on 1 of 2 ranks: rank 0"), nowhere
+    assert nowhere[1].startswith("preparing the load failed on 1 of 2 ranks: rank 1"), nowhere
+    assert all("unsupported location scheme 'nosuch'" in m for m in nowhere.values()), nowhere
     slowest = max(c["seconds"] for r in results for c in r)
     print(f"slowest failing call: {slowest:.2f} s")
 

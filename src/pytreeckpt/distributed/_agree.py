@@ -2,9 +2,10 @@
 
 A rank that fails before a collective keeps its error (:class:`Carried`) and gives it to
 the collective, so every rank raises together instead of some waiting for a timeout. The
-first collective of a save or load is :func:`agree_on_specs`: each rank sends rank 0 a
-16-byte digest of the arrays it describes, and only when digests differ do descriptions
-travel, to say how. :func:`gather_spans` brings every rank's monitoring to rank 0.
+first collective of a save, and a load's after rank 0 sent its document (:func:`from_rank0`),
+is :func:`agree_on_specs`: each rank sends rank 0 a 16-byte digest of the arrays it describes,
+and only when digests differ do descriptions travel, to say how. Every rank's monitoring comes
+to rank 0 with a collective the call makes anyway (:func:`own_spans`, :func:`take_spans`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,16 @@ from pytreeckpt.distributed._comm import Comm, describe_failure, failure
 from pytreeckpt.execute._monitor import Monitor, Span
 from pytreeckpt.plan import ArraySpec, spec_digest, spec_plan_key
 
-__all__ = ["Carried", "agree_on_specs", "everyone", "gather_spans", "state_digest"]
+__all__ = [
+    "Carried",
+    "agree_on_specs",
+    "agree_with_spans",
+    "everyone",
+    "from_rank0",
+    "own_spans",
+    "state_digest",
+    "take_spans",
+]
 
 
 class Carried:
@@ -86,17 +96,47 @@ class Catch:
         return True
 
 
+def from_rank0(comm: Comm, carried: Carried, value: Any, what: str) -> Any:
+    """Rank 0's ``value`` on every rank, in one collective (a broadcast); or, where rank 0 failed at ``what``
+    (its error carried), that failure, which every rank raises together. Another rank's own carried error stays
+    carried, to the next agreement (:func:`agree_on_specs`): a load's first collectives are this and that one.
+
+    ``value`` is bytes (a document); a failure travels as a tuple (its kind and message).
+    """
+    failed = comm.rank == 0 and carried.error is not None
+    sent = comm.broadcast(("failed", describe_failure(carried.error)) if failed else value if comm.rank == 0 else None)
+    if isinstance(sent, tuple):
+        error, carried.error = carried.error, None
+        raise failure(what, [(0, sent[1])], comm.world) from error
+    return sent
+
+
 def everyone(comm: Comm, mine: Any) -> list[Any]:
     """Every rank's ``mine``, on every rank, by rank."""
     return list(comm.broadcast(comm.gather(mine)))
 
 
-def gather_spans(comm: Comm, monitor: Monitor) -> None:
-    """Bring every rank's spans of this call to rank 0's monitor (the other ranks keep their own)."""
-    mine = [s.to_json() for s in monitor.spans if s.rank == comm.rank]
-    gathered = comm.gather(mine)
+def own_spans(monitor: Monitor, rank: int) -> list[Any]:
+    """This rank's spans of ``monitor``, as they travel to rank 0 (with a collective the call makes anyway)."""
+    return [s.to_json() for s in monitor.spans if s.rank == rank]
+
+
+def take_spans(monitor: Monitor, gathered: Sequence[list[Any]]) -> None:
+    """On rank 0: every other rank's spans (:func:`own_spans`, by rank) into its monitor."""
+    monitor.extend([Span.from_json(s) for r, spans in enumerate(gathered) if r != 0 for s in spans])
+
+
+def agree_with_spans(comm: Comm, error: BaseException | None, what: str, monitor: Monitor) -> None:
+    """``comm.agree(error, what)`` that also brings every rank's spans of this call to rank 0's monitor, with its
+    failure if any, in the same gather; every rank raises if any rank failed (the spans kept)."""
+    gathered = comm.gather((describe_failure(error), own_spans(monitor, comm.rank)))
+    failed = None
     if comm.rank == 0:
-        monitor.extend([Span.from_json(s) for r, spans in enumerate(gathered) if r != 0 for s in spans])
+        take_spans(monitor, [spans for _, spans in gathered])
+        failed = [(r, e) for r, (e, _) in enumerate(gathered) if e is not None]
+    failed = comm.broadcast(failed)
+    if failed:
+        raise failure(what, failed, comm.world) from error
 
 
 def _describe(specs: Sequence[ArraySpec], dtypes: Sequence[str]) -> list[Any]:
@@ -161,6 +201,8 @@ def agree_on_specs(
             verdict = ("differ",)
     verdict = comm.broadcast(verdict)
     if verdict is None:
+        if error is not None:  # (rank 0 says all agree though this rank failed: a simulated world, SimComm)
+            raise error
         return known
     if verdict[0] == "failed":
         raise failure(f"preparing the {what}", verdict[1], comm.world) from error

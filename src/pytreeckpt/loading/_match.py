@@ -19,7 +19,7 @@ from pytreeckpt.core._errors import TargetMismatchError, where
 from pytreeckpt.core._keys import KeyEntry, keystr
 from pytreeckpt.core._node import Node, leaf_node
 from pytreeckpt.core._tree import flatten
-from pytreeckpt.distributed._agree import Carried
+from pytreeckpt.distributed._agree import Carried, from_rank0
 from pytreeckpt.format import ArrayMeta, CheckpointDoc, ValueMeta
 from pytreeckpt.leaves import KINDS, Buffers, Matching, Objects, expand_target, is_leaf
 from pytreeckpt.storage import ExecutorOptions, Storage
@@ -76,9 +76,10 @@ def match(request: LoadRequest, carried: Carried, seen: list[bytes] | None) -> M
             raw = storage.read_metadata()
             if seen is not None:
                 seen.append(raw)  # to tell, after a failure, whether the checkpoint was replaced meanwhile
-    if comm is not None:
-        carried.agree("reading the checkpoint metadata")
-        raw = comm.broadcast(raw)
+    if comm is not None:  # (rank 0's document, or its failure, which every rank raises)
+        raw = from_rank0(comm, carried, raw, "reading the checkpoint metadata")
+        if carried.error is not None:  # this rank's failure: the agreement on the layouts raises it on every rank
+            return None
     assert raw is not None
     assert storage is not None
     matched = None

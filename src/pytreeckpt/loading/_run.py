@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pytreeckpt.core._dtypes import DType
-from pytreeckpt.distributed._agree import Carried, agree_on_specs, gather_spans
+from pytreeckpt.distributed._agree import Carried, agree_on_specs, agree_with_spans, state_digest
 from pytreeckpt.distributed._comm import Comm, data_comm
 from pytreeckpt.execute._executor import read_arrays
 from pytreeckpt.execute._memory import Prefault
@@ -43,26 +43,27 @@ def load_once(request: LoadRequest, monitor: Monitor, seen: list[bytes] | None =
     specs: list[ArraySpec] = []
     with carried.catch():
         specs = [d.spec() for _, d in dests]
+    world = comm.world if comm is not None else max((span(d.layout, d.ranks) for _, d in dests), default=1)
+    rank = None if comm is None else comm.rank
+    chunks = [d.meta.chunk_shape for _, d in dests]
+    plan = LoadPlan(world, ())
     base: tuple[Any, ...] | None = None
+    if carried.error is None:
+        # Planned before the ranks agree on the layouts (a plan of layouts they disagree on is dropped): a
+        # failure here is carried into that agreement, the one collective between the document and the reads.
+        with carried.catch():
+            base = spec_plan_key(specs)
+            plan = LOAD_PLANS.get_or(
+                (*base, world, rank, tuple(chunks)), lambda: plan_load(chunks, specs, world, rank=rank)
+            )
+            if comm is None:
+                plan = _held(plan, [d.pieces for _, d in dests])
     if comm is not None:
         names = [d.meta.dtype.name if d.cast is None else f"{d.meta.dtype.name}->{d.cast.name}" for _, d in dests]
         # (a target's objects are restored after an agreement of their own: every rank must hold them)
         objects = [] if matched is None or matched.objects is None else matched.objects.described()
-        agreed = agree_on_specs(comm, specs, names, "load", carried.error, objects)
-        base = None if agreed is None else agreed[0]
-        world = comm.world
-    else:
-        world = max((span(d.layout, d.ranks) for _, d in dests), default=1)
-    rank = None if comm is None else comm.rank
-    chunks = [d.meta.chunk_shape for _, d in dests]
-    plan = LoadPlan(world, ())
-    with carried.catch():
-        extra = (world, rank, tuple(chunks))
-        plan_key = spec_plan_key(specs, *extra) if base is None else (*base, *extra)
-        plan = LOAD_PLANS.get_or(plan_key, lambda: plan_load(chunks, specs, world, rank=rank))
-        if comm is None:
-            plan = _held(plan, [d.pieces for _, d in dests])
-    carried.agree("planning the load")
+        known = None if base is None else (base, state_digest(base, names, objects))
+        agree_on_specs(comm, specs, names, "load", carried.error, objects, known)
     if request.plan_only:
         return plan
     assert matched is not None  # (else the agreement raised)
@@ -89,6 +90,7 @@ def load_once(request: LoadRequest, monitor: Monitor, seen: list[bytes] | None =
     small_bytes = sum(m.nbytes for _, m, _ in small)
     mine += small_bytes
     progress = Progress.maybe(storage.options.progress and me == 0, "load", mine)
+    error: BaseException | None = None  # (a distributed load's: every rank raises it together)
     try:
         if small:
             with monitor.phase("load", "read", me) as box:
@@ -110,7 +112,6 @@ def load_once(request: LoadRequest, monitor: Monitor, seen: list[bytes] | None =
                     casts=casts,
                 )
         else:
-            error = None
             if matched.local is not None:  # this rank's own per-rank leaves, read by it alone
                 try:
                     with monitor.phase("load", "read", me) as box:
@@ -142,14 +143,13 @@ def load_once(request: LoadRequest, monitor: Monitor, seen: list[bytes] | None =
                         finish(k)
                 except Exception as e:
                     error = e
-            comm.agree(error, "loading the checkpoint")
     finally:
         progress.close()
     if h2d_bytes[0]:
         end = time.time()
         monitor.add(Span("load", "h2d", me, end - h2d_seconds[0], end, h2d_bytes[0], thread))
-    if comm is not None:
-        gather_spans(comm, monitor)
+    if comm is not None:  # (with every rank's spans, to rank 0's monitor)
+        agree_with_spans(comm, error, "loading the checkpoint", monitor)
     if matched.objects is not None:
         return _restored(matched.objects, results, comm)
     return matched.structure.unflatten(results)

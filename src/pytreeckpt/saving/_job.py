@@ -23,7 +23,7 @@ import torch
 
 from pytreeckpt.core._errors import CheckpointError
 from pytreeckpt.core._region import Region
-from pytreeckpt.distributed._agree import gather_spans
+from pytreeckpt.distributed._agree import own_spans, take_spans
 from pytreeckpt.distributed._comm import data_comm
 from pytreeckpt.execute._executor import (
     ChunkReuse,
@@ -436,16 +436,17 @@ class SaveJob:
         t1 = time.perf_counter()
         # What only the writers know goes to rank 0: where each packed array went, and the chunks' checksums.
         packed = {i: m.database for i, m in enumerate(self.metas) if m.database not in (None, self._placeholder)}
-        gathered = comm.gather((packed, self._sums().payload()))
+        # (with every rank's spans, to rank 0's monitor: each rank's last phase has ended)
+        gathered = comm.gather((packed, self._sums().payload(), own_spans(self.monitor, me)))
         if me == 0:
+            take_spans(self.monitor, [g[2] for g in gathered])
             try:
                 self._check_cancelled()
                 with self.monitor.phase("save", "commit", 0):
-                    self._commit(gathered)
+                    self._commit([g[:2] for g in gathered])
             except Exception as e:
                 error = e
         self._agree(error, "committing the checkpoint")
-        gather_spans(comm, self.monitor)
         return t1
 
 
