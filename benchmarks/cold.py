@@ -25,10 +25,14 @@ Reads:
   and direct, each timed by fio's own runtime; fio must have read every byte.
 - a single-threaded raw read of the chunk files (``read()`` of 16 MiB, timed in this process):
   the baseline.
+- 16 threads reading the chunk files with ``O_DIRECT``, one read per file as a load does, into memory each
+  thread faulted in once (``16 threads direct``, like fio's jobs; on this machine often faster than they
+  are), and the same into new memory for each file (``16 threads direct into new memory``: not a limit, the
+  cost of new memory a load into new tensors pays; on this virtual machine about 1 CPU-second per GiB).
 - ``pytreeckpt.load`` (functional; also with ``ExecutorOptions(huge_pages=False)``, its new
   memory in 4 KiB pages) and ``pytreeckpt.load(..., inplace=True)``.
 
-Each limit is the fastest of fio's ways (``limit_by``, ``write_limit_by``), and each load's or save's rate is
+Each limit is the fastest of those ways (``limit_by``, ``write_limit_by``), and each load's or save's rate is
 given as a fraction of it (``of_limit``, ``save_of_limit``; ``of_fio`` is ``of_limit``'s old name). Issue 44
 found the old read limit, fio's 4 jobs walking 16 MiB files timed from outside, slower than one thread's
 ``read()`` of the same files: :func:`sound_limit` refuses a limit slower than the single-threaded baseline (a
@@ -45,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import mmap
 import os
 import random
 import shutil
@@ -53,6 +58,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -133,11 +139,64 @@ def _raw(files: list[Path]) -> None:
 
 
 BASELINE = "raw read (1 thread)"
+DIRECT = "16 threads direct"
+NEW_MEMORY = "16 threads direct into new memory"
+_THREADS = 16
+
+
+def _groups(files: list[Path]) -> list[list[Path]]:
+    return [g for g in (files[k::_THREADS] for k in range(_THREADS)) if g]
+
+
+def _private(nbytes: int) -> mmap.mmap:
+    """``nbytes`` of new private anonymous memory, page-aligned, as a process's new tensors are (no page faulted)."""
+    return mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+
+
+def _read_direct(files: list[Path], buffer: mmap.mmap | None) -> None:
+    """Each file's whole 4 KiB blocks in one ``O_DIRECT`` read (as a load reads a chunk file), one after another, into
+    ``buffer`` (memory faulted in before, reused as fio's jobs reuse theirs) or into new memory for each (None)."""
+    for path in files:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+        try:
+            whole = os.fstat(fd).st_size // 4096 * 4096
+            memory = _private(whole) if buffer is None else buffer
+            view = memoryview(memory)[:whole]
+            done = 0
+            while done < whole:
+                n = os.preadv(fd, [view[done:]], done)
+                if n <= 0:
+                    raise RuntimeError(f"{path}: short direct read at {done} of {whole} bytes")
+                done += n
+            view.release()
+            if buffer is None:
+                memory.close()
+        finally:
+            os.close(fd)
+
+
+def direct_ways(files: list[Path]) -> dict[str, Callable[[], Any]]:
+    """The chunk files read with ``O_DIRECT`` by 16 threads (a share of the files each, one read per file, as a load
+    reads them): into memory each thread faulted in once (:data:`DIRECT`, a way to drive the disk like fio's, and a
+    candidate for the limit), and into new memory for each file (:data:`NEW_MEMORY`, what new memory costs besides
+    the disk: not a limit, a load into new tensors pays it)."""
+    groups = _groups(files)
+    largest = max(f.stat().st_size for f in files)
+    buffers = [_private(largest) for _ in groups]
+    for b in buffers:  # (faulted in now, outside the timing: each thread's own, as fio's jobs have)
+        b.write(b"\1" * largest)
+
+    def run(new: bool) -> None:
+        with ThreadPoolExecutor(len(groups)) as pool:
+            list(pool.map(_read_direct, groups, [None] * len(groups) if new else buffers))
+
+    return {DIRECT: lambda: run(False), NEW_MEMORY: lambda: run(True)}
 
 
 def read_ways(path: Path, files: list[Path], nbytes: int, jobs: int, workdir: Path) -> dict[str, Callable[[], Any]]:
-    """Every way of reading the checkpoint's bytes the limit is the fastest of: fio's (returning their own runtime)
-    and the single-threaded baseline (timed from outside, in this process, as the loads are)."""
+    """Every way of reading the checkpoint's bytes: fio's (returning their own runtime), the single-threaded baseline
+    and :func:`direct_ways` (timed from outside, in this process, as the loads are). The limit is the fastest of them
+    but :data:`NEW_MEMORY` (see :func:`limit_ways`)."""
     large = workdir / "fio-large"
     lay_out_large(large, nbytes, jobs)
     return {
@@ -146,6 +205,7 @@ def read_ways(path: Path, files: list[Path], nbytes: int, jobs: int, workdir: Pa
         f"fio {jobs} jobs large files": lambda: _fio_large(large, nbytes, jobs),
         f"fio {jobs} jobs large files direct": lambda: _fio_large(large, nbytes, jobs, direct=True),
         BASELINE: lambda: _raw(files),
+        **direct_ways(files),
     }
 
 
@@ -204,6 +264,11 @@ def write_ways(sizes: list[int], jobs: int, workdir: Path) -> dict[str, Callable
     }
 
 
+def limit_ways(ways: list[str]) -> list[str]:
+    """The read ways a limit is the fastest of: all but the read into new memory (which shows its cost)."""
+    return [w for w in ways if w != NEW_MEMORY]
+
+
 def sound_limit(
     seconds: dict[str, float], ways: list[str], baseline: str = BASELINE, what: str = "read"
 ) -> tuple[str, float]:
@@ -238,7 +303,7 @@ def _summary(
     """Medians, the read limit and each load's rate as a fraction of it (``of_limit``); with ``writes`` (the write
     ways, the baseline among them), the write limit and each save's fraction of it (``save_of_limit``)."""
     seconds = {k: statistics.median(v) for k, v in times.items()}
-    name, limit = sound_limit(seconds, ways)
+    name, limit = sound_limit(seconds, limit_ways(ways))
     of_limit = {k: limit / s for k, s in seconds.items() if k not in (writes or []) and k != "pytreeckpt.save"}
     out = {
         "bytes": nbytes,
@@ -360,7 +425,7 @@ def _rank_worker(rank: int, world: int, port: int, args: dict[str, Any]) -> None
 
         ways = read_ways(path, files, sum(f.stat().st_size for f in files), jobs, path.parent) if rank == 0 else {}
         names = [f"fio {jobs} jobs", f"fio {jobs} jobs direct", f"fio {jobs} jobs large files"]
-        names += [f"fio {jobs} jobs large files direct", BASELINE]
+        names += [f"fio {jobs} jobs large files direct", BASELINE, DIRECT, NEW_MEMORY]
 
         def load(executor: pytreeckpt.ExecutorOptions | None = None) -> None:
             target = _rank_state(rank, world, args["gib"], args["leaves"], mesh, fresh=True)

@@ -143,6 +143,8 @@ def test_the_disk_benchmark_sets_saves_and_cold_loads_against_the_limits_at_one_
 
     for r in (cold.run(0.01, 2, 1, 2, tmp_path), cold.run_ranks(2, 0.01, 2, 1, 2, tmp_path)):
         assert set(r["of_limit"]) >= {"fio 2 jobs", cold.BASELINE, "pytreeckpt.load", "pytreeckpt.load inplace"}
+        assert set(r["of_limit"]) >= {cold.DIRECT, cold.NEW_MEMORY}
+        assert r["limit_by"] != cold.NEW_MEMORY
         assert set(r["save_of_limit"]) >= {"fio 2 jobs write direct", cold.WRITE_BASELINE, "pytreeckpt.save"}
         assert not set(r["of_limit"]) & set(r["save_of_limit"])
         assert r["write_limit_by"].startswith("fio 2 jobs write")
@@ -212,3 +214,7 @@ def test_the_read_limit_is_the_fastest_way_and_never_slower_than_one_thread() ->
     writes = {"fio 4 jobs write": 0.9, cold.WRITE_BASELINE: 0.8}
     with pytest.raises(RuntimeError, match=r"no sound write limit: the fastest way, 'fio 4 jobs write', took 0.900 s"):
         cold.sound_limit(writes, list(writes), cold.WRITE_BASELINE, "write")
+    # 16 threads' direct reads are a way to drive the disk; the same into new memory shows that memory's cost
+    seconds = {**seconds, cold.DIRECT: 0.6, cold.NEW_MEMORY: 0.5}
+    ways = [*ways, cold.DIRECT, cold.NEW_MEMORY]
+    assert cold.sound_limit(seconds, cold.limit_ways(ways)) == (cold.DIRECT, 0.6)
