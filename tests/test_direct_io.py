@@ -221,9 +221,10 @@ def test_a_cold_load_into_new_memory_reads_around_the_page_cache_and_a_warm_one_
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Issue 44 item 3: a cold load into new memory filled the page cache and the memory (twice the fresh pages;
-    4 GiB took 7.4 s against fio's 2.7 s). New buffers start on a page, and chunk files the cache holds none of
-    are read straight into them with O_DIRECT; cached ones, and memory off a page (a caller's tensors), through
-    the cache. The bytes are checked the same way: a damaged chunk read around the cache is caught."""
+    4 GiB took 7.4 s against fio's 2.7 s). Chunk files the cache holds none of are read around it with O_DIRECT,
+    through each I/O thread's small buffer, into new memory (which starts on a page) or a caller's tensors (which
+    do not); cached files through the cache. The bytes are checked the same way: a damaged chunk read around
+    the cache is caught, in new memory and in place."""
     if chunkfiles._syscall() is None:
         pytest.skip("this kernel has no cachestat (Linux 6.5 and later)")
     g = torch.Generator().manual_seed(2)
@@ -237,9 +238,10 @@ def test_a_cold_load_into_new_memory_reads_around_the_page_cache_and_a_warm_one_
     reads: list[tuple[bool, int, int]] = []  # (on a page, bytes, bytes read around the cache)
     real = chunkfiles._read_direct
 
-    def spy(fd: int, head: np.ndarray) -> int:
-        reads.append((head.ctypes.data % 4096 == 0, head.nbytes, done := real(fd, head)))
-        return done
+    def spy(fd: int, head: np.ndarray) -> tuple[int, int]:
+        got = real(fd, head)
+        reads.append((head.ctypes.data % 4096 == 0, head.nbytes, got[0]))
+        return got
 
     monkeypatch.setattr(chunkfiles, "_read_direct", spy)
     from pytreeckpt.execute import _memory
@@ -253,7 +255,8 @@ def test_a_cold_load_into_new_memory_reads_around_the_page_cache_and_a_warm_one_
     assert advised == []  # (cold: the reads fault the new pages in, 4 KiB at a time, cheaper than huge pages)
     assert all(t.data_ptr() % 4096 == 0 for t in got.values())  # (new memory of a MiB or more starts on a page)
     assert sum(aligned for aligned, _, _ in reads) == 4  # (w: 2 chunks, t: its first, b: 1)
-    assert all(done == (nbytes // 4096 * 4096 if aligned else 0) for aligned, nbytes, done in reads), reads
+    # every chunk file of a MiB or more around the cache, on a page or not; the small one ("t"'s edge) through it
+    assert all(done == (nbytes // 4096 * 4096 if nbytes >= MiB else 0) for _, nbytes, done in reads), reads
     reads.clear()
     for f in path.rglob("*"):  # (the cache holds them: read by another program)
         if f.is_file():
@@ -265,9 +268,13 @@ def test_a_cold_load_into_new_memory_reads_around_the_page_cache_and_a_warm_one_
     assert all(torch.equal(got[k], v) for k, v in state.items())
     reads.clear()
     _evict(path)
-    pytreeckpt.load(path, {k: torch.zeros_like(v) for k, v in state.items()}, inplace=True)
+    target = {k: torch.zeros_like(v) for k, v in state.items()}
+    assert all(t.data_ptr() % 4096 for t in target.values())  # (a caller's tensors start 64 bytes into a page)
+    pytreeckpt.load(path, target, inplace=True)
+    assert all(torch.equal(target[k], v) for k, v in state.items())
     assert reads
-    assert all(done == 0 for _, _, done in reads)  # a caller's tensors start 64 bytes into a page: the cache
+    assert all(not aligned for aligned, _, _ in reads)
+    assert all(done == (nbytes // 4096 * 4096 if nbytes >= MiB else 0) for _, nbytes, done in reads), reads
     # A byte of a chunk changed on disk, read around the cache: its checksum says so.
     chunk = next(f for f in sorted((path / "arrays" / "w").rglob("*")) if f.is_file() and f.name != "zarr.json")
     data = bytearray(chunk.read_bytes())
@@ -277,10 +284,45 @@ def test_a_cold_load_into_new_memory_reads_around_the_page_cache_and_a_warm_one_
     _evict(path)
     with pytest.raises(pytreeckpt.CheckpointError, match=r"leaf 'w'.*damaged.*fails its checksum"):
         pytreeckpt.load(path)
+    _evict(path)
+    with pytest.raises(pytreeckpt.CheckpointError, match=r"leaf 'w'.*damaged.*fails its checksum"):
+        pytreeckpt.load(path, target, inplace=True)
 
 
 @needs_direct
-def test_a_direct_read_of_a_file_cut_short_is_an_error_not_a_short_tensor(tmp_path: Path) -> None:
+@pytest.mark.parametrize("offset", [0, 64, 4096 + 512], ids=["on a page", "64 bytes into a page", "512-aligned"])
+def test_a_cold_chunk_is_read_around_the_cache_in_pieces_into_memory_on_a_page_or_not(
+    tmp_path: Path, offset: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A chunk file of many direct-read pieces and a tail shorter than a block, read cold into memory that starts
+    on a page (a load's own) or anywhere (a caller's tensor): the bytes are the file's, its crc32c is checked,
+    and the page cache holds none of its whole blocks afterwards (they went around it)."""
+    fn = chunkfiles._syscall()
+    if fn is None:
+        pytest.skip("this kernel has no cachestat (Linux 6.5 and later)")
+    monkeypatch.setattr(chunkfiles, "_DIRECT_READ", 64 << 10)  # (many pieces in a small file)
+    data = np.random.default_rng(4).standard_normal(MiB // 4 * 3 + 333).astype(np.float32)
+    path = tmp_path / "chunk"
+    crc = write_chunk(path, data, data.shape, fsync=True)
+    _evict(tmp_path)
+    memory = mmap.mmap(-1, data.nbytes + offset, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    out = np.frombuffer(memory, dtype=np.uint8)[offset:].view(np.float32)
+    read_chunk(path, data.shape, data.shape, [((slice(0, data.size),), out)], "chunk", expected=crc, direct=True)
+    assert np.array_equal(out, data)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert chunkfiles._pages_cached(fn, fd, data.nbytes // 4096 * 4096) == 0
+    finally:
+        os.close(fd)
+    wrong = crc ^ 1
+    _evict(tmp_path)
+    with pytest.raises(pytreeckpt.CheckpointError, match=r"chunk is not the chunk the metadata records"):
+        read_chunk(path, data.shape, data.shape, [((slice(0, data.size),), out)], "chunk", expected=wrong, direct=True)
+
+
+@needs_direct
+@pytest.mark.parametrize("offset", [0, 64], ids=["on a page", "64 bytes into a page"])
+def test_a_direct_read_of_a_file_cut_short_is_an_error_not_a_short_tensor(tmp_path: Path, offset: int) -> None:
     if chunkfiles._syscall() is None:
         pytest.skip("this kernel has no cachestat (Linux 6.5 and later)")
     data = np.random.default_rng(3).standard_normal(MiB // 2).astype(np.float32)  # 2 MiB
@@ -289,7 +331,8 @@ def test_a_direct_read_of_a_file_cut_short_is_an_error_not_a_short_tensor(tmp_pa
     with open(path, "r+b") as f:
         f.truncate(MiB + 100)
     _evict(tmp_path)
-    out = np.frombuffer(mmap.mmap(-1, data.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), dtype=np.float32)
+    memory = mmap.mmap(-1, data.nbytes + offset, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    out = np.frombuffer(memory, dtype=np.uint8)[offset:].view(np.float32)
     with pytest.raises(pytreeckpt.CheckpointError, match=r"holds 1048676 bytes, expected 2097156"):
         read_chunk(path, data.shape, data.shape, [((slice(None),), out)], "chunk", expected=crc, direct=True)
 

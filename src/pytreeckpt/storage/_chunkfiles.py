@@ -443,43 +443,57 @@ def cold_files(paths: Sequence[Path]) -> bool:
     return pages > 0 and cached * 2 < pages
 
 
-def _read_direct(fd: int, head: np.ndarray) -> int:
-    """Read the whole blocks of ``head`` (flat uint8, from the file's first byte) around the page cache, straight
-    into its memory, where it starts on a page, holds :data:`DIRECT_MIN_BYTES` or more, the file system takes
-    ``O_DIRECT`` and the page cache holds none of those blocks; returns the bytes read (0: none, the caller reads
-    through the page cache).
+def _read_direct(fd: int, head: np.ndarray) -> tuple[int, int]:
+    """Read the whole blocks of ``head`` (flat uint8, from the file's first byte) around the page cache, where it
+    holds :data:`DIRECT_MIN_BYTES` or more, the file system takes ``O_DIRECT`` and the page cache holds none of
+    those blocks; returns the bytes read and their crc32c (0, 0: none read, the caller reads through the page
+    cache).
 
     A cold read of a large checkpoint into new memory through the page cache fills twice its size of fresh
     pages (the cache's and the memory's; on a virtual machine each costs a fault in the host too): a 4 GiB load
     took 7.4 s that way and 2.7 s around the cache, fio's own time. Blocks the cache holds, even some, are
     read from there (faster than the device).
+
+    The file is read :data:`_DIRECT_READ` bytes at a time into this thread's page-aligned buffer, each piece
+    checksummed there and copied out while it is in the CPU's cache. On the development machine (a virtual
+    one) the device filled a few small buffers, used again and again, much faster than large or new memory:
+    16 threads read 1 GiB in 0.50 s into 256 KiB each, 0.78 s in one 16 MiB read per file into memory
+    faulted in before, 0.88 s into new memory. Loads of 1 GiB, alternated: in place 0.57-0.65 s this way,
+    0.78-0.86 s through the page cache; into new tensors 0.69-0.71 s, 0.78-0.85 s reading straight into them
+    (256 KiB at a time), 0.85-0.93 s in one read per file. The memory need not start on a page.
     """
-    if head.nbytes < DIRECT_MIN_BYTES or head.ctypes.data % _DIRECT_ALIGN or not _O_DIRECT:
-        return 0
+    if head.nbytes < DIRECT_MIN_BYTES or not _O_DIRECT:
+        return 0, 0
     fn = _syscall()
     whole = head.nbytes - head.nbytes % _DIRECT_ALIGN
     if fn is None or _pages_cached(fn, fd, whole) != 0:  # (the last block, a save writes through the cache)
-        return 0
+        return 0, 0
     flags = fcntl.fcntl(fd, fcntl.F_GETFL)
     try:
         fcntl.fcntl(fd, fcntl.F_SETFL, flags | _O_DIRECT)
     except OSError:  # (a file system that takes no direct reads)
-        return 0
+        return 0, 0
+    bounce = _bounce()
+    piece = min(_DIRECT_READ, bounce.nbytes)
     try:
-        done = 0
+        done = crc = 0
         while done < whole:
+            k = min(piece, whole - done)
             try:
-                n = os.preadv(fd, [head[done : done + min(_MAX_IO, whole - done)].data], done)
+                n = os.preadv(fd, [bounce[:k].data], done)
             except OSError as e:
                 if e.errno == errno.EINVAL and done == 0:  # (it opened, but takes no direct reads)
-                    return 0
+                    return 0, 0
                 raise
+            n -= n % _DIRECT_ALIGN  # (shorter than it was: the caller's read says so)
             if n == 0:
-                break  # (shorter than it was: the caller's read says so)
-            done += n - n % _DIRECT_ALIGN
-            if n % _DIRECT_ALIGN:
                 break
-        return done
+            crc = crc32c(bounce[:n], crc)
+            head[done : done + n] = bounce[:n]
+            done += n
+            if n < k:
+                break
+        return done, crc
     finally:
         fcntl.fcntl(fd, fcntl.F_SETFL, flags)
 
@@ -490,7 +504,8 @@ DIRECT_MIN_BYTES = 1 << 20
 _O_DIRECT = getattr(os, "O_DIRECT", 0)  # (Linux and a few others; elsewhere every write is buffered)
 _DIRECT_ALIGN = 4096  # what O_DIRECT asks of offsets, lengths and memory on every common device
 _BOUNCE_BYTES = 2 << 20
-_BOUNCE = threading.local()  # .buf: this I/O thread's page-aligned buffer for direct writes
+_DIRECT_READ = 256 << 10  # bytes per direct read (see _read_direct)
+_BOUNCE = threading.local()  # .buf: this I/O thread's page-aligned buffer for direct writes and reads
 
 
 def _write_direct(path: Path, raw: np.ndarray, pad: int, fsync: bool) -> int | None:
@@ -617,10 +632,9 @@ def read_chunk(
     (when it records one): a chunk moved, swapped or taken from another checkpoint is
     caught. A symbolic link is followed only inside the directory ``inside``. Where one
     target wants all of the chunk, laid out as one prefix of the file, into contiguous
-    memory, the file is read straight into that memory (with ``direct``, around the page
-    cache where that memory starts on a page and the cache holds none of the file:
-    :func:`_read_direct`); otherwise through a scratch buffer. ``what`` names the chunk in
-    errors.
+    memory, the file is read into that memory (with ``direct``, around the page cache
+    where the cache holds none of the file, through a small buffer: :func:`_read_direct`);
+    otherwise through a scratch buffer. ``what`` names the chunk in errors.
     """
     chunk = tuple(chunk_shape)
     if dtype is None:
@@ -664,9 +678,9 @@ def _read_into(
         if whole and dest.dtype == dtype and dest.flags.c_contiguous and _padded_tail(valid, chunk):
             head = _bytes_of(dest)
             tail = np.empty(stored + 4 - head.nbytes, dtype=np.uint8)
-            done = _read_direct(fd, head) if direct else 0
+            done, crc = _read_direct(fd, head) if direct else (0, 0)
             _read_all(fd, [head[done:], tail], done)
-            return _check(crc32c(tail[:-4], crc32c(head)), tail, path, what)
+            return _check(crc32c(tail[:-4], crc32c(head[done:], crc)), tail, path, what)
     scratch = np.empty(stored + 4, dtype=np.uint8)
     _read_all(fd, [scratch])
     crc = _check(crc32c(scratch[:stored]), scratch[stored:], path, what)
