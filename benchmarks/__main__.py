@@ -309,8 +309,8 @@ def main() -> None:
         if "write_limit_by" in r:
             md += [
                 f"Write limit: {r['write_limit_by']} ({r['write_limit_seconds']:.3f} s); read limit: {r['limit_by']} "
-                f"({r['limit_seconds']:.3f} s): the fastest ways (medians; fio's, and for reads also 16 threads' "
-                "direct reads, not those into new memory), each at least the single-threaded raw write's or read's "
+                f"({r['limit_seconds']:.3f} s): the fastest ways (medians; fio's and 16 threads' direct writes and "
+                "reads, not those into new memory), each at least the single-threaded raw write's or read's "
                 "rate. Every round: "
                 + "; ".join(f"{k} " + ", ".join(f"{x:.2f}" for x in v) for k, v in r["all_seconds"].items()),
                 "",

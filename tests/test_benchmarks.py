@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -143,11 +144,13 @@ def test_the_disk_benchmark_sets_saves_and_cold_loads_against_the_limits_at_one_
 
     for r in (cold.run(0.01, 2, 1, 2, tmp_path), cold.run_ranks(2, 0.01, 2, 1, 2, tmp_path)):
         assert set(r["of_limit"]) >= {"fio 2 jobs", cold.BASELINE, "pytreeckpt.load", "pytreeckpt.load inplace"}
-        assert set(r["of_limit"]) >= {cold.DIRECT, cold.NEW_MEMORY}
-        assert r["limit_by"] != cold.NEW_MEMORY
-        assert set(r["save_of_limit"]) >= {"fio 2 jobs write direct", cold.WRITE_BASELINE, "pytreeckpt.save"}
+        assert set(r["of_limit"]) >= {cold.DIRECT, cold.NEW_MEMORY, cold.DIRECT_SMALL}
+        assert r["limit_by"] not in (cold.NEW_MEMORY, cold.BASELINE)
+        assert set(r["save_of_limit"]) >= {"fio 2 jobs write direct", cold.WRITE_SMALL, cold.WRITE_BASELINE}
+        assert "pytreeckpt.save" in r["save_of_limit"]
         assert not set(r["of_limit"]) & set(r["save_of_limit"])
-        assert r["write_limit_by"].startswith("fio 2 jobs write")
+        assert r["write_limit_by"] in set(r["save_of_limit"]) - {cold.WRITE_BASELINE, "pytreeckpt.save"}
+        assert all(len(v) == 1 and v[0] > 0 for v in r["all_seconds"].values())
         assert r["save_of_limit"][r["write_limit_by"]] == 1.0
         assert all(s > 0 for s in r["seconds"].values())
         assert 0.009 * 2**30 < r["bytes"] <= 0.01 * 2**30
@@ -218,3 +221,32 @@ def test_the_read_limit_is_the_fastest_way_and_never_slower_than_one_thread() ->
     seconds = {**seconds, cold.DIRECT: 0.6, cold.NEW_MEMORY: 0.5}
     ways = [*ways, cold.DIRECT, cold.NEW_MEMORY]
     assert cold.sound_limit(seconds, cold.limit_ways(ways)) == (cold.DIRECT, 0.6)
+    seconds, ways = {**seconds, cold.DIRECT_SMALL: 0.55}, [*ways, cold.DIRECT_SMALL]
+    assert cold.sound_limit(seconds, cold.limit_ways(ways)) == (cold.DIRECT_SMALL, 0.55)
+
+
+def test_the_small_direct_ways_move_every_byte(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The 256 KiB direct ways a disk limit may be set by write each file whole (rounded down to 4 KiB, as fio's)
+    and read each file's whole blocks: a way that skipped bytes would set a limit too fast."""
+    if not getattr(os, "O_DIRECT", 0):
+        pytest.skip("no O_DIRECT on this platform")
+    from benchmarks import cold
+
+    sizes = [(1 << 20) + 5, 3 << 18, 4096 * 3]
+    monkeypatch.setattr(cold.shutil, "rmtree", lambda *a, **k: None)  # (keep what it wrote, to look at)
+    try:
+        assert cold._write_small(tmp_path / "w", sizes) > 0
+    except OSError as e:  # (tmpfs and some others take no O_DIRECT)
+        pytest.skip(f"no direct writes here: {e}")
+    written = sorted((p.name, p.stat().st_size) for p in (tmp_path / "w").iterdir())
+    assert written == sorted((f"f{i}", n // 4096 * 4096) for i, n in enumerate(sizes))
+    files = []
+    for i, n in enumerate(sizes):
+        files.append(tmp_path / f"r{i}")
+        files[-1].write_bytes(bytes([i + 1]) * n)
+    buffer = cold._private(1 << 20)
+    reads: list[int] = []
+    real = os.preadv
+    monkeypatch.setattr(cold.os, "preadv", lambda fd, bufs, at: reads.append(at) or real(fd, bufs, at))
+    cold._read_direct(files, buffer, 256 << 10)
+    assert reads == [0, 256 << 10, 512 << 10, 768 << 10, 0, 256 << 10, 512 << 10, 0]
