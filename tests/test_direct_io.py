@@ -222,9 +222,9 @@ def test_a_cold_load_into_new_memory_reads_around_the_page_cache_and_a_warm_one_
 ) -> None:
     """Issue 44 item 3: a cold load into new memory filled the page cache and the memory (twice the fresh pages;
     4 GiB took 7.4 s against fio's 2.7 s). Chunk files the cache holds none of are read around it with O_DIRECT,
-    through each I/O thread's small buffer, into new memory (which starts on a page) or a caller's tensors (which
-    do not); cached files through the cache. The bytes are checked the same way: a damaged chunk read around
-    the cache is caught, in new memory and in place."""
+    straight into new memory (which starts on a page), or through each I/O thread's small buffer into a caller's
+    tensors (which do not); cached files through the cache. The bytes are checked the same way: a damaged chunk
+    read around the cache is caught, in new memory and in place."""
     if chunkfiles._syscall() is None:
         pytest.skip("this kernel has no cachestat (Linux 6.5 and later)")
     g = torch.Generator().manual_seed(2)

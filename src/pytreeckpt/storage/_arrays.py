@@ -210,10 +210,9 @@ class ArrayIO(PackedIO):
     def cold(self, metas: Sequence[ArrayMeta]) -> bool:
         """Whether a load of these arrays will read most of their bytes around the page cache, into new memory
         (``ExecutorOptions.direct_io``; chunk files of a MiB or more that the cache holds less than half of, judged
-        on up to :data:`_COLD_SAMPLE` of them): new memory is then best faulted in 4 KiB pages, by the copies out
-        of the read buffers themselves (a cold 1 GiB load, alternated: 0.85 s so, 0.87 s into huge pages, 0.92 s
-        and 1.00 s with a thread faulting them in ahead; before reads went through small buffers, a cold 4 GiB
-        load took 3.6 s into huge pages, 2.7 s into small ones)."""
+        on up to :data:`_COLD_SAMPLE` of them): new memory is then best faulted in 4 KiB pages, by the reads
+        themselves (the kernel maps a direct read's pages in bulk; huge pages cost more: a cold 4 GiB load took
+        3.6 s into huge pages, 2.7 s into small ones, as into memory already mapped)."""
         if not self.options.direct_io:
             return False
         big = [m for m in metas if self._reads_files(m) and m.nbytes >= DIRECT_MIN_BYTES]

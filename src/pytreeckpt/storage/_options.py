@@ -50,17 +50,17 @@ class ExecutorOptions:
         of 0.81 s). The files are the same. A load right after such a save reads from
         the device rather than from the page cache. A load also reads chunk files of
         1 MiB and more that the page cache holds none of (Linux 6.5 and later tell)
-        around it, 256 KiB at a time through a small buffer of each I/O thread, into new
-        memory or a caller's tensors: through the cache, a cold 4 GiB load filled twice
-        its size of fresh pages, and took 7.4 s against 2.7 s; and a 1 GiB load in place
-        took 0.57-0.65 s around the cache, 0.78-0.86 s through it.
+        around it, 256 KiB at a time, straight into the new memory it returns (which
+        starts on a page) or through a small buffer of each I/O thread into a caller's
+        tensors: through the cache, a cold 4 GiB load filled twice its size of fresh
+        pages, and took 7.4 s against 2.7 s.
       huge_pages: ask Linux for transparent huge pages (2 MiB, ``madvise``) for the new
         host memory a load reads into through the page cache and for the staging memory
         of an asynchronous save: their pages then fault in several times faster (4 GiB
         loaded into new tensors: 3.1 s with 4 KiB pages, 1.5 s with huge pages, on the
         development machine). A cold load reading around the page cache (``direct_io``)
-        leaves the faults to its copies out of the read buffers, in 4 KiB pages, which
-        cost less there (4 GiB: 2.7 s against 3.6 s). No effect where the kernel's transparent huge pages are
+        leaves the faults to its reads, in 4 KiB pages, which cost less there (4 GiB:
+        2.7 s against 3.6 s). No effect where the kernel's transparent huge pages are
         ``never`` or ``always``, or off Linux.
     """
 
