@@ -66,7 +66,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -74,7 +74,9 @@ import torch.multiprocessing as mp
 
 import pytreeckpt
 
-from ._common import GiB, can_drop_caches, drop_caches, free_port, gloo_rank, make_state
+from ._common import GiB, can_drop_caches, drop_caches, free_port, fsync_dir, gloo_rank, make_state
+
+T = TypeVar("T")
 
 
 def _fio_seconds(cmd: list[str], nbytes: int, rw: str = "read") -> float:
@@ -153,8 +155,9 @@ _PIECE = 256 << 10
 _THREADS = 16
 
 
-def _groups(files: list[Path]) -> list[list[Path]]:
-    return [g for g in (files[k::_THREADS] for k in range(_THREADS)) if g]
+def _groups(items: list[T]) -> list[list[T]]:
+    """``items`` dealt to :data:`_THREADS` threads (none empty)."""
+    return [g for g in (items[k::_THREADS] for k in range(_THREADS)) if g]
 
 
 def _private(nbytes: int) -> mmap.mmap:
@@ -249,7 +252,7 @@ def _write_small(where: Path, sizes: list[int]) -> float:
     shutil.rmtree(where, ignore_errors=True)
     where.mkdir(parents=True)
     whole = [n // 4096 * 4096 for n in sizes]
-    groups = [g for g in (list(range(k, len(whole), _THREADS)) for k in range(_THREADS)) if g]
+    groups = _groups(list(range(len(whole))))
     buffers = [_private(_PIECE) for _ in groups]
     for b in buffers:
         b.write(b"\7" * _PIECE)
@@ -269,11 +272,7 @@ def _write_small(where: Path, sizes: list[int]) -> float:
     t0 = time.perf_counter()
     with ThreadPoolExecutor(len(groups)) as pool:
         list(pool.map(one, groups, buffers))
-    fd = os.open(where, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_dir(where)
     seconds = time.perf_counter() - t0
     shutil.rmtree(where, ignore_errors=True)
     return seconds * sum(sizes) / max(sum(whole), 1)
@@ -289,11 +288,7 @@ def _raw_write(state: dict[str, Any], where: Path) -> None:
         with open(where / k, "wb", buffering=0) as f:
             f.write(memoryview(local.contiguous().view(torch.uint8).numpy()))
             os.fsync(f.fileno())
-    fd = os.open(where, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_dir(where)
 
 
 def write_ways(sizes: list[int], jobs: int, workdir: Path) -> dict[str, Callable[[], Any]]:
