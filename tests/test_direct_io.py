@@ -321,8 +321,7 @@ def test_a_cold_chunk_is_read_around_the_cache_in_pieces_into_memory_on_a_page_o
 
 
 @needs_direct
-@pytest.mark.parametrize("offset", [0, 64], ids=["on a page", "64 bytes into a page"])
-def test_a_direct_read_of_a_file_cut_short_is_an_error_not_a_short_tensor(tmp_path: Path, offset: int) -> None:
+def test_a_direct_read_of_a_file_cut_short_is_an_error_not_a_short_tensor(tmp_path: Path) -> None:
     if chunkfiles._syscall() is None:
         pytest.skip("this kernel has no cachestat (Linux 6.5 and later)")
     data = np.random.default_rng(3).standard_normal(MiB // 2).astype(np.float32)  # 2 MiB
@@ -331,8 +330,7 @@ def test_a_direct_read_of_a_file_cut_short_is_an_error_not_a_short_tensor(tmp_pa
     with open(path, "r+b") as f:
         f.truncate(MiB + 100)
     _evict(tmp_path)
-    memory = mmap.mmap(-1, data.nbytes + offset, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    out = np.frombuffer(memory, dtype=np.uint8)[offset:].view(np.float32)
+    out = np.frombuffer(mmap.mmap(-1, data.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), dtype=np.float32)
     with pytest.raises(pytreeckpt.CheckpointError, match=r"holds 1048676 bytes, expected 2097156"):
         read_chunk(path, data.shape, data.shape, [((slice(None),), out)], "chunk", expected=crc, direct=True)
 
