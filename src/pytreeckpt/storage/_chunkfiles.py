@@ -454,17 +454,20 @@ def _read_direct(fd: int, head: np.ndarray) -> tuple[int, int]:
     took 7.4 s that way and 2.7 s around the cache, fio's own time. Blocks the cache holds, even some, are
     read from there (faster than the device).
 
-    The file is read :data:`_DIRECT_READ` bytes at a time, each piece checksummed as it lands: on the
-    development machine (a virtual one) 16 threads read 1 GiB in 0.62-0.70 s that way against 0.78-0.81 s in
-    one read per file. Where ``head`` starts on a page (the new memory a load returns) the pieces land in it, and
-    the kernel faults its new pages in, in bulk (a 4 GiB load into new tensors: 3.38-3.60 s, against 3.70-4.23 s
-    through a buffer and 3.1-3.9 s in one read per file). Elsewhere (a caller's tensor, 64 bytes into a page,
-    which ``O_DIRECT`` cannot fill) they land in this thread's page-aligned buffer and are copied out while in
-    the CPU's cache; the device fills such a small buffer, used again and again, faster than large memory (1 GiB
-    in 0.50 s): a 1 GiB load in place took 0.57-0.65 s so in most sittings against 0.78-0.86 s through the page
-    cache, and 0.87-0.90 s against 0.78-0.85 s in the others.
+    The file is read :data:`_DIRECT_READ` bytes at a time, straight into ``head``, each piece checksummed as it
+    lands: on the development machine (a virtual one) 16 threads read 1 GiB in 0.62-0.70 s that way against
+    0.78-0.81 s in one read per file, and the kernel faults the new pages in, in bulk (a 4 GiB load into new
+    tensors: 3.38-3.60 s, against 3.1-3.9 s in one read per file).
+
+    ``head`` must start on a page (the new memory a load returns): a caller's tensor, 64 bytes into a page,
+    which ``O_DIRECT`` cannot fill, is read through the page cache (0, 0). Its pages are already faulted in, so
+    the cache's fresh pages are the only ones, and the kernel's readahead drives the device in large requests.
+    Reading it around the cache instead, through each thread's page-aligned buffer and a copy, lost in most
+    sittings, most at 4 ranks: 1 GiB in place at 4 ranks took 0.86-0.99 s so against 0.68-0.74 s through the
+    cache (medians of 6 and 10 alternated rounds, 0.89 s with 2 MiB pieces), in one process 0.87 s against
+    0.70 s (16 rounds), 4 GiB 3.98 s against 3.25 s.
     """
-    if head.nbytes < DIRECT_MIN_BYTES or not _O_DIRECT:
+    if head.nbytes < DIRECT_MIN_BYTES or not _O_DIRECT or head.ctypes.data % _DIRECT_ALIGN:
         return 0, 0
     fn = _syscall()
     whole = head.nbytes - head.nbytes % _DIRECT_ALIGN
@@ -475,13 +478,10 @@ def _read_direct(fd: int, head: np.ndarray) -> tuple[int, int]:
         fcntl.fcntl(fd, fcntl.F_SETFL, flags | _O_DIRECT)
     except OSError:  # (a file system that takes no direct reads)
         return 0, 0
-    bounce = None if head.ctypes.data % _DIRECT_ALIGN == 0 else _bounce()
-    piece = _DIRECT_READ if bounce is None else min(_DIRECT_READ, bounce.nbytes)
     try:
         done = crc = 0
         while done < whole:
-            k = min(piece, whole - done)
-            into = head[done : done + k] if bounce is None else bounce[:k]
+            into = head[done : done + min(_DIRECT_READ, whole - done)]
             try:
                 n = os.preadv(fd, [into.data], done)
             except OSError as e:
@@ -492,10 +492,8 @@ def _read_direct(fd: int, head: np.ndarray) -> tuple[int, int]:
             if n == 0:
                 break
             crc = crc32c(into[:n], crc)
-            if bounce is not None:
-                head[done : done + n] = into[:n]
             done += n
-            if n < k:
+            if n < into.nbytes:
                 break
         return done, crc
     finally:
@@ -509,7 +507,7 @@ _O_DIRECT = getattr(os, "O_DIRECT", 0)  # (Linux and a few others; elsewhere eve
 _DIRECT_ALIGN = 4096  # what O_DIRECT asks of offsets, lengths and memory on every common device
 _BOUNCE_BYTES = 2 << 20
 _DIRECT_READ = 256 << 10  # bytes per direct read (see _read_direct)
-_BOUNCE = threading.local()  # .buf: this I/O thread's page-aligned buffer for direct writes and reads
+_BOUNCE = threading.local()  # .buf: this I/O thread's page-aligned buffer for direct writes
 
 
 def _write_direct(path: Path, raw: np.ndarray, pad: int, fsync: bool) -> int | None:

@@ -51,9 +51,10 @@ class ExecutorOptions:
         the device rather than from the page cache. A load also reads chunk files of
         1 MiB and more that the page cache holds none of (Linux 6.5 and later tell)
         around it, 256 KiB at a time, straight into the new memory it returns (which
-        starts on a page) or through a small buffer of each I/O thread into a caller's
-        tensors: through the cache, a cold 4 GiB load filled twice its size of fresh
-        pages, and took 7.4 s against 2.7 s.
+        starts on a page): through the cache, a cold 4 GiB load filled twice its size of
+        fresh pages, and took 7.4 s against 2.7 s. A caller's tensors (``inplace``),
+        which start 64 bytes into a page, are read through the cache: ``O_DIRECT``
+        cannot fill them, and through a buffer and a copy they were slower.
       huge_pages: ask Linux for transparent huge pages (2 MiB, ``madvise``) for the new
         host memory a load reads into through the page cache and for the staging memory
         of an asynchronous save: their pages then fault in several times faster (4 GiB
