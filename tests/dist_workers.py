@@ -864,3 +864,22 @@ def dtensor_state_saved_again(rank: int, world: int, path: str) -> dict[str, Any
             and all(torch.equal(got[k], v) if isinstance(v, torch.Tensor) else got[k] == v for k, v in want.items())
         )
     return {"same": same}
+
+
+def comm_gather_and_agree(rank: int, world: int) -> dict[str, Any]:
+    """The checkpoint groups' gather of objects of very different sizes (none, a few bytes, a MiB), and agree:
+    silent when every rank succeeded, else the same error on every rank, one failing rank after another."""
+    from pytreeckpt.distributed._comm import distributed_comm
+
+    comm = distributed_comm(None)
+    assert comm is not None
+    objects = [None, b"", "x" * rank, {"rank": rank, "big": bytes(range(256)) * (4096 * rank)}]
+    gathered = [comm.gather(obj) for obj in objects]
+    raised = []
+    for bad in range(world):
+        comm.agree(None, "nothing")
+        try:
+            comm.agree(ValueError(f"broken on {rank}") if rank == bad else None, "testing the agreement")
+        except pytreeckpt.CheckpointError as e:
+            raised.append(str(e))
+    return {"gathered": gathered, "raised": raised}

@@ -273,6 +273,23 @@ def test_one_ranks_error_is_raised_by_every_rank_and_the_groups_stay_usable(tmp_
     print(f"slowest failing call: {slowest:.2f} s")
 
 
+def test_the_checkpoint_groups_gather_objects_of_any_size_and_agree_on_failure() -> None:
+    # agree is one all-reduce when all succeeded, and gathers and broadcasts the failures only when not: every
+    # rank raises the same error, whichever rank failed, and a success between failures stays silent.
+    world = 3
+    results = run_world(world, w.comm_gather_and_agree, timeout=120)
+    expected = [[None] * world, [b""] * world, ["x" * r for r in range(world)]]
+    expected.append([{"rank": r, "big": bytes(range(256)) * (4096 * r)} for r in range(world)])
+    assert results[0]["gathered"] == expected
+    assert all(r["gathered"] == [[], [], [], []] for r in results[1:])
+    for r in results:
+        assert len(r["raised"]) == world  # every rank raised, whichever rank failed
+        for bad, message in enumerate(r["raised"]):
+            assert message.startswith(f"testing the agreement failed on 1 of {world} ranks: rank {bad}"), message
+            assert f"broken on {bad}" in message, message
+    assert [r["raised"] for r in results[1:]] == [results[0]["raised"]] * (world - 1)
+
+
 def test_what_a_rank_receives_in_save_and_load_does_not_grow_with_the_world(tmp_path: Path) -> None:
     # Ranks send rank 0 a digest of their layouts and get its verdict; no rank receives the
     # others' pieces. A load also receives the metadata document rank 0 read. Before: a
