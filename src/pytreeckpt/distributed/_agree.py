@@ -127,16 +127,12 @@ def take_spans(monitor: Monitor, gathered: Sequence[list[Any]]) -> None:
 
 
 def agree_with_spans(comm: Comm, error: BaseException | None, what: str, monitor: Monitor) -> None:
-    """``comm.agree(error, what)`` that also brings every rank's spans of this call to rank 0's monitor, with its
-    failure if any, in the same gather; every rank raises if any rank failed (the spans kept)."""
-    gathered = comm.gather((describe_failure(error), own_spans(monitor, comm.rank)))
-    failed = None
+    """``comm.agree(error, what)`` after every rank's spans of this call came to rank 0's monitor: every rank
+    raises if any rank failed (the spans kept)."""
+    gathered = comm.gather(own_spans(monitor, comm.rank))
     if comm.rank == 0:
-        take_spans(monitor, [spans for _, spans in gathered])
-        failed = [(r, e) for r, (e, _) in enumerate(gathered) if e is not None]
-    failed = comm.broadcast(failed)
-    if failed:
-        raise failure(what, failed, comm.world) from error
+        take_spans(monitor, gathered)
+    comm.agree(error, what)
 
 
 def _describe(specs: Sequence[ArraySpec], dtypes: Sequence[str]) -> list[Any]:
