@@ -5,7 +5,9 @@ the collective, so every rank raises together instead of some waiting for a time
 first collective of a save, and a load's after rank 0 sent its document (:func:`from_rank0`),
 is :func:`agree_on_specs`: each rank sends rank 0 a 16-byte digest of the arrays it describes,
 and only when digests differ do descriptions travel, to say how. Every rank's monitoring comes
-to rank 0 with a collective the call makes anyway (:func:`own_spans`, :func:`take_spans`).
+to rank 0 with a gather the call makes anyway (:func:`own_spans`, :func:`take_spans`): a save's
+gather of checksums, a load's own gather of spans before its last agreement
+(:func:`agree_with_spans`).
 """
 
 from __future__ import annotations
