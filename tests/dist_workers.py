@@ -882,4 +882,41 @@ def comm_gather_and_agree(rank: int, world: int) -> dict[str, Any]:
             comm.agree(ValueError(f"broken on {rank}") if rank == bad else None, "testing the agreement")
         except pytreeckpt.CheckpointError as e:
             raised.append(str(e))
-    return {"gathered": gathered, "raised": raised}
+    # all_same: every rank's bytes against rank 0's, one rank after another differing or holding none.
+    same = [comm.all_same(b"digest"), comm.all_same(b"")]
+    for odd in range(world):
+        same.append(comm.all_same(b"other" if rank == odd else b"digest"))
+        same.append(comm.all_same(None if rank == odd else b"digest"))
+    # agree_on_specs: when every rank agrees, no object collective; when one differs, every rank raises.
+    from pytreeckpt.distributed._agree import agree_on_specs
+
+    objects = [0]
+    real_gather, real_broadcast = dist.gather_object, dist.broadcast_object_list
+
+    def gather_object(*args: Any, **kwargs: Any) -> None:
+        objects[0] += 1
+        real_gather(*args, **kwargs)
+
+    def broadcast_object_list(*args: Any, **kwargs: Any) -> None:
+        objects[0] += 1
+        real_broadcast(*args, **kwargs)
+
+    dist.gather_object, dist.broadcast_object_list = gather_object, broadcast_object_list
+    try:
+        known = agree_on_specs(comm, [], [], "load", values=["step"])
+        agreeing = objects[0]
+        try:
+            agree_on_specs(comm, [], [], "load", values=["step", "lr"] if rank == world - 1 else ["step"])
+            differing = ""
+        except pytreeckpt.CheckpointError as e:
+            differing = str(e)
+    finally:
+        dist.gather_object, dist.broadcast_object_list = real_gather, real_broadcast
+    return {
+        "gathered": gathered,
+        "raised": raised,
+        "same": same,
+        "known": known is not None,
+        "agreeing_objects": agreeing,
+        "differing": differing,
+    }

