@@ -7,6 +7,6 @@ background work never issues collectives on it), and also moves merge fragments 
 forwarded reads point to point; :func:`distributed_comm` gives None for a world of one.
 DTensors are translated to and from the library's declarative specs in ``_dtensor``.
 Ranks agree on failures so no rank waits forever, and on what they save or load
-(``_agree``). What a rank receives does not grow with the world size: layouts travel as
-16-byte digests.
+(``_agree``). What a rank receives does not grow with the world size: ranks compare 16-byte
+digests of their layouts with rank 0's.
 """
