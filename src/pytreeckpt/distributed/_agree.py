@@ -4,11 +4,11 @@ A rank that fails before a collective keeps its error (:class:`Carried`) and giv
 the collective, so every rank raises together instead of some waiting for a timeout. The
 first collective of a save, and a load's after rank 0 sent its document (:func:`from_rank0`),
 is :func:`agree_on_specs`: rank 0's digest of the arrays it describes goes to every rank, which
-compares its own (two tensor collectives, where the communicator can: ``DistComm.all_same``); only
-when a rank failed or a digest differs do digests, then descriptions, travel, to say how. Every rank's monitoring comes
-to rank 0 with a gather the call makes anyway (:func:`own_spans`, :func:`take_spans`): a save's
-gather of checksums, a load's own gather of spans before its last agreement
-(:func:`agree_with_spans`).
+compares its own (two tensor collectives, where the communicator can: ``DistComm.all_same``);
+only when a rank failed or a digest differs do digests, then descriptions, travel, to say how.
+Every rank's monitoring comes to rank 0 with a gather the call makes anyway (:func:`own_spans`,
+:func:`take_spans`): a save's gather of checksums, a load's own gather of spans before its last
+agreement (:func:`agree_with_spans`).
 """
 
 from __future__ import annotations

@@ -138,9 +138,13 @@ class DistComm:
             mine[1:] = torch.frombuffer(bytearray(hashlib.blake2b(value, digest_size=32).digest()), dtype=torch.uint8)
         ref = mine.clone()
         dist.broadcast(ref, src=self.global_rank(0), group=self.group)
-        differs = torch.tensor([value is None or not torch.equal(ref, mine)], dtype=torch.int32)
-        dist.all_reduce(differs, op=dist.ReduceOp.MAX, group=self.group)
-        return not differs.item()
+        return not self._anywhere(value is None or not torch.equal(ref, mine))
+
+    def _anywhere(self, flag: bool) -> bool:
+        """Whether ``flag`` is true on any rank (one all-reduce; every rank gets the same answer)."""
+        got = torch.tensor([flag], dtype=torch.int32)
+        dist.all_reduce(got, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(got.item())
 
     def agree(self, error: BaseException | None, what: str) -> None:
         """Every rank raises the same error if any rank failed; the message names the failed ranks.
@@ -151,9 +155,7 @@ class DistComm:
         # One all-reduce when every rank succeeded (1.0 ms at 4 ranks on one machine, against 7.6 ms for the
         # gather and broadcast below, torch's object collectives); every rank sees the same flag, so where a
         # rank failed all go on to those together.
-        failed_somewhere = torch.tensor([error is not None], dtype=torch.int32)
-        dist.all_reduce(failed_somewhere, op=dist.ReduceOp.MAX, group=self.group)
-        if not failed_somewhere.item():
+        if not self._anywhere(error is not None):
             return
         gathered = self.gather(describe_failure(error))  # on rank 0; its verdict to every rank
         failed = self.broadcast([(r, e) for r, e in enumerate(gathered) if e is not None] if self.rank == 0 else None)
