@@ -210,11 +210,16 @@ def direct_ways(files: list[Path], threads: int = _THREADS) -> dict[str, Callabl
     return {DIRECT: lambda: run(False), NEW_MEMORY: lambda: run(True), DIRECT_SMALL: lambda: run(False, _PIECE)}
 
 
+def _share_threads(world: int) -> int:
+    """Each rank's threads in the :func:`share_names` ways: 16 in all at ``world`` ranks (one at least)."""
+    return max(1, _THREADS // world)
+
+
 def share_names(world: int) -> tuple[str, str, str]:
     """At ``world`` ranks, the names of the ways every rank drives the disk over its own share of the files (each
     with 16 / ``world`` threads, 16 in all): :data:`DIRECT`'s and :data:`DIRECT_SMALL`'s reads, and
     :data:`WRITE_SMALL`'s writes."""
-    each = f"each of {world} ranks {max(1, _THREADS // world)} threads"
+    each = f"each of {world} ranks {_share_threads(world)} threads"
     return f"{each} direct", f"{each} direct 256 KiB", f"{each} direct 256 KiB write"
 
 
@@ -227,7 +232,7 @@ def share_ways(files: list[Path], rank: int, world: int) -> dict[str, Callable[[
     mine = files[rank::world]
     if not mine:  # (fewer files than ranks)
         return {direct: lambda: None, small: lambda: None}
-    ways = direct_ways(mine, max(1, _THREADS // world))
+    ways = direct_ways(mine, _share_threads(world))
     return {direct: ways[DIRECT], small: ways[DIRECT_SMALL]}
 
 
@@ -555,7 +560,7 @@ def _rank_saves(
     wnames += [f"fio {jobs} jobs write large files direct", WRITE_SMALL]
     share = share_names(world)[2]
     mine = sizes[rank::world]  # (this rank's share of the files, into a directory of its own)
-    write_share = _small_writes(shared / str(rank), mine, max(1, _THREADS // world)) if mine else lambda: None
+    write_share = _small_writes(shared / str(rank), mine, _share_threads(world)) if mine else lambda: None
     copies = {f"{k}.{r}": v for r in range(world) for k, v in state.items()}  # (every rank's bytes, as many)
     saves: dict[str, Callable[[], Any]] = {
         **{name: _on_rank0(rank, writes.get(name, lambda: None), name, own) for name in wnames},
