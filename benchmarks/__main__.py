@@ -310,9 +310,16 @@ def main() -> None:
             md += [
                 f"Write limit: {r['write_limit_by']} ({r['write_limit_seconds']:.3f} s); read limit: {r['limit_by']} "
                 f"({r['limit_seconds']:.3f} s): the fastest ways (medians; fio's and 16 threads' direct writes and "
-                "reads, not those into new memory), each at least the single-threaded raw write's or read's "
-                "rate. Every round: "
+                "reads, not those into new memory or into the load's tensors), each at least the single-threaded "
+                "raw write's or read's rate. Every round: "
                 + "; ".join(f"{k} " + ", ".join(f"{x:.2f}" for x in v) for k, v in r["all_seconds"].items()),
+                "",
+            ]
+        if "tensors_by" in r:
+            md += [
+                f"Into the in-place load's own tensors (not a limit) the fastest raw read was {r['tensors_by']}, "
+                f"{r['tensors_seconds']:.3f} s: the in-place load ran at {r['inplace_of_tensors']:.2f} of its "
+                f"rate, and it at {r['limit_seconds'] / r['tensors_seconds']:.2f} of the read limit's.",
                 "",
             ]
         if "files" in r:

@@ -35,6 +35,13 @@ Reads:
 - the same 16 threads reading each file 256 KiB at a time into one buffer of their own (``16 threads direct
   256 KiB``): on this virtual machine the device fills a few small buffers used again and again much faster
   than large ones (1 GiB in 0.50 s against 0.78 s), and it is the fastest way here.
+- the same 16 threads reading the chunk files into the memory of the tensors the in-place load fills
+  (faulted in, 64 bytes into a page as torch's are), through the page cache and with ``O_DIRECT`` 256 KiB at a
+  time into a buffer of their own then copied (``16 threads ... into the load's tensors``, :func:`tensor_ways`;
+  at several ranks each rank its share into its own tensors). Not limits: the fastest of them
+  (``tensors_by``) is what reading into that memory costs, and ``inplace_of_tensors`` the in-place load's rate
+  as a fraction of its. On this virtual machine the same direct reads ran much slower into such memory than
+  into a small buffer used again and again.
 - ``pytreeckpt.load`` (functional; also with ``ExecutorOptions(huge_pages=False)``, its new
   memory in 4 KiB pages) and ``pytreeckpt.load(..., inplace=True)``.
 
@@ -71,6 +78,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -236,6 +244,96 @@ def share_ways(files: list[Path], rank: int, world: int) -> dict[str, Callable[[
     return {direct: ways[DIRECT], small: ways[DIRECT_SMALL]}
 
 
+TENSORS = "into the load's tensors"
+INTO_TENSORS = f"16 threads {TENSORS}"
+INTO_TENSORS_DIRECT = f"16 threads direct 256 KiB {TENSORS}"
+
+
+def _placed(files: list[Path], tensors: list[torch.Tensor]) -> list[tuple[Path, list[np.ndarray]]]:
+    """Each file's whole 4 KiB blocks given the next bytes of the tensors' own memory (flat, one tensor after
+    another; back to the first when they run out, where the files hold padding the tensors do not): the views
+    that file's bytes land in, in order."""
+    memory = [t.view(torch.uint8).reshape(-1).numpy() for t in tensors if t.numel()]
+    total = sum(m.nbytes for m in memory)
+    if total == 0:
+        raise ValueError("no tensor memory to read into")
+    out: list[tuple[Path, list[np.ndarray]]] = []
+    at = 0  # (the offset in the tensors' bytes, flat)
+    for path in files:
+        left = path.stat().st_size // 4096 * 4096
+        views: list[np.ndarray] = []
+        while left:
+            start = at % total
+            k = 0
+            while start >= memory[k].nbytes:
+                start -= memory[k].nbytes
+                k += 1
+            n = min(left, memory[k].nbytes - start)
+            views.append(memory[k][start : start + n])
+            at, left = at + n, left - n
+        out.append((path, views))
+    return out
+
+
+def _read_into(placed: list[tuple[Path, list[np.ndarray]]], buffer: mmap.mmap | None) -> None:
+    """Each file's whole blocks read into its views: through the page cache (``buffer`` None), or with ``O_DIRECT``
+    :data:`_PIECE` bytes at a time into ``buffer`` (page-aligned, faulted in) and copied from there (by numpy,
+    which lets the GIL go, as the loads' copies do)."""
+    piece = None if buffer is None else np.frombuffer(buffer, dtype=np.uint8)
+    for path, views in placed:
+        fd = os.open(path, os.O_RDONLY | (0 if buffer is None else os.O_DIRECT))
+        try:
+            done = 0
+            for view in views:
+                got = 0
+                while got < view.nbytes:
+                    if piece is None:
+                        n = os.preadv(fd, [view[got:]], done + got)
+                    else:
+                        n = os.preadv(fd, [piece[: min(_PIECE, view.nbytes - got)]], done + got)
+                        np.copyto(view[got : got + n], piece[:n])
+                    if n <= 0:
+                        raise RuntimeError(f"{path}: short read at {done + got}")
+                    got += n
+                done += got
+        finally:
+            os.close(fd)
+
+
+def tensor_ways(
+    files: list[Path], tensors: list[torch.Tensor], threads: int = _THREADS, names: tuple[str, str] | None = None
+) -> dict[str, Callable[[], Any]]:
+    """The chunk files' bytes read by ``threads`` threads (a share of the files each) into the memory of the
+    tensors an in-place load fills (``tensors``, faulted in, starting 64 bytes into a page as torch's do): through
+    the page cache (:data:`INTO_TENSORS`), and with ``O_DIRECT`` 256 KiB at a time into a buffer of each thread's
+    own, then copied (:data:`INTO_TENSORS_DIRECT`). Neither is a limit: they show what reading into that memory
+    costs (on the development machine direct reads into it ran at a fraction of their speed into a reused buffer,
+    whatever way they went), what an in-place load's rate is to be read beside. ``names`` (the two ways' names)
+    for each rank's share (:func:`share_tensor_ways`)."""
+    into, direct = names or (INTO_TENSORS, INTO_TENSORS_DIRECT)
+    groups = _groups(_placed(files, tensors), threads)
+    buffers = [_private(_PIECE) for _ in groups]
+    for b in buffers:
+        b.write(b"\1" * _PIECE)
+
+    def run(direct: bool) -> None:
+        with ThreadPoolExecutor(len(groups)) as pool:
+            list(pool.map(_read_into, groups, buffers if direct else [None] * len(groups)))
+
+    return {into: lambda: run(False), direct: lambda: run(True)}
+
+
+def share_tensor_ways(files: list[Path], tensors: list[torch.Tensor], rank: int, world: int) -> dict[str, Any]:
+    """:func:`tensor_ways` on every rank: its share of ``files`` (every ``world``-th) into its own tensors, 16 /
+    ``world`` threads each (not limits: see :func:`limit_ways`)."""
+    each = f"each of {world} ranks {_share_threads(world)} threads"
+    names = f"{each} {TENSORS}", f"{each} direct 256 KiB {TENSORS}"
+    mine = files[rank::world]
+    if not mine:
+        return {name: lambda: None for name in names}
+    return tensor_ways(mine, tensors, _share_threads(world), names)
+
+
 def read_ways(path: Path, files: list[Path], nbytes: int, jobs: int, workdir: Path) -> dict[str, Callable[[], Any]]:
     """Every way of reading the checkpoint's bytes: fio's (returning their own runtime), the single-threaded baseline
     and :func:`direct_ways` (timed from outside, in this process, as the loads are). The limit is the fastest of them
@@ -349,8 +447,9 @@ def write_ways(sizes: list[int], jobs: int, workdir: Path) -> dict[str, Callable
 
 
 def limit_ways(ways: list[str]) -> list[str]:
-    """The read ways a limit is the fastest of: all but the read into new memory (which shows its cost)."""
-    return [w for w in ways if w != NEW_MEMORY]
+    """The read ways a limit is the fastest of: all but the reads into new memory and into the load's tensors
+    (which show what that memory costs)."""
+    return [w for w in ways if w != NEW_MEMORY and not w.endswith(TENSORS)]
 
 
 def sound_limit(
@@ -398,6 +497,11 @@ def _summary(
         "of_limit": of_limit,
         "of_fio": of_limit,  # (the old name)
     }
+    into = [w for w in ways if w.endswith(TENSORS)]
+    if into:  # (the fastest raw read into the in-place load's own memory, and the load's rate beside it)
+        out["tensors_by"] = min(into, key=seconds.__getitem__)
+        out["tensors_seconds"] = seconds[out["tensors_by"]]
+        out["inplace_of_tensors"] = out["tensors_seconds"] / seconds["pytreeckpt.load inplace"]
     if writes is not None:
         wname, wlimit = sound_limit(seconds, writes, WRITE_BASELINE, "write")
         out["write_limit_by"], out["write_limit_seconds"] = wname, wlimit
@@ -461,7 +565,7 @@ def run(gib: float, leaves: int, repeat: int, jobs: int, workdir: Path) -> dict[
     target = {k: torch.zeros_like(v) for k, v in state.items()}
     nbytes = sum(v.numel() * v.element_size() for v in state.values())
     del state
-    ways = read_ways(path, files, nbytes, jobs, workdir)
+    ways = {**read_ways(path, files, nbytes, jobs, workdir), **tensor_ways(files, list(target.values()))}
     variants: dict[str, Callable[[], Any]] = {
         **ways,
         "pytreeckpt.load": lambda: pytreeckpt.load(path, target),
@@ -510,7 +614,8 @@ def _rank_worker(rank: int, world: int, port: int, args: dict[str, Any]) -> None
         ways = read_ways(path, files, sum(f.stat().st_size for f in files), jobs, path.parent) if rank == 0 else {}
         names = [f"fio {jobs} jobs", f"fio {jobs} jobs direct", f"fio {jobs} jobs large files"]
         names += [f"fio {jobs} jobs large files direct", BASELINE, DIRECT, NEW_MEMORY, DIRECT_SMALL]
-        shares = share_ways(files, rank, world)
+        local = [v.to_local() for v in inplace_target.values()]
+        shares = {**share_ways(files, rank, world), **share_tensor_ways(files, local, rank, world)}
 
         def load(executor: pytreeckpt.ExecutorOptions | None = None) -> None:
             target = _rank_state(rank, world, args["gib"], args["leaves"], mesh, fresh=True)

@@ -154,6 +154,12 @@ def test_the_disk_benchmark_sets_saves_and_cold_loads_against_the_limits_at_one_
         assert r["save_of_limit"][r["write_limit_by"]] == 1.0
         assert all(s > 0 for s in r["seconds"].values())
         assert 0.009 * 2**30 < r["bytes"] <= 0.01 * 2**30
+        # Beside the in-place load, the raw reads into its own tensors: never a limit.
+        into = {w for w in r["of_limit"] if w.endswith(cold.TENSORS)}
+        assert len(into) == 2
+        assert r["tensors_by"] in into
+        assert r["limit_by"] not in into
+        assert r["inplace_of_tensors"] == r["tensors_seconds"] / r["seconds"]["pytreeckpt.load inplace"]
     # At several ranks, each rank's own share is also a way to drive the disk, in the limit's race.
     direct, small, write = cold.share_names(2)
     assert {direct, small} <= set(r["of_limit"])
@@ -254,3 +260,46 @@ def test_the_small_direct_ways_move_every_byte(tmp_path: Path, monkeypatch: pyte
     monkeypatch.setattr(cold.os, "preadv", lambda fd, bufs, at: reads.append(at) or real(fd, bufs, at))
     cold._read_direct(files, buffer, 256 << 10)
     assert reads == [0, 256 << 10, 512 << 10, 768 << 10, 0, 256 << 10, 512 << 10, 0]
+
+
+def test_the_reads_into_the_loads_tensors_land_every_files_blocks_in_the_tensors_memory(tmp_path: Path) -> None:
+    """The reference reads beside the in-place load (not limits) put each file's whole 4 KiB blocks into the
+    tensors' own memory, one file after another, the first tensor again where the files hold more: a way that
+    skipped bytes, or read them elsewhere, would show that memory cheaper than it is."""
+    if not getattr(os, "O_DIRECT", 0):
+        pytest.skip("no O_DIRECT on this platform")
+    import torch
+
+    from benchmarks import cold
+
+    sizes = [(1 << 20) + 4, 3 << 18, 4096 * 3 + 100]
+    files = []
+    for i, n in enumerate(sizes):
+        files.append(tmp_path / f"r{i}")
+        files[-1].write_bytes(bytes((i + k) % 256 for k in range(256)) * (n // 256) + bytes(n % 256))
+    stream = b"".join(f.read_bytes()[: f.stat().st_size // 4096 * 4096] for f in files)
+    whole = len(stream)
+    rest = (whole - (1 << 20)) // 6  # (bfloat16 elements, in threes)
+    tensors = [torch.zeros(1 << 18), torch.zeros(0), torch.zeros(rest, 1, 3, dtype=torch.bfloat16)]
+    assert sum(t.numel() * t.element_size() for t in tensors) == whole
+    for name in (cold.INTO_TENSORS, cold.INTO_TENSORS_DIRECT):
+        for t in tensors:
+            t.zero_()
+        try:
+            cold.tensor_ways(files, tensors, threads=2)[name]()
+        except OSError as e:  # (tmpfs and some others take no O_DIRECT)
+            pytest.skip(f"no direct reads here: {e}")
+        assert b"".join(t.view(torch.uint8).reshape(-1).numpy().tobytes() for t in tensors) == stream, name
+    # Fewer tensor bytes than the files hold: the reads go round again from the first tensor's first byte.
+    small = torch.zeros(1000, dtype=torch.float32)
+    placed = cold._placed(files, [small])
+    assert [sum(v.nbytes for v in views) for _, views in placed] == [1 << 20, 3 << 18, 4096 * 3]
+    at = 0
+    for _, views in placed:
+        for v in views:
+            assert v.ctypes.data == small.data_ptr() + at % 4000
+            assert 0 < v.nbytes <= 4000 - at % 4000
+            at += v.nbytes
+    assert cold.limit_ways([cold.DIRECT, cold.INTO_TENSORS, "each of 2 ranks 8 threads into the load's tensors"]) == [
+        cold.DIRECT
+    ]
