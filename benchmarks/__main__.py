@@ -318,8 +318,8 @@ def main() -> None:
         if "tensors_by" in r:
             md += [
                 f"Into the in-place load's own tensors (not a limit) the fastest raw read was {r['tensors_by']}, "
-                f"{r['tensors_seconds']:.3f} s: the in-place load ran at {r['inplace_of_tensors']:.2f} of its "
-                f"rate, and it at {r['limit_seconds'] / r['tensors_seconds']:.2f} of the read limit's.",
+                f"{r['tensors_seconds']:.3f} s: the in-place load ran at {r['inplace_of_tensors']:.2f} of that "
+                f"way's rate, and that way at {r['limit_seconds'] / r['tensors_seconds']:.2f} of the read limit's.",
                 "",
             ]
         if "files" in r:
