@@ -40,8 +40,9 @@ Reads:
   time into a buffer of their own then copied (``16 threads ... into the load's tensors``, :func:`tensor_ways`;
   at several ranks each rank its share into its own tensors). Not limits: the fastest of them
   (``tensors_by``) is what reading into that memory costs, and ``inplace_of_tensors`` the in-place load's rate
-  as a fraction of its. On this virtual machine the same direct reads ran much slower into such memory than
-  into a small buffer used again and again.
+  as a fraction of its. On this virtual machine the same direct reads ran up to twice as fast into some
+  buffers as into others, so a limit, the fastest of several ways with buffers of their own, may read into
+  faster memory than a load is given.
 - ``pytreeckpt.load`` (functional; also with ``ExecutorOptions(huge_pages=False)``, its new
   memory in 4 KiB pages) and ``pytreeckpt.load(..., inplace=True)``.
 
@@ -223,11 +224,16 @@ def _share_threads(world: int) -> int:
     return max(1, _THREADS // world)
 
 
+def _each(world: int) -> str:
+    """How the names of the ways every rank runs over its own share begin, at ``world`` ranks."""
+    return f"each of {world} ranks {_share_threads(world)} threads"
+
+
 def share_names(world: int) -> tuple[str, str, str]:
     """At ``world`` ranks, the names of the ways every rank drives the disk over its own share of the files (each
     with 16 / ``world`` threads, 16 in all): :data:`DIRECT`'s and :data:`DIRECT_SMALL`'s reads, and
     :data:`WRITE_SMALL`'s writes."""
-    each = f"each of {world} ranks {_share_threads(world)} threads"
+    each = _each(world)
     return f"{each} direct", f"{each} direct 256 KiB", f"{each} direct 256 KiB write"
 
 
@@ -307,27 +313,27 @@ def tensor_ways(
     tensors an in-place load fills (``tensors``, faulted in, starting 64 bytes into a page as torch's do): through
     the page cache (:data:`INTO_TENSORS`), and with ``O_DIRECT`` 256 KiB at a time into a buffer of each thread's
     own, then copied (:data:`INTO_TENSORS_DIRECT`). Neither is a limit: they show what reading into that memory
-    costs (on the development machine direct reads into it ran at a fraction of their speed into a reused buffer,
-    whatever way they went), what an in-place load's rate is to be read beside. ``names`` (the two ways' names)
-    for each rank's share (:func:`share_tensor_ways`)."""
-    into, direct = names or (INTO_TENSORS, INTO_TENSORS_DIRECT)
+    costs, what an in-place load's rate is to be read beside (on the development machine the faster of them ran
+    at 0.88-1.05 of the read limit in one run; there the same direct reads ran up to twice as fast into some
+    buffers as into others, kept or new). ``names`` (the two ways' names) for each rank's share
+    (:func:`share_tensor_ways`)."""
+    cached, direct = names or (INTO_TENSORS, INTO_TENSORS_DIRECT)
     groups = _groups(_placed(files, tensors), threads)
     buffers = [_private(_PIECE) for _ in groups]
     for b in buffers:
         b.write(b"\1" * _PIECE)
 
-    def run(direct: bool) -> None:
+    def run(around_cache: bool) -> None:
         with ThreadPoolExecutor(len(groups)) as pool:
-            list(pool.map(_read_into, groups, buffers if direct else [None] * len(groups)))
+            list(pool.map(_read_into, groups, buffers if around_cache else [None] * len(groups)))
 
-    return {into: lambda: run(False), direct: lambda: run(True)}
+    return {cached: lambda: run(False), direct: lambda: run(True)}
 
 
 def share_tensor_ways(files: list[Path], tensors: list[torch.Tensor], rank: int, world: int) -> dict[str, Any]:
     """:func:`tensor_ways` on every rank: its share of ``files`` (every ``world``-th) into its own tensors, 16 /
     ``world`` threads each (not limits: see :func:`limit_ways`)."""
-    each = f"each of {world} ranks {_share_threads(world)} threads"
-    names = f"{each} {TENSORS}", f"{each} direct 256 KiB {TENSORS}"
+    names = f"{_each(world)} {TENSORS}", f"{_each(world)} direct 256 KiB {TENSORS}"
     mine = files[rank::world]
     if not mine:
         return {name: lambda: None for name in names}
