@@ -113,3 +113,33 @@ def optimizer_without_its_model(rank: int, world: int, path: str) -> str:
     except pytreeckpt.CheckpointError as e:
         return str(e)
     return "no error"
+
+
+class Named(torch.nn.Module):
+    """Two layers of the same shape, declared in the order ``order`` names them."""
+
+    def __init__(self, order: str) -> None:
+        super().__init__()
+        for n in order:
+            setattr(self, n, torch.nn.Linear(4, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(x).square().sum() + 3 * self.b(x).sum()
+
+
+def moments_by_name_in_another_order(rank: int, world: int, path: str) -> dict[str, Any]:
+    """Save a model and its AdamW at one order of declaration; load them (torch's distributed helpers' route)
+    into the other order, the optimizer listing its parameters reversed: each name's moments, from both."""
+    torch.manual_seed(0)
+    model = Named("ab")
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.ones(4)).backward()
+    opt.step()
+    pytreeckpt.save(path, {"model": model, "optim": opt})
+    torch.manual_seed(1)
+    model2 = Named("ba")
+    opt2 = torch.optim.AdamW(list(model2.parameters())[::-1], lr=0.1)
+    pytreeckpt.load(path, {"model": model2, "optim": opt2})
+    mine = dict(model.named_parameters())
+    theirs = dict(model2.named_parameters())
+    return {n: (opt.state[mine[n]]["exp_avg"], opt2.state[theirs[n]]["exp_avg"]) for n in mine}

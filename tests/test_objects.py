@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 from pathlib import Path
 from typing import Any
@@ -61,6 +62,10 @@ def _steps(model: nn.Module, opt: torch.optim.Optimizer, sched: Any, loader: Loa
     return losses
 
 
+def _clone(sd: Any) -> Any:
+    return copy.deepcopy(sd)
+
+
 def _equal(a: Any, b: Any) -> bool:
     """Bit-equal state dicts (tensors by torch.equal, the rest by ==)."""
     if isinstance(a, torch.Tensor):
@@ -107,14 +112,21 @@ def test_a_load_without_target_gives_plain_state_dicts(tmp_path: Path) -> None:
     assert torch.equal(plain["optim"]["state"]["0.weight"]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
 
 
-def test_an_optimizer_alone_is_stored_as_its_state_dict(tmp_path: Path) -> None:
+def test_an_optimizer_without_its_model_is_refused_it_has_no_names(tmp_path: Path) -> None:
     model, opt, sched, loader = _job(0)
     _steps(model, opt, sched, loader, 1)
-    pytreeckpt.save(tmp_path / "c", {"optim": opt})
-    assert list(pytreeckpt.load(tmp_path / "c")["optim"]["state"]) == [0, 1, 2, 3, 4, 5]
-    _, opt2, _, _ = _job(1)
-    pytreeckpt.load(tmp_path / "c", {"optim": opt2})
-    assert _equal(opt.state_dict(), opt2.state_dict())
+    with pytest.raises(CheckpointError, match=r"leaf 'optim': .*matched by parameter name.*6 of 6 are in none"):
+        pytreeckpt.save(tmp_path / "c", {"optim": opt})
+    assert not (tmp_path / "c").exists()
+    # a state keyed by number (an optimizer's own state dict, or a checkpoint of an older pytreeckpt) is refused as
+    # a target's optimizer state, before anything changes: it cannot be matched by name
+    pytreeckpt.save(tmp_path / "d", {"model": model, "optim": opt.state_dict()})
+    model2, opt2, _, _ = _job(1)
+    before = (_clone(model2.state_dict()), _clone(opt2.state_dict()))
+    with pytest.raises(TargetMismatchError, match=r"leaf 'optim': the checkpoint's optimizer state is not keyed by"):
+        pytreeckpt.load(tmp_path / "d", {"model": model2, "optim": opt2})
+    assert _equal(before, (model2.state_dict(), opt2.state_dict()))
+    assert list(pytreeckpt.load(tmp_path / "d")["optim"]["state"]) == [0, 1, 2, 3, 4, 5]
 
 
 class Recording(nn.Module):
@@ -161,17 +173,18 @@ def _schedulers(opt: torch.optim.Optimizer) -> dict[str, Any]:
 
 @pytest.mark.parametrize("name", ["step", "lambda", "cosine", "linear", "sequential"])
 def test_every_builtin_lr_scheduler_round_trips(tmp_path: Path, name: str) -> None:
-    def made() -> tuple[torch.optim.Optimizer, Any]:
-        opt = torch.optim.SGD([nn.Parameter(torch.zeros(2))], lr=0.1)
-        return opt, _schedulers(opt)[name]
+    def made() -> tuple[nn.Module, torch.optim.Optimizer, Any]:
+        model = nn.Linear(2, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        return model, opt, _schedulers(opt)[name]
 
-    opt, sched = made()
+    model, opt, sched = made()
     for _ in range(3):
         opt.step()
         sched.step()
-    pytreeckpt.save(tmp_path / "c", {"optim": opt, "sched": sched})
-    opt2, sched2 = made()
-    pytreeckpt.load(tmp_path / "c", {"optim": opt2, "sched": sched2})
+    pytreeckpt.save(tmp_path / "c", {"model": model, "optim": opt, "sched": sched})
+    model2, opt2, sched2 = made()
+    pytreeckpt.load(tmp_path / "c", {"model": model2, "optim": opt2, "sched": sched2})
     assert _equal(sched.state_dict(), sched2.state_dict())
     assert opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
     lrs, lrs2 = [], []
@@ -421,4 +434,145 @@ def test_ranks_that_disagree_on_objects_are_refused(tmp_path: Path) -> None:
 def test_a_distributed_optimizer_needs_its_model_in_the_tree(tmp_path: Path) -> None:
     for r in run_world(2, ow.optimizer_without_its_model, str(tmp_path / "c")):
         assert "leaf 'optim'" in r, r
-        assert "need its model: put the model whose parameters it optimizes in the same tree" in r, r
+        assert "helpers, which need its model): put the model whose parameters it optimizes in the same tree" in r, r
+
+
+class Named(nn.Module):
+    """Two layers of the same shape, declared in the order ``order`` names them."""
+
+    def __init__(self, order: str) -> None:
+        super().__init__()
+        for n in order:
+            setattr(self, n, nn.Linear(4, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(x).square().sum() + 3 * self.b(x).sum()
+
+
+def _trained(order: str = "ab", groups: bool = False) -> tuple[Named, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = Named(order)
+    params: Any = model.parameters()
+    if groups:
+        params = [{"params": model.a.parameters(), "lr": 0.5}, {"params": model.b.parameters(), "lr": 0.01}]
+    opt = torch.optim.AdamW(params, lr=0.1)
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.ones(4)).backward()
+        opt.step()
+    return model, opt
+
+
+def _by_name(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    """Each parameter's optimizer state and learning rate, by the parameter's name."""
+    lr = {id(p): g["lr"] for g in opt.param_groups for p in g["params"]}
+    return {n: (opt.state[p], lr[id(p)]) for n, p in sorted(model.named_parameters())}
+
+
+@pytest.mark.parametrize(
+    "target",
+    ["declared in the other order", "parameters listed reversed", "groups in the other order", "all three"],
+)
+def test_optimizer_state_is_matched_by_parameter_name_whatever_the_order(tmp_path: Path, target: str) -> None:
+    groups = target != "declared in the other order" and target != "parameters listed reversed"
+    model, opt = _trained("ab", groups)
+    pytreeckpt.save(tmp_path / "c", {"model": model, "optim": opt})
+    torch.manual_seed(1)
+    model2 = Named("ba" if target in ("declared in the other order", "all three") else "ab")
+    if groups:
+        a, b = list(model2.a.parameters()), list(model2.b.parameters())
+        if target == "all three":
+            a, b = a[::-1], b[::-1]
+        params: Any = [{"params": b, "lr": 0.01}, {"params": a, "lr": 0.5}]
+    else:
+        params = list(model2.parameters())
+        if target == "parameters listed reversed":
+            params = params[::-1]
+    opt2 = torch.optim.AdamW(params, lr=0.1)
+    pytreeckpt.load(tmp_path / "c", {"model": model2, "optim": opt2})
+    assert _equal(_by_name(model, opt), _by_name(model2, opt2))
+    assert _equal(dict(sorted(model.state_dict().items())), dict(sorted(model2.state_dict().items())))
+    for m, o in ((model, opt), (model2, opt2)):  # training goes on identically
+        o.zero_grad()
+        m(torch.ones(4)).backward()
+        o.step()
+    assert _equal(_by_name(model, opt), _by_name(model2, opt2))
+
+
+def test_optimizer_moments_are_matched_by_name_at_two_ranks(tmp_path: Path) -> None:
+    for got in run_world(2, ow.moments_by_name_in_another_order, str(tmp_path / "c")):
+        assert set(got) == {"a.weight", "a.bias", "b.weight", "b.bias"}
+        for name, (saved, loaded) in got.items():
+            assert torch.equal(saved, loaded), name
+
+
+def _refused_unchanged(path: Path, target: dict[str, Any], match: str) -> None:
+    """load(path, target) is refused with ``match``, and leaves every object of the target as it was."""
+    before = {k: _clone(v.state_dict()) for k, v in target.items()}
+    with pytest.raises(CheckpointError, match=match):
+        pytreeckpt.load(path, target)
+    for k, v in target.items():
+        assert _equal(before[k], v.state_dict()), k
+
+
+def test_a_parameter_name_on_one_side_only_is_refused_before_anything_changes(tmp_path: Path) -> None:
+    model, opt = _trained("ab")
+    pytreeckpt.save(tmp_path / "c", {"model": model, "optim": opt})
+    model2 = Named("ab")
+    partial = torch.optim.AdamW(model2.a.parameters())  # it lacks b's parameters
+    _refused_unchanged(
+        tmp_path / "c",
+        {"model": model2, "optim": partial},
+        r"leaf 'optim': the optimizer's parameters differ by name: only in the checkpoint \['b.bias', 'b.weight'\], "
+        r"only in the target \[\]",
+    )
+    model3, opt3 = _trained("ab", groups=True)  # the same names, in two groups where the checkpoint has one
+    _refused_unchanged(
+        tmp_path / "c", {"model": model3, "optim": opt3}, r"leaf 'optim': the optimizer's parameter groups differ"
+    )
+    outside = nn.Linear(4, 4)  # a parameter no model of the tree holds
+    model4 = Named("ab")
+    opt4 = torch.optim.AdamW([*model4.parameters(), *outside.parameters()])
+    _refused_unchanged(
+        tmp_path / "c", {"model": model4, "optim": opt4}, r"leaf 'optim': .*2 of 6 are in none of its models"
+    )
+
+
+def test_a_model_lacking_a_stored_parameter_is_refused_before_any_parameter_changes(tmp_path: Path) -> None:
+    model, opt = _trained("ab")
+    pytreeckpt.save(tmp_path / "c", {"model": model, "optim": opt})
+    torch.manual_seed(3)
+    smaller = nn.Module()
+    smaller.a = nn.Linear(4, 4)  # no b: the checkpoint's b.weight and b.bias have nowhere to go
+    _refused_unchanged(
+        tmp_path / "c", {"model": smaller}, r"leaf 'model.b.weight' of the checkpoint is not in the target"
+    )
+    report = pytreeckpt.LoadReport()
+    out = pytreeckpt.load(tmp_path / "c", {"model": smaller}, strict=False, report=report)  # asked for: a's only
+    assert out["model"] is smaller
+    assert torch.equal(smaller.a.weight, model.a.weight)
+    assert report.unexpected[:2] == ["model.b.weight", "model.b.bias"]
+    assert all(k.startswith("optim.") for k in report.unexpected[2:])
+
+
+class RefusingLast:
+    """A user object whose load_state_dict always raises."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"n": 1}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        raise ValueError("not this version")
+
+
+def test_an_object_refusing_its_state_names_the_objects_restored_before_it(tmp_path: Path) -> None:
+    model, opt = _trained("ab")
+    pytreeckpt.save(tmp_path / "c", {"model": model, "optim": opt, "user": RefusingLast(), "later": Loader(2)})
+    model2 = Named("ab")
+    opt2 = torch.optim.AdamW(model2.parameters())
+    with pytest.raises(
+        CheckpointError,
+        match=r"leaf 'user': .*RefusingLast.load_state_dict refused it: ValueError: not this version \(the target's "
+        r"objects restored before it: 'model', 'optim'; those after it were not restored\)",
+    ):
+        pytreeckpt.load(tmp_path / "c", {"model": model2, "optim": opt2, "user": RefusingLast(), "later": Loader()})

@@ -16,9 +16,13 @@ initialised, and the optimizers paired with it (the model of the same tree whose
 parameters cover the optimizer's) go through torch's distributed state-dict helpers
 (``pytreeckpt.distributed._objects``); otherwise through their own ``state_dict()``. Either
 way an optimizer paired with a model is stored keyed by the model's parameter names (as
-the helpers key it), so a checkpoint saved by one route loads by the other; an optimizer
-with no model in its tree is stored as its ``state_dict()`` is, keyed by parameter number
-(only without torch.distributed).
+the helpers key it), so a checkpoint saved by one route loads by the other. Optimizer state
+is matched by parameter name, never by position: before any read, the target optimizer's
+parameter names and groups are compared with the checkpoint's (:meth:`OptimizerKind.check`),
+and its loaded state is renumbered to the target's own order of groups and parameters. An
+optimizer none of whose tree's models holds all its parameters has no names, and is refused.
+A model's state is matched by name as well: its subtree is its own state's, so a key on one
+side only is a mismatch found before any read.
 """
 
 from __future__ import annotations
@@ -83,6 +87,11 @@ class ObjectKind(LeafKind):
         """Give ``obj`` its loaded subtree."""
         obj.load_state_dict(loaded)
 
+    def check(self, obj: Any, state: Any, sub: Node, metas: Sequence[ArrayMeta | ValueMeta], key: str) -> list[str]:
+        """What keeps load target ``obj`` (its own state ``state``) from taking the stored subtree ``sub``, found
+        before any read (``metas``: the checkpoint's leaves)."""
+        return []
+
     def describe(self, key: str, leaf: Any, spec: Any, d: Describing) -> None:
         raise CheckpointError(f"leaf {where(key)}: a {type(leaf).__name__} object is saved only by save and async_save")
 
@@ -128,46 +137,110 @@ class OptimizerKind(ObjectKind):
 
     def state(self, obj: Any, key: str, objects: Objects) -> Any:
         model = objects.model_of(key, obj)
-        if model is not None and uses_helpers(model.parameters()):
+        if uses_helpers(model.parameters()):
             return optimizer_state(model, obj)
-        sd = obj.state_dict()
-        return sd if model is None else _by_name(sd, _names(obj, model))
+        return _by_name(obj.state_dict(), _names(_params(obj), model))
 
     def restore(self, obj: Any, loaded: Any, key: str, objects: Objects) -> None:
         model = objects.model_of(key, obj)
-        if model is not None and uses_helpers(model.parameters()):
-            set_optimizer_state(model, obj, loaded)
+        if uses_helpers(model.parameters()):
+            set_optimizer_state(model, obj, loaded)  # (torch's helpers match groups and state by name)
             return
-        if model is not None:
-            loaded = _by_number(loaded, _names(obj, model))
-        obj.load_state_dict(loaded)
+        obj.load_state_dict(_by_number(loaded, [_names(g["params"], model) for g in obj.param_groups]))
+
+    def check(self, obj: Any, state: Any, sub: Node, metas: Sequence[ArrayMeta | ValueMeta], key: str) -> list[str]:
+        """The checkpoint's parameter names and groups are the target optimizer's: the same names, each group
+        holding the same set of parameters (in any order of groups and of parameters within them)."""
+        at = where(key)
+        stored = _stored_groups(sub, metas)
+        if stored is None:
+            return [
+                f"leaf {at}: the checkpoint's optimizer state is not keyed by parameter name (saved without its "
+                f"model, or by an older pytreeckpt), so it cannot be matched to this optimizer's parameters: load "
+                f"it with target=None and give it to Optimizer.load_state_dict yourself"
+            ]
+        mine = [list(g["params"]) for g in state["param_groups"]]
+        have, want = {n for g in stored for n in g}, {n for g in mine for n in g}
+        problems = []
+        if have != want:
+            problems.append(
+                f"leaf {at}: the optimizer's parameters differ by name: only in the checkpoint {sorted(have - want)}, "
+                f"only in the target {sorted(want - have)}"
+            )
+        elif sorted(map(sorted, stored)) != sorted(map(sorted, mine)):
+            problems.append(
+                f"leaf {at}: the optimizer's parameter groups differ: the checkpoint's hold {stored}, the target's "
+                f"{mine}"
+            )
+        extra = sorted(map(str, _state_keys(sub) - have))
+        if extra:
+            problems.append(f"leaf {at}: the checkpoint holds optimizer state of parameters in no group: {extra}")
+        return problems
 
 
 def _params(optimizer: Any) -> list[Any]:
     return [p for g in optimizer.param_groups for p in g["params"]]
 
 
-def _names(optimizer: Any, model: nn.Module) -> list[str]:
-    """The name in ``model`` of each of ``optimizer``'s parameters, by number (as its state dict numbers them)."""
+def _names(params: Sequence[Any], model: nn.Module) -> list[str]:
+    """The name in ``model`` of each of ``params``."""
     names = {id(p): n for n, p in model.named_parameters()}
-    return [names[id(p)] for p in _params(optimizer)]
+    return [names[id(p)] for p in params]
 
 
 def _by_name(sd: dict[str, Any], names: list[str]) -> dict[str, Any]:
-    """An optimizer's state dict keyed by parameter name, as torch's distributed helpers key it."""
+    """An optimizer's state dict keyed by parameter name (``names``: by parameter number), as torch's distributed
+    helpers key it."""
     groups = [{**g, "params": [names[i] for i in g["params"]]} for g in sd["param_groups"]]
     return {**sd, "state": {names[i]: v for i, v in sd["state"].items()}, "param_groups": groups}
 
 
-def _by_number(sd: dict[str, Any], names: list[str]) -> dict[str, Any]:
-    """:func:`_by_name` undone: keyed by parameter number, as ``Optimizer.load_state_dict`` takes it."""
-    number = {n: i for i, n in enumerate(names)}
-    try:
-        groups = [{**g, "params": [number[n] for n in g["params"]]} for g in sd["param_groups"]]
-        state = {number[n]: v for n, v in sd["state"].items()}
-    except KeyError as e:
-        raise CheckpointError(f"the checkpoint has optimizer state of parameter {e}, which the model lacks") from None
-    return {**sd, "state": state, "param_groups": groups}
+def _by_number(sd: dict[str, Any], groups: list[list[str]]) -> dict[str, Any]:
+    """:func:`_by_name` undone for an optimizer whose groups hold the parameters named ``groups``: keyed by
+    parameter number, its groups in the optimizer's own order of groups and of parameters within them, as
+    ``Optimizer.load_state_dict`` pairs them (by position). The names were matched before the read
+    (:meth:`OptimizerKind.check`)."""
+    by_set = {frozenset(g["params"]): g for g in sd["param_groups"]}
+    number: dict[str, int] = {}
+    ordered = []
+    for names in groups:
+        base = len(number)
+        ordered.append({**by_set[frozenset(names)], "params": list(range(base, base + len(names)))})
+        number.update((n, base + k) for k, n in enumerate(names))
+    return {**sd, "state": {number[n]: v for n, v in sd["state"].items()}, "param_groups": ordered}
+
+
+def _child(node: Node, name: str) -> Node | None:
+    """The child of dict node ``node`` at string key ``name``, or None."""
+    if node.kind not in ("dict", "odict"):
+        return None
+    for entry, child in zip(node.entries, node.children, strict=True):
+        if entry == ("s", name):
+            return child
+    return None
+
+
+def _stored_groups(sub: Node, metas: Sequence[ArrayMeta | ValueMeta]) -> list[list[str]] | None:
+    """The parameter names of each group of a stored optimizer state (None: it is not keyed by name)."""
+    groups = _child(sub, "param_groups")
+    if groups is None or groups.kind not in ("list", "tuple"):
+        return None
+    out = []
+    for g in groups.children:
+        params = _child(g, "params")
+        if params is None or params.kind not in ("list", "tuple"):
+            return None
+        names = [metas[c.leaf] if c.kind == "leaf" else None for c in params.children]
+        if not all(isinstance(m, ValueMeta) and type(m.value) is str for m in names):
+            return None
+        out.append([cast(ValueMeta, m).value for m in names])
+    return out
+
+
+def _state_keys(sub: Node) -> set[Any]:
+    """The keys of a stored optimizer state's ``state`` dict: the parameters it holds state of."""
+    state = _child(sub, "state")
+    return set() if state is None else {e[1] if e[0] == "s" else e for e in state.entries}
 
 
 class _AsStored:
@@ -222,10 +295,15 @@ class Objects:
         self.problems: list[str] = []  # a load target's objects that do not match the checkpoint
         self._params: dict[int, set[int]] = {}
 
-    def model_of(self, key: str, optimizer: Any) -> nn.Module | None:
-        """The model of the tree whose parameters cover ``optimizer``'s (the first in the tree's order); None
-        if none does and neither needs torch's distributed helpers."""
-        wanted = {id(p) for p in _params(optimizer)}
+    def model_of(self, key: str, optimizer: Any) -> nn.Module:
+        """The model of the tree whose parameters cover ``optimizer``'s (the first in the tree's order): it names
+        them.
+
+        Raises:
+          CheckpointError: no model of the tree holds all of the optimizer's parameters.
+        """
+        params = _params(optimizer)
+        wanted = {id(p) for p in params}
         for f in self.found:
             if isinstance(f.kind, ModuleKind):
                 have = self._params.get(id(f.obj))
@@ -233,12 +311,16 @@ class Objects:
                     have = self._params[id(f.obj)] = {id(p) for p in f.obj.parameters()}
                 if wanted <= have:
                     return cast(nn.Module, f.obj)
-        if uses_helpers(_params(optimizer)):
-            raise CheckpointError(
-                f"leaf {where(key)}: the optimizer's state goes through torch's distributed state-dict helpers, "
-                f"which need its model: put the model whose parameters it optimizes in the same tree"
-            )
-        return None
+        named: set[int] = set().union(*self._params.values())
+        unnamed = [f"#{i} of shape {tuple(p.shape)}" for i, p in enumerate(params) if id(p) not in named]
+        helpers = " (its state goes through torch's distributed state-dict helpers, which need its model)"
+        raise CheckpointError(
+            f"leaf {where(key)}: optimizer state is stored and matched by parameter name, and no model of the tree "
+            f"holds all of this optimizer's parameters ({len(unnamed)} of {len(params)} are in none of its models: "
+            f"{', '.join(unnamed[:8])}{', ...' if len(unnamed) > 8 else ''}){helpers if uses_helpers(params) else ''}"
+            f": put the model whose parameters it optimizes in the same tree (one nn.Module holding them all, e.g. "
+            f"an nn.ModuleDict)"
+        )
 
     def described(self) -> list[str]:
         """The objects, as ranks compare them before a distributed load (each restores its own after it)."""
@@ -255,6 +337,7 @@ class Objects:
     def restore(self, results: Sequence[Any]) -> Any:
         """The load's result tree: each object given its loaded subtree, and in its place."""
         by_index = {f.index: f for f in self.found}
+        restored: list[str] = []
         out: list[Any] = []
         pos = 0
         for j in range(self.n):
@@ -272,10 +355,13 @@ class Objects:
             try:
                 f.kind.restore(f.obj, loaded, f.key, self)
             except Exception as e:
+                done = ", ".join(where(k) for k in restored) if restored else "none"
                 raise CheckpointError(
                     f"leaf {where(f.key)}: the checkpoint's state was read but {type(f.obj).__name__}.load_state_dict "
-                    f"refused it: {type(e).__name__}: {e}"
+                    f"refused it: {type(e).__name__}: {e} (the target's objects restored before it: {done}; those "
+                    f"after it were not restored)"
                 ) from e
+            restored.append(f.key)
             out.append(f.obj)
         return self.root.unflatten(out)
 
@@ -318,14 +404,15 @@ def expand_target(
 ) -> Objects | None:
     """A load target's objects (None if it holds none), with ``tree``: the target with each object's state in
     its place, shaped as the checkpoint's subtree at its key path (``stored``: the checkpoint's structure,
-    ``metas``: its leaves).
+    ``metas``: its leaves), or, for a model (a ``strict`` kind), as its own state.
 
     The checkpoint's state is what an object gets: the object's own leaves say only where it goes (its
     tensors' memory, its DTensors' layout). A stored leaf the object's state lacks is loaded as stored
     (:data:`AS_STORED`); so is one the object holds as another kind of leaf (a value for an array, an array of
-    another shape or dtype), except in a model (a ``strict`` kind), where that is a mismatch, as is a leaf
-    of the model's state the checkpoint lacks (a load's problems are listed before any read). An object whose
-    key path holds no subtree in the checkpoint is a problem. At a per-rank part of the checkpoint
+    another shape or dtype). A model's state is matched leaf by leaf, by key path, as any target's is: a key on
+    one side only, or a leaf of another shape or dtype, is a mismatch (a load's problems are listed before any
+    read). An object whose key path holds no subtree in the checkpoint is a problem, and so is anything its
+    kind's :meth:`ObjectKind.check` finds (an optimizer's parameter names). At a per-rank part of the checkpoint
     (``PER_RANK``) an object is shaped as the subtree its rank (``rank`` of ``world``) saved; a part saved at
     another world size leaves it its own state, for the load's ``per_rank`` policy to judge.
     """
@@ -336,18 +423,14 @@ def expand_target(
     expanded = list(leaves)
     for f in found:
         state = objects.state_of(f)
+        try:
+            s_leaves, s_paths, own = flatten(state, KINDS.is_leaf, namespace=namespace)
+        except CheckpointError as e:
+            raise CheckpointError(f"leaf {where(f.key)}: its state dict: {e}") from None
         sub = _subnode(stored, paths[f.index])
         if sub is not None and sub.kind == "per_rank":
-            if len(sub.children) != world:  # (its own state: the per_rank policy keeps it or refuses)
-                try:
-                    s_leaves, _, own = flatten(state, KINDS.is_leaf, namespace=namespace)
-                except CheckpointError as e:
-                    raise CheckpointError(f"leaf {where(f.key)}: its state dict: {e}") from None
-                f.node, f.indices = own, list(range(len(s_leaves)))
-                expanded[f.index] = state
-                continue
-            sub = sub.children[rank]
-        if sub is None or sub.kind == "leaf":
+            sub = sub.children[rank] if len(sub.children) == world else own  # (else the per_rank policy judges)
+        if sub is None or (sub.kind == "leaf" and sub is not own):
             there = "nothing" if sub is None else "a single leaf"
             objects.problems.append(
                 f"leaf {where(f.key)}: the target holds a {type(f.obj).__name__} object, the checkpoint has {there} "
@@ -355,24 +438,18 @@ def expand_target(
             )
             f.node, expanded[f.index] = Node("dict"), {}
             continue
-        try:
-            s_leaves, s_paths, _ = flatten(state, KINDS.is_leaf, namespace=namespace)
-        except CheckpointError as e:
-            raise CheckpointError(f"leaf {where(f.key)}: its state dict: {e}") from None
+        if sub is not own:
+            objects.problems += f.kind.check(f.obj, state, sub, metas, f.key)
+        if sub is own or f.kind.strict:  # (its own state's tree: its leaves and the stored ones matched by path)
+            f.node, f.indices = own, list(range(len(s_leaves)))
+            expanded[f.index] = state
+            continue
         mine = dict(zip(s_paths, s_leaves, strict=True))
         f.node, f.indices = sub, sub.leaf_indices()
-        strict = f.kind.strict
         values = {}
         for i, p in zip(f.indices, sub.paths(), strict=True):
             leaf = mine.pop(p, AS_STORED)
-            values[i] = leaf if strict or leaf is AS_STORED or _fits(leaf, metas[i]) else AS_STORED
-        if strict:
-            for p in mine:
-                below = keystr(p)
-                objects.problems.append(
-                    f"leaf {where(f.key + '.' + below if f.key and below else f.key or below)} of the target is not "
-                    f"in the checkpoint"
-                )
+            values[i] = leaf if leaf is AS_STORED or _fits(leaf, metas[i]) else AS_STORED
         expanded[f.index] = sub.unflatten(cast(Sequence[Any], values))
     objects.tree = root.unflatten(expanded)
     return objects
