@@ -116,3 +116,46 @@ def load_cast(rank: int, world: int, path: str) -> dict[str, Any]:
     out = pytreeckpt.load(path, target, cast=True, report=report)
     assert report.cast == [(f"seen.rank{rank}", "int64", "int32")], report.cast
     return out
+
+
+def _structures(rank: int, case: str) -> dict[str, Any]:
+    """A state whose containers or leaf kinds differ between rank 0 and the others, as ``case`` says."""
+    import collections
+
+
+    t = torch.arange(4.0)
+    first = rank == 0
+    x: Any = {
+        "tuple or list": (t, 1) if first else [t, 1],
+        "dict or OrderedDict": {"a": t} if first else collections.OrderedDict(a=t),
+        "list or deque": [t, 2] if first else collections.deque([t, 2]),
+        "deque maxlen": collections.deque([t], maxlen=3 if first else 4),
+        "defaultdict factory": collections.defaultdict(list if first else dict, {"a": t}),
+        "key 1 or '1'": {1: t} if first else {"1": t},
+        "tensor or numpy": t if first else t.numpy().copy(),
+    }[case]
+    return {"w": torch.ones(2), "x": x, "step": 3}
+
+
+def save_structures(rank: int, world: int, path: str, case: str) -> str:
+    """Save a state whose structure differs between ranks: refused on every rank, naming where."""
+    try:
+        pytreeckpt.save(path, _structures(rank, case))
+    except pytreeckpt.CheckpointError as e:
+        return str(e)
+    return "saved"
+
+
+def empty_part_on_one_rank(rank: int, world: int, path: str, extra: bool) -> Any:
+    """Rank 0's per-rank subtree holds leaves, rank 1's is empty: each loads its own back (with ``extra``, rank 1's
+    target asks for a leaf its saved part lacks, and rank 0's lacks one its part has: refused on both)."""
+    state = {"data": {} if rank else {"pos": torch.tensor([5]), "n": 3}, "w": torch.ones(2)}
+    pytreeckpt.save(path, state, {"data": PER_RANK})
+    target: dict[str, Any] = {"data": {} if rank else {"pos": torch.zeros(1, dtype=torch.int64), "n": 0}}
+    target["w"] = torch.zeros(2)
+    if extra:
+        target["data"] = {"pos": torch.zeros(1, dtype=torch.int64)}
+    try:
+        return pytreeckpt.load(path, target)
+    except pytreeckpt.CheckpointError as e:
+        return f"{type(e).__name__}: {e}"

@@ -127,6 +127,37 @@ def test_unmarked_state_that_differs_is_refused(tmp_path: Path, what: str) -> No
     assert not (tmp_path / "c" / "metadata.json").exists()
 
 
+@pytest.mark.parametrize(
+    ("case", "where"),
+    [
+        ("tuple or list", "at key path 'x': rank 0 has a tuple node, rank 1 a list node"),
+        ("dict or OrderedDict", "at key path 'x': rank 0 has a dict node, rank 1 an odict node"),
+        ("list or deque", "at key path 'x': rank 0 has a list node, rank 1 a deque node"),
+        ("deque maxlen", "at key path 'x': rank 0 has maxlen 3, rank 1 maxlen 4"),
+        ("defaultdict factory", "at key path 'x': rank 0 has factory_name 'list', rank 1 factory_name 'dict'"),
+        ("key 1 or '1'", "at key path 'x': rank 0 has the keys [['i', 1]], rank 1 the keys ['1']"),
+        ("tensor or numpy", "at key path 'x': rank 0 has a leaf of kind 'tensor', rank 1 a leaf of kind 'numpy'"),
+    ],
+)
+def test_ranks_whose_trees_differ_in_structure_are_refused(tmp_path: Path, case: str, where: str) -> None:
+    for text in run_world(2, w.save_structures, str(tmp_path / "c"), case):
+        assert "ranks disagree on the state to save: rank 0 and rank 1 differ in the tree's structure" in text, text
+        assert where in text, text
+    assert not (tmp_path / "c" / "metadata.json").exists()
+
+
+def test_a_per_rank_subtree_empty_on_one_rank_loads_back(tmp_path: Path) -> None:
+    got = run_world(2, w.empty_part_on_one_rank, str(tmp_path / "c"), False)
+    assert not isinstance(got[1], str), got[1]
+    assert got[1]["data"] == {}
+    assert torch.equal(got[1]["w"], torch.ones(2))
+    assert torch.equal(got[0]["data"]["pos"], torch.tensor([5]))
+    assert got[0]["data"]["n"] == 3
+    refused = run_world(2, w.empty_part_on_one_rank, str(tmp_path / "d"), True)
+    assert "leaf 'data.pos' of the target is not in the checkpoint" in refused[1], refused[1]
+    assert "leaf 'data.rank0.n' of the checkpoint is not in the target" in refused[0], refused[0]
+
+
 def test_unmarked_state_that_differs_is_refused_on_a_save_again(tmp_path: Path) -> None:
     for text in run_world(2, w.save_twice_unmarked, str(tmp_path)):
         assert "leaf 'pos' differs between rank 0 and rank 1" in text

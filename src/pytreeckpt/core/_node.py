@@ -16,7 +16,7 @@ import collections
 import keyword
 import sys
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -112,10 +112,27 @@ class Node:
                 return (e, *below)
         return None
 
-    # ------------------------------------------------------------------ JSON
-    def to_json(self) -> Any:
+    def outline(self, kinds: Sequence[str], cut: Container[tuple[KeyEntry, ...]] = ()) -> Any:
+        """What ranks saving one tree compare of it (JSON): every container's kind, type, typed keys and
+        options (a deque's maxlen, a defaultdict's factory), each leaf as its kind's name (``kinds``, by leaf
+        index), and the subtrees at the key paths ``cut`` (each rank's own, marked per rank) as ``"cut"``."""
+        return self._outline(kinds, cut, ())
+
+    def _outline(self, kinds: Sequence[str], cut: Container[tuple[KeyEntry, ...]], path: tuple[KeyEntry, ...]) -> Any:
         if self.kind == "leaf":
-            return self.leaf
+            return kinds[self.leaf]
+        if path in cut:
+            return "cut"
+        out = self.to_json_head()
+        out["c"] = [
+            kinds[c.leaf] if c.kind == "leaf" else c._outline(kinds, cut, (*path, e))
+            for e, c in zip(self.entries, self.children, strict=True)
+        ]
+        return out
+
+    # ------------------------------------------------------------------ JSON
+    def to_json_head(self) -> dict[str, Any]:
+        """A container's JSON without its children."""
         out: dict[str, Any] = {"k": self.kind}
         if self.kind in ("dict", "odict", "defaultdict", "dataclass", "custom", "namedtuple"):
             out["keys"] = [entry_to_json(e) for e in self.entries]
@@ -124,6 +141,12 @@ class Node:
         for name in ("maxlen", "factory_name", "metadata_json"):
             if name in self.extra:
                 out[name] = self.extra[name]
+        return out
+
+    def to_json(self) -> Any:
+        if self.kind == "leaf":
+            return self.leaf
+        out = self.to_json_head()
         out["c"] = [c.to_json() for c in self.children]
         return out
 

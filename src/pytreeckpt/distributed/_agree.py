@@ -14,6 +14,7 @@ agreement (:func:`agree_with_spans`).
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
@@ -156,6 +157,7 @@ def agree_on_specs(
     known: tuple[tuple[Any, ...], bytes] | None = None,
     contents: Sequence[tuple[str, int]] = (),
     sites: Sequence[str] = (),
+    outline: Any = None,
 ) -> tuple[tuple[Any, ...], bytes] | None:
     """Check that every rank describes the same arrays, in the same layouts: the first collective of a save or load.
 
@@ -180,13 +182,15 @@ def agree_on_specs(
     tensors and Python values), by key: ranks whose copies differ are refused, naming the
     leaf, since their state would collapse to one rank's copy. ``sites``: the key paths
     of the subtrees marked per rank (which are not compared: each rank's is its own).
+    ``outline``: the tree's containers and leaf kinds (``Node.outline``), which every rank
+    must save alike (a tuple on one rank and a list on another would be saved as rank 0's).
     """
     mine: Any = None
     if error is None:
         try:
             if known is None:
                 base = spec_plan_key(specs)
-                known = (base, state_digest(base, dtypes, values))
+                known = (base, state_digest(base, dtypes, values, outline))
             mine = ("ok", known[1] + (_digest(contents, sites) if contents or sites else b""))
         except Exception as e:
             error = e
@@ -215,13 +219,19 @@ def agree_on_specs(
     if verdict[0] == "failed":
         raise failure(f"preparing the {what}", verdict[1], comm.world) from error
     # The digests differ: rank 0's description goes to every rank, which says how its own differs.
-    desc = (_describe(specs, dtypes), list(values), list(sites), [list(c) for c in contents])
+    desc = (_describe(specs, dtypes), list(values), list(sites), [list(c) for c in contents], outline)
     ref = comm.broadcast(desc if comm.rank == 0 else None)
     problem = None
     if desc[2] != ref[2]:
         problem = CheckpointError(
             f"ranks disagree on the state to {what}: rank 0 marks the subtrees {ref[2]} PER_RANK, rank {comm.rank} "
             f"marks {desc[2]}; every rank must give the same spec tree"
+        )
+    elif desc[4] != ref[4]:
+        problem = CheckpointError(
+            f"ranks disagree on the state to {what}: rank 0 and rank {comm.rank} differ in the tree's structure "
+            f"{_outline_difference(ref[4], desc[4], comm.rank)}: the checkpoint would hold rank 0's alone; every "
+            f"rank must {what} the same containers and kinds of leaves (its own subtrees marked PER_RANK excepted)"
         )
     elif [m[:3] for m in desc[0]] != [m[:3] for m in ref[0]]:
         problem = CheckpointError(
@@ -264,9 +274,49 @@ def _collapse(ref: list[Any], mine: list[Any], rank: int, what: str) -> Checkpoi
     )
 
 
-def state_digest(base: tuple[Any, ...], dtypes: Sequence[str], values: Sequence[str]) -> bytes:
-    """What a rank sends to agree on a state: a digest of its arrays' key (``spec_plan_key``), dtypes and value keys."""
-    return spec_digest((*base, tuple(dtypes), tuple(values)))
+def state_digest(base: tuple[Any, ...], dtypes: Sequence[str], values: Sequence[str], outline: Any = None) -> bytes:
+    """What a rank sends to agree on a state: a digest of its arrays' key (``spec_plan_key``), dtypes and value keys,
+    and of the tree's ``outline`` if given."""
+    shape = "" if outline is None else json.dumps(outline, separators=(",", ":"))
+    return spec_digest((*base, tuple(dtypes), tuple(values), shape))
+
+
+def _outline_difference(ref: Any, mine: Any, rank: int, path: str = "") -> str:
+    """Where two ranks' tree outlines (``Node.outline``) first differ, and how."""
+    at = f"at key path {path!r}" if path else "at the root"
+    if isinstance(ref, dict) and isinstance(mine, dict):
+        for name in ("k", "type", "keys", "maxlen", "factory_name", "metadata_json"):
+            if ref.get(name) != mine.get(name):
+                return f"{at}: rank 0 has {_shown(ref, name)}, rank {rank} {_shown(mine, name)}"
+        keys = ref.get("keys") or list(range(len(ref["c"])))
+        for key, a, b in zip(keys, ref["c"], mine["c"], strict=False):
+            if a != b:
+                below = key if isinstance(key, str) else str(key[-1] if isinstance(key, list) else key)
+                return _outline_difference(a, b, rank, f"{path}.{below}" if path else below)
+        if len(ref["c"]) != len(mine["c"]):
+            return f"{at}: rank 0 has {len(ref['c'])} children, rank {rank} {len(mine['c'])}"
+    return f"{at}: rank 0 has {_shown_leaf(ref)}, rank {rank} {_shown_leaf(mine)}"
+
+
+def _shown(outline: dict[str, Any], name: str) -> str:
+    value = outline.get(name)
+    if name == "k":
+        return f"{_a(str(value))} {value} node"
+    if name == "keys":
+        return f"the keys {value}"
+    return f"{name} {value!r}"
+
+
+def _a(word: str) -> str:
+    return "an" if word[:1] in "aeiou" else "a"
+
+
+def _shown_leaf(outline: Any) -> str:
+    if outline == "cut":
+        return "a subtree of its own (PER_RANK)"
+    if isinstance(outline, dict):
+        return f"{_a(outline['k'])} {outline['k']} node"
+    return f"a leaf of kind {outline!r}"
 
 
 def _difference(ref: list[Any], other: list[Any], rank: int) -> str:

@@ -148,6 +148,8 @@ def _match(request: LoadRequest, storage: Storage, doc: CheckpointDoc, carried: 
     if target is not None:  # the stored leaves the target does not ask for (not read)
         covered = parts.touched if parts is not None else set()  # (per-rank parts the target has: its policy's)
         unexpected = _unexpected(stored_paths, doc, t_paths, covered)  # type: ignore[arg-type]
+        if parts is not None:
+            unexpected += parts.left
     # Before any destination is allocated: the stored bytes must back every claimed shape.
     wanted = [m for m in stored_of if type(m) is ArrayMeta]
     if not request.plan_only:  # (a plan reads no array: it needs only the metadata)

@@ -76,7 +76,9 @@ class PerRankParts:
     local: set[int] = field(default_factory=set)
     kept: dict[int, Any] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
-    touched: set[tuple[KeyEntry, ...]] = field(default_factory=set)  # the parts the target has leaves under
+    touched: set[tuple[KeyEntry, ...]] = field(default_factory=set)  # the parts the target has (its leaves not
+    # matched against other ranks' subtrees there)
+    left: list[str] = field(default_factory=list)  # the keys of this rank's own stored leaves the target lacks
 
     def _refused(self, path: tuple[KeyEntry, ...], saved: int) -> None:
         self.problems.append(
@@ -121,6 +123,8 @@ class PerRankParts:
         """A target: each leaf under a per-rank part matched to this rank's stored one, kept, or the part replaced."""
         at = dict(self.sites)
         lengths = sorted({len(p) for p in at})
+        self.touched.update(p for p in at if _has(structure, p))  # (an empty subtree there too)
+        asked: set[tuple[KeyEntry, ...]] = set()
         stored_of: list[Any] = []
         refused: set[tuple[KeyEntry, ...]] = set()
         spliced: list[Site] = []
@@ -137,6 +141,7 @@ class PerRankParts:
                 if all(site != q for q, _ in spliced):
                     spliced.append((site, node))
             elif saved == self.world:
+                asked.add((*site, rank_entry(self.rank), *p[n:]))
                 stored_of.append(by_path.get((*site, rank_entry(self.rank), *p[n:])))
                 self.local.add(i)
             elif self.policy == "keep":
@@ -147,6 +152,17 @@ class PerRankParts:
                 if site not in refused:
                     refused.add(site)
                     self._refused(site, saved)
+        if self.policy != "all":  # (this rank's own part, at the world that saved it: matched leaf by leaf)
+            for site in sorted(self.touched, key=lambda p: [keystr(p)]):
+                node = at[site]
+                if len(node.children) == self.world:
+                    own = node.children[self.rank]
+                    prefix = (*site, rank_entry(self.rank))
+                    self.left += [
+                        leaves[i].key
+                        for i, q in zip(own.leaf_indices(), own.paths(), strict=True)
+                        if (*prefix, *q) not in asked
+                    ]
         self.t_leaves, self.stored_of, self.structure = t_leaves, stored_of, structure
         for path, node in spliced:
             self.structure = self._splice(self.structure, path, node, leaves)
@@ -175,6 +191,15 @@ class PerRankParts:
         kids[list(parent.entries).index(path[-1])] = new
         parent.children = kids
         return structure
+
+
+def _has(node: Node, path: tuple[KeyEntry, ...]) -> bool:
+    """Whether the tree ``node`` holds a node at key path ``path``."""
+    for e in path:
+        if node.kind == "leaf" or e not in node.entries:
+            return False
+        node = node.children[list(node.entries).index(e)]
+    return True
 
 
 def _view(node: Node, swap: dict[int, Node]) -> Node:

@@ -100,6 +100,7 @@ def plan_state(
     leaves: list[Any] = []
     keys: list[str] = []
     objects = False  # whether the tree held objects (saved as their state dicts)
+    kinds: list[str] = []  # each leaf's kind, for the ranks to compare with the tree's containers
     sites = Sites()
     with carried.catch():
         leaves, paths, root = flatten(tree, is_leaf, namespace=namespace, keys=keys)
@@ -117,7 +118,9 @@ def plan_state(
         with torch.no_grad():  # (a DTensor's to_local is then its local tensor, not an autograd call)
             for key, leaf, sp in zip(keys, leaves, leaf_specs, strict=True):
                 try:  # (what carried.catch(key) does, without entering a block per leaf)
-                    kind(leaf).describe(key, leaf, sp, d)
+                    k = kind(leaf)
+                    k.describe(key, leaf, sp, d)
+                    kinds.append(k.name)
                 except Exception as e:
                     carried.carry(e, key)
                     break
@@ -134,8 +137,13 @@ def plan_state(
             contents = replica_contents(shared, [a.get for a in shared], comm.rank, entries, own, check_replicas)
         values = [k for k in d.values if k not in own] if own else d.values
         dtypes = [a.dtype.name for a in shared]
-        agreed = agree_on_specs(comm, specs, dtypes, "save", carried.error, values, None, contents, sites.keys())
-        base = None if agreed is None or own else agreed[0]
+        outline = None
+        with carried.catch():
+            outline = root.outline(kinds, set(sites.paths)) if carried.error is None else None
+        agreed = agree_on_specs(
+            comm, specs, dtypes, "save", carried.error, values, None, contents, sites.keys(), outline
+        )
+        base = None if agreed is None or sites.nodes else agreed[0]  # (per-rank parts: planned anew below)
     if sites.nodes:
         mine: Any = None
         with carried.catch():
@@ -153,7 +161,7 @@ def plan_state(
     if comm is None and all(a.layout is SINGLE and a.ranks is None for a in arrays):
         limit = options.single_chunk_bytes
         whole = [0 not in a.shape and math.prod(a.shape) * a.dtype.itemsize <= limit for a in arrays]
-    if comm is None or own:
+    if comm is None or sites.nodes:  # (every rank's per-rank parts were combined: on a rank whose own is empty too)
         with carried.catch():
             specs = [a.spec() for a, w in itertools.zip_longest(arrays, whole) if not w]
     dtypes = [a.dtype.name for a in arrays]
