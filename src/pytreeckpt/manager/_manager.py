@@ -182,8 +182,9 @@ class CheckpointManager(ClosesOnExit):
           save_on_signals: signals (``signal.SIGTERM``) after which the next save is
             made whatever the intervals, and :meth:`reached_preemption` says to stop.
           keep_best: keep the best this many steps by ``best_fn`` (needs ``best_fn``).
-          best_fn: a step's metric from its ``user_metadata``; a step it fails on (or
-            returns None for) is not ranked.
+          best_fn: a step's metric from its ``user_metadata``; a step it raises on, or
+            returns None, NaN or an infinity for, is not ranked: ``keep_best`` never keeps
+            it, so it never displaces a step of a finite metric.
           best_mode: ``"min"`` or ``"max"``: which metric is best.
           keep_period_seconds: keep one step per this many seconds.
           clock: the time in seconds since the epoch (``time.time``; tests inject theirs).
