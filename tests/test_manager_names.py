@@ -137,6 +137,8 @@ def test_a_link_of_a_step_name_is_no_step_and_nothing_is_written_or_deleted_thro
         assert m.restore()["step"] == 3
         with pytest.raises(pytreeckpt.CheckpointError, match=r"step_5 is a symbolic link, not a step this manager"):
             m.save(5, state(5), force=True)
+        with pytest.raises(pytreeckpt.NotCommittedError, match=r"step_5 is a symbolic link, .* not restored from it"):
+            m.restore(5)
     with CheckpointManager(run, max_to_keep=1) as m:  # (a new manager cleans up nothing through it either)
         m.save(6, state(6))
     assert (run / "step_5").is_symlink()

@@ -332,21 +332,27 @@ class CheckpointManager(ClosesOnExit):
             logger.warning("%s: step %d saved for a preemption signal", self.directory, step)
         return True
 
+    def _foreign(self, step: int, doing: str) -> str | None:
+        """(rank 0) Why step ``step`` cannot be ``doing`` (saved, restored): a foreign thing (a link, a file) holds
+        its name; None: nothing does."""
+        path = self.step_path(step)
+        if not isinstance(path, Path):
+            return None
+        try:
+            mode = os.lstat(path).st_mode
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        if stat.S_ISDIR(mode):
+            return None
+        kind = "a symbolic link" if stat.S_ISLNK(mode) else "not a directory"
+        return f"{path} is {kind}, not a step this manager wrote; it is left alone, and step {step} is not {doing}"
+
     def _taken(self, step: int, force: bool) -> str | None:
         """(rank 0) Why ``step`` cannot be saved: its name is held by something foreign (a link, a file), or
         without ``force``, the step is saved already; None: it can be."""
-        path = self.step_path(step)
-        if isinstance(path, Path):
-            try:
-                mode = os.lstat(path).st_mode
-            except FileNotFoundError:
-                mode = stat.S_IFDIR
-            if not stat.S_ISDIR(mode):
-                kind = "a symbolic link" if stat.S_ISLNK(mode) else "not a directory"
-                return (
-                    f"{path} is {kind}, not a step this manager wrote; it is left alone, and step {step} cannot be "
-                    f"saved there (move it away)"
-                )
+        foreign = self._foreign(step, "saved there (move it away)")
+        if foreign is not None:
+            return foreign
         if not force and step in self._committed():
             return f"step {step} is already saved in {self.directory}; pass force=True to replace it"
         return None
@@ -492,6 +498,9 @@ class CheckpointManager(ClosesOnExit):
         self._finish_in_flight()
         kwargs.setdefault("process_group", self._process_group)
         if step is not None:
+            foreign = self._agree(self._foreign(step, "restored from it") if self._is_leader else None)
+            if foreign is not None:
+                raise NotCommittedError(foreign)
             result = load(self._location(f"step_{step}"), target, **kwargs)
             self.last_restored_step = step
             return result
