@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import json
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 import pytreeckpt
 from pytreeckpt import PER_RANK
+from pytreeckpt.core._checksum import crc32c
+from pytreeckpt.distributed._peers import receive_files
 
 
 def peer_state(rank: int, world: int, step: int) -> dict[str, Any]:
@@ -68,5 +73,75 @@ def peer_restore(rank: int, world: int, local_root: str, durable: str) -> dict[s
             "rng": out["rng"].tolist(),
             "durable_opened": len(opened),
             "local": sorted(p.name for p in (Path(local_root) / f"node{rank // 2}").iterdir()),
+            "warnings": [str(w.message) for w in caught if issubclass(w.category, pytreeckpt.CheckpointDamageWarning)],
+        }
+
+
+def send_hostile(group: Any, dst: int, files: list[tuple[str, bytes]]) -> Callable[[], None]:
+    """Send ``files`` (name, bytes) to ``dst`` as ``send_files`` does (its wire format), the names whatever they are:
+    a hostile peer. Returns the function that waits until they are sent."""
+    header = json.dumps({"error": None, "files": [[name, len(data), crc32c(data)] for name, data in files]}).encode()
+    works = [
+        dist.isend(torch.tensor([len(header)], dtype=torch.int64), dst, group=group),
+        dist.isend(torch.frombuffer(bytearray(header), dtype=torch.uint8), dst, group=group),
+    ]
+    works += [dist.isend(torch.frombuffer(bytearray(d), dtype=torch.uint8), dst, group=group) for _, d in files if d]
+
+    def finish() -> None:
+        for w in works:
+            w.wait()
+
+    return finish
+
+
+def hostile_peer(rank: int, world: int, local_root: str, durable: str, names: list[str]) -> str | None:
+    """Nodes of one rank each; node 0's leader sends the files ``names`` instead of its step. The error on this
+    rank (None: none)."""
+    if rank == 0:
+        import pytreeckpt.manager._peers as peers
+
+        peers.send_files = lambda group, dst, root, what: send_hostile(group, dst, [(n, b"ESCAPED") for n in names])
+    with pytreeckpt.PeerTierManager(
+        Path(local_root) / f"node{rank}", durable, ranks_per_node=1, durable_interval_steps=100
+    ) as m:
+        try:
+            m.save(1, {"x": torch.full((2,), float(rank))})
+            m.wait()
+        except pytreeckpt.CheckpointError as e:
+            return str(e)
+    return None
+
+
+def hostile_files(rank: int, world: int, into: str, files: list[tuple[str, bytes]]) -> str | None:
+    """Rank 0 sends ``files`` to rank 1, which receives them into ``into``; rank 1's error (None: none)."""
+    if rank == 0:
+        send_hostile(None, 1, files)()
+        return None
+    try:
+        receive_files(None, 0, Path(into), "step 1 of node 0")
+    except pytreeckpt.CheckpointError as e:
+        return str(e)
+    return None
+
+
+def two_nodes(rank: int, world: int, local_root: str, durable: str, steps: list[int]) -> dict[str, Any]:
+    """Nodes of one rank each: save ``steps`` (none: restore the newest), with the peer tier only."""
+    with (
+        pytreeckpt.PeerTierManager(
+            Path(local_root) / f"node{rank}", durable, ranks_per_node=1, durable_interval_steps=100
+        ) as m,
+        warnings.catch_warnings(record=True) as caught,
+    ):
+        warnings.simplefilter("always")
+        for step in steps:
+            m.save(step, {"x": torch.full((2,), float(10 * step + rank))})
+        if steps:
+            m.wait()
+            return {"steps": m.all_steps()}
+        out = m.restore(target={"x": torch.zeros(2)})
+        return {
+            "step": m.last_restored_step,
+            "tier": m.last_restored_tier,
+            "x": out["x"].tolist(),
             "warnings": [str(w.message) for w in caught if issubclass(w.category, pytreeckpt.CheckpointDamageWarning)],
         }

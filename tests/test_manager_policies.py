@@ -3,17 +3,23 @@
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import manager_workers as mw
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from multiproc import run_world
 
 from pytreeckpt import CheckpointManager
 from pytreeckpt.manager import _manager
+from pytreeckpt.manager._policy import Retention, StepFacts
 
 
 def state(step: int) -> dict:
@@ -155,3 +161,63 @@ def test_a_failed_deletion_is_logged_and_retried_by_the_next_retention(
         m.wait()
         assert m.all_steps() == [3]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_3"]
+
+
+def _loss(md: Mapping[str, Any]) -> float:
+    if md["loss"] == "raise":
+        raise KeyError("no loss logged")
+    return None if md["loss"] is None else float(md["loss"])  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize(
+    ("losses", "kept"),
+    [
+        (["nan", 0.1, 0.5, 0.7, 0.9], [2, 5]),  # the NaN step took the best's place
+        (["-inf", 0.1, 0.5, 0.7, 0.9], [2, 5]),
+        ([0.4, "nan", "nan", 0.2, "inf", None, "raise", 0.9], [4, 8]),
+    ],
+)
+def test_keep_best_never_loses_the_best_finite_step_to_a_nan_none_infinity_or_raising_metric(
+    tmp_path: Path, losses: list[Any], kept: list[int]
+) -> None:
+    options = {"max_to_keep": 1, "keep_best": 1, "best_fn": _loss, "async_": False}
+    with CheckpointManager(tmp_path, **options) as m:  # type: ignore[arg-type]
+        for step, loss in enumerate(losses, 1):
+            m.save(step, state(step), user_metadata={"loss": loss})
+        m.wait()
+        assert m.all_steps() == kept
+    with CheckpointManager(tmp_path, **options) as m:  # type: ignore[arg-type]  (metrics read back from disk)
+        m.save(len(losses) + 1, state(0), user_metadata={"loss": "nan"})
+        m.wait()
+        assert m.all_steps() == [kept[0], len(losses) + 1]
+
+
+_METRICS = st.one_of(
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.sampled_from([math.nan, math.inf, -math.inf, None, "raise"]),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    metrics=st.lists(st.tuples(_METRICS, st.booleans()), min_size=1, max_size=12),
+    keep_best=st.integers(1, 4),
+    mode=st.sampled_from(["min", "max"]),
+    max_to_keep=st.one_of(st.none(), st.integers(1, 3)),
+)
+def test_the_best_finite_steps_are_always_kept_whatever_the_other_metrics(
+    metrics: list[tuple[Any, bool]], keep_best: int, mode: str, max_to_keep: int | None
+) -> None:
+    stored = {step: {"loss": m} for step, (m, _) in enumerate(metrics, 1)}
+    facts = StepFacts(_loss, "run", lambda step: stored[step], lambda step: None)
+    for step, (_, saved_here) in enumerate(metrics, 1):
+        if saved_here:  # noted at its save, else read back from its metadata
+            facts.note(step, 0.0, stored[step])
+    steps = sorted(stored)
+    retention = Retention(max_to_keep=max_to_keep, keep_best=keep_best, best_mode=mode)
+    keep = retention.keep(steps, {s: facts.metric(s) for s in steps})
+    finite = [(m, s) for s, (m, _) in enumerate(metrics, 1) if isinstance(m, float) and math.isfinite(m)]
+    finite.sort(key=lambda e: (e[0] if mode == "min" else -e[0], -e[1]))  # the best first; a tie: the newer
+    assert {s for _, s in finite[:keep_best]} <= keep
+    newest = set(steps[-(max_to_keep or 1) :])
+    assert keep <= newest | {s for _, s in finite}  # a step without a finite metric only as one of the newest

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
 from multiproc import run_world
-from peer_workers import peer_restore, peer_save
+from peer_workers import hostile_files, hostile_peer, peer_restore, peer_save, two_nodes
 
 import pytreeckpt
 
@@ -89,3 +90,90 @@ def test_without_peers_a_single_process_keeps_a_local_tier_over_the_durable_one(
     ):
         assert m.restore()["w"].tolist() == [2.0] * 3
         assert m.last_restored_tier == "durable"
+
+
+def test_names_a_hostile_peer_sends_that_lead_outside_the_step_are_refused_and_nothing_is_written_there(
+    tmp_path: Path,
+) -> None:
+    local, durable = tmp_path / "local", tmp_path / "durable"
+    # node 1 receives into local/node1/replicas/node_0/<incoming>: four levels up is local/
+    names = ["../../../../ESCAPED", str(tmp_path / "ABSOLUTE"), "arrays/../../../../../DOTTED", "a\\b", "ok"]
+    errors = run_world(2, hostile_peer, str(local), str(durable), names)
+    assert sorted(p.name for p in tmp_path.rglob("*") if p.is_file() and p.read_bytes() == b"ESCAPED") == []
+    assert list((local / "node1" / "replicas" / "node_0").iterdir()) == []  # nothing kept of it
+    assert "replicating to the peer nodes failed on another rank" in errors[0]
+    assert "replicating to the peer nodes failed: files from rank 0 refused" in errors[1]
+    for name in names[:4]:
+        assert f"the name {name!r} is not a path inside the step" in errors[1]
+
+
+def test_a_received_file_is_created_anew_never_through_a_link_or_over_a_file_there(tmp_path: Path) -> None:
+    into, outside = tmp_path / "incoming", tmp_path / "outside"
+    outside.mkdir()
+    (outside / "victim").write_bytes(b"mine")
+    into.mkdir()
+    (into / "arrays").symlink_to(outside, target_is_directory=True)  # planted in the directory being received into
+    (into / "zarr.json").symlink_to(outside / "victim")
+    files = [("arrays/x", b"ESCAPED"), ("zarr.json", b"ESCAPED"), ("pytreeckpt.json", b"{}"), ("pytreeckpt.json", b"!")]
+    error = run_world(2, hostile_files, str(into), files)[1]
+    assert sorted(os.listdir(outside)) == ["victim"]
+    assert (outside / "victim").read_bytes() == b"mine"
+    assert error is not None
+    assert f"{into / 'arrays'} is a symbolic link" in error
+    assert f"cannot create {into / 'zarr.json'} anew" in error
+    assert f"cannot create {into / 'pytreeckpt.json'} anew" in error  # (sent twice: the first one stays)
+    assert (into / "pytreeckpt.json").read_bytes() == b"{}"
+
+
+@pytest.mark.parametrize("planted", ["link", "fifo"])
+def test_a_link_or_fifo_among_a_replicas_files_is_refused_not_read_and_copied_to_the_other_node(
+    tmp_path: Path, planted: str
+) -> None:
+    local, durable, secret = tmp_path / "local", tmp_path / "durable", tmp_path / "secret"
+    secret.write_bytes(b"SECRET" * 100)
+    saved = run_world(2, two_nodes, str(local), str(durable), [1, 2])
+    assert saved[0]["steps"] == {"peers": [1, 2], "durable": []}
+    planted_at = local / "node0" / "replicas" / "node_1" / "step_2" / "evil"
+    if planted == "link":
+        planted_at.symlink_to(secret)
+    else:
+        os.mkfifo(planted_at)  # (read, it would block the sender)
+    shutil.rmtree(local / "node1")  # node 1 is lost: its step 2 is only in node 0's replica
+    restored = run_world(2, two_nodes, str(local), str(durable), [])
+    for rank, r in enumerate(restored):
+        assert (r["step"], r["tier"], r["x"]) == (1, "peers", [10.0 + rank] * 2), r
+        assert len(r["warnings"]) == 1, r["warnings"]
+        assert "step 2 of peers does not load" in r["warnings"][0]
+    kind = "a symbolic link" if planted == "link" else "a FIFO"
+    assert f"{planted_at} is {kind}, not a regular file; refused" in restored[1]["warnings"][0]
+    assert not [p for p in (local / "node1").rglob("*") if p.is_file() and b"SECRET" in p.read_bytes()]
+
+
+def test_foreign_names_among_the_replicas_are_no_steps_and_pruning_leaves_them_alone(tmp_path: Path) -> None:
+    local, durable, elsewhere = tmp_path / "local", tmp_path / "durable", tmp_path / "elsewhere"
+    run_world(2, two_nodes, str(local), str(durable), [1, 2])
+    replicas = local / "node1" / "replicas" / "node_0"
+    shutil.copytree(replicas / "step_2", replicas / "step_0999")  # 999 to `\d+`: newer than every step
+    shutil.copytree(replicas / "step_2", elsewhere)
+    (replicas / "step_5").symlink_to(elsewhere, target_is_directory=True)
+    saved = run_world(2, two_nodes, str(local), str(durable), [3])
+    assert saved[1]["steps"] == {"peers": [2, 3], "durable": []}
+    assert sorted(os.listdir(replicas)) == ["step_0999", "step_2", "step_3", "step_5"]
+    assert (replicas / "step_5").is_symlink()
+    assert sorted(os.listdir(elsewhere)) == sorted(os.listdir(replicas / "step_0999"))
+
+
+def test_a_foreign_directory_of_a_lost_nodes_step_name_is_left_alone_and_that_step_not_fetched(
+    tmp_path: Path,
+) -> None:
+    local, durable = tmp_path / "local", tmp_path / "durable"
+    run_world(2, two_nodes, str(local), str(durable), [1, 2])
+    shutil.rmtree(local / "node1")
+    (local / "node1" / "step_2").mkdir(parents=True)  # someone's directory where the step would go back
+    (local / "node1" / "step_2" / "notes.txt").write_text("mine")
+    restored = run_world(2, two_nodes, str(local), str(durable), [])
+    for rank, r in enumerate(restored):
+        assert (r["step"], r["tier"], r["x"]) == (1, "peers", [10.0 + rank] * 2), r
+    assert f"{local / 'node1' / 'step_2'} is a directory holding files no save writes" in restored[1]["warnings"][0]
+    assert os.listdir(local / "node1" / "step_2") == ["notes.txt"]
+    assert (local / "node1" / "step_2" / "notes.txt").read_text() == "mine"

@@ -62,3 +62,31 @@ def test_resumed_at_two_ranks_it_loads_and_trains_on(saved: tuple[Path, list[dic
     assert sorted(p.name for p in (tmp_path / "checkpoint" / "step-6").iterdir()) == ["model.safetensors"]
     # load_only: nothing saved
     assert sorted(p.name for p in (base / "checkpoint").iterdir()) == ["step-4", "step-5", "step-6"]
+
+
+def test_only_the_folders_it_names_are_steps_a_foreign_name_is_neither_loaded_nor_purged(tmp_path: Path) -> None:
+    import torch
+
+    import pytreeckpt
+    from pytreeckpt.integrations.torchtitan import CheckpointManager
+
+    folder = tmp_path / "checkpoint"
+    names = ["step-0999", "step-\u0663", "step-1", "step-2"]  # 999 and 3 to `\d+`: newer than the real steps
+    for name in names:
+        pytreeckpt.save(folder / name, {"w": torch.zeros(1)})
+    m = CheckpointManager(
+        CheckpointManager.Config(enable=True, keep_latest_k=2),
+        dataloader=None,
+        model_parts=[torch.nn.Linear(2, 2)],
+        optimizers=None,  # type: ignore[arg-type]
+        lr_schedulers=None,  # type: ignore[arg-type]
+        states={},
+        sd_adapter=None,
+        base_folder=str(tmp_path),
+    )
+    try:
+        assert m._find_load_step() == 2
+        m._purge_stale_checkpoints(3)  # (step 3 being saved: step 1 goes)
+    finally:
+        m.close()
+    assert sorted(p.name for p in folder.iterdir()) == sorted(["step-0999", "step-\u0663", "step-2"])

@@ -29,8 +29,9 @@ FORMAT_VERSION = 3
 packed in an OCDBT database, else 1."""
 METADATA_FILE = "pytreeckpt.json"
 LOCK_FILE = ".pytreeckpt.lock"
-STEP_DIR = re.compile(r"^step_(\d+)$")
-"""A CheckpointManager's step directory (or key prefix): ``step_<n>``."""
+STEP_DIR = re.compile(r"step_(0|[1-9][0-9]*)\Z")  # (match)
+"""A CheckpointManager's step directory (or key prefix): exactly ``step_<n>`` as it writes it, ``n`` in ASCII
+digits without a leading zero: ``step_007``, ``"step_5\\n"`` and other digits (Arabic-Indic ones) name no step."""
 ARRAYS_DIR = "arrays"
 PACKED_DIR = "ocdbt"
 ARCHIVE_DIR = "packed"

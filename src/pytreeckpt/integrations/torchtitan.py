@@ -60,6 +60,9 @@ if TYPE_CHECKING:
 __all__ = ["CheckpointManager", "checkpoint_config"]
 
 AsyncMode = Literal["disabled", "async", "async_with_pinned_mem"]
+_STEP = re.compile(r"step-(0|[1-9][0-9]*)")
+"""A step's folder, exactly as :meth:`CheckpointManager._create_checkpoint_id` names it (fullmatch): ASCII
+digits, no leading zero; another name (``step-0999``, other digits) is no step, never loaded nor purged."""
 
 
 class _Own:
@@ -306,7 +309,7 @@ class CheckpointManager(BaseCheckpointManager):  # type: ignore[misc]  # (torcht
             return
         found = {saving: self._create_checkpoint_id(saving)}
         for name in filesystem.listdir(self.folder):
-            if m := re.fullmatch(r"step-(\d+)", name):
+            if m := _STEP.fullmatch(name):
                 found[int(m.group(1))] = filesystem.join(self.folder, name)
         for step in sorted(found)[: -self.keep_latest_k]:
             self.purge_queue.put(found[step])
@@ -388,7 +391,7 @@ class CheckpointManager(BaseCheckpointManager):  # type: ignore[misc]  # (torcht
         steps = [
             int(m.group(1))
             for name in filesystem.listdir(folder)
-            if (m := re.fullmatch(r"step-(\d+)", name))
+            if (m := _STEP.fullmatch(name))
             and filesystem.isfile(filesystem.join(filesystem.join(folder, name), METADATA_FILE))
         ]
         return max(steps, default=-1)

@@ -7,6 +7,7 @@ import contextlib
 import functools
 import logging
 import os
+import stat
 import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping
@@ -20,7 +21,7 @@ from pytreeckpt.api import SaveHandle, async_save, load, save
 from pytreeckpt.core._errors import CheckpointError, NotCommittedError
 from pytreeckpt.distributed._comm import distributed_comm as _comm
 from pytreeckpt.execute._staging import staging_pool
-from pytreeckpt.format import METADATA_FILE, STEP_DIR
+from pytreeckpt.format import LOCK_FILE, METADATA_FILE, STEP_DIR, STORED_DIRS
 from pytreeckpt.storage import LOCK_WAIT, Location, Storage, Where, describe, remove_tree, resolve
 
 from ._fallback import first_that_loads
@@ -33,6 +34,47 @@ logger = logging.getLogger("pytreeckpt")
 
 _TRASH = ".pytreeckpt-removing-"
 """A step directory being deleted is first renamed to this prefix (atomically: it is never half there)."""
+
+
+_SAVE_NAMES = frozenset({*STORED_DIRS, METADATA_FILE, LOCK_FILE})
+"""What a save writes at the top of a step (and temporaries ``.tmp-*``): the names a save's storage accepts in a
+directory it writes into."""
+
+
+def step_of(name: str) -> int | None:
+    """The step named ``name`` (a directory, or a key prefix): only ``step_<n>`` exactly as the manager writes it
+    (ASCII digits, no leading zero, nothing after them); None for any other name, which is not a step and is left
+    alone (``step_007``, ``"step_5\\n"``, ``step_1.tmp``, other digits than ASCII ones)."""
+    m = STEP_DIR.match(name)
+    if m is None:
+        return None
+    try:
+        step = int(m.group(1))
+    except ValueError:  # (more digits than int() takes)
+        return None
+    return step if f"step_{step}" == name else None
+
+
+def step_dirs(directory: Path) -> list[tuple[int, Path]]:
+    """The steps' directories in ``directory``, oldest first: directories named by :func:`step_of`. A symbolic
+    link, a file or anything else of a step's name is not a step: left alone, never counted nor deleted."""
+    out: list[tuple[int, Path]] = []
+    try:
+        with os.scandir(directory) as entries:
+            for entry in entries:
+                step = step_of(entry.name)
+                with contextlib.suppress(OSError):  # (an entry vanishing meanwhile: another manager's)
+                    if step is not None and entry.is_dir(follow_symlinks=False):
+                        out.append((step, Path(entry.path)))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    return sorted(out)
+
+
+def only_a_save_wrote(names: Iterable[str]) -> bool:
+    """Whether a directory of these entries holds only what a save writes: uncommitted, it is what a crashed
+    save left; anything else in it is foreign, and the directory is left alone."""
+    return all(name in _SAVE_NAMES or name.startswith(".tmp-") for name in names)
 
 
 def check_step(step: Any) -> int:
@@ -61,7 +103,11 @@ class ClosesOnExit(abc.ABC):
 class CheckpointManager(ClosesOnExit):
     """Saves numbered steps under one directory and keeps the ones worth keeping.
 
-    Each step, a non-negative integer, is a checkpoint at ``directory/step_<n>``.
+    Each step, a non-negative integer, is a checkpoint at ``directory/step_<n>``; only
+    those names (``n`` as ``str(n)`` writes it) are steps: anything else there
+    (``step_007``, a symbolic link, a file, a directory holding files no save writes) is
+    left alone, never counted, restored nor deleted, and a step whose name it holds
+    cannot be saved.
     Retention runs only once a save has committed: the newest ``max_to_keep`` committed
     steps are kept, and so is every step divisible by ``keep_every_n_steps``. With
     ``incremental=True`` each save writes only the chunks that changed since the newest
@@ -136,8 +182,9 @@ class CheckpointManager(ClosesOnExit):
           save_on_signals: signals (``signal.SIGTERM``) after which the next save is
             made whatever the intervals, and :meth:`reached_preemption` says to stop.
           keep_best: keep the best this many steps by ``best_fn`` (needs ``best_fn``).
-          best_fn: a step's metric from its ``user_metadata``; a step it fails on (or
-            returns None for) is not ranked.
+          best_fn: a step's metric from its ``user_metadata``; a step it raises on, or
+            returns None, NaN or an infinity for, is not ranked: ``keep_best`` never keeps
+            it, so it never displaces a step of a finite metric.
           best_mode: ``"min"`` or ``"max"``: which metric is best.
           keep_period_seconds: keep one step per this many seconds.
           clock: the time in seconds since the epoch (``time.time``; tests inject theirs).
@@ -211,30 +258,27 @@ class CheckpointManager(ClosesOnExit):
         return Location(r.path if r.path is not None else r.spec or {}, r.options)
 
     def _listed(self) -> list[tuple[int, Path | Location, bool]]:
+        """Every step (only names :func:`step_of` reads), its place, and whether it is committed; oldest first."""
         out: list[tuple[int, Path | Location, bool]] = []
         if self._kv is not None:
             keys = set(self._kv.list())
-            steps = {k.split("/", 1)[0] for k in keys if "/" in k}
-            for name in steps:
-                m = STEP_DIR.match(name)
-                if m:
-                    out.append((int(m.group(1)), self._location(name), f"{name}/{METADATA_FILE}" in keys))
+            for name in {k.split("/", 1)[0] for k in keys if "/" in k}:
+                step = step_of(name)
+                if step is not None:
+                    out.append((step, self._location(name), f"{name}/{METADATA_FILE}" in keys))
             return sorted(out, key=lambda e: e[0])
-        if isinstance(self.directory, Path) and self.directory.is_dir():
-            for p in self.directory.iterdir():  # entries vanishing meanwhile (another manager) read as absent
-                m = STEP_DIR.match(p.name)
-                if m and p.is_dir():
-                    out.append((int(m.group(1)), p, Storage(p).is_committed()))
-        return sorted(out, key=lambda e: (e[0], str(e[1])))
+        if isinstance(self.directory, Path):  # entries vanishing meanwhile (another manager) read as absent
+            out += [(step, p, Storage(p).is_committed()) for step, p in step_dirs(self.directory)]
+        return out
+
+    def _committed(self) -> list[int]:
+        """(rank 0) The committed steps, oldest first, but those retention is deleting on its thread."""
+        going = self._deleter.pending()
+        return [s for s, _, committed in self._listed() if committed and s not in going]
 
     def all_steps(self) -> list[int]:
         """Committed steps, oldest first (not those retention is deleting on its thread)."""
-        if self._is_leader:
-            going = self._deleter.pending()
-            steps = [s for s, _, committed in self._listed() if committed and s not in going]
-        else:
-            steps = None
-        return list(self._agree(steps))
+        return list(self._agree(self._committed() if self._is_leader else None))
 
     def latest_step(self) -> int | None:
         """The newest committed step, or None."""
@@ -264,8 +308,9 @@ class CheckpointManager(ClosesOnExit):
         if not (force or preempt or timed or step % self.save_interval_steps == 0):
             return False
         self._finish_in_flight()
-        if not force and step in self.all_steps():
-            raise CheckpointError(f"step {step} is already saved in {self.directory}; pass force=True to replace it")
+        taken = self._agree(self._taken(step, force) if self._is_leader else None)
+        if taken is not None:
+            raise CheckpointError(taken)
         if self._is_leader:
             self._clean_uncommitted()  # a crashed save's leftovers take no room from this one
         path = self._location(f"step_{step}")
@@ -286,6 +331,31 @@ class CheckpointManager(ClosesOnExit):
         if preempt:
             logger.warning("%s: step %d saved for a preemption signal", self.directory, step)
         return True
+
+    def _foreign(self, step: int, doing: str) -> str | None:
+        """(rank 0) Why step ``step`` cannot be ``doing`` (saved, restored): a foreign thing (a link, a file) holds
+        its name; None: nothing does."""
+        path = self.step_path(step)
+        if not isinstance(path, Path):
+            return None
+        try:
+            mode = os.lstat(path).st_mode
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        if stat.S_ISDIR(mode):
+            return None
+        kind = "a symbolic link" if stat.S_ISLNK(mode) else "not a directory"
+        return f"{path} is {kind}, not a step this manager wrote; it is left alone, and step {step} is not {doing}"
+
+    def _taken(self, step: int, force: bool) -> str | None:
+        """(rank 0) Why ``step`` cannot be saved: its name is held by something foreign (a link, a file), or
+        without ``force``, the step is saved already; None: it can be."""
+        foreign = self._foreign(step, "saved there (move it away)")
+        if foreign is not None:
+            return foreign
+        if not force and step in self._committed():
+            return f"step {step} is already saved in {self.directory}; pass force=True to replace it"
+        return None
 
     @property
     def preemption_step(self) -> int | None:
@@ -365,20 +435,32 @@ class CheckpointManager(ClosesOnExit):
         listed = self._listed()
         newest = max((s for s, _, c in listed if c), default=None)
         for step, path, committed in listed:
-            if committed:
+            # No lock on an object store tells a crashed save from one in progress: only steps
+            # older than the newest commit are taken as crashed.
+            if committed or (not isinstance(path, Path) and (newest is None or step >= newest)):
                 continue
-            if not isinstance(path, Path):
-                # No lock tells a crashed save from one in progress: only steps older than
-                # the newest commit are taken as crashed.
-                if newest is not None and step < newest:
-                    attempt(Storage(path).remove, path)
-                continue
-            attempt(functools.partial(_discard, path, committed=False), path)  # skipped while a save is writing it
+            if not only_a_save_wrote(self._entries(step, path)):
+                logger.info("%s: not a crashed save's leftovers (it holds other files): left alone", describe(path))
+            elif isinstance(path, Path):
+                attempt(functools.partial(_discard, path, committed=False), path)  # skipped while a save writes it
+            else:
+                attempt(Storage(path).remove, path)
         if isinstance(self.directory, Path) and not self._deleter.pending():  # removals a crash interrupted
             with contextlib.suppress(FileNotFoundError):
                 for p in self.directory.iterdir():
                     if p.name.startswith(_TRASH):
                         attempt(functools.partial(remove_tree, p), p)
+
+    def _entries(self, step: int, path: Path | Location) -> set[str]:
+        """The names at the top of a step's directory (or under its key prefix); unreadable: a foreign name."""
+        if not isinstance(path, Path):
+            assert self._kv is not None
+            prefix = f"step_{step}/"
+            return {k[len(prefix) :].split("/", 1)[0] for k in self._kv.list(prefix)}
+        try:
+            return set(os.listdir(path))
+        except OSError:
+            return {"?"}
 
     def delete(self, step: int) -> None:
         """Delete a committed step."""
@@ -416,6 +498,9 @@ class CheckpointManager(ClosesOnExit):
         self._finish_in_flight()
         kwargs.setdefault("process_group", self._process_group)
         if step is not None:
+            foreign = self._agree(self._foreign(step, "restored from it") if self._is_leader else None)
+            if foreign is not None:
+                raise NotCommittedError(foreign)
             result = load(self._location(f"step_{step}"), target, **kwargs)
             self.last_restored_step = step
             return result

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import stat
 import threading
 import uuid
 import warnings
@@ -18,12 +19,11 @@ from pytreeckpt.core._per_rank import PER_RANK
 from pytreeckpt.distributed._comm import Comm, DistComm
 from pytreeckpt.distributed._peers import node_groups, receive_files, send_files, world
 from pytreeckpt.distributed._vote import vote_max
-from pytreeckpt.format import STEP_DIR
 from pytreeckpt.storage import Storage, Where, describe, remove_tree, resolve
 
 from ._fallback import CheckpointDamageWarning, first_that_loads
 from ._local_view import local_view, put_back
-from ._manager import CheckpointManager, ClosesOnExit, check_step
+from ._manager import CheckpointManager, ClosesOnExit, check_step, only_a_save_wrote, step_dirs
 
 __all__ = ["PeerTierManager", "node_layout"]
 
@@ -72,6 +72,31 @@ def node_layout(
             f"({world} ranks); peers must be between 0 and {nodes - 1}"
         )
     return node_of
+
+
+def _make_way(final: Path) -> None:
+    """Remove what is at ``final`` before a step arriving from a peer is renamed there: a step's directory,
+    committed, or what a crashed save left. Anything else there is foreign and left alone: a CheckpointError."""
+    try:
+        mode = os.lstat(final).st_mode
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(mode):
+        try:
+            ours = Storage(final).is_committed() or only_a_save_wrote(os.listdir(final))
+        except OSError:
+            ours = False
+        if ours:
+            remove_tree(final)
+            return
+    if stat.S_ISDIR(mode):
+        kind = "a directory holding files no save writes"
+    else:
+        kind = "a symbolic link" if stat.S_ISLNK(mode) else "not a directory"
+    raise CheckpointError(
+        f"{final} is {kind}, not a step this manager wrote; it is left alone, and the step arriving from a peer is "
+        f"not put there (move it away)"
+    )
 
 
 class PeerTierManager(ClosesOnExit):
@@ -241,17 +266,15 @@ class PeerTierManager(ClosesOnExit):
         try:
             receive_files(self._xfer, self._leaders[frm], incoming, f"step {step} of node {self._ids[frm]}")
             final = into / f"step_{step}"
-            if final.exists():
-                remove_tree(final)
+            _make_way(final)
             os.rename(incoming, final)
         finally:
             if incoming.exists():
                 remove_tree(incoming)
 
     def _prune(self, replicas: Path) -> None:
-        steps = sorted(int(m.group(1)) for p in replicas.iterdir() if (m := STEP_DIR.match(p.name)))
-        for s in steps[: -self.local_max_to_keep]:
-            remove_tree(replicas / f"step_{s}")
+        for _, path in step_dirs(replicas)[: -self.local_max_to_keep]:
+            remove_tree(path)
 
     def _finish_replication(self) -> None:
         """Wait for the replication in flight; its failure on any rank is raised on every rank."""
@@ -272,8 +295,7 @@ class PeerTierManager(ClosesOnExit):
         for n in range(len(self._ids)):
             d = self._replica_dir(n)
             if d.is_dir():
-                steps = [int(m.group(1)) for p in d.iterdir() if (m := STEP_DIR.match(p.name))]
-                out[n] = sorted(s for s in steps if Storage(d / f"step_{s}").is_committed())
+                out[n] = [s for s, path in step_dirs(d) if Storage(path).is_committed()]
         return out
 
     def _whole_steps(self) -> tuple[dict[int, dict[int, int]], dict[int, list[int]]]:

@@ -4,6 +4,7 @@ step, and the deleter thread."""
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -27,7 +28,9 @@ class Retention:
       max_to_keep: the newest this many steps. None: every step, unless ``keep_best`` or
         ``keep_period_seconds`` is given, then the newest only (those rules choose the others).
       keep_every_n_steps: every step divisible by this.
-      keep_best: the best this many steps by their metric (steps without one are not ranked).
+      keep_best: the best this many steps by their metric. Only finite metrics are ranked: a
+        step whose metric is None, NaN or infinite (or whose ``best_fn`` raised) is never kept
+        by this rule, so it never displaces a step with a finite metric.
       best_mode: ``"min"`` (the smallest metric is best) or ``"max"``.
       keep_period_seconds: one step per period: walking from the oldest, a step is kept
         when it was saved at least this long after the previous step kept so (the oldest
@@ -51,6 +54,8 @@ class Retention:
         >>> r = Retention(max_to_keep=1, keep_best=2, best_mode="min")
         >>> sorted(r.keep([1, 2, 3, 4], metrics={1: 0.5, 2: 0.1, 3: 0.9, 4: 0.7}))
         [1, 2, 4]
+        >>> sorted(r.keep([1, 2, 3, 4], metrics={1: float("nan"), 2: 0.1, 3: None, 4: 0.7}))
+        [2, 4]
         >>> r = Retention(max_to_keep=1, keep_period_seconds=10)
         >>> sorted(r.keep([1, 2, 3, 4], times={1: 0, 2: 6, 3: 11, 4: 13}))
         [1, 3, 4]
@@ -68,7 +73,7 @@ class Retention:
         if self.keep_every_n_steps:
             keep |= {s for s in steps if s % self.keep_every_n_steps == 0}
         if self.keep_best:
-            ranked = [(m, s) for s in steps if (m := (metrics or {}).get(s)) is not None]
+            ranked = [(m, s) for s in steps if (m := (metrics or {}).get(s)) is not None and math.isfinite(m)]
             ranked.sort(key=lambda e: (e[0] if self.best_mode == "min" else -e[0], -e[1]))  # a tie: the newer
             keep |= {s for _, s in ranked[: self.keep_best]}
         if self.keep_period_seconds:
@@ -194,8 +199,12 @@ class StepFacts:
             return None
         try:
             value = self.best_fn(user_metadata)
-            return None if value is None else float(value)
+            metric = None if value is None else float(value)
         except Exception as e:
             why = f"{type(e).__name__}: {e}"
             logger.warning("%s: step %d has no metric for keep_best (best_fn raised %s)", self._where, step, why)
             return None
+        if metric is not None and not math.isfinite(metric):
+            logger.warning("%s: step %d has no metric for keep_best (best_fn gave %s)", self._where, step, metric)
+            return None
+        return metric
