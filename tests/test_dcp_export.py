@@ -172,3 +172,21 @@ def test_the_memory_benchmark_runs_both_routes_at_a_tiny_size(tmp_path: Path) ->
     for got in r["routes"].values():
         assert got["peak"] >= got["before"] > 0
     assert r["routes"]["export_dcp"]["files"] > 2
+
+
+@pytest.mark.parametrize(
+    ("size", "error", "message"),
+    [
+        ("1e400GB", ValueError, "max_file_size: '1e400GB' is not a finite size"),
+        ("nanMB", ValueError, "max_file_size: 'nanMB' is not a finite size"),
+        ("5 parsecs", ValueError, "max_file_size: cannot read '5 parsecs' as a size"),
+        (0, ValueError, "max_file_size must be a positive size, found 0"),
+        (2.5e9, TypeError, "max_file_size must be an int or a string such as '5GB', found float"),
+    ],
+)
+def test_a_max_file_size_that_is_no_size_is_refused_naming_the_argument(
+    tmp_path: Path, size: Any, error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error, match=message):
+        pytreeckpt.export_dcp(tmp_path / "never-read", tmp_path / "d", max_file_size=size)
+    assert not (tmp_path / "d").exists()

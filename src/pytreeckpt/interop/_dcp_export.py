@@ -96,10 +96,10 @@ def export_dcp(
         a type not importable here; a checkpoint whose root is not a dict (a DCP state
         dict is one); ``out`` already holding a DCP checkpoint without ``overwrite``; or a
         problem reading the checkpoint.
+      ValueError: ``max_file_size`` is not a positive size (a TypeError if it is neither
+        an int nor a string).
     """
-    limit = parse_size(max_file_size)
-    if limit < 1:
-        raise ValueError(f"max_file_size must be positive, found {max_file_size!r}")
+    limit = parse_size(max_file_size, "max_file_size")
     meta = metadata(path)
     if not isinstance(meta.tree, Mapping):
         raise CheckpointError(
