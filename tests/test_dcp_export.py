@@ -172,3 +172,56 @@ def test_the_memory_benchmark_runs_both_routes_at_a_tiny_size(tmp_path: Path) ->
     for got in r["routes"].values():
         assert got["peak"] >= got["before"] > 0
     assert r["routes"]["export_dcp"]["files"] > 2
+
+
+# --------------------------------------------------------------------------- an out directory made hostile
+
+
+@single_process_dcp
+@pytest.mark.parametrize("name", [".metadata.tmp", "__0_0.distcp"])
+def test_a_link_planted_at_a_name_the_export_writes_is_removed_not_written_through(tmp_path: Path, name: str) -> None:
+    pytreeckpt.save(tmp_path / "c", {"w": torch.arange(6.0)})
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / name).symlink_to(victim)
+    pytreeckpt.export_dcp(tmp_path / "c", tmp_path / "d")
+    assert victim.read_text() == "keep me"
+    assert not (tmp_path / "d" / name).is_symlink()
+    got = {"w": torch.zeros(6)}
+    dcp.load(got, checkpoint_id=tmp_path / "d")
+    assert torch.equal(got["w"], torch.arange(6.0))
+
+
+@single_process_dcp
+def test_an_out_that_is_a_file_or_holds_a_directory_at_a_files_name_is_a_checkpoint_error(tmp_path: Path) -> None:
+    pytreeckpt.save(tmp_path / "c", {"w": torch.arange(6.0)})
+    (tmp_path / "file").write_text("not a directory")
+    with pytest.raises(CheckpointError, match=r"export_dcp: out: .*file exists and is not a directory"):
+        pytreeckpt.export_dcp(tmp_path / "c", tmp_path / "file")
+    (tmp_path / "d" / "__0_0.distcp").mkdir(parents=True)
+    with pytest.raises(CheckpointError, match=r"__0_0\.distcp is a directory, not a file this writes"):
+        pytreeckpt.export_dcp(tmp_path / "c", tmp_path / "d")
+    (tmp_path / "d" / "__0_0.distcp").rmdir()
+    (tmp_path / "d" / ".metadata").mkdir()  # a DCP checkpoint there, to replace: its .metadata is no file
+    with pytest.raises(CheckpointError, match=r"\.metadata is a directory, not a file this writes"):
+        pytreeckpt.export_dcp(tmp_path / "c", tmp_path / "d", overwrite=True)
+    assert (tmp_path / "d" / ".metadata").is_dir()
+
+
+@pytest.mark.parametrize(
+    ("size", "error", "message"),
+    [
+        ("1e400GB", ValueError, "max_file_size: '1e400GB' is not a finite size"),
+        ("nanMB", ValueError, "max_file_size: 'nanMB' is not a finite size"),
+        ("5 parsecs", ValueError, "max_file_size: cannot read '5 parsecs' as a size"),
+        (0, ValueError, "max_file_size must be a positive size, found 0"),
+        (2.5e9, TypeError, "max_file_size must be an int or a string such as '5GB', found float"),
+    ],
+)
+def test_a_max_file_size_that_is_no_size_is_refused_naming_the_argument(
+    tmp_path: Path, size: Any, error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error, match=message):
+        pytreeckpt.export_dcp(tmp_path / "never-read", tmp_path / "d", max_file_size=size)
+    assert not (tmp_path / "d").exists()

@@ -20,15 +20,16 @@ import math
 import os
 import queue
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.distributed.checkpoint._traverse import traverse_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, FileSystem, FileSystemWriter
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
@@ -43,6 +44,7 @@ from pytreeckpt.core._region import Region
 from pytreeckpt.core._tree import flatten
 from pytreeckpt.core._values import StoredEnum
 from pytreeckpt.format import ArrayMeta
+from pytreeckpt.interop._files import create_new, make_dir, remove_file
 from pytreeckpt.interop._st_format import parse_size
 from pytreeckpt.leaves import is_leaf as _is_leaf
 from pytreeckpt.loading._inspect import read_region
@@ -94,12 +96,16 @@ def export_dcp(
         inside a tuple, namedtuple, dataclass or other container that DCP pickles whole
         (DCP keeps tensors in dicts and lists only; make it a list), or an enum member of
         a type not importable here; a checkpoint whose root is not a dict (a DCP state
-        dict is one); ``out`` already holding a DCP checkpoint without ``overwrite``; or a
-        problem reading the checkpoint.
+        dict is one); ``out`` already holding a DCP checkpoint without ``overwrite``; ``out``
+        not a directory, or a directory where a file of the export goes; or a problem
+        reading the checkpoint.
+      ValueError: ``max_file_size`` is not a positive size (a TypeError if it is neither
+        an int nor a string).
+
+    Every file is made exclusively: a symbolic link an earlier run left (or someone
+    planted) at its name is removed, never written through.
     """
-    limit = parse_size(max_file_size)
-    if limit < 1:
-        raise ValueError(f"max_file_size must be positive, found {max_file_size!r}")
+    limit = parse_size(max_file_size, "max_file_size")
     meta = metadata(path)
     if not isinstance(meta.tree, Mapping):
         raise CheckpointError(
@@ -180,13 +186,15 @@ def _check_terminals(state: dict[str, Any]) -> None:
 
 
 def _clear(out: Path, overwrite: bool) -> Path:
-    if (out / ".metadata").exists():
+    """``out``, a directory (made if missing) without a DCP checkpoint: one there is removed with ``overwrite``
+    (its files as themselves, links unfollowed), else refused."""
+    make_dir(out, "export_dcp: out")
+    if os.path.lexists(out / ".metadata"):
         if not overwrite:
             raise CheckpointError(f"{out} already holds a DCP checkpoint; pass overwrite=True to replace it")
-        (out / ".metadata").unlink()
+        remove_file(out / ".metadata", "export_dcp: the DCP checkpoint being replaced")
         for f in out.glob(f"*{DEFAULT_SUFFIX}"):
-            f.unlink()
-    out.mkdir(parents=True, exist_ok=True)
+            remove_file(f, "export_dcp: the DCP checkpoint being replaced")
     return out
 
 
@@ -277,6 +285,7 @@ class _BoundedFileWriter(FileSystemWriter):
     def __init__(self, path: Path, limit: int) -> None:
         super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=1, overwrite=False)
         self._limit = limit
+        self.fs = _NewFiles()
 
     def write_data(self, plan: SavePlan, planner: Any) -> Future[list[Any]]:
         files: list[list[WriteItem]] = [[]]
@@ -294,3 +303,18 @@ class _BoundedFileWriter(FileSystemWriter):
             name = f"{plan.storage_data.prefix}{i}{DEFAULT_SUFFIX}"
             todo.put((self.fs.concat_path(self.path, name), name, items))
         return self._write_data(planner, todo)
+
+
+class _NewFiles(FileSystem):
+    """torch's local file system for DCP, whose files (``.distcp`` files, ``.metadata.tmp``) are made exclusively:
+    whatever is at a name first (a file or a symbolic link an earlier run left, or one planted) is removed as
+    itself, never written through."""
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[io.IOBase]:
+        if "r" in mode:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        with os.fdopen(create_new(Path(path), "export_dcp"), mode) as f:
+            yield cast(io.IOBase, f)

@@ -22,7 +22,6 @@ from __future__ import annotations
 import fnmatch
 import json
 import math
-import mmap
 import os
 import re
 import struct
@@ -40,10 +39,20 @@ from pytreeckpt.core._tree import flatten
 from pytreeckpt.core._values import decode_value, encode_value
 from pytreeckpt.distributed._comm import distributed_comm
 from pytreeckpt.format import ArrayMeta
-from pytreeckpt.interop._st_format import INDEX, TO_ST, open_regular, parse_size, read_header, safetensors_files
+from pytreeckpt.interop._files import create_new, make_dir, read_into, remove_file
+from pytreeckpt.interop._st_format import (
+    INDEX,
+    TO_ST,
+    Files,
+    Header,
+    check_index,
+    parse_size,
+    read_header,
+    safetensors_files,
+)
 from pytreeckpt.leaves import is_leaf as _is_leaf
 from pytreeckpt.leaves import is_value as _is_value
-from pytreeckpt.storage import Location, Storage, describe, resolve
+from pytreeckpt.storage import Location, Storage, available_memory, describe, resolve
 
 __all__ = ["Rename", "export_safetensors", "import_safetensors", "renamer"]
 
@@ -125,7 +134,7 @@ class _Out:
 
     def prepare(self) -> None:
         if self.dir is not None:
-            self.dir.mkdir(parents=True, exist_ok=True)
+            make_dir(self.dir, "export_safetensors: out")
 
     def remove_stale(self, keep: Sequence[str]) -> None:
         """Remove the files an earlier export left here that this one did not write (transformers would read a
@@ -135,7 +144,7 @@ class _Out:
             if name in keep or not (name in ("model.safetensors", INDEX) or _SHARD.fullmatch(name)):
                 continue
             if self.dir is not None:
-                (self.dir / name).unlink(missing_ok=True)
+                remove_file(self.dir / name, "export_safetensors: a file an earlier export left")
             elif self.kv is not None:
                 self.kv.delete(name)
 
@@ -148,14 +157,21 @@ class _Out:
                 buf += memoryview(p).cast("B")
             self.kv.write(name, buf)  # type: ignore[arg-type]
             return
-        tmp = self.dir / f".{name}.tmp"
-        with open(tmp, "wb") as f:
-            f.write(header)
-            for p in parts():
-                f.write(p)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.dir / name)
+        tmp, what = self.dir / f".{name}.tmp", f"export_safetensors: {name}"
+        try:
+            with os.fdopen(create_new(tmp, what), "wb") as f:  # (a link planted at its name: removed, not followed)
+                f.write(header)
+                for p in parts():
+                    f.write(p)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.dir / name)
+        except OSError as e:
+            remove_file(tmp, what)
+            raise CheckpointError(f"{what}: cannot write {self.dir / name}: {e.strerror or e}") from e
+        except BaseException:
+            remove_file(tmp, what)
+            raise
 
 
 def export_safetensors(
@@ -214,14 +230,19 @@ def export_safetensors(
       ones as URLs), the same list on every rank.
 
     Raises:
-      CheckpointError: ``include`` matches nothing, ``rename`` gives two leaves one name,
-        a dtype safetensors cannot hold, or a checkpoint problem.
+      CheckpointError: ``include`` matches nothing, ``rename`` gives two leaves one name
+        (or a tensor ``__metadata__``, the header's own), a dtype safetensors cannot hold,
+        ``out`` or a file name there that is not a file this writes (a directory), or a
+        checkpoint problem.
+      ValueError: ``max_shard_size`` is not a positive size (a TypeError if it is neither
+        an int nor a string).
     """
+    limit = parse_size(max_shard_size, "max_shard_size")
     comm = distributed_comm(process_group)
     rank, world = (0, 1) if comm is None else (comm.rank, comm.world)
     error: BaseException | None = None
     try:  # (a failure on one rank fails the export on every rank, as soon as the ranks agree)
-        plan = _plan(path, include, rename, dtype, parse_size(max_shard_size), world)
+        plan = _plan(path, include, rename, dtype, limit, world)
         target = _Out(out)
         _write_files(path, plan, target, rank, progress)
     except Exception as e:
@@ -283,6 +304,11 @@ def _plan(
     if patterns is not None and not arrays and not values:
         raise CheckpointError(f"include={patterns} matches no leaf of the checkpoint at {describe(path)}")
     names = _renamed([a.key for a in arrays], rename, "leaf")
+    if "__metadata__" in names:
+        raise CheckpointError(
+            f"rename gives leaf {arrays[names.index('__metadata__')].key!r} the name '__metadata__', the safetensors "
+            f"header's own entry (its metadata); give it another name"
+        )
     values = dict(zip(_renamed(list(values), rename, "value"), values.values(), strict=True))
     clash = next((k for k in values if k in set(names)), None)
     if clash is not None:
@@ -368,21 +394,44 @@ def _values_of(tree: Any) -> dict[str, Any]:
     return out
 
 
-def _tensors_of(file: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """The tensors of one safetensors file, mapped copy-on-write (read lazily, never written back), and its values."""
-    with open_regular(file) as f:
-        size = os.fstat(f.fileno()).st_size
-        header = read_header(f, size, file)
-        values = _header_values(header.metadata, file)
-        buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size else b""
-    out = {}
-    for name, e in header.tensors.items():
-        if e.nbytes == 0:
-            out[name] = torch.empty(e.shape, dtype=e.dtype)
-            continue
-        raw = torch.frombuffer(buf, dtype=torch.uint8, count=e.nbytes, offset=e.start)  # type: ignore[arg-type]
-        out[name] = raw.view(e.dtype).reshape(e.shape)
-    return out, values
+def _headers(files: Files) -> list[tuple[Path, int, Header]]:
+    """Each file of ``files`` opened, with its checked header (the descriptors are the caller's to close)."""
+    opened: list[tuple[Path, int, Header]] = []
+    try:
+        for file in files.paths:
+            fd, size = files.open(file)
+            try:
+                header = read_header(fd, size, file)
+            except BaseException:
+                os.close(fd)
+                raise
+            opened.append((file, fd, header))
+    except BaseException:
+        for _, fd, _ in opened:
+            os.close(fd)
+        raise
+    return opened
+
+
+def _read_tensors(opened: list[tuple[Path, int, Header]]) -> dict[str, torch.Tensor]:
+    """The tensors of the files, read into new memory with ``pread`` (never mapped: a file cut short while it is
+    read is a CheckpointError naming it, not a SIGBUS), once the memory they need is known to be there."""
+    need = sum(e.nbytes for _, _, header in opened for e in header.tensors.values())
+    room = available_memory()
+    if room is not None and need > room:
+        raise CheckpointError(
+            f"importing {[str(f) for f, _, _ in opened][:3]} reads {need} bytes of tensors into memory; this process "
+            f"may allocate about {room} more"
+        )
+    out: dict[str, torch.Tensor] = {}
+    for file, fd, header in opened:
+        for name, e in header.tensors.items():
+            t = torch.empty(e.shape, dtype=e.dtype)
+            if e.nbytes:
+                buf = memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
+                read_into(fd, buf, e.start, file, f"tensor {name!r}")
+            out[name] = t
+    return out
 
 
 def _header_values(meta: Any, file: Path) -> dict[str, Any]:
@@ -394,7 +443,7 @@ def _header_values(meta: Any, file: Path) -> dict[str, Any]:
         if not isinstance(encoded, dict):
             raise ValueError(f"expected a JSON object, found {type(encoded).__name__}")
         return {str(k): decode_value(v) for k, v in encoded.items()}
-    except (TypeError, ValueError, CheckpointError) as e:
+    except (TypeError, ValueError, RecursionError, CheckpointError) as e:  # (RecursionError: nested too deep)
         raise CheckpointError(f"{file}: malformed {VALUES_KEY!r} in the header metadata: {e}") from None
 
 
@@ -406,22 +455,37 @@ def import_safetensors(src: str | os.PathLike[str], out: str | os.PathLike[str],
     dict from tensor name to tensor, followed by the Python values the files carry (as
     :func:`export_safetensors` writes them) under their key paths. Returns the tensor
     names. (:func:`~pytreeckpt.load_safetensors` loads such files into a model directly.)
+
+    The files are read as untrusted input (``SECURITY.md``): every header is checked, and
+    the index agrees with the files (each tensor it names is in the file it names, and it
+    names every tensor they hold), before the tensors are read into memory (all of them:
+    the memory they need is checked first). A file cut short while it is read, a special
+    file, or a shard that is a symbolic link leading out of ``src`` is a CheckpointError
+    naming it.
     """
     src = Path(src)
-    tensors: dict[str, torch.Tensor] = {}
-    values: dict[str, Any] = {}
-    for f in safetensors_files(src):
-        got, vals = _tensors_of(f)
-        for name, t in got.items():
-            if name in tensors:
-                raise CheckpointError(f"tensor {name!r} appears in more than one file of {src}")
-            tensors[name] = t
-        for key, v in vals.items():
-            if key in values:
-                raise CheckpointError(f"value {key!r} appears in more than one file of {src}")
-            values[key] = v
-    clash = next((k for k in values if k in tensors), None)
-    if clash is not None:
-        raise CheckpointError(f"{src}: {clash!r} names both a tensor and a value")
+    files = safetensors_files(src)
+    opened = _headers(files)
+    try:
+        held: dict[str, str] = {}
+        values: dict[str, Any] = {}
+        for file, _, header in opened:
+            for name in header.tensors:
+                if name in held:
+                    raise CheckpointError(f"tensor {name!r} appears in {held[name]} and {file.name} of {src}")
+                held[name] = file.name
+            for key, v in _header_values(header.metadata, file).items():
+                if key in values:
+                    raise CheckpointError(f"value {key!r} appears in more than one file of {src}")
+                values[key] = v
+        if files.weight_map is not None:
+            check_index(src, files.weight_map, held)
+        clash = next((k for k in values if k in held), None)
+        if clash is not None:
+            raise CheckpointError(f"{src}: {clash!r} names both a tensor and a value")
+        tensors = _read_tensors(opened)
+    finally:
+        for _, fd, _ in opened:
+            os.close(fd)
     save(out, {**tensors, **values}, **save_kwargs)
     return list(tensors)

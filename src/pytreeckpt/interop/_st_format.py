@@ -4,9 +4,12 @@ A safetensors file is an 8-byte little-endian header length, a JSON header givin
 tensor's dtype, shape and byte range (relative to the end of the header), then the raw
 bytes. A header is refused unless it is at most :data:`MAX_HEADER` bytes and fits the
 file, is one JSON object with no key twice, and each tensor's entry names a known dtype,
-a shape of non-negative integers and a byte range that is exactly its shape's bytes,
-lies within the file and overlaps no other tensor's. An index
-(``model.safetensors.index.json``) may only name plain ``.safetensors`` files beside it.
+a shape of non-negative integers spanning at most :data:`MAX_BYTES` and a byte range
+that is exactly its shape's bytes, lies within the file and overlaps no other tensor's.
+An index (``model.safetensors.index.json``) may only name plain ``.safetensors`` files
+beside it, and must place each tensor in the file that holds it and name every tensor
+the files hold. The files are opened as a checkpoint's own (``_files``): only regular
+files, never a symbolic link leading out of their directory, read with ``pread``.
 """
 
 from __future__ import annotations
@@ -15,7 +18,6 @@ import itertools
 import json
 import math
 import os
-import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,17 +26,21 @@ from typing import Any
 import torch
 
 from pytreeckpt.core._errors import CheckpointError
+from pytreeckpt.interop._files import open_source, read_exactly
 
 __all__ = [
     "FROM_ST",
     "INDEX",
+    "MAX_BYTES",
     "MAX_HEADER",
     "TO_ST",
     "Entry",
+    "Files",
     "Header",
-    "open_regular",
+    "check_index",
     "parse_size",
     "read_header",
+    "read_index",
     "safetensors_files",
 ]
 
@@ -52,17 +58,32 @@ MAX_INDEX = 100 * 1024 * 1024
 """The largest index file read."""
 
 
-def parse_size(text: str | int) -> int:
-    """A size in bytes from ``5GB``, ``500MiB`` or an int."""
+def parse_size(text: str | int, name: str) -> int:
+    """A positive size in bytes from ``5GB``, ``500MiB`` or an int, given as the argument ``name``.
+
+    Raises:
+      TypeError: ``text`` is neither an int nor a string (naming the argument).
+      ValueError: ``text`` is no size, or not a positive finite one (naming the argument).
+    """
+    if isinstance(text, bool) or not isinstance(text, int | str):
+        raise TypeError(f"{name} must be an int or a string such as '5GB', found {type(text).__name__} {text!r}")
     if isinstance(text, int):
-        return text
-    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
-    t = text.strip().upper()
-    num = t.rstrip("KMGIB")
-    unit = t[len(num) :]
-    if unit not in units or not num:
-        raise ValueError(f"cannot read {text!r} as a size such as 5GB or 500MiB")
-    return int(float(num) * units[unit])
+        size = text
+    else:
+        units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+        t = text.strip().upper()
+        num = t.rstrip("KMGIB")
+        unit = t[len(num) :]
+        try:
+            value = float(num) * units[unit]
+        except (KeyError, ValueError):
+            raise ValueError(f"{name}: cannot read {text!r} as a size such as 5GB or 500MiB") from None
+        if not math.isfinite(value):
+            raise ValueError(f"{name}: {text!r} is not a finite size")
+        size = int(value)
+    if size < 1:
+        raise ValueError(f"{name} must be a positive size, found {text!r}")
+    return size
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,41 +115,32 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def open_regular(file: Path) -> Any:
-    """``file`` opened for reading if it is a regular file (a FIFO or device is refused before any read)."""
-    try:
-        fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK)
-    except OSError as e:
-        raise CheckpointError(f"cannot open {file}: {e.strerror}") from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise CheckpointError(f"{file} is not a regular file")
-    return os.fdopen(fd, "rb")
-
-
 def _int(v: Any) -> int:
     if type(v) is not int:
         raise ValueError(f"{v!r} is not an integer")
     return v
 
 
-def read_header(f: Any, size: int, file: Path | str) -> Header:
-    """The checked header of the safetensors file open as ``f`` (at its start), which holds ``size`` bytes.
+MAX_BYTES = 2**63 - 1
+"""The most bytes a tensor's shape may span, its zero extents aside (what numpy and torch can address)."""
+
+
+def read_header(fd: int, size: int, file: Path) -> Header:
+    """The checked header of the safetensors file open as ``fd``, which holds ``size`` bytes.
 
     Raises:
       CheckpointError: naming the file (and the tensor) for a header that is too large, is
         not a JSON object, or describes a tensor that does not fit its bytes or the file.
     """
-    head = f.read(8)
-    if len(head) != 8:
+    if size < 8:
         raise CheckpointError(f"{file} is not a safetensors file (shorter than 8 bytes)")
-    (n,) = struct.unpack("<Q", head)
+    (n,) = struct.unpack("<Q", read_exactly(fd, 8, 0, file, "the safetensors file"))
     if n > min(MAX_HEADER, size - 8):
         raise CheckpointError(
             f"{file}: header of {n} bytes does not fit the file ({size} bytes) or the limit ({MAX_HEADER} bytes)"
         )
     try:
-        raw = json.loads(f.read(n), object_pairs_hook=_no_duplicates)
+        raw = json.loads(read_exactly(fd, n, 8, file, "the safetensors file"), object_pairs_hook=_no_duplicates)
     except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise CheckpointError(f"{file}: the safetensors header is not a JSON object: {e}") from None
     if not isinstance(raw, dict):
@@ -148,6 +160,11 @@ def read_header(f: Any, size: int, file: Path | str) -> Header:
             raise CheckpointError(f"{file}: tensor {name!r} has a malformed or unsupported entry {info!r}") from None
         if any(s < 0 for s in shape):
             raise CheckpointError(f"{file}: tensor {name!r} has a negative extent in its shape {list(shape)}")
+        if math.prod(s for s in shape if s) * dtype.itemsize > MAX_BYTES:
+            raise CheckpointError(
+                f"{file}: tensor {name!r} has the shape {list(shape)}, whose extents span more than {MAX_BYTES} bytes "
+                f"of {info['dtype']} (what numpy and torch can address)"
+            )
         nbytes = math.prod(shape) * dtype.itemsize
         if not 0 <= lo <= hi <= data_size or hi - lo != nbytes:
             raise CheckpointError(
@@ -164,27 +181,61 @@ def read_header(f: Any, size: int, file: Path | str) -> Header:
     return Header(tensors, meta)
 
 
-def safetensors_files(src: Path) -> list[Path]:
+@dataclass(frozen=True, slots=True)
+class Files:
+    """The safetensors files of a source, and how to open them."""
+
+    paths: list[Path]
+    inside: str | None
+    """The real path of the directory they are in, which a symbolic link among them must not leave (None: the one
+    file the caller named, whose link was resolved)."""
+    weight_map: dict[str, str] | None
+    """The index's map from tensor name to file name, if there is an index."""
+
+    def open(self, file: Path) -> tuple[int, int]:
+        """``file`` opened for reading, and its size (a FIFO, device or directory refused, and a link leading out of
+        the directory)."""
+        fd, st = open_source(file, self.inside, "the safetensors file")
+        return fd, st.st_size
+
+
+def safetensors_files(src: Path) -> Files:
     """The safetensors files of ``src``: a file, a directory with an index naming them, or a directory of them."""
     if not src.is_dir():
-        return [src]
-    index = src / INDEX
-    if index.exists():
-        weight_map = read_index(index)
+        return Files([Path(os.path.realpath(src))], None, None)  # (the file the caller named: its link followed)
+    inside = os.path.realpath(src)
+    weight_map = None
+    if os.path.lexists(src / INDEX):
+        weight_map = read_index(src / INDEX, inside)
         files = sorted({src / f for f in weight_map.values()})
     else:
         files = sorted(src.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"{src} holds no .safetensors files")
-    return files
+    return Files(files, inside, weight_map)
 
 
-def read_index(index: Path) -> dict[str, str]:
+def check_index(src: Path, weight_map: dict[str, str], held: dict[str, str]) -> None:
+    """Refuse an index that does not place each tensor in the file holding it (``held``: tensor name to file name),
+    or that omits a tensor a file holds."""
+    for name, file_name in weight_map.items():
+        if held.get(name) != file_name:
+            also = f" ({held[name]} does)" if name in held else ""
+            raise CheckpointError(f"{src / INDEX} puts tensor {name!r} in {file_name}, which does not hold it{also}")
+    for name, file_name in held.items():
+        if name not in weight_map:
+            raise CheckpointError(f"{src / INDEX} does not name tensor {name!r}, which {file_name} holds")
+
+
+def read_index(index: Path, inside: str) -> dict[str, str]:
     """The weight map of an index file, each file a plain ``.safetensors`` name beside it."""
-    with open_regular(index) as f:
-        text = f.read(MAX_INDEX + 1)
-    if len(text) > MAX_INDEX:
-        raise CheckpointError(f"{index} is larger than {MAX_INDEX} bytes")
+    fd, st = open_source(index, inside, "the safetensors index")
+    try:
+        if st.st_size > MAX_INDEX:
+            raise CheckpointError(f"{index} holds {st.st_size} bytes, more than the {MAX_INDEX} an index may")
+        text = read_exactly(fd, st.st_size, 0, index, "the safetensors index")
+    finally:
+        os.close(fd)
     try:
         doc = json.loads(text, object_pairs_hook=_no_duplicates)
     except (ValueError, UnicodeDecodeError, RecursionError) as e:

@@ -25,8 +25,9 @@ from pytreeckpt.core._keys import keystr
 from pytreeckpt.core._region import Region
 from pytreeckpt.core._tree import flatten
 from pytreeckpt.execute._cast import cast_problem
+from pytreeckpt.interop._files import read_into
 from pytreeckpt.interop._safetensors import Rename, renamer
-from pytreeckpt.interop._st_format import Entry, open_regular, read_header, read_index, safetensors_files
+from pytreeckpt.interop._st_format import Entry, Files, check_index, read_header, safetensors_files
 from pytreeckpt.loading._report import LoadReport
 
 __all__ = ["load_safetensors"]
@@ -40,21 +41,23 @@ class _Stored:
     """The tensor's name in the file."""
 
 
-def _stored(src: Path) -> dict[str, _Stored]:
-    """Every tensor of the files of ``src`` by name, its header checked; an index must agree with the files."""
+def _stored(src: Path) -> tuple[Files, dict[str, _Stored]]:
+    """The files of ``src``, and every tensor of them by name, its header checked; an index must agree with them."""
+    files = safetensors_files(src)
     found: dict[str, _Stored] = {}
-    for file in safetensors_files(src):
-        with open_regular(file) as f:
-            header = read_header(f, os.fstat(f.fileno()).st_size, file)
+    for file in files.paths:
+        fd, size = files.open(file)
+        try:
+            header = read_header(fd, size, file)
+        finally:
+            os.close(fd)
         for name, entry in header.tensors.items():
             if name in found:
                 raise CheckpointError(f"tensor {name!r} appears in {found[name].file.name} and {file.name} of {src}")
             found[name] = _Stored(file, entry, name)
-    if src.is_dir() and (src / "model.safetensors.index.json").exists():
-        for name, file_name in read_index(src / "model.safetensors.index.json").items():
-            if name not in found or found[name].file.name != file_name:
-                raise CheckpointError(f"{src}: the index puts tensor {name!r} in {file_name}, which does not hold it")
-    return found
+    if files.weight_map is not None:
+        check_index(src, files.weight_map, {name: s.file.name for name, s in found.items()})
+    return files, found
 
 
 def _target_leaves(target: Any) -> tuple[Any, list[str], list[torch.Tensor]]:
@@ -132,12 +135,7 @@ def _read_box(fd: int, stored: _Stored, box: Region, into: torch.Tensor) -> int:
     buf = memoryview(into.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
     pos = 0
     for offset, length in _runs(e.shape, box, e.dtype.itemsize):
-        got = 0
-        while got < length:
-            n = os.preadv(fd, [buf[pos + got : pos + length]], e.start + offset + got)
-            if n <= 0:
-                raise CheckpointError(f"{stored.file}: tensor {stored.name!r} ends early (the file changed or shrank)")
-            got += n
+        read_into(fd, buf[pos : pos + length], e.start + offset, stored.file, f"tensor {stored.name!r}")
         pos += length
     return pos
 
@@ -199,7 +197,7 @@ def load_safetensors(
       CheckpointError: a file that is not valid safetensors.
     """
     src = Path(src)
-    stored = _stored(src)
+    source, stored = _stored(src)
     names = renamer(rename)
     by_key: dict[str, _Stored] = {}
     for name, found in stored.items():
@@ -244,21 +242,21 @@ def load_safetensors(
                 report.cast.append((key, stored_dt.name, target_dt.name))
     if problems:
         raise TargetMismatchError(f"cannot load {src} into the target: " + "; ".join(problems))
-    files: dict[Path, Any] = {}
+    files: dict[Path, int] = {}
     try:
         for key, t in zip(keys, tensors, strict=True):
             s = by_key.get(key)
             if s is None:
                 continue
             if s.file not in files:
-                files[s.file] = open_regular(s.file)
+                files[s.file] = source.open(s.file)[0]
             for box, view in _boxes(t):
                 direct = view.dtype == s.entry.dtype and view.device.type == "cpu" and view.is_contiguous()
                 into = view if direct else torch.empty(box.shape, dtype=s.entry.dtype)
-                _read_box(files[s.file].fileno(), s, box, into)
+                _read_box(files[s.file], s, box, into)
                 if not direct:
                     view.copy_(into)
     finally:
-        for f in files.values():
-            f.close()
+        for fd in files.values():
+            os.close(fd)
     return tree

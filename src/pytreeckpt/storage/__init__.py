@@ -16,6 +16,7 @@ from pytreeckpt.core._lazy import lazy_exports
 
 if TYPE_CHECKING:
     from pytreeckpt.storage._chunkfiles import chunk_crc as chunk_crc
+    from pytreeckpt.storage._chunkfiles import open_regular as open_regular
     from pytreeckpt.storage._integrity import ChunkSums as ChunkSums
     from pytreeckpt.storage._integrity import available_memory as available_memory
     from pytreeckpt.storage._integrity import chunk_hash as chunk_hash
@@ -36,6 +37,7 @@ __getattr__, __dir__ = lazy_exports(
     __name__,
     {
         "chunk_crc": "pytreeckpt.storage._chunkfiles",
+        "open_regular": "pytreeckpt.storage._chunkfiles",
         "ChunkSums": "pytreeckpt.storage._integrity",
         "available_memory": "pytreeckpt.storage._integrity",
         "chunk_hash": "pytreeckpt.storage._integrity",
@@ -65,6 +67,7 @@ __all__ = [
     "chunk_hash",
     "describe",
     "in_background",
+    "open_regular",
     "remove_tree",
     "resolve",
 ]
