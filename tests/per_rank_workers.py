@@ -122,7 +122,6 @@ def _structures(rank: int, case: str) -> dict[str, Any]:
     """A state whose containers or leaf kinds differ between rank 0 and the others, as ``case`` says."""
     import collections
 
-
     t = torch.arange(4.0)
     first = rank == 0
     x: Any = {

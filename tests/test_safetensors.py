@@ -221,6 +221,27 @@ def test_links_inside_the_directory_and_a_linked_file_named_directly_are_followe
     assert pytreeckpt.import_safetensors(tmp_path / "named.safetensors", tmp_path / "d") == ["a", "c"]
 
 
+def test_a_snapshot_of_the_hugging_face_cache_reads_through_its_links_to_blobs_and_no_further(tmp_path: Path) -> None:
+    repo = tmp_path / "hub" / "models--org--tiny"  # the cache's layout: snapshots/<rev>/<file> -> ../../blobs/<hash>
+    src = _shards(tmp_path / "made")
+    (repo / "blobs").mkdir(parents=True)
+    snapshot = repo / "snapshots" / "0123abcd"
+    snapshot.mkdir(parents=True)
+    for i, f in enumerate(sorted(src.iterdir())):
+        f.rename(repo / "blobs" / f"{i:040x}")
+        (snapshot / f.name).symlink_to(Path("..", "..", "blobs", f"{i:040x}"))
+    assert sorted(pytreeckpt.import_safetensors(snapshot, tmp_path / "c")) == ["a", "b", "c"]
+    out = pytreeckpt.load_safetensors(snapshot, {"a": torch.empty(2), "b": torch.empty(3), "c": torch.empty(1)})
+    assert torch.equal(out["b"], pytreeckpt.load(tmp_path / "c")["b"])
+    shard = snapshot / "model-00001-of-00002.safetensors"  # a link out of the model's own folder: refused still
+    target = shard.resolve()
+    shard.unlink()
+    target.rename(tmp_path / "hub" / "elsewhere")
+    shard.symlink_to(tmp_path / "hub" / "elsewhere")
+    with pytest.raises(pytreeckpt.CheckpointError, match="leads outside the checkpoint"):
+        pytreeckpt.import_safetensors(snapshot, tmp_path / "d")
+
+
 def test_a_fifo_beside_an_index_is_refused_not_waited_on(tmp_path: Path) -> None:
     src = _shards(tmp_path / "hf")
     (src / "model-00002-of-00002.safetensors").unlink()

@@ -203,7 +203,7 @@ def safetensors_files(src: Path) -> Files:
     """The safetensors files of ``src``: a file, a directory with an index naming them, or a directory of them."""
     if not src.is_dir():
         return Files([Path(os.path.realpath(src))], None, None)  # (the file the caller named: its link followed)
-    inside = os.path.realpath(src)
+    inside = _links_stay_in(os.path.realpath(src))
     weight_map = None
     if os.path.lexists(src / INDEX):
         weight_map = read_index(src / INDEX, inside)
@@ -213,6 +213,17 @@ def safetensors_files(src: Path) -> Files:
     if not files:
         raise CheckpointError(f"{src} holds no .safetensors files")
     return Files(files, inside, weight_map)
+
+
+def _links_stay_in(real: str) -> str:
+    """Where the links among the files of the directory ``real`` may lead: inside it, or, for a snapshot of the Hugging
+    Face cache (``models--<org>--<name>/snapshots/<revision>``, whose files link to ``../../blobs/<hash>``), inside
+    that one model's folder of the cache."""
+    snapshots = os.path.dirname(real)
+    repo = os.path.dirname(snapshots)
+    if os.path.basename(snapshots) == "snapshots" and os.path.isdir(os.path.join(repo, "blobs")):
+        return repo
+    return real
 
 
 def check_index(src: Path, weight_map: dict[str, str], held: dict[str, str]) -> None:
