@@ -147,6 +147,11 @@ def test_a_single_file_export_and_bad_inputs(tmp_path: Path) -> None:
     bad = run("import", tmp_path / "junk.safetensors", tmp_path / "c2")
     assert bad.returncode == 2
     assert "header" in bad.stderr
+    for size in ("1e400GB", "-5MB", "lots"):  # an option's value refused with its name, not a traceback
+        bad = run("export", tmp_path / "c", tmp_path / f"out{size}", f"--max-shard-size={size}")
+        assert bad.returncode == 2, bad.stderr
+        assert bad.stderr.startswith("pytreeckpt export:") and "max_shard_size" in bad.stderr, bad.stderr
+        assert "Traceback" not in bad.stderr
 
 
 def test_verify_says_when_the_metadata_records_no_chunk_checksums() -> None:

@@ -440,6 +440,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as e:  # a file the command itself could not reach (permission, a vanished path)
         print(f"pytreeckpt {args.command}: {e}", file=sys.stderr)
         return 2
+    except ValueError as e:  # an option's value the command refuses (--max-shard-size 1e400GB), named in the error
+        print(f"pytreeckpt {args.command}: {e}", file=sys.stderr)
+        return 2
     return status
 
 
