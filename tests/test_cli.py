@@ -150,7 +150,8 @@ def test_a_single_file_export_and_bad_inputs(tmp_path: Path) -> None:
     for size in ("1e400GB", "-5MB", "lots"):  # an option's value refused with its name, not a traceback
         bad = run("export", tmp_path / "c", tmp_path / f"out{size}", f"--max-shard-size={size}")
         assert bad.returncode == 2, bad.stderr
-        assert bad.stderr.startswith("pytreeckpt export:") and "max_shard_size" in bad.stderr, bad.stderr
+        assert bad.stderr.startswith("pytreeckpt export:"), bad.stderr
+        assert "max_shard_size" in bad.stderr, bad.stderr
         assert "Traceback" not in bad.stderr
 
 
