@@ -519,3 +519,64 @@ def test_arrays_of_up_to_32_dims_save_and_load(tmp_path: Path, shape: tuple[int,
         again = pytreeckpt.load(tmp_path / where, {"w": Abstract(shape, torch.float32), "sh": sharded})
         assert torch.equal(again["sh"].to_global(), t)
         assert torch.equal(pytreeckpt.load_slice(tmp_path / where, "w", index), t[index])
+
+
+_BAD_ARGS = [
+    ("save", "chunking", "abc", TypeError, r"save: chunking must be a ChunkingOptions or None, found str 'abc'"),
+    ("save", "executor", "fast", TypeError, r"save: executor must be an ExecutorOptions or None, found str 'fast'"),
+    ("save", "overwrite", "yes", TypeError, r"save: overwrite must be True or False, found str 'yes'"),
+    ("save", "namespace", 3, TypeError, r"save: namespace must be a str, found int 3"),
+    ("save", "monitor", [], TypeError, r"save: monitor must be a Monitor or None, found list \[\]"),
+    ("save", "chunk_hashes", 1, TypeError, r"save: chunk_hashes must be True or False, found int 1"),
+    ("save", "check_replicas", "some", ValueError, r"check_replicas must be 'small' or 'all', found 'some'"),
+    ("async_save", "chunking", {"max_chunk_bytes": 1}, TypeError, r"async_save: chunking must be a ChunkingOptions"),
+    ("async_save", "snapshot", "now", ValueError, r"snapshot must be 'eager' or 'lazy', found 'now'"),
+    ("load", "executor", 16, TypeError, r"load: executor must be an ExecutorOptions or None, found int 16"),
+    ("load", "inplace", None, TypeError, r"load: inplace must be True or False, found NoneType None"),
+    ("load", "strict", "no", TypeError, r"load: strict must be True or False"),
+    ("load", "cast", 0, TypeError, r"load: cast must be True or False"),
+    ("load", "report", {}, TypeError, r"load: report must be a LoadReport or None, found dict \{\}"),
+    ("verify", "executor", "fast", TypeError, r"verify: executor must be an ExecutorOptions or None"),
+    ("metadata", "namespace", None, TypeError, r"metadata: namespace must be a str"),
+]
+
+
+@pytest.mark.parametrize(("entry", "name", "value", "error", "message"), _BAD_ARGS)
+def test_an_argument_of_the_wrong_type_or_value_is_refused_naming_it_before_any_io(
+    tmp_path: Path, entry: str, name: str, value: Any, error: type[Exception], message: str
+) -> None:
+    pytreeckpt.save(tmp_path / "c", {"w": torch.ones(2)})
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    fn = getattr(pytreeckpt, entry)
+    args: tuple[Any, ...] = (tmp_path / "new", {"w": torch.ones(2)}) if "save" in entry else (tmp_path / "c",)
+    if entry == "load":
+        args = (tmp_path / "c", {"w": torch.zeros(2)})
+    with pytest.raises(error, match=message):
+        fn(*args, **{name: value})
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before  # nothing made, nothing changed
+
+
+@pytest.mark.parametrize(
+    ("make", "error", "message"),
+    [
+        (
+            lambda: pytreeckpt.ExecutorOptions(file_io_concurrency=0),
+            ValueError,
+            r"file_io_concurrency must be at least 1",
+        ),
+        (lambda: pytreeckpt.ExecutorOptions(max_inflight_bytes="1GB"), TypeError, r"max_inflight_bytes must be an int"),
+        (lambda: pytreeckpt.ExecutorOptions(staging_bytes=-1), ValueError, r"staging_bytes must be at least 1"),
+        (lambda: pytreeckpt.ExecutorOptions(progress="yes"), TypeError, r"progress must be True or False"),
+        (lambda: pytreeckpt.ExecutorOptions(exit_timeout=-1), ValueError, r"exit_timeout must be seconds"),
+        (lambda: pytreeckpt.ExecutorOptions(exit_timeout=float("nan")), ValueError, r"exit_timeout must be seconds"),
+        (lambda: pytreeckpt.ExecutorOptions(background_nice=2.5), ValueError, r"background_nice is a niceness"),
+        (lambda: pytreeckpt.ChunkingOptions(max_chunk_bytes=0), ValueError, r"max_chunk_bytes must be at least 1"),
+        (lambda: pytreeckpt.ChunkingOptions(single_chunk_bytes=1.5), TypeError, r"single_chunk_bytes must be an int"),
+        (lambda: pytreeckpt.ChunkingOptions(min_chunk_bytes=-3), ValueError, r"min_chunk_bytes must be at least 0"),
+    ],
+)
+def test_options_of_the_wrong_type_or_value_are_refused_when_made(
+    make: Any, error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error, match=message):
+        make()

@@ -152,6 +152,13 @@ def test_storage_options_are_those_of_save_or_refused(tmp_path: Path) -> None:
         io.save_checkpoint({"w": torch.ones(3)}, tmp_path / "b", storage_options={"bucket": "x"})
     with pytest.raises(TypeError, match="must be a dict"):
         io.save_checkpoint({"w": torch.ones(3)}, tmp_path / "b", storage_options="zstd")
+    for options, message in (  # a value of the wrong type is refused by save, naming it, before anything is written
+        ({"chunking": "abc"}, r"save: chunking must be a ChunkingOptions or None, found str 'abc'"),
+        ({"executor": "fast"}, r"save: executor must be an ExecutorOptions or None, found str 'fast'"),
+    ):
+        with pytest.raises(TypeError, match=message):
+            io.save_checkpoint({"w": torch.ones(3)}, tmp_path / "b", storage_options=options)
+        assert not (tmp_path / "b").exists()
 
 
 def test_load_places_tensors_and_says_what_it_cannot_read(tmp_path: Path) -> None:

@@ -33,6 +33,8 @@ from pytreeckpt.plan import LoadPlan
 from pytreeckpt.storage import ExecutorOptions, Storage
 from pytreeckpt.storage._location import Where, describe
 
+from ._args import check_args
+
 __all__ = [
     "CheckpointMetadata",
     "LoadReport",
@@ -149,6 +151,16 @@ def load(
       MetadataError: the metadata is malformed or unsafe, or ``include`` selects a key
         path that names several leaves (documents of older versions).
     """
+    check_args(
+        "load",
+        namespace=namespace,
+        executor=executor,
+        monitor=monitor,
+        inplace=inplace,
+        cast=cast,
+        strict=strict,
+        report=report,
+    )
     # A save in flight may be running collectives on the checkpoint groups, and may be
     # writing the very checkpoint asked for: let it finish first.
     if inplace and (target is None or include is not None):
@@ -195,6 +207,7 @@ def plan_load_of(
     a distributed job, as ``load``. Each plan array is a target leaf that is an array, in
     the target's order. ``cast`` and ``strict`` match the target as :func:`load`'s do.
     """
+    check_args("plan_load", namespace=namespace, executor=executor, cast=cast, strict=strict)
     wait_in_flight()
     comm = distributed_comm(process_group)
     request = LoadRequest(path, target, namespace, executor, None, comm, False, True, cast, strict)
@@ -210,6 +223,7 @@ def metadata(path: PathLike, *, namespace: str = "") -> CheckpointMetadata:
     (``{"a.b": x, "a": {"b": y}}``); ``arrays[key]`` then raises a MetadataError naming
     both, rather than pick one. The tree holds both.
     """
+    check_args("metadata", namespace=namespace)
     return inspect(path, namespace)
 
 
@@ -234,6 +248,7 @@ def verify(path: PathLike, *, executor: ExecutorOptions | None = None) -> Verify
     >>> pytreeckpt.verify(d).ok
     True
     """
+    check_args("verify", executor=executor)
     return again_if_replaced(path, executor, "verified", lambda seen: verify_once(path, executor, seen))
 
 
@@ -244,6 +259,7 @@ def read_array(
 
     Only the chunks the region touches are read.
     """
+    check_args("read_array", executor=executor)
     return read_region(Storage(path, executor), path, meta, region)
 
 
@@ -263,6 +279,8 @@ def load_slice(path: PathLike, key: str, index: Any = (), *, executor: ExecutorO
     tensor([[5.],
             [8.]])
     """
+
+    check_args("load_slice", executor=executor)
 
     def attempt(seen: list[bytes]) -> torch.Tensor:
         storage, doc = open_checkpoint(path, "", executor, seen)

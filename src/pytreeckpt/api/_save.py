@@ -25,6 +25,8 @@ from pytreeckpt.storage import ExecutorOptions
 from pytreeckpt.storage._location import Where
 from pytreeckpt.storage._options import per_rank
 
+from ._args import check_args
+
 __all__ = ["SaveHandle", "async_save", "plan_save_of", "save"]
 
 PathLike = Where  # a local path, a URL (file://, memory://, s3://, gs://), a kvstore spec or a Location
@@ -118,6 +120,15 @@ def save(
     >>> pytreeckpt.load(d + "/ckpt")["step"]
     7
     """
+    check_args(
+        "save",
+        overwrite=overwrite,
+        chunking=chunking,
+        executor=executor,
+        namespace=namespace,
+        monitor=monitor,
+        chunk_hashes=chunk_hashes,
+    )
     wait_in_flight()
     comm = distributed_comm(process_group)
     request = SaveRequest(
@@ -199,6 +210,15 @@ def async_save(
     """
     if snapshot not in ("eager", "lazy"):
         raise ValueError(f"snapshot must be 'eager' or 'lazy', found {snapshot!r}")
+    check_args(
+        "async_save",
+        overwrite=overwrite,
+        chunking=chunking,
+        executor=executor,
+        namespace=namespace,
+        monitor=monitor,
+        chunk_hashes=chunk_hashes,
+    )
     wait_in_flight()
     comm = distributed_comm(process_group)
     request = SaveRequest(
@@ -248,6 +268,7 @@ def plan_save_of(
     >>> [(a.key, a.chunk_shape, [op.writer for op in a.writes]) for a in plan.arrays]
     [('w', (4, 4), [0])]
     """
+    check_args("plan_save", chunking=chunking, namespace=namespace)
     comm = distributed_comm(process_group)
     carried = Carried(comm)
     with gc_paused():  # as save() plans

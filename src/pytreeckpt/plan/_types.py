@@ -53,6 +53,16 @@ class ChunkingOptions:
     min_chunk_bytes: int = 256 * 1024
     max_chunk_bytes: int = 16 * MiB
 
+    def __post_init__(self) -> None:
+        for name in ("single_chunk_bytes", "min_chunk_bytes", "max_chunk_bytes"):
+            value = getattr(self, name)
+            if type(value) is not int:
+                raise TypeError(f"ChunkingOptions.{name} must be an int, found {type(value).__name__} {value!r}")
+            if value < (1 if name == "max_chunk_bytes" else 0):
+                raise ValueError(
+                    f"ChunkingOptions.{name} must be at least {int(name == 'max_chunk_bytes')}, found {value}"
+                )
+
     def to_json(self) -> dict[str, int]:
         return {
             "single_chunk_bytes": self.single_chunk_bytes,

@@ -78,8 +78,28 @@ class ExecutorOptions:
     huge_pages: bool = True
 
     def __post_init__(self) -> None:
-        if not 0 <= self.background_nice <= 19:
-            raise ValueError(f"background_nice is a niceness from 0 to 19, found {self.background_nice}")
+        for name in ("max_inflight_bytes", "file_io_concurrency", "data_copy_concurrency", "staging_piece_bytes"):
+            _count(name, getattr(self, name))
+        if self.staging_bytes is not None:
+            _count("staging_bytes", self.staging_bytes)
+        for name in ("keep_staging", "progress", "direct_io", "huge_pages"):
+            if type(getattr(self, name)) is not bool:
+                raise TypeError(f"ExecutorOptions.{name} must be True or False, found {getattr(self, name)!r}")
+        timeout = self.exit_timeout
+        if timeout is not None and (
+            isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0
+        ):
+            raise ValueError(f"ExecutorOptions.exit_timeout must be seconds (a number >= 0) or None, found {timeout!r}")
+        if type(self.background_nice) is not int or not 0 <= self.background_nice <= 19:
+            raise ValueError(f"background_nice is a niceness from 0 to 19, found {self.background_nice!r}")
+
+
+def _count(name: str, value: object) -> None:
+    """Refuse an option that is not a whole number of at least 1 (bytes, or threads)."""
+    if type(value) is not int:
+        raise TypeError(f"ExecutorOptions.{name} must be an int, found {type(value).__name__} {value!r}")
+    if value < 1:
+        raise ValueError(f"ExecutorOptions.{name} must be at least 1, found {value}")
 
 
 def per_rank(options: ExecutorOptions | None) -> ExecutorOptions:
