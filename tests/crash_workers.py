@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import time
 from typing import Any
 
 import torch
@@ -69,53 +68,6 @@ def many_leaves(seed: int) -> dict[str, Any]:
 
 def _unpacked(path: str) -> pytreeckpt.Location:
     return pytreeckpt.Location(path, pytreeckpt.StorageOptions(pack_small_leaves=False))
-
-
-def overwrite_repeatedly(path: str, saves: int, ready: Any, go: Any, stop: Any, out: Any) -> None:
-    """Replace the checkpoint at ``path`` ``saves`` times, seeds alternating, pausing a little in between."""
-    trees = {seed: many_leaves(seed) for seed in (1, 2)}
-    ready.set()
-    go.wait()
-    errors = []
-    for i in range(saves):
-        try:
-            pytreeckpt.save(_unpacked(path), trees[1 + i % 2], overwrite=True)
-        except Exception as e:
-            errors.append(f"{type(e).__name__}: {e}")
-        time.sleep(0.05 + 0.1 * (i % 3))  # room for the loads that lost a race to finish their retry
-    out.put(("writer", errors))
-
-
-def load_repeatedly(path: str, ready: Any, go: Any, stop: Any, out: Any) -> None:
-    """Load ``path`` until told to stop; every load must be one of the two states, whole."""
-    from pytreeckpt.loading import _open as _load
-
-    retried = [0]
-    real = getattr(_load, "raise_unless_replaced", None)
-
-    def counting(*args: Any) -> None:
-        assert real is not None
-        real(*args)
-        retried[0] += 1  # it returned: the checkpoint was replaced under this load, which starts again
-
-    if real is not None:
-        _load.raise_unless_replaced = counting
-    want = {seed: many_leaves(seed) for seed in (1, 2)}
-    ready.set()
-    go.wait()
-    loads, errors = 0, []
-    while not stop.is_set():
-        try:
-            got = pytreeckpt.load(path)
-        except Exception as e:
-            errors.append(f"{type(e).__name__}: {e}")
-            continue
-        loads += 1
-        seed = got["step"]
-        mixed = [k for k, v in want[seed]["w"].items() if not torch.equal(got["w"][k], v)]
-        if mixed:
-            errors.append(f"state {seed} with leaves {mixed[:5]} of another state")
-    out.put(("reader", (loads, retried[0], errors)))
 
 
 def manage(

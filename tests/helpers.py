@@ -17,6 +17,10 @@ import pytreeckpt
 
 NAMESPACE = "pytreeckpt-tests"
 
+HANG = 600.0
+"""Seconds a child process, a rank or a wait in a test may take before it counts as hung: only a guard against
+a hang, never a measure of speed (the suite must pass on a busy machine, a load of 8 on 2 cores)."""
+
 
 class Pair:
     """A container registered with optree in the tests' namespace."""
