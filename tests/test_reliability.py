@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import json
 import multiprocessing as mp
@@ -10,10 +9,8 @@ import os
 import queue
 import re
 import shutil
-import signal
 import subprocess
 import threading
-import time
 import uuid
 import weakref
 from collections.abc import Callable
@@ -23,11 +20,12 @@ from typing import Any
 import pytest
 import torch
 from crash_workers import (
+    killed_at_steps,
     manage,
     many_leaves,
     race,
+    save_in_a_child,
     save_too_much,
-    save_when_told,
     state,
 )
 from helpers import HANG, bits, unpacked
@@ -63,48 +61,30 @@ def stored_but_unreferenced(path: Path) -> list[str]:
 
 @pytest.mark.parametrize("replacing", [False, True], ids=["beside", "replacing"])
 def test_a_save_killed_at_any_instant_leaves_the_old_checkpoint_whole(tmp_path: Path, replacing: bool) -> None:
-    """SIGKILL at any instant of a save, to a new path beside a checkpoint or replacing it (overwrite=True).
+    """SIGKILL at any step of a save, to a new path beside a checkpoint or replacing it (overwrite=True).
 
     The old checkpoint loads bit for bit until the new one's commit; the new one is whole
     or not there; what a killed save left is reclaimed by the next save.
+
+    A step is each opening, renaming or removal of a file or folder of the save (an audit hook in the
+    saving process counts them, and kills it before the chosen one): killed up to the step that
+    commits it (the document's rename), the save committed nothing; after it, it is committed.
     """
     ctx = _ctx()
     old, new = tmp_path / "step_1", tmp_path / "step_2"
     pytreeckpt.save(old, state(1))
     target = old if replacing else new
-
-    def run(seed: int, kill_after: float | None, use_async: bool) -> float:
-        """One save in a new process, killed ``kill_after`` seconds after it is told to start (None: not
-        killed); the seconds from that instant until the save is done."""
-        ready, go, done = ctx.Event(), ctx.Event(), ctx.Event()
-        p = ctx.Process(target=save_when_told, args=(str(target), seed, use_async, ready, go, done))
-        p.start()
-        assert ready.wait(60)
-        t0 = time.perf_counter()
-        go.set()
-        if kill_after is None:
-            assert done.wait(120)
-        else:
-            time.sleep(kill_after)
-            with contextlib.suppress(ProcessLookupError):  # it may have finished already
-                os.kill(p.pid, signal.SIGKILL)
-        took = time.perf_counter() - t0
-        p.join(30)
-        return took
-
-    # The save's own length, warm, as the kills will see it: from the word go (the process has
-    # started and imported everything) to its end. (Timing the process's start too put most
-    # kills after the commit once saves got faster: 4 of 16 before it, fewer than the check asks.)
-    durations = [run(1, None, False) for _ in range(3)]
-    duration = sorted(durations)[1]  # the median: on a busy machine the fastest run understates it
-    if not replacing:
-        shutil.rmtree(new)
-    kills = 16
+    steps = {}
+    for use_async in (False, True):  # how many steps a save takes (not killed)
+        steps[use_async] = save_in_a_child(ctx, str(target), 1, use_async, None)
+        if not replacing:
+            shutil.rmtree(new)
+    kills = [(mode, kill) for mode in (False, True) for kill in killed_at_steps(*steps[mode], 8)]
     outcomes = {"before the commit": 0, "after the commit": 0}
     current = 1  # the seed of the checkpoint at `target` (replacing), or of `old`
-    for i in range(kills):
+    for use_async, kill in kills:
         seed = 3 - current if replacing else 2
-        run(seed, duration * 1.05 * i / (kills - 1), use_async=bool(i % 2))
+        save_in_a_child(ctx, str(target), seed, use_async, kill)
         if replacing:
             got = pytreeckpt.load(old)  # never uncommitted: the old one, or the new one whole
             assert got["step"] in (current, seed)
@@ -124,13 +104,15 @@ def test_a_save_killed_at_any_instant_leaves_the_old_checkpoint_whole(tmp_path: 
                 committed = True
                 assert_state(got, 2)
                 shutil.rmtree(new)  # the next kill hits a save to a new path again
+        assert committed == (kill[0] == "commit"), (kill, use_async)
         outcomes["after the commit" if committed else "before the commit"] += 1
         assert pytreeckpt.verify(old).ok
-    assert outcomes["before the commit"] >= kills // 3, outcomes  # the kills did land inside the save
+    assert outcomes["before the commit"] >= len(kills) // 2, outcomes
+    assert outcomes["after the commit"] > 0, outcomes
     pytreeckpt.save(target, state(2), overwrite=True)  # a retry after the last kill succeeds
     assert_state(pytreeckpt.load(target), 2)
     assert stored_but_unreferenced(target) == []  # and reclaimed what the killed saves left
-    print(f"save took {duration:.2f} s; after {kills} kills: {outcomes}")
+    print(f"steps (up to the commit, after it) of save and async_save: {steps}; after {len(kills)} kills: {outcomes}")
 
 
 def test_two_writers_racing_to_one_path_never_mix(tmp_path: Path) -> None:
