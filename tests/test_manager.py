@@ -14,6 +14,7 @@ import dist_workers as w
 import numpy as np
 import pytest
 import torch
+from helpers import killed_after_step
 from multiproc import run_world
 
 import pytreeckpt
@@ -173,7 +174,6 @@ def test_two_ranks_agree_on_steps(tmp_path: Path) -> None:
 
 def test_the_manager_example_killed_and_resumed_gives_identical_losses(tmp_path: Path) -> None:
     import re
-    import signal
     import subprocess
     import sys
 
@@ -189,13 +189,7 @@ def test_the_manager_example_killed_and_resumed_gives_identical_losses(tmp_path:
     assert sorted(want) == list(range(1, 31))
 
     run = tmp_path / "run"
-    with subprocess.Popen([*base, "--dir", str(run)], stdout=subprocess.PIPE, text=True) as proc:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            if line.startswith("step 18 "):
-                proc.send_signal(signal.SIGKILL)  # killed mid-run, between checkpoints
-                break
-        proc.wait(60)
+    killed_after_step([*base, "--dir", str(run)], 18)  # killed mid-run, between checkpoints
     resumed = subprocess.run([*base, "--dir", str(run)], capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr
     restart = int(re.search(r"resumed from step (\d+)", resumed.stdout).group(1))  # type: ignore[union-attr]
