@@ -190,7 +190,7 @@ def manage(
         with pytreeckpt.CheckpointManager(_unpacked(directory), max_to_keep=2, async_=async_) as m:
             for step in steps:
                 try:
-                    together.wait(60)
+                    together.wait(HANG)
                     m.save(step, many_leaves(step))
                     if step % 3 == 0:
                         got = m.restore()  # the newest step of either manager

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import tensorstore as ts
 import torch
-from helpers import document
+from helpers import HANG, document
 
 import pytreeckpt
 from pytreeckpt import Location, StorageOptions
@@ -247,7 +247,7 @@ def test_a_damaged_small_array_read_without_a_plan_is_refused_naming_the_leaf(tm
 SRC = Path(pytreeckpt.__file__).parent.parent
 
 
-def _child(code: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+def _child(code: str, timeout: float = HANG) -> subprocess.CompletedProcess[str]:
     """``code`` in a fresh interpreter; a process killed by a signal (SIGBUS) fails the test with its stderr."""
     environ = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     done = subprocess.run(

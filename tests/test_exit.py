@@ -17,6 +17,7 @@ from typing import Any
 import exit_workers as w
 import pytest
 import torch
+from helpers import HANG
 from multiproc import run_torchrun
 
 import pytreeckpt
@@ -48,7 +49,7 @@ def test_a_program_ending_with_a_save_in_flight_finishes_it_or_commits_nothing_a
         [sys.executable, str(WORKERS), "fork", str(tmp_path), str(ROUNDS)],
         capture_output=True,
         text=True,
-        timeout=300,  # about 10 s of CPU: the children share one import of torch
+        timeout=HANG,  # about 10 s of CPU: the children share one import of torch
     )
     assert done.returncode == 0, done.stderr
     children = json.loads(done.stdout)
@@ -78,7 +79,7 @@ def test_a_program_ending_with_a_save_in_flight_finishes_it_or_commits_nothing_a
 @pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning", "ignore::DeprecationWarning")
 @pytest.mark.parametrize("way", ["wait-destroy", "in-flight"])
 def test_ranks_ending_after_a_distributed_save_leave_no_checkpoint_group_behind(tmp_path: Path, way: str) -> None:
-    outputs = run_torchrun(WORKERS, 2, "rank", str(tmp_path), way, logs=tmp_path / "logs", timeout=240)
+    outputs = run_torchrun(WORKERS, 2, "rank", str(tmp_path), way, logs=tmp_path / "logs")
     for r, out in enumerate(outputs):
         left = _at_exit(out)
         assert not [t for t in left["python"] if t.startswith("pytreeckpt")], (r, out)

@@ -125,11 +125,11 @@ def test_two_writers_racing_to_one_path_never_mix(tmp_path: Path) -> None:
         procs = [ctx.Process(target=race, args=(str(path), seed, ready[i], go, out)) for i, seed in enumerate((3, 4))]
         for p in procs:
             p.start()
-        assert all(r.wait(60) for r in ready)
+        assert all(r.wait(HANG) for r in ready)
         go.set()
-        results = dict(out.get(timeout=120) for _ in procs)
+        results = dict(out.get(timeout=HANG) for _ in procs)
         for p in procs:
-            p.join(30)
+            p.join(HANG)
         assert "ok" in results.values(), results  # one succeeds
         for seed, result in results.items():
             assert result == "ok" or result.startswith("CheckpointError: another process is saving"), (
@@ -157,16 +157,16 @@ def _run_together(ctx: mp.context.BaseContext, jobs: list[tuple[Any, tuple[Any, 
     for p in procs:
         p.start()
     try:
-        assert all(r.wait(60) for r in ready)
+        assert all(r.wait(HANG) for r in ready)
         go.set()
-        results = [out.get(timeout=120)]
+        results = [out.get(timeout=HANG)]
         stop.set()
-        results += [out.get(timeout=120) for _ in procs[1:]]
+        results += [out.get(timeout=HANG) for _ in procs[1:]]
         return dict(results)
     finally:
         stop.set()
         for p in procs:
-            p.join(30)
+            p.join(HANG)
             if p.is_alive():
                 p.kill()
 
@@ -559,7 +559,7 @@ def test_a_manager_carries_on_after_a_step_that_filled_the_disk(small_disk: Path
 def test_a_distributed_save_that_fills_the_disk_leaves_nothing(small_disk: Path) -> None:
     pytreeckpt.save(small_disk / "step_1", {"w": torch.ones(4)})
     before = used(small_disk)
-    results = run_world(2, save_too_much, str(small_disk / "step_2"), timeout=120)
+    results = run_world(2, save_too_much, str(small_disk / "step_2"))
     for rank, (error, left) in enumerate(results):
         assert re.search(FULL, error), (rank, error)
         assert error.startswith("CheckpointError"), (rank, error)
@@ -589,7 +589,7 @@ def test_a_process_exiting_with_a_save_in_flight_finishes_it(tmp_path: Path) -> 
         f"pytreeckpt.async_save({str(tmp_path / 'c')!r}, {{'w': torch.arange(1 << 20, dtype=torch.float32)}})\n"
         "print('returned', flush=True)\n"  # and the interpreter exits with the save in flight
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=HANG)
     assert done.returncode == 0, done.stderr
     assert "returned" in done.stdout
     assert torch.equal(pytreeckpt.load(tmp_path / "c")["w"], torch.arange(1 << 20, dtype=torch.float32))
@@ -610,7 +610,7 @@ def test_an_io_thread_lets_go_of_a_buffer_before_it_settles_the_future(fails: bo
     go = threading.Event()
 
     def write(buf: np.ndarray) -> int:
-        go.wait(10)
+        go.wait(HANG)
         if fails:
             raise OSError(28, "No space left on device")
         return int(buf.sum())
@@ -625,11 +625,11 @@ def test_an_io_thread_lets_go_of_a_buffer_before_it_settles_the_future(fails: bo
     go.set()
     if fails:
         with pytest.raises(OSError, match="No space"):
-            future.result(10)
+            future.result(HANG)
     else:
-        assert future.result(10) == 1024
+        assert future.result(HANG) == 1024
     assert alive == [False]
-    pool.quiesce(5)
+    assert pool.quiesce(HANG)
 
 
 @pytest.mark.parametrize("use_async", [False, True])

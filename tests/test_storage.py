@@ -19,7 +19,7 @@ import seaweed
 import tensorstore as ts
 import torch
 from crash_workers import killed_at_steps, save_in_a_child, state
-from helpers import bits, document, packed_in
+from helpers import HANG, bits, document, packed_in
 from safetensors.torch import load_file
 
 import pytreeckpt
@@ -234,7 +234,7 @@ def test_s3_command_line(s3: seaweed.Server, tmp_path: Path) -> None:
 
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
         cmd = [sys.executable, "-m", "pytreeckpt", *args]
-        return subprocess.run(cmd, capture_output=True, text=True, env=s3.env(), timeout=120)
+        return subprocess.run(cmd, capture_output=True, text=True, env=s3.env(), timeout=HANG)
 
     base = f"s3://{seaweed.BUCKET}/{run}"
     done = cli("ls", base, "--json")

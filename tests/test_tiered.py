@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import killed_after_step
+from helpers import HANG, killed_after_step
 
 import pytreeckpt
 
@@ -64,7 +64,7 @@ def uninterrupted_losses(tmp_path_factory: pytest.TempPathFactory) -> dict[int, 
     fast = fast / f"pytreeckpt-test-{uuid.uuid4().hex[:8]}-ref"
     try:
         reference = subprocess.run(
-            [*COMMON, "--dir", str(tmp / "ref"), "--fast-dir", str(fast)], capture_output=True, text=True, timeout=300
+            [*COMMON, "--dir", str(tmp / "ref"), "--fast-dir", str(fast)], capture_output=True, text=True, timeout=HANG
         )
     finally:
         shutil.rmtree(fast, ignore_errors=True)
@@ -81,7 +81,7 @@ def test_a_killed_run_resumes_from_the_fast_tier_or_from_the_durable_one(
     killed_after_step(base, 17)
     if lose_fast_tier:
         shutil.rmtree(shm)
-    resumed = subprocess.run(base, capture_output=True, text=True, timeout=300)
+    resumed = subprocess.run(base, capture_output=True, text=True, timeout=HANG)
     assert resumed.returncode == 0, resumed.stderr
     restart = int(re.search(r"resumed from step (\d+)", resumed.stdout).group(1))  # type: ignore[union-attr]
     if lose_fast_tier:
