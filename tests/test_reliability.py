@@ -60,7 +60,7 @@ def stored_but_unreferenced(path: Path) -> list[str]:
 
 
 @pytest.mark.parametrize("replacing", [False, True], ids=["beside", "replacing"])
-def test_a_save_killed_at_any_instant_leaves_the_old_checkpoint_whole(tmp_path: Path, replacing: bool) -> None:
+def test_a_save_killed_at_any_step_leaves_the_old_checkpoint_whole(tmp_path: Path, replacing: bool) -> None:
     """SIGKILL at any step of a save, to a new path beside a checkpoint or replacing it (overwrite=True).
 
     The old checkpoint loads bit for bit until the new one's commit; the new one is whole
