@@ -1,14 +1,20 @@
-"""Child processes for tests/test_reliability.py: saves that get killed, and racing writers."""
+"""Child processes for tests/test_reliability.py and tests/test_storage.py: saves killed at a chosen step,
+and racing writers; and the parent's side of a killed save (save_in_a_child, killed_at_steps)."""
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
-import time
+import signal
+import sys
+import threading
 from typing import Any
 
 import torch
+from helpers import HANG
 
 import pytreeckpt
+from pytreeckpt.format import METADATA_FILE
 
 
 def state(seed: int) -> dict[str, Any]:
@@ -21,15 +27,113 @@ def state(seed: int) -> dict[str, Any]:
     return {"big": big, "small": small, "step": seed, "name": f"state {seed}"}
 
 
-def save_when_told(path: str, seed: int, use_async: bool, ready: Any, go: Any, done: Any) -> None:
+FILE_STEPS = ("open", "os.rename", "os.remove", "os.rmdir", "os.mkdir", "shutil.rmtree", "os.link", "os.truncate")
+"""The audit events of a local save's steps: each opening, renaming or removal of a file or folder."""
+
+
+class _Steps:
+    """A save's steps, counted; at step ``kill`` = (``"start"`` or ``"commit"``, n), the n-th from the save's start
+    or the n-th after the step that commits it (the document's rename or write), the process is killed."""
+
+    def __init__(self, kill: tuple[str, int] | None) -> None:
+        self.kill = kill
+        self.lock = threading.Lock()  # (the files are written by several threads)
+        self.count, self.committed_at = 0, 0
+        self.committing = False  # the next step commits
+
+    def step(self, commits: bool = False) -> None:
+        with self.lock:
+            self.count += 1
+            if self.kill == ("start", self.count) or (
+                self.committed_at and self.kill == ("commit", self.count - self.committed_at)
+            ):
+                os.kill(os.getpid(), signal.SIGKILL)  # before the step is taken
+            if commits or self.committing:
+                self.committed_at, self.committing = self.count, False
+
+    def count_files(self, root: str) -> None:
+        """Each opening, renaming or removal of a file or folder below ``root`` (a local save) is a step."""
+
+        def hook(event: str, args: tuple[Any, ...]) -> None:
+            named = event in FILE_STEPS and args and isinstance(args[0], str | bytes | os.PathLike)
+            if named and root in os.fsdecode(args[0]):
+                self.step(commits=event == "os.rename" and str(args[1]).endswith(METADATA_FILE))
+
+        sys.addaudithook(hook)
+
+    def count_objects(self) -> None:
+        """Each operation on whole objects, the opening of the arrays and each packed entry written (a save to an
+        object store) is a step; the operation that writes the document commits."""
+        from pytreeckpt.storage import _arrays, _location, _objects, _packed
+
+        def counted(cls: Any, name: str) -> None:
+            real = getattr(cls, name)
+
+            def step(*args: Any, **kwargs: Any) -> Any:
+                self.step()
+                return real(*args, **kwargs)
+
+            setattr(cls, name, step)
+
+        for cls, name in [
+            (_location.KvPrefix, "_run"),
+            (_arrays.ArrayIO, "open_arrays"),
+            (_packed.PackedStores, "write"),
+        ]:
+            counted(cls, name)
+        write_document = _objects.ObjectPrefix.write_document
+
+        def committing(*args: Any, **kwargs: Any) -> Any:
+            self.committing = True
+            return write_document(*args, **kwargs)
+
+        _objects.ObjectPrefix.write_document = committing  # type: ignore[method-assign]
+
+
+def save_killed_at(path: Any, seed: int, use_async: bool, kill: tuple[str, int] | None, out: Any) -> None:
+    """Save state(seed) at ``path`` (a replacing save), killed at step ``kill`` of the save (see _Steps), or, with
+    None, not killed: then put (its steps up to the one that committed it, its steps after that one)."""
     tree = state(seed)
-    ready.set()
-    go.wait()
+    steps = _Steps(kill)
+    if pytreeckpt.storage.Storage(path).kv is None:
+        steps.count_files(os.fspath(path))
+    else:
+        steps.count_objects()
     if use_async:
         pytreeckpt.async_save(path, tree, overwrite=True).wait()
     else:
         pytreeckpt.save(path, tree, overwrite=True)
-    done.set()
+    assert steps.committed_at, "no step committed the save"
+    out.put((steps.committed_at, steps.count - steps.committed_at))
+
+
+def spread(n: int, steps: int) -> list[int]:
+    """``n`` steps of ``steps`` (numbered from 1), evenly spread from the first to the last."""
+    return sorted({1 + round(i * (steps - 1) / max(n - 1, 1)) for i in range(n)})
+
+
+def killed_at_steps(commit: int, after: int, kills: int) -> list[tuple[str, int]]:
+    """``kills`` steps of a save of ``commit`` steps up to the one that commits it and ``after`` more (see
+    crash_workers._Steps), spread over them: a quarter of them after the commit, where there are so many."""
+    late = min(after, kills // 4)
+    return [("start", n) for n in spread(kills - late, commit)] + [("commit", n) for n in spread(late, after)]
+
+
+def save_in_a_child(ctx: mp.context.BaseContext, where: Any, seed: int, use_async: bool, kill: Any) -> Any:
+    """A save in a new process, killed at step ``kill`` (see crash_workers._Steps); None: not killed, then its
+    steps, (up to the one that commits it, after that one)."""
+    out = ctx.Queue()
+    p = ctx.Process(target=save_killed_at, args=(where, seed, use_async, kill, out))
+    p.start()
+    try:
+        steps = out.get(timeout=HANG) if kill is None else None
+        p.join(HANG)
+    finally:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    assert p.exitcode == (0 if kill is None else -signal.SIGKILL), (kill, p.exitcode)  # killed there, before its end
+    return steps
 
 
 def race(path: str, seed: int, ready: Any, go: Any, out: Any) -> None:
@@ -71,53 +175,6 @@ def _unpacked(path: str) -> pytreeckpt.Location:
     return pytreeckpt.Location(path, pytreeckpt.StorageOptions(pack_small_leaves=False))
 
 
-def overwrite_repeatedly(path: str, saves: int, ready: Any, go: Any, stop: Any, out: Any) -> None:
-    """Replace the checkpoint at ``path`` ``saves`` times, seeds alternating, pausing a little in between."""
-    trees = {seed: many_leaves(seed) for seed in (1, 2)}
-    ready.set()
-    go.wait()
-    errors = []
-    for i in range(saves):
-        try:
-            pytreeckpt.save(_unpacked(path), trees[1 + i % 2], overwrite=True)
-        except Exception as e:
-            errors.append(f"{type(e).__name__}: {e}")
-        time.sleep(0.05 + 0.1 * (i % 3))  # room for the loads that lost a race to finish their retry
-    out.put(("writer", errors))
-
-
-def load_repeatedly(path: str, ready: Any, go: Any, stop: Any, out: Any) -> None:
-    """Load ``path`` until told to stop; every load must be one of the two states, whole."""
-    from pytreeckpt.loading import _open as _load
-
-    retried = [0]
-    real = getattr(_load, "raise_unless_replaced", None)
-
-    def counting(*args: Any) -> None:
-        assert real is not None
-        real(*args)
-        retried[0] += 1  # it returned: the checkpoint was replaced under this load, which starts again
-
-    if real is not None:
-        _load.raise_unless_replaced = counting
-    want = {seed: many_leaves(seed) for seed in (1, 2)}
-    ready.set()
-    go.wait()
-    loads, errors = 0, []
-    while not stop.is_set():
-        try:
-            got = pytreeckpt.load(path)
-        except Exception as e:
-            errors.append(f"{type(e).__name__}: {e}")
-            continue
-        loads += 1
-        seed = got["step"]
-        mixed = [k for k, v in want[seed]["w"].items() if not torch.equal(got["w"][k], v)]
-        if mixed:
-            errors.append(f"state {seed} with leaves {mixed[:5]} of another state")
-    out.put(("reader", (loads, retried[0], errors)))
-
-
 def manage(
     directory: str, steps: list[int], async_: bool, together: Any, ready: Any, go: Any, stop: Any, out: Any
 ) -> None:
@@ -133,7 +190,7 @@ def manage(
         with pytreeckpt.CheckpointManager(_unpacked(directory), max_to_keep=2, async_=async_) as m:
             for step in steps:
                 try:
-                    together.wait(60)
+                    together.wait(HANG)
                     m.save(step, many_leaves(step))
                     if step % 3 == 0:
                         got = m.restore()  # the newest step of either manager

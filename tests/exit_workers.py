@@ -19,6 +19,7 @@ from __future__ import annotations
 import atexit
 import gc
 import json
+import logging
 import os
 import sys
 import threading
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from helpers import HANG
 
 import pytreeckpt
 
@@ -91,12 +93,42 @@ def _failed_load(path: Path, seed: int) -> None:
         print(f"load failed: {e}", flush=True)
 
 
+class _Told(logging.Filter):
+    """Sets ``cancelled`` when the exit hook logs that it cancelled the save in flight (and lets the record by)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cancelled = threading.Event()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "cancelled, nothing is committed" in record.getMessage():
+            self.cancelled.set()
+        return True
+
+
+def _written_once_cancelled() -> None:
+    """Each chunk file is written only once the exit hook has cancelled the save: the save is still running when
+    the program ends, however fast the machine writes (a hang guard aside)."""
+    from pytreeckpt.storage import _arrays
+
+    told = _Told()
+    logging.getLogger("pytreeckpt").addFilter(told)
+    write_chunk = _arrays.write_chunk
+
+    def held(*args: Any, **kwargs: Any) -> Any:
+        told.cancelled.wait(HANG)
+        return write_chunk(*args, **kwargs)
+
+    _arrays.write_chunk = held
+
+
 def _child(way: str, path: Path, seed: int) -> None:
     report_threads_at_exit()
     if way == "load fails":
         _failed_load(path, seed)
         return
     if way == "exit_timeout=0":
+        _written_once_cancelled()
         opts = pytreeckpt.ExecutorOptions(exit_timeout=0.0)
         pytreeckpt.async_save(path, state(seed, big=True), executor=opts, chunking=CHUNKING)
         return

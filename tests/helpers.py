@@ -6,6 +6,8 @@ import collections
 import dataclasses
 import json
 import re
+import signal
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +18,42 @@ import torch
 import pytreeckpt
 
 NAMESPACE = "pytreeckpt-tests"
+
+HANG = 600.0
+"""Seconds a child process, a rank or a wait in a test may take before it counts as hung: only a guard against
+a hang, never a measure of speed (the suite must pass on a busy machine, a load of 8 on 2 cores)."""
+
+_HELD_AFTER = """
+import builtins, runpy, sys, threading
+step = sys.argv.pop(1)
+sys.argv.pop(0)
+said = builtins.print
+
+def print(*args, **kwargs):
+    said(*args, **kwargs)
+    if args and str(args[0]).startswith(f"step {step} "):
+        threading.Event().wait()  # the training loop goes no further: it is killed here
+
+builtins.print = print
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def killed_after_step(cmd: list[str], step: int) -> None:
+    """Run the training script ``cmd`` (``[python, script, *args]``, printing ``step N ...`` at each step) until it
+    has printed step ``step``, and kill it there: held at that line (its saves in flight go on), so that
+    it never runs ahead of the kill, however the machine schedules the two processes."""
+    held = [cmd[0], "-c", _HELD_AFTER, str(step), *cmd[1:]]
+    with subprocess.Popen(held, stdout=subprocess.PIPE, text=True) as proc:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.startswith(f"step {step} "):
+                proc.send_signal(signal.SIGKILL)  # the training process dies
+                break
+        else:
+            proc.kill()
+        proc.wait(HANG)
+    assert proc.returncode == -signal.SIGKILL, f"{cmd} ended before step {step} ({proc.returncode})"
 
 
 class Pair:

@@ -28,6 +28,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from helpers import HANG
+
 from benchmarks._common import free_port
 
 STDERR_SHOWN = 20_000  # the last characters of each rank's stderr shown in a failure
@@ -107,10 +109,11 @@ def rank_stderr(rank: int, path: Path, status: str = "") -> str:
     return f"===== {label}: its stderr =====\n{text.rstrip() or '(empty)'}"
 
 
-def run_world(world: int, fn: Callable[..., Any], *args: Any, timeout: float = 240.0) -> list[Any]:
+def run_world(world: int, fn: Callable[..., Any], *args: Any, timeout: float = HANG) -> list[Any]:
     """Run ``fn(rank, world, *args)`` on ``world`` processes; the results by rank.
 
-    Every rank must answer within ``timeout`` seconds and then exit with status 0.
+    Every rank must answer within ``timeout`` seconds (a hang guard, helpers.HANG: never a measure of
+    speed) and then exit with status 0.
     """
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed", "pytreeckpt"])
@@ -144,7 +147,7 @@ def run_world(world: int, fn: Callable[..., Any], *args: Any, timeout: float = 2
             (results if ok else failures)[rank] = value
         if len(results) + len(failures) == world:  # every rank answered: each must now exit, and exit well
             for p in procs:
-                p.join(timeout=60)
+                p.join(timeout=HANG)
     finally:
         for p in procs:
             if p.is_alive():
@@ -165,7 +168,7 @@ def run_world(world: int, fn: Callable[..., Any], *args: Any, timeout: float = 2
     return [_restore(results[r]) for r in range(world)]
 
 
-def run_torchrun(script: Path, nproc: int, *args: str, logs: Path, timeout: float = 300.0) -> list[str]:
+def run_torchrun(script: Path, nproc: int, *args: str, logs: Path, timeout: float = HANG) -> list[str]:
     """Run ``script *args`` under torchrun on ``nproc`` local ranks; each rank's stdout, by rank.
 
     Each rank's stdout and stderr go to files of their own under ``logs`` (torchrun's

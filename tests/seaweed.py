@@ -17,6 +17,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from helpers import HANG
+
 import pytreeckpt
 from benchmarks._common import free_port
 
@@ -47,7 +49,7 @@ class Server:
 
         if self.metrics is None:
             return {}
-        text = urllib.request.urlopen(self.metrics, timeout=10).read().decode()
+        text = urllib.request.urlopen(self.metrics, timeout=HANG).read().decode()
         out: dict[str, float] = {}
         for line in text.splitlines():
             if line.startswith("SeaweedFS_s3_request_total{"):
@@ -83,7 +85,7 @@ class Server:
                 self.proc.wait(10)
 
 
-def start(workdir: Path, timeout: float = 90.0, metrics: bool = False) -> Server:
+def start(workdir: Path, timeout: float = HANG, metrics: bool = False) -> Server:
     """Start ``weed mini`` in ``workdir``; raise (with its log) if it does not serve S3 in time."""
     data = workdir / "data"
     data.mkdir(parents=True)

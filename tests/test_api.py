@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import tensorstore as ts
 import torch
-from helpers import bits, unpacked
+from helpers import HANG, bits, unpacked
 
 import pytreeckpt
 from pytreeckpt import Abstract, ExplicitRegions, FlatRanges, Mesh, Replicate, Shard, ShardedLeaf, ShardingSpec
@@ -203,7 +203,9 @@ def test_async_failure_surfaces_on_wait(tmp_path: Path, monkeypatch: pytest.Monk
 def test_unseen_async_failure_surfaces_on_the_next_save(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     _fail_writes(monkeypatch)
     h = pytreeckpt.async_save(tmp_path / "a", {"w": torch.ones(2)})
+    deadline = time.monotonic() + HANG  # (only a hang guard)
     while not h.done():  # let it fail in the background, without asking
+        assert time.monotonic() < deadline, "the failing save never ended"
         time.sleep(0.01)
     monkeypatch.undo()
     with pytest.raises(pytreeckpt.CheckpointError, match=r"previous async save.*No space left"):

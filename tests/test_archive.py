@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import tensorstore as ts
 import torch
-from helpers import document
+from helpers import HANG, document
 
 import pytreeckpt
 from pytreeckpt import Location, StorageOptions
@@ -247,7 +247,7 @@ def test_a_damaged_small_array_read_without_a_plan_is_refused_naming_the_leaf(tm
 SRC = Path(pytreeckpt.__file__).parent.parent
 
 
-def _child(code: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+def _child(code: str, timeout: float = HANG) -> subprocess.CompletedProcess[str]:
     """``code`` in a fresh interpreter; a process killed by a signal (SIGBUS) fails the test with its stderr."""
     environ = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     done = subprocess.run(
@@ -258,54 +258,82 @@ def _child(code: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
 
 
 def test_an_archive_cut_or_rewritten_while_loads_read_it_is_an_error_not_a_signal(tmp_path: Path) -> None:
-    """``cp`` of a checkpoint over itself (truncate, then write the same bytes) while loads, verifies and
-    load_slices run: each either gives the saved values or raises a CheckpointError; the process lives."""
+    """``cp`` of a checkpoint over itself (the file cut to nothing, written again in part, then whole) between two
+    reads of a load, a verify and a load_slice: each either gives the saved values or raises a CheckpointError
+    (verify: reports damage); the process lives.
+
+    Each step of the copy is made at a chosen read of the archive (before its Nth ``pread`` or change check,
+    from the first to the last of them): every operation meets every step, whatever the machine's speed.
+    """
     path = tmp_path / "c"
     g = torch.Generator().manual_seed(1)
-    tree = {f"w{i}": torch.randn(50, generator=g) for i in range(3000)}
+    tree = {f"w{i}": torch.randn(50, generator=g) for i in range(300)}
     pytreeckpt.save(Location(path, ZIP), tree)
     torch.save(tree, tmp_path / "tree.pt")
     done = _child(f"""
-        import os, threading, time, torch, pytreeckpt
+        import json, os, torch, pytreeckpt
+        from pytreeckpt.storage import _archive
+
         path, archive = {str(path)!r}, {str(path / "packed" / "0" / "0.zip")!r}
         tree = torch.load({str(tmp_path / "tree.pt")!r})
         good = open(archive, "rb").read()
-        stop = threading.Event()
 
-        def rewrite():  # as cp does: the file cut to nothing, then written again in place
-            while not stop.is_set():
-                fd = os.open(archive, os.O_WRONLY | os.O_TRUNC)
-                for at in range(0, len(good), 1 << 16):
-                    os.write(fd, good[at : at + (1 << 16)])
-                os.close(fd)
+        def copy(upto):  # as cp does: the file cut to nothing, then written again in place, up to byte `upto`
+            fd = os.open(archive, os.O_WRONLY | os.O_TRUNC)
+            for at in range(0, upto, 1 << 16):
+                os.write(fd, good[at : min(at + (1 << 16), upto)])
+            os.close(fd)
 
-        t = threading.Thread(target=rewrite)
-        t.start()
-        counts = {{"ok": 0, "error": 0}}
-        ops = [
-            lambda: all(torch.equal(v, tree[k]) for k, v in pytreeckpt.load(path).items()),
-            lambda: torch.equal(pytreeckpt.load_slice(path, "w7", slice(3, 9)), tree["w7"][3:9]),
-            lambda: pytreeckpt.verify(path).ok or None,
-        ]
-        end = time.monotonic() + 4
-        try:
-            while time.monotonic() < end:
-                for op in ops:
+        steps = {{"cut": 0, "part": len(good) // 2, "whole": len(good)}}
+        count, plan, met = [0], {{}}, []
+
+        def hooked(real):  # a read of the archive that first makes the copy's step planned for it
+            def read(self, *args):
+                count[0] += 1
+                step = plan.pop(count[0], None)
+                if step is not None:
+                    copy(steps[step])
+                    met.append(step)
+                return real(self, *args)
+            return read
+
+        for name in ("_pread", "check_unchanged"):
+            setattr(_archive.ArchiveReader, name, hooked(getattr(_archive.ArchiveReader, name)))
+        ops = {{
+            "load": lambda: all(torch.equal(v, tree[k]) for k, v in pytreeckpt.load(path).items()),
+            "load_slice": lambda: torch.equal(pytreeckpt.load_slice(path, "w7", slice(3, 9)), tree["w7"][3:9]),
+            "verify": lambda: pytreeckpt.verify(path).ok or None,
+        }}
+        outcomes = {{}}
+        for name, op in ops.items():
+            copy(len(good))
+            count[0] = 0
+            assert op() is True, name  # the archive unchanged: the saved values
+            reads = count[0]
+            for at in sorted({{1, 2, 3, 4, reads // 3, reads // 2, reads - 1, reads}} - {{0}}):
+                for step in steps:
+                    copy(len(good))
+                    count[0], plan[at], met[:] = 0, step, []
                     try:
                         got = op()
                     except pytreeckpt.CheckpointError:
-                        counts["error"] += 1
+                        got = "error"
                     else:
                         assert got in (True, None), got  # never other values
-                        counts["ok" if got else "error"] += 1
-        finally:
-            stop.set()
-            t.join()
-        print(counts["ok"] + counts["error"], counts["error"])
+                        got = "values" if got else "error"
+                    assert met == [step], (name, at, step, met)  # the copy's step was made between two reads
+                    outcomes.setdefault(f"{{name}} {{step}}", {{}}).setdefault(got, 0)
+                    outcomes[f"{{name}} {{step}}"][got] += 1
+        print(json.dumps(outcomes))
     """)
-    runs, errors = map(int, done.stdout.split())
-    assert runs > 3, done.stdout
-    assert errors > 0, done.stdout
+    outcomes = json.loads(done.stdout)
+    ops, steps = ("load", "load_slice", "verify"), ("cut", "part", "whole")
+    assert sorted(outcomes) == sorted(f"{op} {step}" for op in ops for step in steps)
+    for key, seen in outcomes.items():
+        if key.endswith("whole"):  # the same bytes again: the saved values, or the change noticed
+            assert set(seen) <= {"values", "error"}, (key, seen)
+        else:  # read from an archive cut short: never values
+            assert set(seen) == {"error"}, (key, seen)
 
 
 @pytest.mark.parametrize("how", ["save", "async_save"])

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import HANG
 
 import pytreeckpt
 from pytreeckpt import ChunkingOptions, ExecutorOptions, Mesh, Monitor, Shard, ShardedLeaf, ShardingSpec
@@ -55,19 +56,38 @@ def test_acquiring_a_stage_does_not_walk_the_live_stages() -> None:
     pool.free()
 
 
+class _TellingCondition(threading.Condition):
+    """A condition that says when a thread waits on it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waiting = threading.Event()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.waiting.set()
+        return super().wait(timeout)
+
+
 def test_the_ring_reuses_the_oldest_space_and_waits_when_full() -> None:
     pool = StagingPool()
+    pool._cond = cond = _TellingCondition()
     pool.reserve(4096)
     a, b, c = pool.acquire(1024), pool.acquire(1024), pool.acquire(2048)
     assert (a.start, b.start, c.start) == (0, 1024, 2048)
     pool.release(b)  # out of order: the oldest is still live, so no room yet
     got: list[int] = []
-    t = threading.Thread(target=lambda: got.append(pool.acquire(1024).start))
+
+    def acquire() -> None:
+        got.append(pool.acquire(1024).start)
+        cond.waiting.set()  # (also if it returned at once)
+
+    t = threading.Thread(target=acquire)
     t.start()
-    t.join(0.2)
-    assert t.is_alive()
+    assert cond.waiting.wait(HANG)
+    assert got == []  # the acquire waits for room
     pool.release(a)  # a and b free: the ring wraps to the start
-    t.join(5)
+    t.join(HANG)
+    assert not t.is_alive()
     assert got == [0]
     pool.abort()
     with pytest.raises(PoolAborted):

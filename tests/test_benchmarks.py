@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import HANG
 
 from benchmarks import small
 from benchmarks._common import can_drop_caches
@@ -81,7 +82,7 @@ def test_the_scale_benchmark_plans_through_the_public_entry_points() -> None:
     root = Path(__file__).resolve().parents[1]
     cmd = [sys.executable, str(root / "benchmarks" / "plan_scale.py"), "--model", "8b", "--ranks", "64"]
     cmd += ["--layout", "tp_pp_dp", "fsdp_tp", "--json", "--no-save"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=HANG)
     assert done.returncode == 0, done.stderr
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     assert [r["layout"] for r in rows] == ["tp_pp_dp", "fsdp_tp"]
@@ -106,7 +107,7 @@ def test_the_training_loop_benchmark_times_every_save_behind_the_loop(tmp_path: 
     root = Path(__file__).resolve().parents[1]
     cmd = [sys.executable, "-m", "benchmarks.train_loop", "--gib", "0.02", "--repeat", "1", "--base-steps", "3"]
     cmd += ["--workdir", str(tmp_path), "--json"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=root)
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=HANG, cwd=root)
     assert done.returncode == 0, done.stderr
     r = json.loads(done.stdout.strip().splitlines()[-1])
     assert set(r["variants"]) == {

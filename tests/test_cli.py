@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import unpacked
+from helpers import HANG, unpacked
 from safetensors.torch import load_file, save_file
 
 import pytreeckpt
@@ -24,7 +24,7 @@ def run(*args: str) -> subprocess.CompletedProcess[str]:
     cmd = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "pytreeckpt"]
     # (a crash of the command, not only its exceptions, leaves a traceback in its stderr)
     env = {**os.environ, "PYTHONFAULTHANDLER": "1"}
-    return subprocess.run([*cmd, *map(str, args)], capture_output=True, text=True, timeout=120, env=env)
+    return subprocess.run([*cmd, *map(str, args)], capture_output=True, text=True, timeout=HANG, env=env)
 
 
 def run_json(*args: str | Path) -> Any:

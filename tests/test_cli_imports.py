@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import unpacked
+from helpers import HANG, unpacked
 
 import pytreeckpt
 from pytreeckpt import PER_RANK, Compression, FlatRanges, Location, ShardedLeaf, StorageOptions
@@ -23,7 +23,7 @@ def imported_after(code: str, heavy: tuple[str, ...] = HEAVY) -> dict[str, objec
     ``heavy`` it imported."""
     report = f"print(json.dumps({{'out': out, 'heavy': [m for m in {heavy!r} if m in sys.modules]}}))"
     script = f"import json, sys\nout = None\n{code}\n{report}\n"
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=HANG)
     assert done.returncode == 0, done.stderr
     result: dict[str, object] = json.loads(done.stdout.splitlines()[-1])
     return result

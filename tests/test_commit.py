@@ -245,7 +245,7 @@ def test_a_lock_whose_directory_its_holder_removed_is_taken_anew(tmp_path: Path)
 
 
 def test_a_distributed_save_replaces_a_checkpoint_beside_it(tmp_path: Path) -> None:
-    results = run_world(2, replace_distributed, str(tmp_path / "c"), timeout=180)
+    results = run_world(2, replace_distributed, str(tmp_path / "c"))
     assert results[0] == results[1]
     got = results[0]
     assert got["first"] == ["arrays/big", "packed/0", "packed/1"]
@@ -256,7 +256,7 @@ def test_a_distributed_save_replaces_a_checkpoint_beside_it(tmp_path: Path) -> N
 
 def test_a_distributed_save_writes_and_replaces_its_checksums_file(tmp_path: Path) -> None:
     """Rank 0 writes the file of every rank's chunk checksums at the commit; the next save's replaces it."""
-    results = run_world(2, replace_distributed, str(tmp_path / "c"), True, timeout=180)
+    results = run_world(2, replace_distributed, str(tmp_path / "c"), True)
     assert results[0] == results[1]
     got = results[0]
     assert got["first"] == ["arrays/big", "checksums/crc32c", "packed/0", "packed/1"]

@@ -220,7 +220,7 @@ def test_dtensors_on_sub_meshes_hold_nothing_off_their_mesh(tmp_path: Path) -> N
 
 
 def test_an_explicit_process_group_of_some_ranks_saves_and_loads_alone(tmp_path: Path) -> None:
-    results = run_world(4, w.subset_groups, str(tmp_path), timeout=120)
+    results = run_world(4, w.subset_groups, str(tmp_path))
     assert [r["stage"] for r in results] == [0, 0, 1, 1]
     every = {"save": True, "async": True, "manager": True}
     assert [r["first"] for r in results] == [every, every, {}, {}]  # stage 0 alone
@@ -234,7 +234,7 @@ def test_an_explicit_process_group_of_some_ranks_saves_and_loads_alone(tmp_path:
 
 def test_sharded_leaves_placed_on_some_ranks_save_and_load_there(tmp_path: Path) -> None:
     """A pipeline stage's ShardedLeaf on its stage's ranks (a placement), at 4 gloo ranks."""
-    results = run_world(4, w.placed_stages, str(tmp_path / "c"), timeout=120)
+    results = run_world(4, w.placed_stages, str(tmp_path / "c"))
     assert [r["stage"] for r in results] == [0, 0, 1, 1]
     assert all(r["ok"] == {0: True, 1: True} for r in results)
     back = pytreeckpt.load(tmp_path / "c")
@@ -248,7 +248,7 @@ def test_one_ranks_error_is_raised_by_every_rank_and_the_groups_stay_usable(tmp_
     # A rank that failed alone used to leave the others in the next collective until gloo's
     # timeout; a hang shows here as the run_world timeout.
     world = 2
-    results = run_world(world, w.one_rank_fails, str(tmp_path), timeout=60)
+    results = run_world(world, w.one_rank_fails, str(tmp_path))
     cases = {(c["case"], c["bad"]) for c in results[0]}
     assert len(cases) == 2 * 8 + 1
     for i, case in enumerate(results[0]):
@@ -277,7 +277,7 @@ def test_the_checkpoint_groups_gather_objects_of_any_size_agree_on_failure_and_o
     # agree is one all-reduce when all succeeded, and gathers and broadcasts the failures only when not: every
     # rank raises the same error, whichever rank failed, and a success between failures stays silent.
     world = 3
-    results = run_world(world, w.comm_gather_and_agree, timeout=120)
+    results = run_world(world, w.comm_gather_and_agree)
     expected = [[None] * world, [b""] * world, ["x" * r for r in range(world)]]
     expected.append([{"rank": r, "big": bytes(range(256)) * (4096 * r)} for r in range(world)])
     assert results[0]["gathered"] == expected

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from helpers import HANG
+
 EXAMPLES = Path(__file__).parent.parent / "examples"
 
 
@@ -15,7 +17,7 @@ def test_the_quickstart_saves_async_saves_reshards_and_resumes_bit_identically(t
         [sys.executable, str(EXAMPLES / "quickstart.py"), "--dir", str(tmp_path)],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=HANG,
         env={**os.environ, "PYTHONFAULTHANDLER": "1"},  # a crash prints every thread's stack to stderr
     )
     said = f"--- stdout ---\n{done.stdout}\n--- stderr ---\n{done.stderr}"

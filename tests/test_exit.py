@@ -17,6 +17,7 @@ from typing import Any
 import exit_workers as w
 import pytest
 import torch
+from helpers import HANG
 from multiproc import run_torchrun
 
 import pytreeckpt
@@ -31,9 +32,9 @@ def _at_exit(output: str) -> dict[str, Any]:
     return dict(json.loads(lines[0].removeprefix("AT EXIT ")))
 
 
-def _assert_committed_whole(path: Path, seed: int, big: bool = False) -> None:
+def _assert_committed_whole(path: Path, seed: int) -> None:
     got = pytreeckpt.load(path)
-    want = w.state(seed, big)
+    want = w.state(seed)
     assert got["step"] == want["step"]
     for key in ("big", "z"):
         assert torch.equal(got[key], want[key]), key
@@ -48,7 +49,7 @@ def test_a_program_ending_with_a_save_in_flight_finishes_it_or_commits_nothing_a
         [sys.executable, str(WORKERS), "fork", str(tmp_path), str(ROUNDS)],
         capture_output=True,
         text=True,
-        timeout=300,  # about 10 s of CPU: the children share one import of torch
+        timeout=HANG,  # about 10 s of CPU: the children share one import of torch
     )
     assert done.returncode == 0, done.stderr
     children = json.loads(done.stdout)
@@ -67,19 +68,18 @@ def test_a_program_ending_with_a_save_in_flight_finishes_it_or_commits_nothing_a
             assert "Traceback" not in output, where
         elif way != "exit_timeout=0":  # the save finished before the interpreter finalised
             _assert_committed_whole(path, child["seed"])
-        elif "cancelled, nothing is committed" in output:  # 32 fsynced chunk files are not written in a moment
+        else:  # its chunk files are written only once the exit hook has given up on it (exit_workers)
+            assert "cancelled, nothing is committed" in output, where
             cancelled += 1
             with pytest.raises(pytreeckpt.NotCommittedError):
                 pytreeckpt.metadata(path)
-        else:  # it won the race with the exit hook: then it is whole
-            _assert_committed_whole(path, child["seed"], big=True)
-    assert cancelled > 0  # the cancellation was exercised
+    assert cancelled == ROUNDS  # the cancellation was exercised
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning", "ignore::DeprecationWarning")
 @pytest.mark.parametrize("way", ["wait-destroy", "in-flight"])
 def test_ranks_ending_after_a_distributed_save_leave_no_checkpoint_group_behind(tmp_path: Path, way: str) -> None:
-    outputs = run_torchrun(WORKERS, 2, "rank", str(tmp_path), way, logs=tmp_path / "logs", timeout=240)
+    outputs = run_torchrun(WORKERS, 2, "rank", str(tmp_path), way, logs=tmp_path / "logs")
     for r, out in enumerate(outputs):
         left = _at_exit(out)
         assert not [t for t in left["python"] if t.startswith("pytreeckpt")], (r, out)

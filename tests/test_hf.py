@@ -18,6 +18,7 @@ import hf_workers as w
 import pytest
 import seaweed
 import torch
+from helpers import HANG
 from multiproc import run_world
 from safetensors.torch import load_file, save_file
 
@@ -137,7 +138,7 @@ def test_the_command_line_exports_a_part_renamed_in_a_dtype(tmp_path: Path) -> N
     pytreeckpt.save(tmp_path / "ckpt", {"model": {"w": torch.ones(4, 4), "b": torch.ones(4)}, "optim": torch.ones(2)})
     args = ["--include", "model.*", "--rename-prefix", "model.=net.", "--rename", "model.b=bias", "--dtype", "bfloat16"]
     cmd = [sys.executable, "-m", "pytreeckpt", "export", str(tmp_path / "ckpt"), str(tmp_path / "hf"), *args]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=HANG)
     assert done.returncode == 0, done.stderr
     got = load_file(tmp_path / "hf" / "model.safetensors")
     assert sorted(got) == ["bias", "net.w"]

@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 import tensorstore as ts
 import torch
-from helpers import document, packed_in, swap_zip_entries, unpacked
+from helpers import HANG, document, packed_in, swap_zip_entries, unpacked
 
 import pytreeckpt
 from pytreeckpt import ChunkingOptions, Location, StorageOptions
@@ -297,7 +297,7 @@ def test_symbolic_link_loops_are_checkpoint_errors(tmp_path: Path, where: str) -
     assert not pytreeckpt.verify(path).ok
 
 
-def _run(code: str, timeout: float = 60, **env: str) -> subprocess.CompletedProcess[str]:
+def _run(code: str, timeout: float = HANG, **env: str) -> subprocess.CompletedProcess[str]:
     """``code`` in a fresh interpreter (a hang is a failure, not a stuck test run)."""
     script = "import pytreeckpt, torch, json, sys\n" + textwrap.dedent(code)
     environ = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", **env}
@@ -948,7 +948,7 @@ def test_a_save_over_a_document_that_is_a_fifo_does_not_wait_on_it(tmp_path: Pat
     _save(unpacked(path))
     (path / "pytreeckpt.json").unlink()
     os.mkfifo(path / "pytreeckpt.json")
-    done = _run(f"pytreeckpt.save({str(path)!r}, {{'w': torch.ones(3)}}, overwrite=True); print('saved')", timeout=30)
+    done = _run(f"pytreeckpt.save({str(path)!r}, {{'w': torch.ones(3)}}, overwrite=True); print('saved')")
     assert done.stdout.strip() == "saved", done.stderr
     assert torch.equal(pytreeckpt.load(path)["w"], torch.ones(3))
 
@@ -1096,7 +1096,7 @@ def _cli_run(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
     environ = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", **env}
     script = Path(sys.executable).parent / "pytreeckpt"
     cmd = [str(script)] if script.exists() else [sys.executable, "-m", "pytreeckpt"]
-    done = subprocess.run([*cmd, *args], capture_output=True, timeout=120, env=environ)
+    done = subprocess.run([*cmd, *args], capture_output=True, timeout=HANG, env=environ)
     out, err = (b.decode("utf-8", "backslashreplace") for b in (done.stdout, done.stderr))
     return subprocess.CompletedProcess(done.args, done.returncode, out, err)
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import HANG
 from torch import nn
 
 import pytreeckpt
@@ -36,7 +37,7 @@ def gate(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
     original = _pipeline.copy_into
 
     def gated(dst, src):  # type: ignore[no-untyped-def]
-        assert opened.wait(60)
+        assert opened.wait(HANG)
         original(dst, src)
 
     monkeypatch.setattr(_pipeline, "copy_into", gated)

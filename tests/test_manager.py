@@ -14,6 +14,7 @@ import dist_workers as w
 import numpy as np
 import pytest
 import torch
+from helpers import HANG, killed_after_step
 from multiproc import run_world
 
 import pytreeckpt
@@ -94,14 +95,14 @@ def run_without_write_access(directory: Path, code: str) -> subprocess.Completed
         try:
             ro = subprocess.run(["mount", "-o", "remount,ro,bind", str(view)], capture_output=True, text=True)
             assert ro.returncode == 0, ro.stderr
-            return subprocess.run([*run, str(view)], capture_output=True, text=True, env=env, timeout=300)
+            return subprocess.run([*run, str(view)], capture_output=True, text=True, env=env, timeout=HANG)
         finally:
             subprocess.run(["umount", str(view)], check=True)
     if os.geteuid() != 0:
         for d, _, files in os.walk(directory):
             for name in [d, *(os.path.join(d, f) for f in files)]:
                 os.chmod(name, os.stat(name).st_mode & ~0o222)
-        return subprocess.run([*run, str(directory)], capture_output=True, text=True, env=env, timeout=300)
+        return subprocess.run([*run, str(directory)], capture_output=True, text=True, env=env, timeout=HANG)
     nobody = pwd.getpwnam("nobody")
 
     def as_nobody(*args: str) -> subprocess.CompletedProcess[str]:
@@ -110,7 +111,7 @@ def run_without_write_access(directory: Path, code: str) -> subprocess.Completed
             capture_output=True,
             text=True,
             env={**env, "HOME": "/"},
-            timeout=300,
+            timeout=HANG,
             preexec_fn=lambda: (os.setgid(nobody.pw_gid), os.setuid(nobody.pw_uid)),
         )
 
@@ -173,7 +174,6 @@ def test_two_ranks_agree_on_steps(tmp_path: Path) -> None:
 
 def test_the_manager_example_killed_and_resumed_gives_identical_losses(tmp_path: Path) -> None:
     import re
-    import signal
     import subprocess
     import sys
 
@@ -183,20 +183,14 @@ def test_the_manager_example_killed_and_resumed_gives_identical_losses(tmp_path:
         return {int(m.group(1)): m.group(2) for m in re.finditer(r"step (\d+) loss (\S+)", text)}
 
     base = [sys.executable, str(example), "--steps", "30", "--every", "5"]
-    reference = subprocess.run([*base, "--dir", str(tmp_path / "ref")], capture_output=True, text=True, timeout=300)
+    reference = subprocess.run([*base, "--dir", str(tmp_path / "ref")], capture_output=True, text=True, timeout=HANG)
     assert reference.returncode == 0, reference.stderr
     want = losses(reference.stdout)
     assert sorted(want) == list(range(1, 31))
 
     run = tmp_path / "run"
-    with subprocess.Popen([*base, "--dir", str(run)], stdout=subprocess.PIPE, text=True) as proc:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            if line.startswith("step 18 "):
-                proc.send_signal(signal.SIGKILL)  # killed mid-run, between checkpoints
-                break
-        proc.wait(60)
-    resumed = subprocess.run([*base, "--dir", str(run)], capture_output=True, text=True, timeout=300)
+    killed_after_step([*base, "--dir", str(run)], 18)  # killed mid-run, between checkpoints
+    resumed = subprocess.run([*base, "--dir", str(run)], capture_output=True, text=True, timeout=HANG)
     assert resumed.returncode == 0, resumed.stderr
     restart = int(re.search(r"resumed from step (\d+)", resumed.stdout).group(1))  # type: ignore[union-attr]
     assert restart in (10, 15)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import math
 import threading
-import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -13,6 +12,7 @@ from typing import Any
 import manager_workers as mw
 import pytest
 import torch
+from helpers import HANG
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from multiproc import run_world
@@ -116,24 +116,24 @@ def test_old_steps_are_deleted_on_the_deleter_thread_and_wait_waits_for_them(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     threads: list[str] = []
+    opened: list[bool] = []  # for each deletion: whether the saves had ended when it was let go
+    saved = threading.Event()
     remove_tree = _manager.remove_tree
 
-    def slow_remove(path: Path) -> None:
+    def held_remove(path: Path) -> None:  # each deletion waits until the saves are over (a hang guard aside)
         threads.append(threading.current_thread().name)
-        time.sleep(0.3)
+        opened.append(saved.wait(HANG / 4))
         remove_tree(path)
 
-    monkeypatch.setattr(_manager, "remove_tree", slow_remove)
+    monkeypatch.setattr(_manager, "remove_tree", held_remove)
     with CheckpointManager(tmp_path, max_to_keep=1, async_=False) as m:
-        started = time.monotonic()
         for step in range(1, 5):
             m.save(step, state(step))
-        took = time.monotonic() - started
-        assert took < 0.9, took  # three deletions of 0.3 s each did not block the saves
         assert m.all_steps() == [4]  # steps being deleted are not listed
+        saved.set()  # the saves ended while no deletion could: they did not wait for one
         m.wait()
         assert sorted(p.name for p in tmp_path.iterdir()) == ["step_4"]
-    assert threads
+    assert opened == [True, True, True], opened  # (a save that waited for a deletion left it waiting in vain)
     assert all(t.startswith("pytreeckpt-deleter") for t in threads), threads
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import manager_workers as mw
 import pytest
 import torch
+from helpers import HANG
 from multiproc import run_world
 
 from pytreeckpt import CheckpointManager, TwoTierManager
@@ -76,7 +77,7 @@ def test_the_default_sigterm_action_does_not_kill_the_process_before_its_save(tm
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     done = subprocess.run(
-        [sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, env=env, timeout=120
+        [sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, env=env, timeout=HANG
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "stopped at 7 [7]"

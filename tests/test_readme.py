@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import seaweed
+from helpers import HANG
 
 README = Path(__file__).parent.parent / "README.md"
 
@@ -58,7 +59,7 @@ def test_a_readme_block_runs_as_written(line: int, code: str, tmp_path: Path, re
         assert f"s3://{seaweed.BUCKET}/" in code, f"README.md:{line}: the test server has the bucket {seaweed.BUCKET!r}"
         env.update(server.env())
     done = subprocess.run(
-        [sys.executable, "-W", "error", "-c", code], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, "-W", "error", "-c", code], cwd=cwd, env=env, capture_output=True, text=True, timeout=HANG
     )
     assert done.returncode == 0, f"README.md:{line} failed:\n{code}\n--- stderr ---\n{done.stderr[-4000:]}"
     assert not list(cwd.iterdir()), f"README.md:{line} wrote into the working directory: {sorted(cwd.iterdir())}"

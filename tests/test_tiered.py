@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import uuid
@@ -13,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import HANG, killed_after_step
 
 import pytreeckpt
 
@@ -53,16 +53,6 @@ def _losses(text: str) -> dict[int, str]:
     return {int(m.group(1)): m.group(2) for m in re.finditer(r"step (\d+) loss (\S+)", text)}
 
 
-def _killed_at(base: list[str], step: int) -> None:
-    with subprocess.Popen(base, stdout=subprocess.PIPE, text=True) as proc:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            if line.startswith(f"step {step} "):
-                proc.send_signal(signal.SIGKILL)  # the training process dies
-                break
-        proc.wait(60)
-
-
 COMMON = [sys.executable, str(EXAMPLE), "--steps", "24", "--every", "10", "--fast-every", "3"]
 
 
@@ -74,7 +64,7 @@ def uninterrupted_losses(tmp_path_factory: pytest.TempPathFactory) -> dict[int, 
     fast = fast / f"pytreeckpt-test-{uuid.uuid4().hex[:8]}-ref"
     try:
         reference = subprocess.run(
-            [*COMMON, "--dir", str(tmp / "ref"), "--fast-dir", str(fast)], capture_output=True, text=True, timeout=300
+            [*COMMON, "--dir", str(tmp / "ref"), "--fast-dir", str(fast)], capture_output=True, text=True, timeout=HANG
         )
     finally:
         shutil.rmtree(fast, ignore_errors=True)
@@ -88,10 +78,10 @@ def test_a_killed_run_resumes_from_the_fast_tier_or_from_the_durable_one(
 ) -> None:
     want = uninterrupted_losses
     base = [*COMMON, "--dir", str(tmp_path / "run"), "--fast-dir", str(shm)]
-    _killed_at(base, 17)
+    killed_after_step(base, 17)
     if lose_fast_tier:
         shutil.rmtree(shm)
-    resumed = subprocess.run(base, capture_output=True, text=True, timeout=300)
+    resumed = subprocess.run(base, capture_output=True, text=True, timeout=HANG)
     assert resumed.returncode == 0, resumed.stderr
     restart = int(re.search(r"resumed from step (\d+)", resumed.stdout).group(1))  # type: ignore[union-attr]
     if lose_fast_tier:

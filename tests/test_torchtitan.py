@@ -17,7 +17,7 @@ from multiproc import run_world
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
     base = tmp_path_factory.mktemp("torchtitan")
-    return base, run_world(4, w.save_and_resume, str(base), timeout=400)
+    return base, run_world(4, w.save_and_resume, str(base))
 
 
 def test_resumed_at_four_ranks_the_losses_are_those_of_the_uninterrupted_run(
@@ -34,7 +34,7 @@ def test_resumed_at_four_ranks_the_losses_are_those_of_the_uninterrupted_run(
 
 def test_resumed_at_two_ranks_it_loads_and_trains_on(saved: tuple[Path, list[dict[str, Any]]], tmp_path: Path) -> None:
     base, four = saved
-    results = run_world(2, w.resume_at_two, str(base), str(tmp_path), timeout=300)
+    results = run_world(2, w.resume_at_two, str(base), str(tmp_path))
     assert results[0]["hf"]
     for r in results:
         # the last step's model, saved in bfloat16, as an initial load: the model alone
