@@ -13,6 +13,7 @@ no key twice in one dict, no deque shorter than what it holds.
 from __future__ import annotations
 
 import collections
+import functools
 import keyword
 import sys
 import types
@@ -226,7 +227,7 @@ class Node:
                 name = (type_name or "Tuple").rsplit(".", 1)[-1].rsplit(":", 1)[-1]
                 if not name.isidentifier() or keyword.iskeyword(name):
                     name = "Tuple"
-                node.type = collections.namedtuple(name, fields, rename=True)  # type: ignore[misc]
+                node.type = _tuple_type(name, tuple(fields))
         elif kind == "dataclass":
             typ = resolve_class(type_name)
             fields = _field_names(entries, kind, path)
@@ -293,6 +294,13 @@ SAFE_FACTORIES: dict[str, Callable[[], Any]] = {
 
 _SEQUENCES = ("list", "tuple", "deque", "per_rank")  # (keys implied by the children's order)
 _KINDS = ("dict", "odict", "defaultdict", "list", "tuple", "deque", "namedtuple", "dataclass", "custom", "per_rank")
+
+
+@functools.lru_cache(maxsize=256)
+def _tuple_type(name: str, fields: tuple[str, ...]) -> type:
+    """A namedtuple type for a stored one that is not imported: one for each name and fields (a class takes
+    some KB: a tree of many such nodes makes one, not one a node)."""
+    return collections.namedtuple(name, fields, rename=True)  # type: ignore[misc]
 
 
 def _where(path: Sequence[KeyEntry]) -> str:

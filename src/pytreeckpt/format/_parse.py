@@ -28,6 +28,8 @@ from pytreeckpt.format._paths import (
     FORMAT_VERSION,
     MAX_METADATA_BYTES,
     MAX_PACKED_BYTES,
+    PARSE_BASE_BYTES,
+    PARSE_BYTES_PER_BYTE,
     check_relative_path,
 )
 from pytreeckpt.format._seal import DOCUMENT_CRC32C, SEAL_FORM, check_encoding, unseal_document
@@ -217,28 +219,24 @@ def parse_document(
 ) -> CheckpointDoc:
     """Validate and parse a metadata document; MetadataError names what is wrong.
 
-    A document over ``max_bytes`` is refused, and so is one whose parse could take more
-    than ``available`` bytes of memory (when given), before parsing begins.
+    A document over ``max_bytes`` is refused before parsing begins; so is one whose parse could
+    take more memory than ``PARSE_BYTES_PER_BYTE`` for each of its bytes and ``PARSE_BASE_BYTES``, or
+    than ``available`` bytes (when given): its JSON values are bounded before they are decoded
+    (:func:`parse_memory_bound`), its tree structure before it is rebuilt (:func:`tree_memory_bound`).
     """
     if len(raw) > max_bytes:
         raise MetadataError(
             f"the metadata document holds {len(raw)} bytes, more than the limit of {max_bytes} "
             f"(StorageOptions(max_metadata_bytes=...) raises it)"
         )
-    # (Counting the document's separators costs 0.1 s at 57 MB: only when even the coarsest
-    # bound, every byte a value, could exceed what is available.)
-    need = parse_memory_bound(raw) if available is not None and 84 * len(raw) + 80 > available else 0
-    if available is not None and need > available:
-        raise MetadataError(
-            f"parsing the metadata document ({len(raw)} bytes) could take up to {need} bytes of memory, "
-            f"more than the {available} bytes available"
-        )
+    memory = _Memory(raw, available)  # (MetadataError if its JSON values could take more than it may)
     check_encoding(raw)
     sealed = unseal_document(raw)  # (checked before it is parsed: a damaged document is said to be damaged)
     try:
-        return _parse_typed(raw, namespace, sealed)
+        return _parse_typed(raw, namespace, sealed, memory)
     except Exception:  # (what the typed parse refuses, the parse of the JSON below reads or refuses in its words)
-        pass
+        if memory.refused:  # (but for a bound passed, which it would pass too)
+            raise
     try:
         data = json.loads(raw, parse_constant=_reject_constant)
     except (ValueError, RecursionError) as e:
@@ -253,7 +251,47 @@ def parse_document(
     layouts: dict[str, Layout] = {}
     checksums = _parse_checksums(data.get("checksums"))
     leaves = tuple(_parse_leaf(leaf, i, layouts, checksums) for i, leaf in enumerate(leaves_json))
-    return _document_of(version, leaves, data.get("tree"), data.get("user_metadata", {}), checksums, namespace)
+    return _document_of(version, leaves, data.get("tree"), data.get("user_metadata", {}), checksums, namespace, memory)
+
+
+class _Memory:
+    """What a document's parse may take: ``PARSE_BYTES_PER_BYTE`` for each of its bytes and ``PARSE_BASE_BYTES``,
+    at most ``available``. Made, it has refused a document whose JSON values could take more (``values``: their
+    bound); :meth:`check_tree` refuses one whose tree structure, rebuilt, could take the rest. ``refused``: whether
+    it refused the document."""
+
+    def __init__(self, raw: bytes, available: int | None) -> None:
+        self.raw = raw
+        self.limit = PARSE_BYTES_PER_BYTE * len(raw) + PARSE_BASE_BYTES
+        self.within = (
+            f"a document of {len(raw)} bytes may take ({PARSE_BYTES_PER_BYTE} for each of its bytes and "
+            f"{PARSE_BASE_BYTES >> 20} MiB): it holds more JSON objects, arrays or tree nodes for its size than a "
+            f"save writes"
+        )
+        if available is not None and available < self.limit:
+            self.limit, self.within = available, "available"
+        self.refused = False
+        # (Counting the document's JSON values costs 2 ms a MB: only when even the coarsest
+        # bound, every byte an object, could pass the limit.)
+        coarse = _COARSE_BYTES_PER_BYTE * len(raw) + _FIXED_BYTES
+        self.counted = coarse > self.limit
+        self.values = parse_memory_bound(raw) if self.counted else coarse
+        self._check(self.values, "its JSON values, decoded")
+
+    def check_tree(self, tree: Any) -> None:
+        """MetadataError if its JSON values and the tree structure ``tree`` rebuilt could take more than it may."""
+        need = tree_memory_bound(tree)
+        if self.values + need > self.limit and not self.counted:
+            self.counted, self.values = True, parse_memory_bound(self.raw)
+        self._check(self.values + need, "its JSON values, and its tree structure rebuilt")
+
+    def _check(self, need: int, what: str) -> None:
+        if need > self.limit:
+            self.refused = True
+            raise MetadataError(
+                f"reading the metadata document ({len(self.raw)} bytes) could take up to {need} bytes of memory "
+                f"({what}), more than the {self.limit} bytes {self.within}"
+            )
 
 
 def _check_members(data: dict[str, Any], sealed: bool) -> None:
@@ -291,10 +329,12 @@ def _document_of(
     user: Any,
     checksums: ChecksumFile | None,
     namespace: str,
+    memory: _Memory,
 ) -> CheckpointDoc:
     paths = [leaf.path for leaf in leaves if isinstance(leaf, ArrayMeta)]
     if len({p.lower() for p in paths}) != len(paths):
         raise MetadataError("two array leaves share one stored array path")
+    memory.check_tree(tree_json)
     try:
         tree = Node.from_json(tree_json, len(leaves), namespace)
     except RecursionError:
@@ -379,7 +419,7 @@ def _json(raw: msgspec.Raw) -> Any:
     return json.loads(bytes(raw), parse_constant=_reject_constant)
 
 
-def _parse_typed(raw: bytes, namespace: str, sealed: bool) -> CheckpointDoc:
+def _parse_typed(raw: bytes, namespace: str, sealed: bool, memory: _Memory) -> CheckpointDoc:
     doc = _DECODER.decode(raw)
     if doc.document_crc32c != _ABSENT and not sealed:
         raise ValueError("document_crc32c not checked")  # (the parse of the JSON says what is wrong)
@@ -416,7 +456,7 @@ def _parse_typed(raw: bytes, namespace: str, sealed: bool) -> CheckpointDoc:
     # (the tree's JSON decoded by msgspec, a third of json.loads's work: what it refuses, a number
     # out of range or a lone surrogate, goes to the parse of the JSON, as any refusal here)
     tree = msgspec.json.decode(doc.tree)
-    return _document_of(version, tuple(leaves), tree, _json(doc.user_metadata), checksums, namespace)
+    return _document_of(version, tuple(leaves), tree, _json(doc.user_metadata), checksums, namespace, memory)
 
 
 def _parse_alike(leaf: _ArrayJSON, kind: _Kind, checksums: ChecksumFile | None) -> ArrayMeta | None:
@@ -460,20 +500,91 @@ def _meta_like(
     return m
 
 
+_STRUCTURE = b'{[,:"'
+_KEPT = bytes(c for c in range(128) if c not in _STRUCTURE)  # (deleted: what is neither structure nor beyond ASCII)
+_BELOW_UCS2 = bytes(range(0xC4))  # (deleted: what leaves the bytes that lead a character past U+00FF)
+_BELOW_UCS4 = bytes(range(0xF0))  # (... past U+FFFF)
+_OPEN_BYTES = 112  # an object or array: a dict or list, of one member or item (each further one counted with it)
+_ITEM_BYTES = 40  # an item or a member: its slot in its container, and a number (a string is counted by its quotes)
+_QUOTE_BYTES = 32  # half a string (each has two quotes) of ASCII or Latin-1 characters, beyond its characters
+_WIDE_BYTES = 16  # a byte of a character past U+007F (2 to 4 bytes): a string of them takes more, up to 4 a character
+_TEXT_BYTES = 2  # each byte of the document: itself, and a character of a string decoded from it
+_FIXED_BYTES = 1024
+_COARSE_BYTES_PER_BYTE = _OPEN_BYTES + _TEXT_BYTES + 4  # (every byte an object: no document takes more)
+
+
 def parse_memory_bound(raw: bytes) -> int:
-    """An upper bound on the memory ``json.loads`` takes for ``raw``.
+    """An upper bound on the memory that decoding ``raw``'s JSON takes, the document's own bytes included
+    (by ``json.loads``, or by msgspec as the typed parse does).
 
-    Every JSON value but the first follows a ``,``, ``:``, ``[`` or ``{`` (counted inside
-    strings too, so this overestimates), and no value takes more than about 80 bytes of
-    Python objects beyond its characters; the text itself is decoded once (up to 4 bytes
-    per character). Parsing a document of 10,000 leaves takes about 6 times its size
-    (bound: 13 times); one of empty objects, the worst, 25 times (bound: 57 times).
+    Its objects and arrays (each ``{`` or ``[``), members and items (each ``,`` or ``:``),
+    strings (each ``"``) and bytes beyond ASCII are counted, inside strings too (so this
+    overestimates); none takes more Python objects than a fixed number of bytes beyond its
+    characters (property_tests/test_parse_memory.py holds them to it). ``json.loads``
+    decodes the text whole first, in 1, 2 or 4 bytes a character as its widest needs. A
+    save's document of 4,548 array leaves takes about 4 times its size (bound: 14 times);
+    one of empty objects, the worst, 29 times (bound: 49 times).
 
-    >>> parse_memory_bound(b"[[], [], []]") > 4 * 80
+    >>> parse_memory_bound(b'{"a":[[],[]]}') == 4 * 112 + 2 * 40 + 2 * 32 + (2 + 1) * 13 + 1024
     True
     """
-    values = 1 + sum(raw.count(c) for c in (b",", b":", b"[", b"{"))
-    return 80 * values + 4 * len(raw)
+    found = raw.translate(None, _KEPT)
+    opens = found.count(b"{") + found.count(b"[")
+    items = found.count(b",") + found.count(b":")
+    quotes = found.count(b'"')
+    wide = len(found) - opens - items - quotes
+    decoded = 1  # (bytes a character of the document decoded whole: 1 for ASCII and Latin-1)
+    if wide and found.translate(None, _BELOW_UCS4):
+        decoded = 4
+    elif wide and found.translate(None, _BELOW_UCS2):
+        decoded = 2
+    return (
+        _OPEN_BYTES * opens
+        + _ITEM_BYTES * items
+        + _QUOTE_BYTES * quotes
+        + _WIDE_BYTES * wide
+        + (_TEXT_BYTES + decoded) * len(raw)
+        + _FIXED_BYTES
+    )
+
+
+_NODE_BYTES = 288  # a tree node: its Node, its lists of entries and children, the container a rebuild makes
+_CHILD_BYTES = 240  # a child: its key entry, its slots, its Node if a leaf
+_KEY_BYTES = 112  # a key of a node that has keys: its entry, its slot in the rebuilt container
+_KIND_BYTES = {"odict": 64, "defaultdict": 128, "custom": 128, "per_rank": 192, "deque": 896}  # (a deque's block)
+_CLASS_BYTES = 6144  # a namedtuple type made for one that is not imported (one for each name and fields)
+_FIELD_BYTES = 512  # each of its fields
+
+
+def tree_memory_bound(tree: Any) -> int:
+    """An upper bound on the memory that rebuilding the tree structure ``tree`` (its JSON, decoded) takes
+    beyond its JSON: its :class:`Node` objects, and the containers :func:`metadata` rebuilds from them.
+
+    >>> tree_memory_bound({"k": "list", "c": [0, 1, {"k": "deque", "c": []}]})
+    2192
+    """
+    need = 0
+    classes: set[tuple[Any, tuple[Any, ...]]] = set()
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        if type(node) is not dict:
+            continue
+        kind = node.get("k")
+        kids = node.get("c")
+        need += _NODE_BYTES + (_KIND_BYTES.get(kind, 0) if type(kind) is str else 0)
+        if type(kids) is list:
+            need += _CHILD_BYTES * len(kids)
+            todo.extend(c for c in kids if type(c) is dict)
+        keys = node.get("keys")
+        if type(keys) is list:
+            need += _KEY_BYTES * len(keys)
+        if kind == "namedtuple" and type(keys) is list and all(type(k) is str for k in keys):
+            made = (node.get("type"), tuple(keys))
+            if type(made[0]) in (str, type(None)) and made not in classes:
+                classes.add(made)
+                need += _CLASS_BYTES + _FIELD_BYTES * len(keys)
+    return need
 
 
 def _not_every_leaf_once(ids: list[int], leaves: Sequence[ArrayMeta | ValueMeta]) -> MetadataError:

@@ -45,6 +45,13 @@ STORED_DIRS = (ARRAYS_DIR, PACKED_DIR, ARCHIVE_DIR, CHECKSUMS_DIR)
 CONTAINERS = ("torch", "numpy")
 MAX_METADATA_BYTES = 256 << 20
 """The default cap on the metadata document's size (``StorageOptions.max_metadata_bytes``)."""
+PARSE_BYTES_PER_BYTE = 32
+PARSE_BASE_BYTES = 64 << 20
+"""The most memory reading a metadata document may take: ``PARSE_BYTES_PER_BYTE`` for each of its bytes and
+``PARSE_BASE_BYTES``, bounded before the memory is taken (``format._parse``: its JSON values by counting them, its tree
+nodes by a walk). What a save writes stays far within: a document of many array leaves takes 4 to 10 bytes a byte
+(bound: 13 to 22), one of many Python values in small containers up to 20 (bound: 34, so past some 40 MB it is
+refused). A document of empty objects, legal JSON, would take 29 (bound: 49: refused past 4 MB)."""
 MAX_PACKED_BYTES = 64 << 20
 """A packed array is small: a document claiming a bigger one is refused before any allocation."""
 MAX_NDIM = 32
