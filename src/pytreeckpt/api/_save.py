@@ -120,31 +120,22 @@ def save(
     >>> pytreeckpt.load(d + "/ckpt")["step"]
     7
     """
-    check_args(
+    request = _request(
         "save",
-        overwrite=overwrite,
-        chunking=chunking,
-        executor=executor,
-        namespace=namespace,
-        monitor=monitor,
-        chunk_hashes=chunk_hashes,
-    )
-    wait_in_flight()
-    comm = distributed_comm(process_group)
-    request = SaveRequest(
         path,
         tree,
         spec,
         overwrite,
         user_metadata,
         chunking,
-        executor if comm is None else per_rank(executor),
+        executor,
         namespace,
-        comm,
+        process_group,
+        monitor,
         compression,
         base,
         chunk_hashes,
-        _check_replicas(check_replicas),
+        check_replicas,
     )
     with gc_paused():  # the caller waits for the whole save
         job = prepare(request)
@@ -210,8 +201,49 @@ def async_save(
     """
     if snapshot not in ("eager", "lazy"):
         raise ValueError(f"snapshot must be 'eager' or 'lazy', found {snapshot!r}")
-    check_args(
+    request = _request(
         "async_save",
+        path,
+        tree,
+        spec,
+        overwrite,
+        user_metadata,
+        chunking,
+        executor,
+        namespace,
+        process_group,
+        monitor,
+        compression,
+        base,
+        chunk_hashes,
+        check_replicas,
+    )
+    with gc_paused():  # planning, in the caller's thread (the writes run with the collector as the caller left it)
+        job = prepare(request)
+    return start(job, path, monitor, lazy=snapshot == "lazy")
+
+
+def _request(
+    entry: str,
+    path: PathLike,
+    tree: Any,
+    spec: Any,
+    overwrite: bool,
+    user_metadata: Mapping[str, Any] | None,
+    chunking: ChunkingOptions | None,
+    executor: ExecutorOptions | None,
+    namespace: str,
+    process_group: Any,
+    monitor: Monitor | None,
+    compression: Any,
+    base: PathLike | None,
+    chunk_hashes: bool,
+    check_replicas: str,
+) -> SaveRequest:
+    """What ``save`` and ``async_save`` (``entry``) were asked, checked before any I/O, once a save in flight has
+    finished (it may be running collectives on the checkpoint groups)."""
+    check_args(
+        entry,
         overwrite=overwrite,
         chunking=chunking,
         executor=executor,
@@ -221,7 +253,7 @@ def async_save(
     )
     wait_in_flight()
     comm = distributed_comm(process_group)
-    request = SaveRequest(
+    return SaveRequest(
         path,
         tree,
         spec,
@@ -236,9 +268,6 @@ def async_save(
         chunk_hashes,
         _check_replicas(check_replicas),
     )
-    with gc_paused():  # planning, in the caller's thread (the writes run with the collector as the caller left it)
-        job = prepare(request)
-    return start(job, path, monitor, lazy=snapshot == "lazy")
 
 
 def _check_replicas(check: str) -> str:
