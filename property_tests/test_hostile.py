@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _json_paths import json_paths
 from hypothesis import assume, example, given
 from hypothesis import strategies as st
 
@@ -49,18 +50,7 @@ _TENSORS = sorted(
 )
 
 
-def _paths(doc: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
-    out = [prefix]
-    if isinstance(doc, dict):
-        for k, v in doc.items():
-            out += _paths(v, (*prefix, k))
-    elif isinstance(doc, list):
-        for i, v in enumerate(doc):
-            out += _paths(v, (*prefix, i))
-    return out
-
-
-_DOC_PATHS = _paths(_DOC)[1:]
+_DOC_PATHS = json_paths(_DOC)[1:]
 
 _REPLACEMENTS = st.one_of(
     st.none(),
@@ -262,7 +252,7 @@ pytreeckpt.save(
 )
 _TREE_DOC = json.loads((_TREE_ROOT / "pytreeckpt.json").read_text())
 _TREE_DOC.pop("document_crc32c", None)  # (rewritten below: a document without its checksum, as older saves wrote)
-_TREE_PATHS = [("tree", *p) for p in _paths(_TREE_DOC["tree"])]
+_TREE_PATHS = [("tree", *p) for p in json_paths(_TREE_DOC["tree"])]
 
 _TREE_VALUES = st.one_of(
     _REPLACEMENTS,

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from _json_paths import json_paths
 from hypothesis import event, example, given
 from hypothesis import strategies as st
 from safetensors.torch import save_file
@@ -181,18 +182,7 @@ _HEADER = json.loads(_RAW[8 : 8 + _HEADER_LENGTH])
 _DATA = _RAW[8 + _HEADER_LENGTH :]
 
 
-def _paths(doc: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
-    out = [prefix]
-    if isinstance(doc, dict):
-        for k, v in doc.items():
-            out += _paths(v, (*prefix, k))
-    elif isinstance(doc, list):
-        for i, v in enumerate(doc):
-            out += _paths(v, (*prefix, i))
-    return out
-
-
-_HEADER_PATHS = _paths(_HEADER)[1:]
+_HEADER_PATHS = json_paths(_HEADER)[1:]
 _JSON_VALUES = st.one_of(
     st.none(),
     st.booleans(),
