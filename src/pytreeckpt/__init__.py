@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from pytreeckpt.api._load import plan_load_of as plan_load
     from pytreeckpt.api._save import plan_save_of as plan_save
     from pytreeckpt.core._errors import CheckpointError as CheckpointError
+    from pytreeckpt.core._errors import CheckpointTimeoutError as CheckpointTimeoutError
     from pytreeckpt.core._errors import LayoutError as LayoutError
     from pytreeckpt.core._errors import MetadataError as MetadataError
     from pytreeckpt.core._errors import NotCommittedError as NotCommittedError
@@ -54,6 +55,7 @@ if TYPE_CHECKING:
     from pytreeckpt.core._sharding import Shard as Shard
     from pytreeckpt.core._sharding import ShardingSpec as ShardingSpec
     from pytreeckpt.core._sharding import StridedShard as StridedShard
+    from pytreeckpt.core._timeout import set_default_timeout as set_default_timeout
     from pytreeckpt.distributed._dtensor import placements_from_spec as placements_from_spec
     from pytreeckpt.distributed._dtensor import spec_from_dtensor as spec_from_dtensor
     from pytreeckpt.execute._monitor import Monitor as Monitor
@@ -93,6 +95,8 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "plan_load": ("pytreeckpt.api._load", "plan_load_of"),
     "plan_save": ("pytreeckpt.api._save", "plan_save_of"),
     "CheckpointError": ("pytreeckpt.core._errors", "CheckpointError"),
+    "CheckpointTimeoutError": ("pytreeckpt.core._errors", "CheckpointTimeoutError"),
+    "set_default_timeout": ("pytreeckpt.core._timeout", "set_default_timeout"),
     "LayoutError": ("pytreeckpt.core._errors", "LayoutError"),
     "MetadataError": ("pytreeckpt.core._errors", "MetadataError"),
     "NotCommittedError": ("pytreeckpt.core._errors", "NotCommittedError"),
@@ -176,6 +180,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointManager",
     "CheckpointMetadata",
+    "CheckpointTimeoutError",
     "ChunkingOptions",
     "Compression",
     "ExecutorOptions",
@@ -219,6 +224,7 @@ __all__ = [
     "plan_load",
     "plan_save",
     "save",
+    "set_default_timeout",
     "spec_from_dtensor",
     "verify",
 ]

@@ -10,6 +10,7 @@ import torch
 
 from pytreeckpt.core._errors import CheckpointError, TargetMismatchError, where
 from pytreeckpt.core._region import Region
+from pytreeckpt.core._timeout import call_timeout
 from pytreeckpt.distributed._comm import distributed_comm
 from pytreeckpt.execute._calls import gc_paused, wait_in_flight
 from pytreeckpt.execute._monitor import Monitor
@@ -64,6 +65,7 @@ def load(
     cast: bool = False,
     strict: bool = True,
     report: LoadReport | None = None,
+    timeout: float | None = None,
 ) -> Any:
     """Load a checkpoint, functionally: return a new tree (or, with ``inplace``, fill the target's tensors).
 
@@ -136,6 +138,10 @@ def load(
         world sizes; ``"keep"`` keeps the target's own leaves there (as they were; they
         need a target); ``"all"`` gives every rank a :class:`PerRank`, every saved
         rank's subtree by rank, in place of the target's subtree (at any world size).
+      timeout: seconds any one wait of this load may last (for another rank, a transfer,
+        an object store's request); None: the process-wide default, as for :func:`save`.
+        Past it every rank still alive raises a :class:`CheckpointTimeoutError` naming
+        the phase and the ranks that did not come.
 
     Raises:
       NotCommittedError: ``path`` holds no committed checkpoint.
@@ -167,25 +173,26 @@ def load(
         raise CheckpointError("load(..., inplace=True) fills the tensors of a target: pass target, and no include")
     if target is None and (cast or not strict):
         raise CheckpointError("load(..., cast=True) and load(..., strict=False) match a target: pass target")
-    check_policy(per_rank)
-    wait_in_flight()
-    comm = distributed_comm(process_group)
-    request = LoadRequest(
-        path, target, namespace, executor, include, comm, inplace, False, cast, strict, report, per_rank
-    )
-    spans = Monitor()
-    with gc_paused():
-        try:
-            if comm is not None:
-                return load_once(request, spans)
-            return again_if_replaced(path, executor, "loaded", lambda seen: load_once(request, spans, seen))
-        except BaseException as e:
-            if inplace and not isinstance(e, TargetMismatchError):  # (a mismatch is found before any read)
-                e.add_note("load(..., inplace=True) failed: the target's tensors may hold part of the checkpoint")
-            raise
-        finally:
-            if monitor is not None:
-                monitor.extend(spans.spans)
+    with call_timeout(timeout):
+        check_policy(per_rank)
+        wait_in_flight()
+        comm = distributed_comm(process_group)
+        request = LoadRequest(
+            path, target, namespace, executor, include, comm, inplace, False, cast, strict, report, per_rank
+        )
+        spans = Monitor()
+        with gc_paused():
+            try:
+                if comm is not None:
+                    return load_once(request, spans)
+                return again_if_replaced(path, executor, "loaded", lambda seen: load_once(request, spans, seen))
+            except BaseException as e:
+                if inplace and not isinstance(e, TargetMismatchError):  # (a mismatch is found before any read)
+                    e.add_note("load(..., inplace=True) failed: the target's tensors may hold part of the checkpoint")
+                raise
+            finally:
+                if monitor is not None:
+                    monitor.extend(spans.spans)
 
 
 def plan_load_of(

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from pytreeckpt.core._timeout import call_timeout
 from pytreeckpt.distributed._agree import Carried
 from pytreeckpt.distributed._comm import distributed_comm
 from pytreeckpt.execute._calls import gc_paused, wait_in_flight
@@ -48,6 +49,7 @@ def save(
     base: PathLike | None = None,
     chunk_hashes: bool = False,
     check_replicas: str = "small",
+    timeout: float | None = None,
 ) -> None:
     """Save a pytree as a checkpoint at ``path``, returning once it is committed.
 
@@ -105,6 +107,12 @@ def save(
         (a crc32c of 1 GiB of DDP weights on every rank made their save 1.19-1.22x as long). Copies
         that differ are refused, naming the leaf: mark state each rank holds for itself
         ``PER_RANK`` in ``spec``.
+      timeout: seconds any one wait of this save may last: for another rank at a meeting
+        (planning, writing, commit) or a transfer, or for an object store's request.
+        None: the process-wide default (:func:`set_default_timeout`, else
+        ``PYTREECKPT_TIMEOUT``, else 600). Past it every rank still alive raises a
+        :class:`CheckpointTimeoutError` naming the phase and the ranks that did not
+        come; nothing is committed.
 
     Raises:
       CheckpointError: naming the leaf, for anything that cannot be saved (meta, sparse,
@@ -120,36 +128,37 @@ def save(
     >>> pytreeckpt.load(d + "/ckpt")["step"]
     7
     """
-    request = _request(
-        "save",
-        path,
-        tree,
-        spec,
-        overwrite,
-        user_metadata,
-        chunking,
-        executor,
-        namespace,
-        process_group,
-        monitor,
-        compression,
-        base,
-        chunk_hashes,
-        check_replicas,
-    )
-    with gc_paused():  # the caller waits for the whole save
-        job = prepare(request)
-        # The caller is blocked until the commit, so the state cannot change under the
-        # writes: they read straight from the caller's memory, without a snapshot.
-        try:
-            job.ready()
-            job.persist()
-        finally:
-            if monitor is not None:
-                monitor.extend(job.monitor.spans)
-            # Its objects go now, while the collector is paused: alive when it resumes, they would be
-            # traversed by its first pass (15 ms for 10,000 leaves) though nothing holds them after this.
-            del job
+    with call_timeout(timeout):
+        request = _request(
+            "save",
+            path,
+            tree,
+            spec,
+            overwrite,
+            user_metadata,
+            chunking,
+            executor,
+            namespace,
+            process_group,
+            monitor,
+            compression,
+            base,
+            chunk_hashes,
+            check_replicas,
+        )
+        with gc_paused():  # the caller waits for the whole save
+            job = prepare(request)
+            # The caller is blocked until the commit, so the state cannot change under the
+            # writes: they read straight from the caller's memory, without a snapshot.
+            try:
+                job.ready()
+                job.persist()
+            finally:
+                if monitor is not None:
+                    monitor.extend(job.monitor.spans)
+                # Its objects go now, while the collector is paused: alive when it resumes, they would be
+                # traversed by its first pass (15 ms for 10,000 leaves) though nothing holds them after this.
+                del job
 
 
 def async_save(
@@ -169,6 +178,7 @@ def async_save(
     base: PathLike | None = None,
     chunk_hashes: bool = False,
     check_replicas: str = "small",
+    timeout: float | None = None,
 ) -> SaveHandle:
     """Like :func:`save`, but returns once the state is copied; writing and commit run behind.
 
@@ -201,26 +211,27 @@ def async_save(
     """
     if snapshot not in ("eager", "lazy"):
         raise ValueError(f"snapshot must be 'eager' or 'lazy', found {snapshot!r}")
-    request = _request(
-        "async_save",
-        path,
-        tree,
-        spec,
-        overwrite,
-        user_metadata,
-        chunking,
-        executor,
-        namespace,
-        process_group,
-        monitor,
-        compression,
-        base,
-        chunk_hashes,
-        check_replicas,
-    )
-    with gc_paused():  # planning, in the caller's thread (the writes run with the collector as the caller left it)
-        job = prepare(request)
-    return start(job, path, monitor, lazy=snapshot == "lazy")
+    with call_timeout(timeout):
+        request = _request(
+            "async_save",
+            path,
+            tree,
+            spec,
+            overwrite,
+            user_metadata,
+            chunking,
+            executor,
+            namespace,
+            process_group,
+            monitor,
+            compression,
+            base,
+            chunk_hashes,
+            check_replicas,
+        )
+        with gc_paused():  # planning, in the caller's thread (the writes run with the collector as the caller left it)
+            job = prepare(request)
+        return start(job, path, monitor, lazy=snapshot == "lazy")
 
 
 def _request(

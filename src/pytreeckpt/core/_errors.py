@@ -4,6 +4,7 @@ from __future__ import annotations
 
 __all__ = [
     "CheckpointError",
+    "CheckpointTimeoutError",
     "LayoutError",
     "MetadataError",
     "NotCommittedError",
@@ -14,6 +15,29 @@ __all__ = [
 
 class CheckpointError(Exception):
     """Base class of every error pytreeckpt raises about a checkpoint or its inputs."""
+
+
+class CheckpointTimeoutError(CheckpointError):
+    """A wait of a checkpoint call passed its deadline: a rank did not come, or a store did not answer.
+
+    ``phase`` names what was waited for (``"writing the checkpoint"``, ``"the restore vote"``,
+    a store request ...), ``ranks`` the ranks of the checkpoint group that did not arrive
+    (empty when it was a store), ``timeout`` the deadline in seconds. Every rank still alive
+    raises it at the same phase; nothing of the call is committed.
+    """
+
+    def __init__(self, message: str, *, phase: str = "", ranks: tuple[int, ...] = (), timeout: float = 0.0) -> None:
+        super().__init__(message)
+        self.phase = phase
+        self.ranks = tuple(ranks)
+        self.timeout = timeout
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_timeout_error, (str(self), self.phase, self.ranks, self.timeout))
+
+
+def _timeout_error(message: str, phase: str, ranks: tuple[int, ...], timeout: float) -> CheckpointTimeoutError:
+    return CheckpointTimeoutError(message, phase=phase, ranks=ranks, timeout=timeout)
 
 
 class NotCommittedError(CheckpointError):

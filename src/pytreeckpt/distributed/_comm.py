@@ -10,17 +10,29 @@ and forwards replicated reads to the other ranks that want them, point to point.
 from __future__ import annotations
 
 import hashlib
+import threading
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Protocol, runtime_checkable
+from datetime import timedelta
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from pytreeckpt.core._errors import CheckpointError, LayoutError, MetadataError, NotCommittedError, TargetMismatchError
+from pytreeckpt.core._errors import (
+    CheckpointError,
+    CheckpointTimeoutError,
+    LayoutError,
+    MetadataError,
+    NotCommittedError,
+    TargetMismatchError,
+)
 from pytreeckpt.core._region import Region
+from pytreeckpt.core._timeout import current_timeout
 from pytreeckpt.distributed._groups import checkpoint_group, group_ranks
+from pytreeckpt.distributed._meet import meetings_of, ranks_text
 from pytreeckpt.execute._executor import PieceData, WriteItem
+from pytreeckpt.execute._monitor import Monitor, Span
 from pytreeckpt.plan import ArrayLoadPlan, ArraySavePlan, ReadOp
 
 __all__ = [
@@ -31,7 +43,36 @@ __all__ = [
     "describe_failure",
     "distributed_comm",
     "failure",
+    "wait_work",
 ]
+
+_T = TypeVar("_T")
+
+# The deadline of a meeting of a call one of whose waits timed out already: it is given up at once (every rank
+# there raises), instead of each failure costing the ranks that came another whole timeout.
+_GIVE_UP_AT_ONCE = 0.001
+
+
+def wait_work(work: Any, timeout: float, what: str, peer: int) -> None:
+    """Wait for a gloo point-to-point ``work`` with rank ``peer``, at most ``timeout`` seconds.
+
+    Raises:
+      CheckpointTimeoutError: it did not complete in time.
+      CheckpointError: the transfer failed (the peer's connection closed: it died).
+    """
+    try:
+        work.wait(timedelta(seconds=timeout))
+    except RuntimeError as e:
+        if "Timed out" in str(e) or "timed out" in str(e):
+            raise CheckpointTimeoutError(
+                f"{what}: timed out after {timeout:g} s (rank {peer} is stopped, dead or slower than the timeout): "
+                f"{e}; the checkpoint group's transfers cannot be trusted any more: end the job and restart it "
+                f"from the last committed checkpoint",
+                phase=what,
+                ranks=(peer,),
+                timeout=timeout,
+            ) from e
+        raise CheckpointError(f"{what}: failed: {e}") from e
 
 
 @runtime_checkable
@@ -46,9 +87,9 @@ class Comm(Protocol):
     rank: int
     world: int
 
-    def gather(self, obj: Any) -> list[Any]: ...
+    def gather(self, obj: Any, what: str = "") -> list[Any]: ...
 
-    def broadcast(self, obj: Any, src: int = 0) -> Any: ...
+    def broadcast(self, obj: Any, src: int = 0, what: str = "") -> Any: ...
 
     def agree(self, error: BaseException | None, what: str) -> None: ...
 
@@ -70,7 +111,7 @@ def data_comm(comm: Comm, what: str) -> DistComm:
     return comm
 
 
-def distributed_comm(group: Any = None) -> Comm | None:
+def distributed_comm(group: Any = None, timeout: float | None = None) -> Comm | None:
     """The DistComm of a save or load, or None when it runs as a single process.
 
     A save or load is distributed when torch.distributed is initialised (at any world
@@ -89,7 +130,7 @@ def distributed_comm(group: Any = None) -> Comm | None:
             return None
     elif len(group_ranks(group)) == 1:
         return None
-    return DistComm(checkpoint_group(group))
+    return DistComm(checkpoint_group(group), timeout)
 
 
 def _as_bytes(a: np.ndarray) -> torch.Tensor:
@@ -99,8 +140,14 @@ def _as_bytes(a: np.ndarray) -> torch.Tensor:
 class DistComm:
     """One rank's view of the checkpoint process group."""
 
-    def __init__(self, groups: tuple[Any, Any]) -> None:
+    def __init__(self, groups: tuple[Any, Any], timeout: float | None = None) -> None:
         self.group, self.p2p = groups
+        self._timeout = timeout  # None: the call's (core._timeout.current_timeout), at each wait
+        self.phase = "the first collective"  # the last meeting's (names an unnamed collective after it)
+        self.monitor: Monitor | None = None  # where each meeting's wait is recorded, if anywhere
+        self.op = "save"  # the Span.op of those records
+        # a wait of this comm that timed out: its next meetings are given up at once, not waited for again
+        self.failed: CheckpointTimeoutError | None = None
         self.rank = dist.get_rank(self.group)
         self.world = dist.get_world_size(self.group)
         # global ranks of a mesh -> its ranks in the group (None: the same; a range: consecutive)
@@ -113,18 +160,69 @@ class DistComm:
     def global_rank(self, rank: int) -> int:
         return int(dist.get_global_rank(self.group, rank))
 
-    def gather(self, obj: Any) -> list[Any]:
+    @property
+    def timeout(self) -> float:
+        """Seconds each wait of this comm may last (its own, else the running call's)."""
+        return current_timeout() if self._timeout is None else self._timeout
+
+    def meet(self, phase: str) -> None:
+        """Wait for every rank of the group to come to ``phase``, within :attr:`timeout` (``_meet``).
+
+        Raises:
+          CheckpointTimeoutError: a rank did not come (every rank that came raises it alike).
+        """
+        timeout = self.timeout if self.failed is None else _GIVE_UP_AT_ONCE
+        try:
+            waited = meetings_of(self.group).meet(phase, timeout)
+        except CheckpointTimeoutError as e:
+            self.failed = self.failed or e
+            raise
+        self.phase = phase
+        if self.monitor is not None:
+            thread = threading.current_thread().name
+            span = Span(self.op, f"wait: {phase}", self.rank, waited.start, waited.end, 0, thread, waited.last)
+            self.monitor.add(span)
+
+    def _collective(self, what: str, fn: Callable[[], _T]) -> _T:
+        """``fn()``, a collective of the group, once every rank has come to ``what`` (unnamed: "after" the last)."""
+        phase = what or f"after {self.phase}"
+        self.meet(phase)
+        try:
+            return fn()
+        except RuntimeError as e:  # gloo's: a rank died or left during it (they all came to it)
+            raise CheckpointError(f"{phase}: a collective of the checkpoint group failed: {e}") from e
+
+    def gather(self, obj: Any, what: str = "") -> list[Any]:
         """Every rank's ``obj`` on rank 0 (other ranks get an empty list)."""
         out: list[Any] | None = [None] * self.world if self.rank == 0 else None
-        dist.gather_object(obj, out, dst=self.global_rank(0), group=self.group)
+        self._collective(what, lambda: dist.gather_object(obj, out, dst=self.global_rank(0), group=self.group))
         return out if out is not None else []
 
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
+    def broadcast(self, obj: Any, src: int = 0, what: str = "") -> Any:
         box = [obj]
-        dist.broadcast_object_list(box, src=self.global_rank(src), group=self.group)
+        self._collective(what, lambda: dist.broadcast_object_list(box, src=self.global_rank(src), group=self.group))
         return box[0]
 
-    def all_same(self, value: bytes | None) -> bool:
+    def max_of(self, values: Sequence[int], what: str) -> list[int]:
+        """Each position's maximum over the ranks (one all-reduce)."""
+        t = torch.tensor([int(v) for v in values], dtype=torch.int64)
+        self._collective(what, lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group))
+        return [int(v) for v in t.tolist()]
+
+    def wait_for(self, work: Any, peer: int, what: str) -> None:
+        """Wait for a point-to-point transfer with rank ``peer`` (of the group), within :attr:`timeout`.
+
+        Raises:
+          CheckpointTimeoutError: it did not complete in time (the group's transfers are then broken:
+            gloo closes a pair that timed out).
+        """
+        try:
+            wait_work(work, self.timeout, what, peer)
+        except CheckpointTimeoutError as e:
+            self.failed = self.failed or e
+            raise
+
+    def all_same(self, value: bytes | None, what: str = "") -> bool:
         """Whether every rank holds rank 0's ``value`` (None, a rank that has none, differs from every value).
 
         Two tensor collectives, whatever the world: rank 0's 32-byte digest of its value broadcast, then
@@ -137,14 +235,12 @@ class DistComm:
             mine[0] = 1
             mine[1:] = torch.frombuffer(bytearray(hashlib.blake2b(value, digest_size=32).digest()), dtype=torch.uint8)
         ref = mine.clone()
-        dist.broadcast(ref, src=self.global_rank(0), group=self.group)
-        return not self._anywhere(value is None or not torch.equal(ref, mine))
+        self._collective(what, lambda: dist.broadcast(ref, src=self.global_rank(0), group=self.group))
+        return not self._anywhere(value is None or not torch.equal(ref, mine), f"after {what or self.phase}")
 
-    def _anywhere(self, flag: bool) -> bool:
+    def _anywhere(self, flag: bool, what: str) -> bool:
         """Whether ``flag`` is true on any rank (one all-reduce; every rank gets the same answer)."""
-        got = torch.tensor([flag], dtype=torch.int32)
-        dist.all_reduce(got, op=dist.ReduceOp.MAX, group=self.group)
-        return bool(got.item())
+        return bool(self.max_of([flag], what)[0])
 
     def agree(self, error: BaseException | None, what: str) -> None:
         """Every rank raises the same error if any rank failed; the message names the failed ranks.
@@ -155,9 +251,9 @@ class DistComm:
         # One all-reduce when every rank succeeded (1.0 ms at 4 ranks on one machine, against 7.6 ms for the
         # gather and broadcast below, torch's object collectives); every rank sees the same flag, so where a
         # rank failed all go on to those together.
-        if not self._anywhere(error is not None):
+        if not self._anywhere(error is not None, what):
             return
-        gathered = self.gather(describe_failure(error))  # on rank 0; its verdict to every rank
+        gathered = self.gather(describe_failure(error), f"{what} (what failed)")  # on rank 0; its verdict to all
         failed = self.broadcast([(r, e) for r, e in enumerate(gathered) if e is not None] if self.rank == 0 else None)
         if failed:
             raise failure(what, failed, self.world) from error
@@ -182,14 +278,14 @@ class DistComm:
         is left on the group.
         """
         me = self.rank
-        t = WriteTransfers()
+        t = WriteTransfers(self)
         tags = _PairTags()
         for i, plan in enumerate(plans):
             for op in plan.writes:
                 if op.is_direct:
                     continue
                 buf = np.empty(op.region.shape, dtype=dtypes[i]) if op.writer == me else None
-                pending: list[tuple[Any, torch.Tensor, Region]] = []
+                pending: list[tuple[Any, torch.Tensor, Region, int]] = []
                 for frag in op.sources:
                     tag = tags.next(frag.rank, op.writer)
                     if frag.rank == me:
@@ -204,11 +300,11 @@ class DistComm:
                         else:
                             payload = _as_bytes(part)
                             work = dist.isend(payload, dst=self.global_rank(op.writer), group=self.p2p, tag=tag)
-                            t.sends.append((work, payload))
+                            t.sends.append((work, payload, op.writer))
                     elif buf is not None:
                         tmp = torch.empty(frag.region.size * dtypes[i].itemsize, dtype=torch.uint8)
                         work = dist.irecv(tmp, src=self.global_rank(frag.rank), group=self.p2p, tag=tag)
-                        pending.append((work, tmp, frag.region.relative_to(op.region)))
+                        pending.append((work, tmp, frag.region.relative_to(op.region), frag.rank))
                 if buf is not None:
                     t.merged.append((i, op.region, buf, pending))
         for i, plan in enumerate(plans):
@@ -231,7 +327,7 @@ class DistComm:
         """
         me = self.rank
         tags: dict[tuple[int, int, int], int] = {}
-        recvs: list[tuple[Any, torch.Tensor, list[np.ndarray]]] = []
+        recvs: list[tuple[Any, torch.Tensor, list[np.ndarray], int]] = []
         pairs = _PairTags()
         for i, plan in enumerate(plans):
             for j, op in enumerate(plan.reads):
@@ -245,10 +341,11 @@ class DistComm:
                                 outs.append(view[t.region.relative_to(where).slices()])
                         tmp = torch.empty(op.region.size * dtypes[i].itemsize, dtype=torch.uint8)
                         work = dist.irecv(tmp, src=self.global_rank(op.reader), group=self.p2p, tag=tag)
-                        recvs.append((work, tmp, outs))
+                        recvs.append((work, tmp, outs, op.reader))
         index = {(i, id(op)): j for i, plan in enumerate(plans) for j, op in enumerate(plan.reads)}
-        sends: list[tuple[Any, torch.Tensor]] = []
+        sends: list[tuple[Any, torch.Tensor, int]] = []
         sent: set[tuple[int, int]] = set()
+        what = "reading the checkpoint (a region read for another rank)"
 
         def send(i: int, j: int, op: ReadOp, data: np.ndarray) -> None:
             sent.add((i, j))
@@ -256,7 +353,7 @@ class DistComm:
             for rank in sorted({t.rank for t in op.targets} - {me}):
                 payload = _as_bytes(data) if payload is None else payload
                 work = dist.isend(payload, dst=self.global_rank(rank), group=self.p2p, tag=tags[(i, j, rank)])
-                sends.append((work, payload))
+                sends.append((work, payload, rank))
 
         def after(i: int, op: ReadOp, data: np.ndarray) -> None:
             send(i, index[(i, id(op))], op, data)
@@ -266,12 +363,12 @@ class DistComm:
                 for j, op in enumerate(plan.reads):
                     if op.reader == me and (i, j) not in sent and any(t.rank != me for t in op.targets):
                         send(i, j, op, np.zeros(op.region.shape, dtype=dtypes[i]))
-            for work, tmp, outs in recvs:
-                work.wait()
+            for work, tmp, outs, peer in recvs:
+                self.wait_for(work, peer, what)
                 for o in outs:
                     o[...] = tmp.numpy().view(o.dtype).reshape(o.shape)
-            for work, _payload in sends:
-                work.wait()
+            for work, _payload, peer in sends:
+                self.wait_for(work, peer, what)
 
         return after, finish
 
@@ -298,12 +395,16 @@ class _PairTags:
         return _TAG_BASE + n
 
 
-class WriteTransfers:
-    """The merge-fragment transfers of one rank's save, posted up front."""
+_MERGE = "writing the checkpoint (a merged chunk's fragment)"
 
-    def __init__(self) -> None:
-        self.sends: list[tuple[Any, torch.Tensor]] = []
-        self.merged: list[tuple[int, Region, np.ndarray, list[tuple[Any, torch.Tensor, Region]]]] = []
+
+class WriteTransfers:
+    """The merge-fragment transfers of one rank's save, posted up front; each waited for as long as ``comm`` says."""
+
+    def __init__(self, comm: DistComm) -> None:
+        self.comm = comm
+        self.sends: list[tuple[Any, torch.Tensor, int]] = []
+        self.merged: list[tuple[int, Region, np.ndarray, list[tuple[Any, torch.Tensor, Region, int]]]] = []
         self.direct: list[tuple[int, Any, PieceData]] = []
         self.error: BaseException | None = None
         self.received = 0
@@ -317,27 +418,37 @@ class WriteTransfers:
             yield i, op.region, src[op.region.relative_to(where).slices()], None
         for i, region, buf, pending in self.merged:
             while pending:
-                work, tmp, rel = pending.pop(0)  # a gloo work is waited on once only
-                work.wait()
+                work, tmp, rel, peer = pending.pop(0)  # a gloo work is waited on once only
+                self.comm.wait_for(work, peer, _MERGE)
                 buf[rel.slices()] = tmp.numpy().view(buf.dtype).reshape(rel.shape)
                 self.received += tmp.numel()
             yield i, region, buf, None
 
     def received_bytes(self) -> int:
         """Bytes of merge fragments received from other ranks so far, and still pending."""
-        return self.received + sum(tmp.numel() for _, _, _, pending in self.merged for _, tmp, _ in pending)
+        return self.received + sum(p[1].numel() for _, _, _, pending in self.merged for p in pending)
 
     def wait_all(self) -> None:
         """Complete every posted transfer not yet completed, whatever happened to the writes."""
         for _, _, _, pending in self.merged:
             while pending:
-                pending.pop(0)[0].wait()
+                work, _, _, peer = pending.pop(0)
+                self.comm.wait_for(work, peer, _MERGE)
         while self.sends:
-            self.sends.pop(0)[0].wait()
+            work, _, peer = self.sends.pop(0)
+            self.comm.wait_for(work, peer, _MERGE)
 
 
 _ERRORS: dict[str, type[CheckpointError]] = {
-    c.__name__: c for c in (CheckpointError, NotCommittedError, MetadataError, TargetMismatchError, LayoutError)
+    c.__name__: c
+    for c in (
+        CheckpointError,
+        NotCommittedError,
+        MetadataError,
+        TargetMismatchError,
+        LayoutError,
+        CheckpointTimeoutError,
+    )
 }
 
 
@@ -355,15 +466,7 @@ def failure(what: str, failed: Sequence[tuple[int, tuple[str, str]]], world: int
     by_error: dict[tuple[str, str], list[int]] = {}
     for rank, (kind, message) in failed:
         by_error.setdefault((kind, message), []).append(rank)
-    detail = "; ".join(f"{_ranks_text(ranks)}: {kind}: {message}" for (kind, message), ranks in by_error.items())
+    detail = "; ".join(f"{ranks_text(ranks)}: {kind}: {message}" for (kind, message), ranks in by_error.items())
     kinds = {kind for kind, _ in by_error}
     cls = _ERRORS.get(kinds.pop(), CheckpointError) if len(kinds) == 1 else CheckpointError
     return cls(f"{what} failed on {len(failed)} of {world} ranks: {detail}")
-
-
-def _ranks_text(ranks: list[int]) -> str:
-    if len(ranks) == 1:
-        return f"rank {ranks[0]}"
-    if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1)):
-        return f"ranks {ranks[0]}-{ranks[-1]}"
-    return "ranks " + ", ".join(map(str, ranks))

@@ -32,6 +32,8 @@ import torch.distributed as dist
 
 from pytreeckpt.core._checksum import crc32c
 from pytreeckpt.core._errors import CheckpointError
+from pytreeckpt.core._timeout import current_timeout
+from pytreeckpt.distributed._comm import wait_work
 from pytreeckpt.storage._chunkfiles import make_dirs, open_regular
 
 __all__ = ["as_shard_of", "is_dtensor", "node_groups", "receive_files", "send_files", "step_files", "world"]
@@ -182,7 +184,7 @@ def _receive_into(f: Any, n: int, group: Any, src: int) -> int:
         mapped = mmap.mmap(f.fileno(), n)
         try:
             array = np.frombuffer(mapped, dtype=np.uint8)
-            dist.recv(torch.from_numpy(array), src, group=group)
+            _recv(torch.from_numpy(array), src, group)
             crc = crc32c(array)
             del array  # (the map closes once no view of it is left)
             mapped.flush()
@@ -223,7 +225,7 @@ def send_files(group: Any, dst: int, root: Path | None, what: str) -> Callable[[
     def finish() -> None:
         for w in works:
             if w is not None:
-                w.wait()
+                wait_work(w, current_timeout(), "sending a step to a peer", dst)
         if error is not None:
             raise CheckpointError(error)
 
@@ -243,9 +245,9 @@ def receive_files(group: Any, src: int, into: Path, what: str) -> None:
         names them); ``into`` then holds what arrived.
     """
     size = torch.zeros(1, dtype=torch.int64)
-    dist.recv(size, src, group=group)
+    _recv(size, src, group)
     raw = torch.empty(int(size.item()), dtype=torch.uint8)
-    dist.recv(raw, src, group=group)
+    _recv(raw, src, group)
     files = _header(raw.numpy().tobytes(), src, what)
     into.mkdir(parents=True, exist_ok=True)
     refused: list[str] = []
@@ -263,3 +265,8 @@ def receive_files(group: Any, src: int, into: Path, what: str) -> None:
         raise CheckpointError(f"files from rank {src} refused: {'; '.join(refused[:5])}{more}")
     if bad:
         raise CheckpointError(f"{what}: files arrived damaged from rank {src} (crc32c differs): {', '.join(bad)}")
+
+
+def _recv(into: torch.Tensor, src: int, group: Any) -> None:
+    """Receive ``into`` from global rank ``src``, waiting at most the call's timeout."""
+    wait_work(dist.irecv(into, src, group=group), current_timeout(), "receiving a step from a peer", src)

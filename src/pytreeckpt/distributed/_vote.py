@@ -10,26 +10,22 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
-import torch.distributed as dist
-
 from pytreeckpt.distributed._comm import Comm, DistComm
 
 __all__ = ["vote_max"]
 
 
-def vote_max(comm: Comm | None, values: Sequence[int]) -> list[int]:
-    """Each position's maximum over the ranks of ``comm`` (``values`` themselves in a single process).
+def vote_max(comm: Comm | None, values: Sequence[int], what: str) -> list[int]:
+    """Each position's maximum over the ranks of ``comm`` (``values`` themselves in a single process); ``what``
+    names the vote in a timeout's error.
 
-    >>> vote_max(None, [0, 3])
+    >>> vote_max(None, [0, 3], "a vote")
     [0, 3]
     """
     if comm is None:
         return [int(v) for v in values]
     if isinstance(comm, DistComm):
-        t = torch.tensor([int(v) for v in values], dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=comm.group)
-        return [int(v) for v in t.tolist()]
-    gathered = comm.gather([int(v) for v in values])
+        return comm.max_of(values, what)
+    gathered = comm.gather([int(v) for v in values], what)
     best = [max(column) for column in zip(*gathered, strict=True)] if comm.rank == 0 else None
-    return list(comm.broadcast(best))
+    return list(comm.broadcast(best, 0, what))

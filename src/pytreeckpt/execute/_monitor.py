@@ -44,18 +44,28 @@ class Span:
     end: float
     nbytes: int = 0
     thread: str = ""
+    last: int = -1  # a wait for the other ranks ("wait: <phase>"): the rank that came last (-1: not a wait)
 
     @property
     def seconds(self) -> float:
         return self.end - self.start
 
     def to_json(self) -> list[Any]:
-        return [self.op, self.phase, self.rank, self.start, self.end, self.nbytes, self.thread]
+        return [self.op, self.phase, self.rank, self.start, self.end, self.nbytes, self.thread, self.last]
 
     @classmethod
     def from_json(cls, data: Any) -> Span:
-        op, phase, rank, start, end, nbytes, thread = data
-        return cls(str(op), str(phase), int(rank), float(start), float(end), int(nbytes), str(thread))
+        op, phase, rank, start, end, nbytes, thread, *last = data
+        return cls(
+            str(op),
+            str(phase),
+            int(rank),
+            float(start),
+            float(end),
+            int(nbytes),
+            str(thread),
+            int(last[0]) if last else -1,
+        )
 
 
 class Monitor:

@@ -8,6 +8,7 @@ from typing import Any
 
 from pytreeckpt.core._errors import (
     CheckpointError,
+    CheckpointTimeoutError,
     LayoutError,
     NotCommittedError,
     PermissionDeniedError,
@@ -72,9 +73,11 @@ def first_that_loads(
         result: Any = None
         try:
             result = load()
+        except CheckpointTimeoutError:
+            raise  # (every rank still alive raised it at the same wait: nothing to vote on, no step to fall to)
         except Exception as e:  # every rank must hear of it before any raises
             error = e
-        verdict = vote_max(comm, [_verdict(error)])[0]
+        verdict = vote_max(comm, [_verdict(error)], f"the restore vote on step {step}")[0]
         if verdict == _LOADED:
             return result, step, where
         if verdict == _FATAL:

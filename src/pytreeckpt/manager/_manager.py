@@ -19,6 +19,7 @@ import numpy as np
 
 from pytreeckpt.api import SaveHandle, async_save, load, save
 from pytreeckpt.core._errors import CheckpointError, NotCommittedError
+from pytreeckpt.core._timeout import resolve as resolve_timeout
 from pytreeckpt.distributed._comm import distributed_comm as _comm
 from pytreeckpt.execute._staging import staging_pool
 from pytreeckpt.format import LOCK_FILE, METADATA_FILE, STEP_DIR, STORED_DIRS
@@ -173,10 +174,15 @@ class CheckpointManager(ClosesOnExit):
         best_mode: str = "min",
         keep_period_seconds: float | None = None,
         clock: Callable[[], float] = time.time,
+        timeout: float | None = None,
     ) -> None:
         """See the class. Also:
 
         Args:
+          timeout: seconds any one wait of this manager's saves, restores, votes and
+            listings may last for another rank or a store (see :func:`pytreeckpt.save`);
+            None: the process-wide default at each call. Past it a
+            :class:`CheckpointTimeoutError` names the phase and the ranks that did not come.
           save_interval_seconds: also save when this long passed since the last save
             (or since the manager was made).
           save_on_signals: signals (``signal.SIGTERM``) after which the next save is
@@ -215,7 +221,8 @@ class CheckpointManager(ClosesOnExit):
         self.async_ = async_
         self.incremental = incremental
         self._process_group = process_group
-        self._comm = _comm(process_group)
+        self.timeout = None if timeout is None else resolve_timeout(timeout)
+        self._comm = _comm(process_group, self.timeout)
         self._handle: SaveHandle | None = None
         self._closed = False
         self.retention = Retention(
@@ -315,6 +322,7 @@ class CheckpointManager(ClosesOnExit):
             self._clean_uncommitted()  # a crashed save's leftovers take no room from this one
         path = self._location(f"step_{step}")
         kwargs.setdefault("process_group", self._process_group)
+        kwargs.setdefault("timeout", self.timeout)
         if self.incremental:
             # unchanged chunks are hard-linked from the newest step: each step stays whole on its own
             kwargs.setdefault("chunk_hashes", True)
@@ -497,6 +505,7 @@ class CheckpointManager(ClosesOnExit):
             step = check_step(step)
         self._finish_in_flight()
         kwargs.setdefault("process_group", self._process_group)
+        kwargs.setdefault("timeout", self.timeout)
         if step is not None:
             foreign = self._agree(self._foreign(step, "restored from it") if self._is_leader else None)
             if foreign is not None:

@@ -16,6 +16,7 @@ from typing import Any
 from pytreeckpt.api import load
 from pytreeckpt.core._errors import CheckpointError, NotCommittedError
 from pytreeckpt.core._per_rank import PER_RANK
+from pytreeckpt.core._timeout import resolve as resolve_timeout
 from pytreeckpt.distributed._comm import Comm, DistComm
 from pytreeckpt.distributed._peers import node_groups, receive_files, send_files, world
 from pytreeckpt.distributed._vote import vote_max
@@ -140,6 +141,7 @@ class PeerTierManager(ClosesOnExit):
         durable_max_to_keep: int | None = None,
         async_: bool = True,
         save_on_signals: Iterable[int] = (),
+        timeout: float | None = None,
     ) -> None:
         """See the class.
 
@@ -155,6 +157,8 @@ class PeerTierManager(ClosesOnExit):
           durable_max_to_keep: steps kept in the durable tier (None: all).
           async_: save to the durable tier asynchronously.
           save_on_signals: see :class:`CheckpointManager`.
+          timeout: see :class:`CheckpointManager`: of each wait of either tier, and of the
+            copies to and from peers.
 
         Raises:
           ValueError: a bad interval, the nodes not given or not dividing the ranks,
@@ -180,18 +184,20 @@ class PeerTierManager(ClosesOnExit):
         node_group, xfer = node_groups(self.node_of) if size > 1 else (None, None)
         self._node_group = node_group
         self._xfer = xfer
-        self._comm: Comm | None = DistComm((xfer, xfer)) if xfer is not None else None
+        self.timeout = None if timeout is None else resolve_timeout(timeout)
+        self._comm: Comm | None = DistComm((xfer, xfer), self.timeout) if xfer is not None else None
         self.local_interval_steps = local_interval_steps
         self.durable_interval_steps = durable_interval_steps
         self.local_max_to_keep = local_max_to_keep
         self.local = CheckpointManager(
-            local_directory, max_to_keep=local_max_to_keep, async_=False, process_group=node_group
+            local_directory, max_to_keep=local_max_to_keep, async_=False, process_group=node_group, timeout=timeout
         )
         self.durable = CheckpointManager(
             durable_directory,
             max_to_keep=durable_max_to_keep,
             async_=async_,
             save_on_signals=save_on_signals,
+            timeout=timeout,
         )
         self._root: Path = where.path
         self._thread: threading.Thread | None = None
@@ -283,7 +289,7 @@ class PeerTierManager(ClosesOnExit):
         self._thread.join()
         self._thread, error = None, self._thread_error
         self._thread_error = None
-        if vote_max(self._comm, [error is not None])[0]:
+        if vote_max(self._comm, [error is not None], "the vote on the replication to peers")[0]:
             if error is not None:
                 raise CheckpointError(f"replicating to the peer nodes failed: {error}") from error
             raise CheckpointError("replicating to the peer nodes failed on another rank (see its error)")
@@ -399,7 +405,7 @@ class PeerTierManager(ClosesOnExit):
                     self._receive(holder, step, self._root)
         except Exception as e:  # every rank hears of it before any raises
             error = e
-        if vote_max(self._comm, [error is not None])[0]:
+        if vote_max(self._comm, [error is not None], f"the vote on fetching step {step} from peers")[0]:
             if isinstance(error, CheckpointError):
                 raise error
             raise CheckpointError(f"fetching step {step} from a peer failed: {error or 'on another rank'}") from error

@@ -93,7 +93,7 @@ class Triggers:
             and self.clock() - self.last_save_time >= self.interval_seconds
         )
         if (self.flag is not None and not self.preempted) or self.interval_seconds is not None:
-            voted = self._vote([int(signalled), int(timed)])
+            voted = self._vote([int(signalled), int(timed)], f"the vote on saving step {step}")
             self._voted_at = step
             self.preempted = self.preempted or bool(voted[0])
             timed = bool(voted[1])
@@ -111,7 +111,7 @@ class Triggers:
         if self.flag is None:
             return False
         if not self.preempted and self._voted_at != step:
-            self.preempted = bool(self._vote([int(self.flag.signum is not None)])[0])
+            self.preempted = bool(self._vote([int(self.flag.signum is not None)], "the preemption vote")[0])
         return self.preemption_step is not None and step >= self.preemption_step
 
     def close(self) -> None:

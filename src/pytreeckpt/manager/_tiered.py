@@ -57,6 +57,7 @@ class TwoTierManager(ClosesOnExit):
         async_: bool = True,
         process_group: Any = None,
         save_on_signals: Iterable[int] = (),
+        timeout: float | None = None,
     ) -> None:
         if fast_interval_steps < 1 or durable_interval_steps < 1:
             raise ValueError(
@@ -67,7 +68,7 @@ class TwoTierManager(ClosesOnExit):
         self.fast_interval_steps = fast_interval_steps
         self.durable_interval_steps = durable_interval_steps
         self.fast = CheckpointManager(
-            fast_directory, max_to_keep=fast_max_to_keep, async_=async_, process_group=process_group
+            fast_directory, max_to_keep=fast_max_to_keep, async_=async_, process_group=process_group, timeout=timeout
         )
         self.durable = CheckpointManager(
             durable_directory,
@@ -76,6 +77,7 @@ class TwoTierManager(ClosesOnExit):
             async_=async_,
             process_group=process_group,
             save_on_signals=save_on_signals,
+            timeout=timeout,
         )
         self.last_restored_step: int | None = None
         """The step the last :meth:`restore` loaded."""

@@ -10,6 +10,7 @@ flight finishes it, within ``ExecutorOptions.exit_timeout``, see
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import threading
 import traceback
 from collections.abc import Callable, Mapping
@@ -211,7 +212,9 @@ def _start(job: SaveJob, path: Where, monitor: Monitor | None, lazy: bool) -> Sa
     handle = SaveHandle(
         path, job.timings, job.monitor, monitor, cancel=job.cancelled, exit_timeout=job.storage.options.exit_timeout
     )
-    thread = threading.Thread(target=handle._run, args=(job,), name="pytreeckpt-save", daemon=False)
+    # (in a copy of the caller's context: the call's timeout holds for its writes and commit)
+    run = contextvars.copy_context().run
+    thread = threading.Thread(target=run, args=(handle._run, job), name="pytreeckpt-save", daemon=False)
     in_flight(handle)
     thread.start()
     if lazy:

@@ -34,13 +34,13 @@ class SimComm:
         self.received: list[Any] = []
         self._from_coordinator: list[Any] = [] if document is None else [document]
 
-    def gather(self, obj: Any) -> list[Any]:
+    def gather(self, obj: Any, what: str = "") -> list[Any]:
         if self.rank != 0:
             return []
         self.received.extend([obj] * (self.world - 1))
         return [obj] * self.world
 
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
+    def broadcast(self, obj: Any, src: int = 0, what: str = "") -> Any:
         if self.rank == src:
             return obj
         # What rank 0 sends when every rank holds the same state: the document it read, then "they agree" (None).
