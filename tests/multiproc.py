@@ -109,11 +109,14 @@ def rank_stderr(rank: int, path: Path, status: str = "") -> str:
     return f"===== {label}: its stderr =====\n{text.rstrip() or '(empty)'}"
 
 
-def run_world(world: int, fn: Callable[..., Any], *args: Any, timeout: float = HANG) -> list[Any]:
+def run_world(
+    world: int, fn: Callable[..., Any], *args: Any, timeout: float = HANG, silent: tuple[int, ...] = ()
+) -> list[Any]:
     """Run ``fn(rank, world, *args)`` on ``world`` processes; the results by rank.
 
     Every rank must answer within ``timeout`` seconds (a hang guard, helpers.HANG: never a measure of
-    speed) and then exit with status 0.
+    speed) and then exit with status 0; but the ranks ``silent``, which the test stops or kills on purpose:
+    once every other rank has answered they are killed, and their result is None.
     """
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed", "pytreeckpt"])
@@ -132,20 +135,27 @@ def run_world(world: int, fn: Callable[..., Any], *args: Any, timeout: float = H
     deadline = time.monotonic() + timeout
     dead_since: float | None = None
     try:
-        while len(results) + len(failures) < world and time.monotonic() < deadline:
+        while len(results) + len(failures) < world - len(silent) and time.monotonic() < deadline:
             try:
                 rank, ok, value = out.get(timeout=0.2)
             except queue.Empty:
                 # A rank that died without answering leaves the others waiting for it
                 # (in a collective) until gloo's timeout: stop a few seconds after it died.
-                silent = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in results | failures]
-                if silent:
+                dead = [
+                    r
+                    for r, p in enumerate(procs)
+                    if p.exitcode is not None and r not in results | failures and r not in silent
+                ]
+                if dead:
                     dead_since = dead_since or time.monotonic()
                     if time.monotonic() - dead_since > 5:
                         break
                 continue
             (results if ok else failures)[rank] = value
-        if len(results) + len(failures) == world:  # every rank answered: each must now exit, and exit well
+        if len(results) + len(failures) == world - len(silent):  # every rank answered: each must now exit well
+            for r in silent:
+                if procs[r].exitcode is None:  # (stopped: a killed rank is gone already)
+                    procs[r].kill()
             for p in procs:
                 p.join(timeout=HANG)
     finally:
@@ -154,8 +164,8 @@ def run_world(world: int, fn: Callable[..., Any], *args: Any, timeout: float = H
                 p.kill()
                 p.join()
     codes = [p.exitcode for p in procs]
-    bad_exit = [r for r, c in enumerate(codes) if c != 0]
-    if failures or bad_exit or len(results) != world:
+    bad_exit = [r for r, c in enumerate(codes) if c != 0 and r not in silent]
+    if failures or bad_exit or len(results) != world - len(silent):
         missing = sorted(set(range(world)) - set(results) - set(failures))
         tracebacks = "\n".join(f"--- rank {r} raised ---\n{tb}" for r, tb in sorted(failures.items()))
         said = ["answered" if r in results else "raised" if r in failures else "no answer" for r in range(world)]
@@ -165,7 +175,7 @@ def run_world(world: int, fn: Callable[..., Any], *args: Any, timeout: float = H
             f"stderr files in {logs}\n{tracebacks}\n{stderrs}"
         )
     shutil.rmtree(logs, ignore_errors=True)
-    return [_restore(results[r]) for r in range(world)]
+    return [_restore(results[r]) if r in results else None for r in range(world)]
 
 
 def run_torchrun(script: Path, nproc: int, *args: str, logs: Path, timeout: float = HANG) -> list[str]:

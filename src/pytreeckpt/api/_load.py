@@ -11,7 +11,7 @@ import torch
 from pytreeckpt.core._errors import CheckpointError, TargetMismatchError, where
 from pytreeckpt.core._region import Region
 from pytreeckpt.core._timeout import call_timeout
-from pytreeckpt.distributed._comm import distributed_comm
+from pytreeckpt.distributed._comm import comm_monitor, distributed_comm
 from pytreeckpt.execute._calls import gc_paused, wait_in_flight
 from pytreeckpt.execute._monitor import Monitor
 from pytreeckpt.format import ArrayMeta
@@ -176,11 +176,11 @@ def load(
     with call_timeout(timeout):
         check_policy(per_rank)
         wait_in_flight()
-        comm = distributed_comm(process_group)
+        comm = distributed_comm(process_group, op="load")
         request = LoadRequest(
             path, target, namespace, executor, include, comm, inplace, False, cast, strict, report, per_rank
         )
-        spans = Monitor()
+        spans = comm_monitor(comm)  # (with the waits on other ranks, in a distributed load)
         with gc_paused():
             try:
                 if comm is not None:

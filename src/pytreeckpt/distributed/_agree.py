@@ -108,7 +108,9 @@ def from_rank0(comm: Comm, carried: Carried, value: Any, what: str) -> Any:
     ``value`` is bytes (a document); a failure travels as a tuple (its kind and message).
     """
     failed = comm.rank == 0 and carried.error is not None
-    sent = comm.broadcast(("failed", describe_failure(carried.error)) if failed else value if comm.rank == 0 else None)
+    sent = comm.broadcast(
+        ("failed", describe_failure(carried.error)) if failed else value if comm.rank == 0 else None, 0, what
+    )
     if isinstance(sent, tuple):
         error, carried.error = carried.error, None
         raise failure(what, [(0, sent[1])], comm.world) from error
@@ -133,7 +135,7 @@ def take_spans(monitor: Monitor, gathered: Sequence[list[Any]]) -> None:
 def agree_with_spans(comm: Comm, error: BaseException | None, what: str, monitor: Monitor) -> None:
     """``comm.agree(error, what)`` after every rank's spans of this call came to rank 0's monitor: every rank
     raises if any rank failed (the spans kept)."""
-    gathered = comm.gather(own_spans(monitor, comm.rank))
+    gathered = comm.gather(own_spans(monitor, comm.rank), what)
     if comm.rank == 0:
         take_spans(monitor, gathered)
     comm.agree(error, what)
@@ -200,9 +202,9 @@ def agree_on_specs(
     # where the gather and broadcast of objects below took five times as long. Otherwise, or with a Comm that
     # cannot (SimComm), every rank takes the gather below, together (all see the same answer).
     same = getattr(comm, "all_same", None)
-    if same is not None and same(mine[1] if mine[0] == "ok" else None):
+    if same is not None and same(mine[1] if mine[0] == "ok" else None, f"agreeing on the {what}"):
         return known
-    gathered = comm.gather(mine)
+    gathered = comm.gather(mine, f"comparing the ranks' {what}")
     verdict: Any = None
     # (every rank's digest equal to rank 0's: C compares them, at 16,384 ranks a Python loop cost 5 ms)
     if comm.rank == 0 and (mine[0] != "ok" or gathered.count(mine) != len(gathered)):
@@ -211,7 +213,7 @@ def agree_on_specs(
             verdict = ("failed", failed)
         elif any(g[1] != gathered[0][1] for g in gathered):
             verdict = ("differ",)
-    verdict = comm.broadcast(verdict)
+    verdict = comm.broadcast(verdict, 0, f"comparing the ranks' {what}")
     if verdict is None:
         if error is not None:  # (rank 0 says all agree though this rank failed: a simulated world, SimComm)
             raise error

@@ -39,6 +39,7 @@ __all__ = [
     "Comm",
     "DistComm",
     "WriteTransfers",
+    "comm_monitor",
     "data_comm",
     "describe_failure",
     "distributed_comm",
@@ -111,8 +112,10 @@ def data_comm(comm: Comm, what: str) -> DistComm:
     return comm
 
 
-def distributed_comm(group: Any = None, timeout: float | None = None) -> Comm | None:
+def distributed_comm(group: Any = None, timeout: float | None = None, op: str = "save") -> Comm | None:
     """The DistComm of a save or load, or None when it runs as a single process.
+
+    ``op`` names the call in the spans of its waits (``"save"``, ``"load"``).
 
     A save or load is distributed when torch.distributed is initialised (at any world
     size) or ``group`` is given; its ranks are those of ``group``, else of the default
@@ -130,7 +133,17 @@ def distributed_comm(group: Any = None, timeout: float | None = None) -> Comm | 
             return None
     elif len(group_ranks(group)) == 1:
         return None
-    return DistComm(checkpoint_group(group), timeout)
+    comm = DistComm(checkpoint_group(group), timeout)
+    comm.op = op
+    return comm
+
+
+def comm_monitor(comm: Comm | None) -> Monitor:
+    """The monitor of a call: its DistComm's, which has recorded the call's waits on other ranks from the
+    first, or a new one."""
+    if isinstance(comm, DistComm) and comm.monitor is not None:
+        return comm.monitor
+    return Monitor()
 
 
 def _as_bytes(a: np.ndarray) -> torch.Tensor:
@@ -144,7 +157,7 @@ class DistComm:
         self.group, self.p2p = groups
         self._timeout = timeout  # None: the call's (core._timeout.current_timeout), at each wait
         self.phase = "the first collective"  # the last meeting's (names an unnamed collective after it)
-        self.monitor: Monitor | None = None  # where each meeting's wait is recorded, if anywhere
+        self.monitor: Monitor | None = Monitor()  # where each meeting's wait is recorded (None: nowhere)
         self.op = "save"  # the Span.op of those records
         # a wait of this comm that timed out: its next meetings are given up at once, not waited for again
         self.failed: CheckpointTimeoutError | None = None

@@ -20,6 +20,7 @@ import numpy as np
 from pytreeckpt.api import SaveHandle, async_save, load, save
 from pytreeckpt.core._errors import CheckpointError, NotCommittedError
 from pytreeckpt.core._timeout import resolve as resolve_timeout
+from pytreeckpt.distributed._comm import DistComm
 from pytreeckpt.distributed._comm import distributed_comm as _comm
 from pytreeckpt.execute._staging import staging_pool
 from pytreeckpt.format import LOCK_FILE, METADATA_FILE, STEP_DIR, STORED_DIRS
@@ -222,7 +223,9 @@ class CheckpointManager(ClosesOnExit):
         self.incremental = incremental
         self._process_group = process_group
         self.timeout = None if timeout is None else resolve_timeout(timeout)
-        self._comm = _comm(process_group, self.timeout)
+        self._comm = _comm(process_group, self.timeout, "manager")
+        if isinstance(self._comm, DistComm):
+            self._comm.monitor = None  # (its votes are not a call's: not recorded, nothing grows step by step)
         self._handle: SaveHandle | None = None
         self._closed = False
         self.retention = Retention(
@@ -250,7 +253,7 @@ class CheckpointManager(ClosesOnExit):
         return self._comm is None or self._comm.rank == 0
 
     def _agree(self, value: Any) -> Any:
-        return value if self._comm is None else self._comm.broadcast(value)
+        return value if self._comm is None else self._comm.broadcast(value, 0, "rank 0's view of the steps")
 
     def step_path(self, step: int) -> Path | Location:
         """Where ``step`` is (or would be) stored: a directory, or a Location on a key-value store."""

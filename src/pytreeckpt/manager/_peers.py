@@ -186,6 +186,8 @@ class PeerTierManager(ClosesOnExit):
         self._xfer = xfer
         self.timeout = None if timeout is None else resolve_timeout(timeout)
         self._comm: Comm | None = DistComm((xfer, xfer), self.timeout) if xfer is not None else None
+        if isinstance(self._comm, DistComm):
+            self._comm.monitor, self._comm.op = None, "manager"
         self.local_interval_steps = local_interval_steps
         self.durable_interval_steps = durable_interval_steps
         self.local_max_to_keep = local_max_to_keep

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 import numpy as np
 import torch
 
-from pytreeckpt.core._errors import CheckpointError
+from pytreeckpt.core._errors import CheckpointError, CheckpointTimeoutError
 from pytreeckpt.core._region import Region
 from pytreeckpt.distributed._agree import own_spans, take_spans
 from pytreeckpt.distributed._comm import data_comm
@@ -284,10 +284,11 @@ class SaveJob:
         """Every rank raises if any failed; rank 0 first removes what the save wrote, and all wait for that."""
         try:
             self._ranks.agree(error, what)
-        except CheckpointError:
+        except CheckpointError as e:
             if self._ranks.rank == 0:
                 self.storage.abandon()
-            self._ranks.broadcast(None)
+            if not isinstance(e, CheckpointTimeoutError):  # (after a timeout no rank waits for the removal)
+                self._ranks.broadcast(None, 0, f"removing what the save wrote ({what} failed)")
             raise
 
     @property
@@ -371,13 +372,13 @@ class SaveJob:
         """
         comm = self._ranks
         whole = [i for i, m in enumerate(self.metas) if m.database == f"{self.storage.packed_prefix()}/{comm.rank}"]
-        gathered = comm.gather(whole)
+        gathered = comm.gather(whole, "planning the packed arrays")
         unpacked = None
         if comm.rank == 0:
             packed = {i for got in gathered for i in got}
             unpacked = [i for i, m in enumerate(self.metas) if m.database is not None and i not in packed]
             unpacked = [i for i in unpacked if self.metas[i].database == PACKED_DIR]
-        for i in comm.broadcast(unpacked):
+        for i in comm.broadcast(unpacked, 0, "planning the packed arrays"):
             self.metas[i] = dataclasses.replace(self.metas[i], database=None)
 
     def _persist_distributed(self) -> float:
@@ -396,7 +397,7 @@ class SaveJob:
             except Exception as e:
                 error = e
         self._agree(error, "preparing the checkpoint directory")
-        generation = comm.broadcast(generation)
+        generation = comm.broadcast(generation, 0, "preparing the checkpoint directory")
         if me != 0:
             self._name(generation)
         mine_db = generation_name(f"{self.storage.packed_prefix()}/{comm.rank}", generation)
@@ -437,7 +438,7 @@ class SaveJob:
         # What only the writers know goes to rank 0: where each packed array went, and the chunks' checksums.
         packed = {i: m.database for i, m in enumerate(self.metas) if m.database not in (None, self._placeholder)}
         # (with every rank's spans, to rank 0's monitor: each rank's last phase has ended)
-        gathered = comm.gather((packed, self._sums().payload(), own_spans(self.monitor, me)))
+        gathered = comm.gather((packed, self._sums().payload(), own_spans(self.monitor, me)), "writing the checkpoint")
         if me == 0:
             take_spans(self.monitor, [g[2] for g in gathered])
             try:
@@ -446,7 +447,16 @@ class SaveJob:
                     self._commit([g[:2] for g in gathered])
             except Exception as e:
                 error = e
-        self._agree(error, "committing the checkpoint")
+        try:
+            self._agree(error, "committing the checkpoint")
+        except CheckpointTimeoutError as e:  # a rank did not come after rank 0's commit: say what is on disk
+            e.add_note(
+                f"rank 0 committed the checkpoint at {self.storage.url} before this wait: it is whole and loadable"
+                if me == 0 and error is None
+                else f"rank 0 had committed the checkpoint at {self.storage.url} before this wait, unless it failed "
+                f"(then nothing is committed): load it to see"
+            )
+            raise
         return t1
 
 

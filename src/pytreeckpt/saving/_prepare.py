@@ -20,8 +20,9 @@ from typing import TYPE_CHECKING, Any
 
 from pytreeckpt.core._errors import CheckpointError, MetadataError
 from pytreeckpt.distributed._agree import Carried
+from pytreeckpt.distributed._comm import comm_monitor
 from pytreeckpt.execute._executor import ChunkReuse
-from pytreeckpt.execute._monitor import Monitor, Span
+from pytreeckpt.execute._monitor import Span
 from pytreeckpt.format import (
     ARCHIVE_DIR,
     ARRAYS_DIR,
@@ -129,7 +130,7 @@ def _job(storage: Storage, planned: Planned, request: SaveRequest, t0: float) ->
     if comm is None or comm.rank == 0:
         storage.check_writable(request.overwrite)
     t1 = time.perf_counter()
-    monitor = Monitor()
+    monitor = comm_monitor(comm)  # (with the waits of planning, in a distributed save)
     me = 0 if comm is None else comm.rank
     monitor.add(Span("save", "plan", me, time.time() - (t1 - t0), time.time(), 0, threading.current_thread().name))
     reuse = _chunk_reuse(metas, request.base) if hashed else None
