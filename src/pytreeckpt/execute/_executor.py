@@ -80,7 +80,7 @@ def write_arrays(
     """
     wanted = range(len(metas)) if only is None else sorted(set(only))
     stores = dict(zip(wanted, storage.open_arrays([metas[i] for i in wanted], create=create), strict=True))
-    window = Window(storage.options.max_inflight_bytes)
+    window = Window(storage.options.max_inflight_bytes, storage.waits)
     written = 0
     try:
         for i, region, buf, done in items:
@@ -216,7 +216,7 @@ def read_arrays(
     """
     storage.check_files(metas)
     stores = storage.open_arrays(metas, create=False)
-    window = Window(storage.options.max_inflight_bytes)
+    window = Window(storage.options.max_inflight_bytes, storage.waits)
     read = 0
     for i, (meta, plan, store, get) in enumerate(zip(metas, plans, stores, dest, strict=True)):
         mine = [op for op in plan.reads if rank is None or op.reader == rank]
@@ -233,10 +233,10 @@ def read_arrays(
             view, where = get(t.rank, t.piece)
             if where.shape == meta.shape and view.dtype == meta.dtype.numpy:
                 nbytes = meta.nbytes
-                finish = storage.read_packed_whole(meta, store, view)
+                reads = storage.read_packed_whole(meta, store, view)
                 landed = [(op, view[op.region.relative_to(where).slices()]) for op in mine] if after else []
                 window.add(
-                    _Finish(finish),
+                    reads,
                     nbytes,
                     f"leaf {meta.key!r}: reading {meta.path!r}",
                     _then(after, progress, array_done, i, landed, nbytes),
@@ -345,18 +345,6 @@ def _read_cast(
             read += nbytes
             window.add(start(), nbytes, f"leaf {meta.key!r}: reading {op.region} of {meta.path!r}", land)
     return read
-
-
-class _Finish:
-    """A read whose ``result()`` is a function that waits for it and lands it."""
-
-    __slots__ = ("_finish",)
-
-    def __init__(self, finish: Callable[[], None]) -> None:
-        self._finish = finish
-
-    def result(self) -> None:
-        self._finish()
 
 
 def _then(

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
-from pytreeckpt.core._errors import CheckpointError, NotCommittedError, TargetMismatchError
+from pytreeckpt.core._errors import CheckpointError, CheckpointTimeoutError, NotCommittedError, TargetMismatchError
 from pytreeckpt.format import CheckpointDoc, parse_document
 from pytreeckpt.storage import ExecutorOptions, Storage, available_memory
 from pytreeckpt.storage._location import Where, describe
@@ -90,8 +90,8 @@ def again_if_replaced(
         try:
             return read(seen)
         except (CheckpointError, OSError) as e:
-            if not seen or isinstance(e, (NotCommittedError, TargetMismatchError)):
-                raise
+            if not seen or isinstance(e, (NotCommittedError, TargetMismatchError, CheckpointTimeoutError)):
+                raise  # (a store that did not answer in time is not asked again)
             raise_unless_replaced(path, executor, seen[0], e, what)
             attempts += 1
             if attempts == LOAD_ATTEMPTS:

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from pytreeckpt.core._errors import CheckpointError, PermissionDeniedError
+from pytreeckpt.core._errors import CheckpointError, CheckpointTimeoutError, PermissionDeniedError
 from pytreeckpt.core._grid import ChunkGrid
 from pytreeckpt.core._region import Region
 from pytreeckpt.format import (
@@ -29,6 +29,7 @@ from pytreeckpt.format import (
     zarr_metadata,
 )
 from pytreeckpt.storage._chunkfiles import DIRECT_MIN_BYTES, LITTLE_ENDIAN, cold_files, read_small, write_chunk
+from pytreeckpt.storage._deadline import cancel
 from pytreeckpt.storage._integrity import (
     _INLINE_CHECK_BYTES,
     _Landing,
@@ -57,7 +58,7 @@ class _Ready:
     def __init__(self, value: Any) -> None:
         self.value = value
 
-    def result(self) -> Any:
+    def result(self, timeout: float | None = None) -> Any:
         return self.value
 
 
@@ -135,7 +136,11 @@ class ArrayIO(PackedIO):
             stores, first = [], None
             for meta, f in zip(metas, futures, strict=False):
                 try:
-                    stores.append(f.result())
+                    stores.append(self.waits.wait(f, f"opening the stored array {meta.path!r} of leaf {meta.key!r}"))
+                except CheckpointTimeoutError:
+                    for other in futures:
+                        cancel(other)
+                    raise
                 except Exception as e:
                     first = first or (meta, e)
             if first is not None:
@@ -382,6 +387,7 @@ class ArrayIO(PackedIO):
             io_pool().submit(workers, _settle_stored_chunk, f, out, meta, targets, straight, what, expected)
 
         landing.add_done_callback(landed)
+        out.add_done_callback(lambda f: cancel(landing) if f.cancelled() else None)  # (a wait that timed out)
         return out
 
     def verify(self, metas: Sequence[ArrayMeta]) -> tuple[list[Problem], list[Problem], int, int]:

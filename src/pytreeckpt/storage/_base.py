@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from pytreeckpt.plan import ChunkingOptions
+from pytreeckpt.storage._deadline import StoreWaits
 from pytreeckpt.storage._local import LocalDir
 from pytreeckpt.storage._location import KvPrefix, Where, make_context, resolve
 from pytreeckpt.storage._objects import ObjectPrefix
@@ -28,11 +29,15 @@ class StorageBase:
         self.kv: KvPrefix | None = None
         self.files: LocalDir | None = None
         self.place: Place
+        # Every wait on the store's requests, bounded by the call's timeout (not a local directory's).
+        self.waits: StoreWaits
         if self.location.path is not None:
             self.place = self.files = LocalDir(self.location.path, self.url)
+            self.waits = StoreWaits(None)
         else:
             self.kv = KvPrefix(self.location, self.context)
             self.place = ObjectPrefix(self.kv, self.url)
+            self.waits = self.kv.waits
         self._packed: Any = None  # the OCDBT databases' key-value stores, once used (ArrayIO.packed)
         # The commit protocol's state for one save: what the committed document referenced
         # when the save began (None: unreadable, so all is kept), and whether it prepared.

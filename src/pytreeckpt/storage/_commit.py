@@ -121,10 +121,19 @@ class CommitProtocol(StorageBase):
         The checkpoint the save was to replace stays whole (and so does the new one, if
         the failure came after its document was renamed into place). A directory the save
         made is removed. Errors here are logged: the save's own failure is what is reported.
+        After a wait on the store timed out nothing is removed: the store is not answering, and
+        a commit whose outcome is unknown may still land (its arrays must stay).
         """
         if self._packed is not None:
             self._packed.abort()
         if not (self._prepared or self.place.made_root):
+            return
+        if self.waits.stuck:  # the store did not answer: asking again would wait as long, and a commit may land
+            logger.warning(
+                "%s: the save failed (the store did not answer in time); what it wrote is left for the next save "
+                "to remove",
+                self.url,
+            )
             return
         try:
             now = self._committed_names()

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from pytreeckpt.core._errors import CheckpointError
+from pytreeckpt.core._errors import CheckpointError, CheckpointTimeoutError
 from pytreeckpt.core._grid import ChunkGrid
 from pytreeckpt.core._region import Region
 from pytreeckpt.format import (
@@ -28,6 +28,7 @@ from pytreeckpt.format import (
 )
 from pytreeckpt.storage._base import StorageBase
 from pytreeckpt.storage._chunkfiles import chunk_crc, read_chunk
+from pytreeckpt.storage._deadline import cancel, landed_within
 from pytreeckpt.storage._packed import (
     MAX_ZARR_JSON_BYTES,
     PackedStores,
@@ -50,7 +51,7 @@ class FileChecks(StorageBase):
     def packed(self) -> PackedStores:
         """The stores of this checkpoint's OCDBT databases and zip archives (see :mod:`pytreeckpt.storage._packed`)."""
         if self._packed is None:
-            self._packed = PackedStores(self.location, self.context)
+            self._packed = PackedStores(self.location, self.context, self.waits)
         return self._packed  # type: ignore[no-any-return]
 
     def check_stored_sizes(self, metas: Sequence[ArrayMeta]) -> None:
@@ -84,7 +85,10 @@ class FileChecks(StorageBase):
             if in_archives(meta.database):
                 n = db.chunk_entries(meta.path)
             else:
-                n = len(db.list(ts.KvStore.KeyRange(prefix + "/", prefix + "0")).result())
+                listing = db.list(ts.KvStore.KeyRange(prefix + "/", prefix + "0"))
+                n = len(self.waits.wait(listing, f"listing the chunks of {meta.path!r} in {meta.database!r}"))
+        except CheckpointTimeoutError:
+            raise
         except Exception as e:
             raise CheckpointError(
                 f"leaf {meta.key!r}: cannot list the chunks of {meta.path!r} in {meta.database!r}: {e}"
@@ -166,7 +170,9 @@ def _check_stored_chunk(
 
 
 def _settle_stored_chunk(landed: Any, out: Future[Any], *args: Any) -> None:
-    """:func:`_check_stored_chunk`, settling ``out`` with its outcome."""
+    """:func:`_check_stored_chunk`, settling ``out`` with its outcome (unless it was cancelled)."""
+    if out.cancelled():
+        return
     try:
         _check_stored_chunk(landed, *args)
     except BaseException as e:
@@ -185,7 +191,10 @@ class _Landing:
         self._error: BaseException | None = None
         self._checked = False
 
-    def result(self) -> None:
+    def result(self, timeout: float | None = None) -> None:
+        landed = self._landed
+        if landed is not None:
+            landed_within(landed, timeout)
         with self._lock:
             if not self._checked:
                 self._checked = True
@@ -196,6 +205,11 @@ class _Landing:
                 self._landed, self._args = None, ()  # the buffers are not kept alive
         if self._error is not None:
             raise self._error
+
+    def cancel(self) -> None:
+        landed = self._landed
+        if landed is not None:
+            cancel(landed)
 
 
 def available_memory() -> int | None:

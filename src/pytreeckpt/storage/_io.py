@@ -14,8 +14,9 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from pytreeckpt.core._errors import CheckpointError, PermissionDeniedError
+from pytreeckpt.core._errors import CheckpointError, CheckpointTimeoutError, PermissionDeniedError
 from pytreeckpt.storage._chunkfiles import IOPool, lower_priority
+from pytreeckpt.storage._deadline import StoreWaits, cancel
 
 logger = logging.getLogger("pytreeckpt")
 
@@ -53,10 +54,15 @@ def in_background(nice: int) -> None:
 
 
 class Window:
-    """Futures in flight, waited on oldest first once their bytes exceed a bound."""
+    """Futures in flight, waited on oldest first once their bytes exceed a bound.
 
-    def __init__(self, limit: int) -> None:
+    With ``waits`` (an object store's) each wait is bounded by the call's timeout; past it
+    every future still in the window is cancelled and the CheckpointTimeoutError raised.
+    """
+
+    def __init__(self, limit: int, waits: StoreWaits | None = None) -> None:
         self.limit = limit
+        self.waits = waits or _UNBOUNDED
         self.queue: collections.deque[tuple[Any, int, Callable[[], None] | None, str]] = collections.deque()
         self.bytes = 0
 
@@ -70,7 +76,10 @@ class Window:
         future, nbytes, then, what = self.queue.popleft()
         self.bytes -= nbytes
         try:
-            future.result()
+            self.waits.wait(future, what)
+        except CheckpointTimeoutError:
+            self.cancel()
+            raise
         except Exception as e:
             self.drain_quietly()
             raise CheckpointError(f"{what}: {e}") from e
@@ -82,11 +91,25 @@ class Window:
             self.pop()
 
     def drain_quietly(self) -> None:
+        """Wait for every future left (within the call's timeout each, on an object store), ignoring failures;
+        once the store did not answer, cancel them instead."""
         while self.queue:
-            future = self.queue.popleft()[0]
+            if self.waits.stuck:
+                self.cancel()
+                return
+            entry = self.queue.popleft()
             with contextlib.suppress(Exception):  # the first error is the one reported
-                future.result()
+                self.waits.wait(entry[0], entry[3])
         self.bytes = 0
+
+    def cancel(self) -> None:
+        """Cancel every future left (what TensorStore has not sent yet is not sent)."""
+        while self.queue:
+            cancel(self.queue.popleft()[0])
+        self.bytes = 0
+
+
+_UNBOUNDED = StoreWaits(None)
 
 
 def _all_of(futures: list[Future[Any]]) -> Future[Any]:

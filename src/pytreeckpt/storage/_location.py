@@ -24,6 +24,7 @@ from typing import Any
 
 from pytreeckpt.core._errors import CheckpointError
 from pytreeckpt.plan import ChunkingOptions
+from pytreeckpt.storage._deadline import StoreWaits
 
 # (TensorStore is imported where used: ``pytreeckpt ls`` of a local directory needs none)
 
@@ -236,6 +237,21 @@ def _s3_spec(spec: dict[str, Any], opts: StorageOptions) -> dict[str, Any]:
     return spec
 
 
+def store_name(r: Resolved) -> str | None:
+    """A key-value store location as its errors name it: the URL and the endpoint it is reached at
+    (``s3://bucket/prefix at http://127.0.0.1:8333``); None for a local directory.
+
+    >>> store_name(resolve(Location("s3://b/run", StorageOptions(endpoint="http://127.0.0.1:8333"))))
+    's3://b/run at http://127.0.0.1:8333'
+    """
+    if r.spec is None:
+        return None
+    endpoint = r.spec.get("endpoint")
+    if r.spec.get("driver") == "s3" and endpoint is None:
+        endpoint = "AWS S3"
+    return r.url if endpoint is None else f"{r.url} at {endpoint}"
+
+
 def describe(where: Where) -> str:
     """A location as people read it: the absolute path or the URL."""
     try:
@@ -371,13 +387,17 @@ def make_context(r: Resolved, file_io_concurrency: int = 16, data_copy_concurren
 
 
 class KvPrefix:
-    """Whole-object operations below a kvstore prefix; errors are CheckpointErrors naming the location."""
+    """Whole-object operations below a kvstore prefix; errors are CheckpointErrors naming the location.
+
+    Each request is waited for within the call's timeout (:class:`StoreWaits`).
+    """
 
     def __init__(self, r: Resolved, context: Any) -> None:
         assert r.spec is not None
         self.resolved = r
         self.url = r.url
         self.context = context
+        self.waits = StoreWaits(store_name(r))
         self._store: Any = None
 
     @property
@@ -385,12 +405,14 @@ class KvPrefix:
         import tensorstore as ts
 
         if self._store is None:
-            self._store = self._run(lambda: ts.KvStore.open(self.resolved.spec, context=self.context).result(), "open")
+            self._store = self._run(lambda: ts.KvStore.open(self.resolved.spec, context=self.context), "open")
         return self._store
 
-    def _run(self, fn: Any, what: str) -> Any:
+    def _run(self, start: Any, what: str, doing: str | None = None) -> Any:
+        """Start a request (``start()`` gives its future) and wait for it within the call's timeout; ``what``
+        names it in errors (``cannot <what>``), ``doing`` (default: the request to ``what``) if it times out."""
         try:
-            return fn()
+            return self.waits.wait(start(), doing or f"the request to {what}")
         except CheckpointError:
             raise
         except Exception as e:
@@ -398,13 +420,15 @@ class KvPrefix:
 
     def read(self, key: str) -> bytes | None:
         """The object ``key``, or None if it does not exist."""
-        result = self._run(lambda: self.store.read(key).result(), f"read {key!r}")
+        result = self._run(lambda: self.store.read(key), f"read {key!r}")
         return None if result.state == "missing" else bytes(result.value)
 
     def read_range(self, key: str, start: int, stop: int) -> bytes | None:
         """Bytes ``start`` to ``stop`` of the object ``key`` (fewer where it ends), or None if it does not exist."""
         try:
-            got = self.store.read(key, byte_range=slice(start, stop)).result()
+            got = self.waits.wait(self.store.read(key, byte_range=slice(start, stop)), f"the request to read {key!r}")
+        except CheckpointError:
+            raise
         except Exception as e:
             if "OUT_OF_RANGE" in str(e):  # the object ends at or before byte start
                 return b""
@@ -415,15 +439,16 @@ class KvPrefix:
         """Whether the object ``key`` holds more than ``n`` bytes (one byte is read, not the object)."""
         return bool(self.read_range(key, n, n + 1))
 
-    def write(self, key: str, data: bytes) -> None:
-        self._run(lambda: self.store.write(key, data).result(), f"write {key!r}")
+    def write(self, key: str, data: bytes, doing: str | None = None) -> None:
+        """Put the object ``key``; ``doing`` says what it is if it times out."""
+        self._run(lambda: self.store.write(key, data), f"write {key!r}", doing)
 
     def list(self, prefix: str = "") -> list[str]:
         """Every key below ``prefix`` (relative to the location), sorted."""
         import tensorstore as ts
 
         rng = ts.KvStore.KeyRange(prefix, _after(prefix)) if prefix else None
-        keys = self._run(lambda: self.store.list(rng).result(), f"list {prefix or 'the location'}")
+        keys = self._run(lambda: self.store.list(rng), f"list {prefix or 'the location'}")
         return sorted(k.decode() for k in keys)
 
     def delete_prefix(self, prefix: str) -> None:
@@ -431,19 +456,19 @@ class KvPrefix:
         import tensorstore as ts
 
         rng = ts.KvStore.KeyRange(prefix, _after(prefix)) if prefix else ts.KvStore.KeyRange()
-        self._run(lambda: self.store.delete_range(rng).result(), f"delete {prefix or 'the location'}")
+        self._run(lambda: self.store.delete_range(rng), f"delete {prefix or 'the location'}")
 
     def delete(self, key: str) -> None:
         import tensorstore as ts
 
-        self._run(lambda: self.store.delete_range(ts.KvStore.KeyRange(key, key + "\0")).result(), f"delete {key!r}")
+        self._run(lambda: self.store.delete_range(ts.KvStore.KeyRange(key, key + "\0")), f"delete {key!r}")
 
     def check_reachable(self) -> None:
         """Raise now if the store cannot be listed (no such bucket, wrong credentials, no endpoint)."""
         import tensorstore as ts
 
         probe = ".pytreeckpt-probe/"  # a listing of a key range that holds nothing: one cheap request
-        self._run(lambda: self.store.list(ts.KvStore.KeyRange(probe, _after(probe))).result(), "reach the store")
+        self._run(lambda: self.store.list(ts.KvStore.KeyRange(probe, _after(probe))), "reach the store")
 
 
 def _after(prefix: str) -> str:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from pytreeckpt.core._errors import CheckpointError, MetadataError
+from pytreeckpt.core._errors import CheckpointError, CheckpointTimeoutError, MetadataError
 from pytreeckpt.core._region import Region
 from pytreeckpt.format import CHECKSUMS_DIR, METADATA_FILE, STEP_DIR, STORED_DIRS, ArrayMeta, chunk_count
 from pytreeckpt.storage._location import OBJECT_STORE_CHUNKING, KvPrefix
@@ -54,8 +54,24 @@ class ObjectPrefix(Place):
         pass  # (no folders, and a put is never half done)
 
     def write_document(self, body: bytes | bytearray | memoryview, tail: bytes) -> None:
-        """One PUT of the whole document, after every array write has finished."""
-        self.kv.write(METADATA_FILE, b"".join((body, tail)))
+        """One PUT of the whole document, after every array write has finished.
+
+        If the store does not answer it within the call's timeout, the commit's outcome is
+        unknown: the PUT, once sent, cannot be recalled and may land when the store answers
+        again (see :mod:`pytreeckpt.storage._deadline`). Nothing the new document names is
+        deleted then (``waits.stuck``: the failed save's clean-up is skipped).
+        """
+        doing = f"the PUT of the metadata document {METADATA_FILE!r} (the commit)"
+        try:
+            self.kv.write(METADATA_FILE, b"".join((body, tail)), doing)
+        except CheckpointTimeoutError as e:
+            raise self.kv.waits.timed_out(
+                doing,
+                e.timeout,
+                "the commit's outcome is unknown: its PUT was sent and may still land when the store answers "
+                "again, committing the new checkpoint (whole: every array was written before it); until then "
+                "the checkpoint committed before, if any, stays. Load or list the location to see which",
+            ) from None
 
     def write_checksums(self, name: str, data: bytes) -> None:
         self.kv.write(name, data)

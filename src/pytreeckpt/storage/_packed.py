@@ -26,10 +26,11 @@ import tensorstore as ts
 
 from pytreeckpt.core._checksum import crc32c
 from pytreeckpt.core._dtypes import dtype_from_name
-from pytreeckpt.core._errors import CheckpointError
+from pytreeckpt.core._errors import CheckpointError, CheckpointTimeoutError
 from pytreeckpt.format import ARCHIVE_DIR, ArrayMeta, zarr_metadata
 from pytreeckpt.storage._archive import ArchiveReader, ArchiveWriter, entry_bytes
 from pytreeckpt.storage._chunkfiles import LITTLE_ENDIAN, _encoded_prefix
+from pytreeckpt.storage._deadline import StoreWaits, cancel
 from pytreeckpt.storage._io import OCDBT_INLINE_BYTES, _chunk_key
 from pytreeckpt.storage._location import OCDBT_CACHE, Resolved
 
@@ -174,8 +175,9 @@ def decode_chunk(value: bytes, meta: ArrayMeta, what: str, expected: int | None)
 class PackedStores:
     """One key-value store per OCDBT database of this checkpoint; writes go through bounded transactions."""
 
-    def __init__(self, location: Resolved, context: Any) -> None:
+    def __init__(self, location: Resolved, context: Any, waits: StoreWaits | None = None) -> None:
         self.location, self.context = location, context
+        self.waits = waits or StoreWaits(None)
         self._readers: dict[str, Any] = {}
         self._writers: dict[str, tuple[Any, Any]] = {}  # database -> (store, its open transaction)
         self._archives: dict[str, ArchiveWriter] = {}  # database -> its writer (zip archives)
@@ -200,8 +202,8 @@ class PackedStores:
                     assert self.location.path is not None  # (archives are written to local directories only)
                     self._readers[database] = ArchiveReader(self.location.path / database, database)
                 else:
-                    store = ts.KvStore.open(self._spec(database, False), context=self.context).result()
-                    self._readers[database] = store
+                    opened = ts.KvStore.open(self._spec(database, False), context=self.context)
+                    self._readers[database] = self.waits.wait(opened, f"opening the database {database!r}")
             return self._readers[database]
 
     def _archive(self, database: str) -> ArchiveWriter:
@@ -254,7 +256,8 @@ class PackedStores:
             return None
         with self._lock:
             if database not in self._writers:
-                store = ts.KvStore.open(self._spec(database, True), context=self.context).result()
+                opened = ts.KvStore.open(self._spec(database, True), context=self.context)
+                store = self.waits.wait(opened, f"opening the database {database!r}")
                 self._writers[database] = (store, ts.Transaction())
                 self._buffered[database] = 0
             store, txn = self._writers[database]
@@ -278,8 +281,13 @@ class PackedStores:
             with _archive_errors(database):
                 writer.finish()
         futures = [(database, _commit(txn, database)) for database, txn in open_]
-        for _database, future in futures:
-            future.result()
+        for database, future in futures:
+            try:
+                self.waits.wait(future, f"writing the packed arrays of the database {database!r}")
+            except CheckpointTimeoutError:
+                for _, other in futures:
+                    cancel(other)
+                raise
 
     def abort(self) -> None:
         """Drop what open transactions hold (after a failure)."""
@@ -311,14 +319,17 @@ def _commit(txn: Any, database: str) -> Future[Any]:
         return out
 
     def done(f: Any) -> None:
+        if out.cancelled():
+            return
         try:
             f.result()
-        except Exception as e:
+        except BaseException as e:  # (a cancelled commit too)
             out.set_exception(CheckpointError(f"cannot write the OCDBT database {database!r}: {e}"))
         else:
             out.set_result(None)
 
     committed.add_done_callback(done)
+    out.add_done_callback(lambda f: cancel(committed) if f.cancelled() else None)  # (a wait that timed out)
     return out
 
 

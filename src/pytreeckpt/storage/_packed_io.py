@@ -7,6 +7,7 @@ from __future__ import annotations
 import binascii
 import math
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
@@ -20,6 +21,7 @@ from pytreeckpt.core._region import Region
 from pytreeckpt.format import ARCHIVE_DIR, ArrayMeta
 from pytreeckpt.storage._archive import ArchiveReader
 from pytreeckpt.storage._chunkfiles import LITTLE_ENDIAN
+from pytreeckpt.storage._deadline import cancel, landed_within
 from pytreeckpt.storage._integrity import _INLINE_CHECK_BYTES, FileChecks
 from pytreeckpt.storage._io import _all_of, _chunk_key, io_pool
 from pytreeckpt.storage._packed import (
@@ -70,10 +72,10 @@ class PackedIO(FileChecks):
                 futures.append(future)
         return _all_of(futures) if futures else DONE
 
-    def read_packed_whole(self, meta: ArrayMeta, store: Any, dest: np.ndarray) -> Callable[[], None]:
+    def read_packed_whole(self, meta: ArrayMeta, store: Any, dest: np.ndarray) -> PackedWhole:
         """Start reading every chunk of a packed array (:func:`handles`) into ``dest``, the whole array.
 
-        Returns a function that waits for the reads, checks each chunk as :meth:`_chunk`
+        Returns what waits for the reads (its ``result()``), checks each chunk as :meth:`_chunk`
         does (size, its own crc32c, the crc the metadata records) and fills ``dest``: the
         lean path of a load of many small arrays, one key-value read per chunk.
         """
@@ -92,18 +94,7 @@ class PackedIO(FileChecks):
                 reads = [(index, _read_key(store, meta, index)) for index in indices]
         except Exception as e:
             raise CheckpointError(f"leaf {meta.key!r}: reading {meta.path!r} in {meta.database!r}: {e}") from e
-
-        def finish() -> None:
-            for index, landing in reads:
-                what = f"leaf {meta.key!r}: chunk {list(index)}"
-                data = _landed(landing, meta, what, meta.recorded_crc32c(index))
-                if one:
-                    dest[...] = data
-                else:
-                    whole = grid.region(index)
-                    dest[whole.slices()] = data[tuple(slice(0, n) for n in whole.shape)]
-
-        return finish
+        return PackedWhole(meta, grid, reads, dest)
 
     def small_whole(self, meta: ArrayMeta) -> bool:
         """Whether :meth:`read_small` reads this array: one chunk, packed in zip archives, uncompressed."""
@@ -234,6 +225,36 @@ def _read_key(store: Any, meta: ArrayMeta, index: tuple[int, ...]) -> Any:
     return store.read(key)
 
 
+class PackedWhole:
+    """The reads of every chunk of a packed array into ``dest`` (see :meth:`PackedIO.read_packed_whole`):
+    ``result()`` waits for them, checks each chunk and fills ``dest``."""
+
+    __slots__ = ("_dest", "_grid", "_meta", "_reads")
+
+    def __init__(self, meta: ArrayMeta, grid: ChunkGrid, reads: list[tuple[tuple[int, ...], Any]], dest: Any) -> None:
+        self._meta, self._grid, self._reads, self._dest = meta, grid, reads, dest
+
+    def result(self, timeout: float | None = None) -> None:
+        meta, dest = self._meta, self._dest
+        one = meta.chunk_shape == meta.shape
+        end = None if timeout is None else time.monotonic() + timeout
+        for index, landing in self._reads:
+            if end is not None and not isinstance(landing, _Landed):
+                landed_within(landing, max(0.0, end - time.monotonic()))
+            what = f"leaf {meta.key!r}: chunk {list(index)}"
+            data = _landed(landing, meta, what, meta.recorded_crc32c(index))
+            if one:
+                dest[...] = data
+            else:
+                whole = self._grid.region(index)
+                dest[whole.slices()] = data[tuple(slice(0, n) for n in whole.shape)]
+
+    def cancel(self) -> None:
+        for _, landing in self._reads:
+            if not isinstance(landing, _Landed):
+                cancel(landing)
+
+
 class _Landed:
     """A key's value already read, as TensorStore's read results give it (``state``, ``value``), and its future."""
 
@@ -243,7 +264,7 @@ class _Landed:
     def __init__(self, value: Any) -> None:
         self.value = value
 
-    def result(self) -> _Landed:
+    def result(self, timeout: float | None = None) -> _Landed:
         return self
 
 
@@ -300,6 +321,8 @@ class PackedRead:
         self._landing.add_done_callback(landed)
 
     def _settle(self, out: Future[Any]) -> None:
+        if out.cancelled():
+            return
         try:
             self._check()
         except BaseException as e:
@@ -313,10 +336,13 @@ class PackedRead:
         for box, dest in targets:
             dest[...] = data[box]
 
-    def result(self) -> None:
+    def result(self, timeout: float | None = None) -> None:
         if self._out is not None:
-            self._out.result()
+            self._out.result(timeout)
             return
+        landing = self._landing
+        if landing is not None:
+            landed_within(landing, timeout)
         with self._lock:
             if not self._checked:
                 self._checked = True
@@ -327,6 +353,13 @@ class PackedRead:
                 self._landing, self._args = None, ()  # the buffers are not kept alive
         if self._error is not None:
             raise self._error
+
+    def cancel(self) -> None:
+        landing = self._landing
+        if landing is not None:
+            cancel(landing)
+        if self._out is not None:
+            self._out.cancel()
 
     def add_done_callback(self, fn: Callable[[Any], None]) -> None:
         if self._out is not None:
