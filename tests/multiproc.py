@@ -13,6 +13,7 @@ same for a script launched by torchrun.
 
 from __future__ import annotations
 
+import datetime
 import faulthandler
 import multiprocessing as mp
 import os
@@ -36,7 +37,14 @@ STDERR_SHOWN = 20_000  # the last characters of each rank's stderr shown in a fa
 
 
 def _entry(
-    fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple[Any, ...], out: Any, stderr: str
+    fn: Callable[..., Any],
+    rank: int,
+    world: int,
+    port: int,
+    args: tuple[Any, ...],
+    out: Any,
+    stderr: str,
+    pg_timeout: float | None = None,
 ) -> None:
     fd = os.open(stderr, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(fd, 2)  # this rank's own stderr, native code's included
@@ -51,7 +59,8 @@ def _entry(
         import torch.distributed as dist
 
         torch.set_num_threads(1)
-        dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
+        limit = {} if pg_timeout is None else {"timeout": datetime.timedelta(seconds=pg_timeout)}
+        dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}", **limit)
         try:
             result = fn(rank, world, *args)
         finally:
@@ -110,13 +119,19 @@ def rank_stderr(rank: int, path: Path, status: str = "") -> str:
 
 
 def run_world(
-    world: int, fn: Callable[..., Any], *args: Any, timeout: float = HANG, silent: tuple[int, ...] = ()
+    world: int,
+    fn: Callable[..., Any],
+    *args: Any,
+    timeout: float = HANG,
+    silent: tuple[int, ...] = (),
+    pg_timeout: float | None = None,
 ) -> list[Any]:
     """Run ``fn(rank, world, *args)`` on ``world`` processes; the results by rank.
 
     Every rank must answer within ``timeout`` seconds (a hang guard, helpers.HANG: never a measure of
     speed) and then exit with status 0; but the ranks ``silent``, which the test stops or kills on purpose:
-    once every other rank has answered they are killed, and their result is None.
+    once every other rank has answered they are killed, and their result is None. ``pg_timeout``: the
+    timeout of the process group the ranks make (torch's default if None).
     """
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed", "pytreeckpt"])
@@ -125,7 +140,7 @@ def run_world(
     logs = Path(tempfile.mkdtemp(prefix="run_world-"))
     paths = [logs / f"rank{r}.stderr" for r in range(world)]
     procs = [
-        ctx.Process(target=_entry, args=(fn, r, world, port, args, out, str(paths[r])), daemon=True)
+        ctx.Process(target=_entry, args=(fn, r, world, port, args, out, str(paths[r]), pg_timeout), daemon=True)
         for r in range(world)
     ]
     for p in procs:

@@ -19,6 +19,55 @@ import torch
 import pytreeckpt
 from pytreeckpt.distributed._comm import DistComm
 
+WORLD = 4
+TIMEOUT = 4.0
+MARGIN = 30.0  # (a machine busy with other work is slow to schedule ranks; a hang would take 600 s)
+
+CASES = [
+    # (operation, the phase the victim stops at, the victim)
+    ("save", "agreeing on the save", 2),
+    ("save", "creating the packed arrays", 3),
+    ("save", "writing the checkpoint", 1),
+    ("save", "committing the checkpoint", 2),
+    ("save", "writing the checkpoint", 0),
+    ("async_save", "preparing the save", 1),
+    ("async_save", "writing the checkpoint", 3),
+    ("async_save", "committing the checkpoint", 1),
+    ("load", "reading the checkpoint metadata", 1),
+    ("load", "loading the checkpoint", 2),
+    ("restore", "rank 0's view of the steps", 3),
+    ("restore", "loading the checkpoint", 1),
+    ("restore", "the restore vote", 2),
+]
+
+
+def check(results: list, victim: int, op: str, phase: str, root: Path) -> None:
+    for rank, got in enumerate(results):
+        if rank == victim:
+            assert got is None
+            continue
+        assert got["phase"] is not None, f"rank {rank} did not raise ({op} with rank {victim} stopped at {phase})"
+        assert got["phase"].startswith(phase), got
+        assert f"rank {victim}" in got["message"], got["message"]
+        if victim == 0:  # its process serves the rendezvous store (no torchrun): that store does not answer
+            assert "store" in got["message"], got["message"]
+            assert got["seconds"] < TIMEOUT + MARGIN, got
+            continue
+        assert victim in got["ranks"], got
+        assert TIMEOUT * 0.9 <= got["seconds"] < TIMEOUT + MARGIN, got
+    # The checkpoint saved before the stop loads as it was, nothing half-committed over it; a rank stopped
+    # after rank 0's commit (at the last meeting) leaves the new one committed, whole.
+    expected = 2 if phase == "committing the checkpoint" else 1
+    if op == "restore":
+        with pytreeckpt.CheckpointManager(root / "steps") as m:
+            assert m.all_steps() == [1]
+            loaded = m.restore()
+    else:
+        loaded = pytreeckpt.load(root / "ckpt")
+    assert loaded["step"] == expected
+    assert torch.equal(loaded["w"], torch.full((WORLD * 64, 256), float(expected)))
+    assert torch.equal(loaded["b"], torch.full((16,), float(expected)))
+
 
 def state(world: int, value: float) -> tuple[dict[str, Any], dict[str, Any]]:
     """A tree whose tensor is sharded over the ranks (each writes its part), a replicated tensor and a value."""
@@ -68,3 +117,37 @@ def stop_at(rank: int, world: int, root: str, op: str, phase: str, signame: str,
     except pytreeckpt.CheckpointTimeoutError as e:
         return {"phase": e.phase, "ranks": list(e.ranks), "seconds": time.monotonic() - start, "message": str(e)}
     return {"phase": None, "seconds": time.monotonic() - start}
+
+
+def slow_writer(rank: int, world: int, root: str, slow: int, seconds: float, timeout: float | None) -> Any:
+    """Save with rank ``slow``'s writes slowed to take ``seconds`` in all (moving: a pause before each of its
+    chunks); what this rank raised, or None and whether the checkpoint then loads."""
+    from pytreeckpt.saving import _job
+
+    tree, spec = state(world, 3.0)
+    if rank == slow:
+        write = _job.write_arrays
+
+        def slowly(storage: Any, metas: Any, items: Any, **kw: Any) -> int:
+            items = list(items)
+
+            def paced() -> Any:
+                for item in items:
+                    time.sleep(seconds / max(len(items), 1))
+                    yield item
+
+            return write(storage, metas, paced(), **kw)
+
+        _job.write_arrays = slowly  # type: ignore[assignment]
+    start = time.monotonic()
+    try:
+        pytreeckpt.save(Path(root) / "ckpt", tree, spec, timeout=timeout)
+        got: dict[str, Any] = {"phase": None, "seconds": time.monotonic() - start}
+    except pytreeckpt.CheckpointTimeoutError as e:
+        got = {"phase": e.phase, "ranks": list(e.ranks), "seconds": time.monotonic() - start, "message": str(e)}
+    # Every rank stays until all are done: rank 0's process serves the store the slow rank comes to at last.
+    (Path(root) / f"done-{rank}").touch()
+    guard = time.monotonic() + 300
+    while not all((Path(root) / f"done-{r}").exists() for r in range(world)) and time.monotonic() < guard:
+        time.sleep(0.05)
+    return got
