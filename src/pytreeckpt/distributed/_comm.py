@@ -29,6 +29,7 @@ from pytreeckpt.core._errors import (
 )
 from pytreeckpt.core._region import Region
 from pytreeckpt.core._timeout import current_timeout
+from pytreeckpt.distributed import _meet
 from pytreeckpt.distributed._groups import checkpoint_group, group_ranks
 from pytreeckpt.distributed._meet import meetings_of, ranks_text
 from pytreeckpt.execute._executor import PieceData, WriteItem
@@ -90,7 +91,7 @@ class Comm(Protocol):
 
     def gather(self, obj: Any, what: str = "") -> list[Any]: ...
 
-    def broadcast(self, obj: Any, src: int = 0, what: str = "") -> Any: ...
+    def broadcast(self, obj: Any, src: int = 0, what: str = "", meet: bool = True) -> Any: ...
 
     def agree(self, error: BaseException | None, what: str) -> None: ...
 
@@ -184,6 +185,8 @@ class DistComm:
         Raises:
           CheckpointTimeoutError: a rank did not come (every rank that came raises it alike).
         """
+        if not _meet.ENABLED:
+            return
         timeout = self.timeout if self.failed is None else _GIVE_UP_AT_ONCE
         try:
             waited = meetings_of(self.group).meet(phase, timeout)
@@ -196,10 +199,16 @@ class DistComm:
             span = Span(self.op, f"wait: {phase}", self.rank, waited.start, waited.end, 0, thread, waited.last)
             self.monitor.add(span)
 
-    def _collective(self, what: str, fn: Callable[[], _T]) -> _T:
-        """``fn()``, a collective of the group, once every rank has come to ``what`` (unnamed: "after" the last)."""
+    def _collective(self, what: str, fn: Callable[[], _T], meet: bool = True) -> _T:
+        """``fn()``, a collective of the group, once every rank has come to ``what`` (unnamed: "after" the last).
+
+        ``meet=False``: the ranks come straight from a collective with nothing between (the second half
+        of a pair): they are all there; it runs at once, bounded by the gloo group's timeout
+        (``_groups``: the default timeout when the group was made).
+        """
         phase = what or f"after {self.phase}"
-        self.meet(phase)
+        if meet:
+            self.meet(phase)
         try:
             return fn()
         except RuntimeError as e:  # gloo's: a rank died or left during it (they all came to it)
@@ -211,15 +220,17 @@ class DistComm:
         self._collective(what, lambda: dist.gather_object(obj, out, dst=self.global_rank(0), group=self.group))
         return out if out is not None else []
 
-    def broadcast(self, obj: Any, src: int = 0, what: str = "") -> Any:
+    def broadcast(self, obj: Any, src: int = 0, what: str = "", meet: bool = True) -> Any:
         box = [obj]
-        self._collective(what, lambda: dist.broadcast_object_list(box, src=self.global_rank(src), group=self.group))
+        self._collective(
+            what, lambda: dist.broadcast_object_list(box, src=self.global_rank(src), group=self.group), meet
+        )
         return box[0]
 
-    def max_of(self, values: Sequence[int], what: str) -> list[int]:
+    def max_of(self, values: Sequence[int], what: str, meet: bool = True) -> list[int]:
         """Each position's maximum over the ranks (one all-reduce)."""
         t = torch.tensor([int(v) for v in values], dtype=torch.int64)
-        self._collective(what, lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group))
+        self._collective(what, lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group), meet)
         return [int(v) for v in t.tolist()]
 
     def wait_for(self, work: Any, peer: int, what: str) -> None:
@@ -249,11 +260,11 @@ class DistComm:
             mine[1:] = torch.frombuffer(bytearray(hashlib.blake2b(value, digest_size=32).digest()), dtype=torch.uint8)
         ref = mine.clone()
         self._collective(what, lambda: dist.broadcast(ref, src=self.global_rank(0), group=self.group))
-        return not self._anywhere(value is None or not torch.equal(ref, mine), f"after {what or self.phase}")
+        return not self._anywhere(value is None or not torch.equal(ref, mine), what or self.phase, meet=False)
 
-    def _anywhere(self, flag: bool, what: str) -> bool:
+    def _anywhere(self, flag: bool, what: str, meet: bool = True) -> bool:
         """Whether ``flag`` is true on any rank (one all-reduce; every rank gets the same answer)."""
-        return bool(self.max_of([flag], what)[0])
+        return bool(self.max_of([flag], what, meet)[0])
 
     def agree(self, error: BaseException | None, what: str) -> None:
         """Every rank raises the same error if any rank failed; the message names the failed ranks.

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import datetime
 import threading
 from typing import Any
 
 import torch.distributed as dist
 
 from pytreeckpt.core._errors import CheckpointError
+from pytreeckpt.core._timeout import default_timeout
 
 __all__ = ["checkpoint_group", "group_ranks", "own_group", "release_groups", "this_rank"]
 
@@ -65,13 +67,16 @@ def checkpoint_group(group: Any = None) -> tuple[Any, Any]:
         if key not in _GROUPS or not all(_alive(g) for g in _GROUPS[key]):
             # (a group of a destroyed world is remade: a new default group may reuse the old one's id)
             if ranks is None:
-                _GROUPS[key] = (dist.new_group(None, backend="gloo"), dist.new_group(None, backend="gloo"))
+                _GROUPS[key] = (
+                    dist.new_group(None, backend="gloo", timeout=_gloo_timeout()),
+                    dist.new_group(None, backend="gloo", timeout=_gloo_timeout()),
+                )
             else:
                 _check_group_history(group, ranks)
                 members = list(ranks)
                 _GROUPS[key] = (
-                    dist.new_group(members, backend="gloo", use_local_synchronization=True),
-                    dist.new_group(members, backend="gloo", use_local_synchronization=True),
+                    dist.new_group(members, backend="gloo", use_local_synchronization=True, timeout=_gloo_timeout()),
+                    dist.new_group(members, backend="gloo", use_local_synchronization=True, timeout=_gloo_timeout()),
                 )
             if not _HOOKED:
                 _HOOKED.append(True)
@@ -97,6 +102,13 @@ def own_group() -> Any:
                 _HOOKED.append(True)
                 atexit.register(release_groups)
         return _GROUPS[key][0]
+
+
+def _gloo_timeout() -> datetime.timedelta:
+    """The gloo groups' own timeout: the process-wide default deadline (``core._timeout``). Their collectives
+    run once every rank has come to them (``_meet``), and their transfers are waited for with each call's
+    deadline; this bounds what nothing else does (the second collective of a pair, run without a meeting)."""
+    return datetime.timedelta(seconds=default_timeout())
 
 
 def _check_group_history(group: Any, ranks: tuple[int, ...]) -> None:

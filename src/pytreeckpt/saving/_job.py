@@ -378,7 +378,7 @@ class SaveJob:
             packed = {i for got in gathered for i in got}
             unpacked = [i for i, m in enumerate(self.metas) if m.database is not None and i not in packed]
             unpacked = [i for i in unpacked if self.metas[i].database == PACKED_DIR]
-        for i in comm.broadcast(unpacked, 0, "planning the packed arrays"):
+        for i in comm.broadcast(unpacked, 0, "planning the packed arrays", meet=False):
             self.metas[i] = dataclasses.replace(self.metas[i], database=None)
 
     def _persist_distributed(self) -> float:
@@ -397,7 +397,7 @@ class SaveJob:
             except Exception as e:
                 error = e
         self._agree(error, "preparing the checkpoint directory")
-        generation = comm.broadcast(generation, 0, "preparing the checkpoint directory")
+        generation = comm.broadcast(generation, 0, "preparing the checkpoint directory", meet=False)
         if me != 0:
             self._name(generation)
         mine_db = generation_name(f"{self.storage.packed_prefix()}/{comm.rank}", generation)

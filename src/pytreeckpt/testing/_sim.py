@@ -40,7 +40,7 @@ class SimComm:
         self.received.extend([obj] * (self.world - 1))
         return [obj] * self.world
 
-    def broadcast(self, obj: Any, src: int = 0, what: str = "") -> Any:
+    def broadcast(self, obj: Any, src: int = 0, what: str = "", meet: bool = True) -> Any:
         if self.rank == src:
             return obj
         # What rank 0 sends when every rank holds the same state: the document it read, then "they agree" (None).
