@@ -171,3 +171,22 @@ def watched_save(rank: int, world: int, root: str, slow: int, seconds: float) ->
     pytreeckpt.save(Path(root) / "ckpt", tree, spec, monitor=monitor)
     waits = [s for s in monitor.spans if s.phase.startswith("wait: ")]
     return [(s.phase, s.rank, s.seconds, s.last) for s in waits], monitor.summary() if rank == 0 else None
+
+
+def store_threads_after_saves(rank: int, world: int, root: str, saves: int) -> Any:
+    """``saves`` asynchronous saves (each on a writer thread of its own, each with meetings): how many threads
+    serve store calls before and after them (a writer's worker ends with its writer)."""
+    import gc
+    import threading
+
+    def serving() -> int:
+        gc.collect()
+        time.sleep(0.2)  # (a worker let go ends at its next look at its queue: at once)
+        return sum(t.name == "pytreeckpt-store" and t.is_alive() for t in threading.enumerate())
+
+    tree, spec = state(world, 5.0)
+    pytreeckpt.save(Path(root) / "first", tree, spec)
+    before = serving()
+    for i in range(saves):
+        pytreeckpt.async_save(Path(root) / f"a{i}", tree, spec).wait()
+    return before, serving()

@@ -59,3 +59,10 @@ def test_how_long_each_rank_waited_for_which_rank_is_in_the_monitor(tmp_path):
     assert writing[0][0] >= 2.5, writing  # (rank 1 paused 3 s before its writes)
     assert writing[1][0] < writing[0][0], writing
     assert "wait: writing the checkpoint" in summary[0], summary
+
+
+def test_the_store_workers_of_ended_writer_threads_end_with_them(tmp_path):
+    """Each async save's writer thread meets the others through a store worker of its own: it must end with the
+    writer, not pile up (a thread and a connection to the store a save)."""
+    for before, after in run_world(2, stuck_workers.store_threads_after_saves, str(tmp_path), 6):
+        assert after <= before + 1, (before, after)

@@ -29,6 +29,7 @@ import json
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -65,31 +66,39 @@ class Waited:
 
 
 class _Worker:
-    """A daemon thread that runs store calls, so that the caller can stop waiting for one."""
+    """A daemon thread that runs store calls, so that the caller can stop waiting for one.
+
+    It has its own client of each store (``Store.clone``: a connection of its own): a store's
+    client serves one call at a time, and another thread's meeting (a manager's vote beside an
+    async save's writer) may be waiting in one. It ends, closing them, once its caller's thread
+    has ended (or given it up) and let it go.
+    """
 
     def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue[tuple[Any, Callable[[Any], Any], Future[Any]]] = queue.SimpleQueue()
-        # its own client of each store (Store.clone: a connection of its own): a store's client serves one
-        # call at a time, and another thread's meeting (a manager's vote beside an async save's writer) may
-        # be waiting in one
-        self._clones: dict[int, tuple[Any, Any]] = {}
-        threading.Thread(target=self._loop, name="pytreeckpt-store", daemon=True).start()
-
-    def _loop(self) -> None:
-        while True:
-            store, fn, box = self._jobs.get()
-            try:
-                mine = self._clones.get(id(store))
-                if mine is None or mine[0] is not store:
-                    mine = self._clones[id(store)] = (store, store.clone())
-                box.set_result(fn(mine[1]))
-            except BaseException as e:
-                box.set_exception(e)
+        self._jobs: queue.SimpleQueue[tuple[Any, Callable[[Any], Any], Future[Any]] | None] = queue.SimpleQueue()
+        threading.Thread(target=_serve, args=(self._jobs,), name="pytreeckpt-store", daemon=True).start()
+        weakref.finalize(self, self._jobs.put, None)
 
     def call(self, store: Any, fn: Callable[[Any], _T], seconds: float) -> _T:
         box: Future[_T] = Future()
         self._jobs.put((store, fn, box))
         return box.result(timeout=seconds)
+
+
+def _serve(jobs: queue.SimpleQueue[tuple[Any, Callable[[Any], Any], Future[Any]] | None]) -> None:
+    clones: dict[int, tuple[Any, Any]] = {}
+    while True:
+        job = jobs.get()
+        if job is None:  # (its worker is gone)
+            return
+        store, fn, box = job
+        try:
+            mine = clones.get(id(store))
+            if mine is None or mine[0] is not store:
+                mine = clones[id(store)] = (store, store.clone())
+            box.set_result(fn(mine[1]))
+        except BaseException as e:
+            box.set_exception(e)
 
 
 _workers = threading.local()
