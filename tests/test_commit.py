@@ -334,3 +334,28 @@ def test_a_checkpoint_at_the_last_generation_is_replaced_by_one_its_reader_accep
     pytreeckpt.save(where, tree(3), overwrite=True)  # and on from there
     assert stored(path) == ["arrays/w~g2", f"{top}/0~g2"]
     assert pytreeckpt.load(path)["step"] == 3
+
+
+def test_a_listing_that_lags_behind_the_store_never_names_new_arrays_as_the_committed_ones(tmp_path, monkeypatch):
+    """An object store's listing may not show yet what was just written (SeaweedFS under load): a save that
+    replaces a checkpoint names its arrays after the committed document's too, never writing over them, so the
+    checkpoint before stays whole if the new one never commits."""
+    import pytreeckpt
+    from pytreeckpt.storage._objects import ObjectPrefix
+
+    loc = "memory://lagging/run"
+    pytreeckpt.save(loc, {"w": torch.full((64, 64), 1.0)})
+    monkeypatch.setattr(ObjectPrefix, "stored_names", lambda self, refuse_links: set())  # (it lags: sees nothing)
+    writes: list[str] = []
+    document = ObjectPrefix.write_document
+
+    def failing_commit(self, body, tail):
+        writes.append("commit")
+        raise OSError("the commit never lands")
+
+    monkeypatch.setattr(ObjectPrefix, "write_document", failing_commit)
+    with pytest.raises((OSError, pytreeckpt.CheckpointError)):
+        pytreeckpt.save(loc, {"w": torch.full((64, 64), 2.0)}, overwrite=True)
+    monkeypatch.setattr(ObjectPrefix, "write_document", document)
+    assert writes == ["commit"]
+    assert torch.equal(pytreeckpt.load(loc)["w"], torch.full((64, 64), 1.0))

@@ -133,8 +133,15 @@ def test_an_async_save_whose_writes_get_no_answer_fails_its_wait_and_commits_not
             handle.wait(GUARD)
         assert time.monotonic() - t0 < GUARD
     assert_timed_out(got.value, s3, loc)
-    with pytest.raises(pytreeckpt.NotCommittedError):
-        pytreeckpt.load(loc, timeout=60)
+    if "outcome is unknown" in str(got.value):
+        # (the chunks' PUTs were answered before the server stopped: the commit was in flight, and may land
+        # when it resumes; then the new checkpoint is there whole, else nothing)
+        with contextlib.suppress(pytreeckpt.NotCommittedError):
+            assert_tree(pytreeckpt.load(loc, timeout=60), 4)
+    else:
+        assert "in flight: leaf 'w': writing" in str(got.value)
+        with pytest.raises(pytreeckpt.NotCommittedError):
+            pytreeckpt.load(loc, timeout=60)
     round_trip(loc, 5)
 
 

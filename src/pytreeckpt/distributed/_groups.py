@@ -141,6 +141,9 @@ def release_groups() -> None:
     ``destroy_process_group()`` already shut down is only let go; one still registered
     is destroyed. Later saves and loads make new groups.
     """
+    from pytreeckpt.distributed._meet import stop_workers  # (_meet imports nothing of this module)
+
+    stop_workers()
     with _GROUPS_LOCK:
         groups = [g for pair in _GROUPS.values() for g in pair]
         _GROUPS.clear()

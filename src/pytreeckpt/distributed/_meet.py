@@ -76,13 +76,29 @@ class _Worker:
 
     def __init__(self) -> None:
         self._jobs: queue.SimpleQueue[tuple[Any, Callable[[Any], Any], Future[Any]] | None] = queue.SimpleQueue()
-        threading.Thread(target=_serve, args=(self._jobs,), name="pytreeckpt-store", daemon=True).start()
+        self.stopped = False
+        self.thread = threading.Thread(target=_serve, args=(self._jobs,), name="pytreeckpt-store", daemon=True)
+        self.thread.start()
         weakref.finalize(self, self._jobs.put, None)
+        _ALL.add(self)
+
+    def stop(self) -> None:
+        """End its thread once the call it runs (if any) is over; a later call of its thread gets a new worker."""
+        self.stopped = True
+        self._jobs.put(None)
 
     def call(self, store: Any, fn: Callable[[Any], _T], seconds: float) -> _T:
         box: Future[_T] = Future()
         self._jobs.put((store, fn, box))
         return box.result(timeout=seconds)
+
+
+def _own_client(store: Any) -> Any:
+    """A client of ``store`` of its own (a store that cannot be cloned, a Python one, is used as it is)."""
+    try:
+        return store.clone()
+    except (RuntimeError, AttributeError, NotImplementedError):
+        return store
 
 
 def _serve(jobs: queue.SimpleQueue[tuple[Any, Callable[[Any], Any], Future[Any]] | None]) -> None:
@@ -95,13 +111,26 @@ def _serve(jobs: queue.SimpleQueue[tuple[Any, Callable[[Any], Any], Future[Any]]
         try:
             mine = clones.get(id(store))
             if mine is None or mine[0] is not store:
-                mine = clones[id(store)] = (store, store.clone())
+                mine = clones[id(store)] = (store, _own_client(store))
             box.set_result(fn(mine[1]))
         except BaseException as e:
             box.set_exception(e)
 
 
 _workers = threading.local()
+_ALL: weakref.WeakSet[_Worker] = weakref.WeakSet()
+
+
+def stop_workers(wait: float = 1.0) -> None:
+    """End every store worker's thread (at exit, with the checkpoint groups: no thread of ours outlives them);
+    each is waited for up to ``wait`` seconds (one stuck in a call to a store that stopped is left to it)."""
+    workers = list(_ALL)
+    for worker in workers:
+        worker.stop()
+    for worker in workers:
+        worker.thread.join(wait)
+    with _MEETINGS_LOCK:
+        _MEETINGS.clear()
 
 
 def store_call(store: Any, fn: Callable[[Any], _T], seconds: float, what: str) -> _T:
@@ -113,7 +142,7 @@ def store_call(store: Any, fn: Callable[[Any], _T], seconds: float, what: str) -
         to its call; this thread's next call gets another).
     """
     worker = getattr(_workers, "worker", None)
-    if worker is None:
+    if worker is None or worker.stopped:
         worker = _workers.worker = _Worker()
     try:
         return worker.call(store, fn, seconds)
@@ -135,7 +164,9 @@ def store_call(store: Any, fn: Callable[[Any], _T], seconds: float, what: str) -
 
 
 def ranks_text(ranks: list[int] | tuple[int, ...]) -> str:
-    """>>> ranks_text([3]), ranks_text([1, 2, 3]), ranks_text([0, 5])
+    """Ranks as an error names them.
+
+    >>> ranks_text([3]), ranks_text([1, 2, 3]), ranks_text([0, 5])
     ('rank 3', 'ranks 1-3', 'ranks 0, 5')
     """
     ranks = list(ranks)

@@ -78,7 +78,9 @@ class CommitProtocol(StorageBase):
             self.place.make_ready()
         except OSError as e:
             raise CheckpointError(f"cannot prepare {self.url} for a new checkpoint: {e}") from e
-        return next_generation(stored)
+        # (the committed document's names too: a listing that lags behind the store, an object store's under
+        # load, must not let the new arrays be named as the committed ones and written over them)
+        return next_generation(stored | (self._kept or frozenset()))
 
     def commit(
         self,
