@@ -160,6 +160,6 @@ def test_the_latency_benchmark_times_each_command_of_each_version() -> None:
     assert set(r["seconds"]) == {"now", "before"}
     assert all(set(s) == {"ls", "inspect", "verify"} for s in r["seconds"].values())
     assert all(len(t) == 1 and t[0] > 0 for ts in r["rounds"].values() for t in ts.values())
-    assert [row[2:] for row in cli_latency.targets(r)] == [("<=", 0.5)] * 3
+    assert [row[2:] for row in cli_latency.targets(r)] == [("<=", 0.3)] * 3
     with pytest.raises(RuntimeError, match="cannot read no-such-revision"):
         cli_latency.run("no-such-revision", repeat=1)
