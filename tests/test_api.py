@@ -300,7 +300,8 @@ def test_files_are_where_the_metadata_says(tmp_path: Path) -> None:
 
 
 def _count_reads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    from pytreeckpt.loading import _inspect, _run
+    from pytreeckpt.execute import _executor
+    from pytreeckpt.loading import _run
 
     counted: list[int] = []
     original = _run.read_arrays
@@ -311,7 +312,7 @@ def _count_reads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
         return n
 
     monkeypatch.setattr(_run, "read_arrays", read)  # (load's reads)
-    monkeypatch.setattr(_inspect, "read_arrays", read)  # (load_slice's and read_array's)
+    monkeypatch.setattr(_executor, "read_arrays", read)  # (load_slice's and read_array's, imported as they run)
     small = Storage.read_small
 
     def read_small(self: Storage, metas: Any) -> list[bytes]:

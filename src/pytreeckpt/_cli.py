@@ -18,8 +18,9 @@ from pytreeckpt.format._paths import LOCK_FILE, METADATA_FILE, STORED_DIRS
 if TYPE_CHECKING:
     from pytreeckpt.format import ArrayMeta
 
-# Each command imports what it needs when it runs: ls, inspect and verify import no torch (and ls of a
-# local directory neither numpy nor TensorStore), so they answer at once.
+# Each command imports what it needs when it runs: ls, inspect and verify import no torch, and on a local
+# checkpoint neither TensorStore nor ml_dtypes (verify of compressed arrays or OCDBT databases does), so they
+# answer at once.
 
 __all__ = ["main"]
 

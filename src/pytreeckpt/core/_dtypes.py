@@ -3,15 +3,20 @@
 Every dtype is stored bit for bit. Most have a zarr v3 data type of their own; the few
 that have none (torch's complex32 and packed sub-byte types) are stored as unsigned
 integers of the same width, with the true dtype recorded in the metadata.
+
+Names, widths and stored types are known without importing torch or ml_dtypes (ml_dtypes
+0.7 takes about 2 s to import): ml_dtypes is imported when the numpy dtype of one of its
+types is first asked for (:attr:`DType.numpy`), or a numpy-only type of its is named.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
 from dataclasses import dataclass
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-import ml_dtypes
 import numpy as np
 
 if TYPE_CHECKING:  # (imported on first use: reading a checkpoint's metadata needs no torch)
@@ -43,10 +48,21 @@ class DType:
         """The numpy dtype of the stored array's elements."""
         return _numpy_of_storage(self.storage)
 
+    @property
+    def raw(self) -> np.dtype:
+        """Elements of this width whose values are not interpreted (``V<itemsize>``): what a check of stored
+        bytes and their checksums reads them as, with no ml_dtypes for bfloat16 or float8."""
+        return np.dtype((np.void, self.itemsize))
+
+
+def _ml_dtypes() -> ModuleType:
+    """ml_dtypes, imported on first use (bfloat16, float8 and the numpy-only types are its)."""
+    return importlib.import_module("ml_dtypes")
+
 
 @functools.lru_cache(maxsize=64)
 def _numpy_of_storage(storage: str) -> np.dtype:
-    scalar_type: Any = getattr(ml_dtypes, storage, storage)
+    scalar_type: Any = storage if storage in _NUMPY_NATIVE else getattr(_ml_dtypes(), storage, storage)
     dtype: np.dtype = np.dtype(scalar_type)
     return dtype
 
@@ -101,17 +117,23 @@ _WIDTH: dict[str, int] = {
     "complex128": 16,
 }
 _BY_NAME: dict[str, DType] = {n: DType(n, s, _WIDTH[s]) for n, s in _STORAGE.items()}
-# numpy-only dtypes torch does not have: stored under their own name (TensorStore's zarr v3
-# has no uint4, so ml_dtypes' uint4 is refused like any other dtype without a stored form).
-_NUMPY_ONLY = frozenset(n for n in ("float8_e4m3b11fnuz", "int4", "float4_e2m1fn") if hasattr(ml_dtypes, n))
+# numpy-only dtypes torch does not have: ml_dtypes' (one byte an element), stored under their own
+# name (TensorStore's zarr v3 has no uint4, so ml_dtypes' uint4 is refused like any other dtype
+# without a stored form). Known where the installed ml_dtypes has them (asked on first use).
+_NUMPY_ONLY = frozenset({"float8_e4m3b11fnuz", "int4", "float4_e2m1fn"})
 for _n in _NUMPY_ONLY:
-    _BY_NAME.setdefault(_n, DType(_n, _n, np.dtype(getattr(ml_dtypes, _n)).itemsize))
+    _BY_NAME.setdefault(_n, DType(_n, _n, 1))
+
+
+@functools.cache
+def _ml_dtypes_has(name: str) -> bool:
+    return hasattr(_ml_dtypes(), name)
 
 
 def _known(name: str) -> DType:
-    """The :class:`DType` named ``name``; KeyError if unknown (or a torch dtype this torch has not)."""
+    """The :class:`DType` named ``name``; KeyError if unknown (or a dtype this torch or ml_dtypes has not)."""
     d = _BY_NAME[name]
-    if name not in _NUMPY_ONLY and not _torch_has(name):
+    if not (_ml_dtypes_has(name) if name in _NUMPY_ONLY else _torch_has(name)):
         raise KeyError(name)
     return d
 
@@ -145,8 +167,11 @@ def dtype_of_torch(dtype: torch.dtype) -> DType:
 def dtype_of_numpy(dtype: np.dtype) -> DType:
     """The :class:`DType` of a numpy dtype (ml_dtypes' bfloat16 and float8 included)."""
     name = np.dtype(dtype).name
-    if name in _BY_NAME and _BY_NAME[name].storage == name and _torch_has(name):
-        return _BY_NAME[name]
+    if name in _BY_NAME and _BY_NAME[name].storage == name:
+        try:
+            return _known(name)
+        except KeyError:
+            pass
     raise ValueError(f"numpy dtype {dtype} cannot be stored (object, string and structured dtypes are not supported)")
 
 

@@ -21,8 +21,6 @@ from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import optree
-
 from ._errors import MetadataError
 from ._keys import KeyEntry, entry_from_json, entry_key, entry_to_json, keystr, shown
 from ._names import is_structseq, resolve_class, reusable_dataclass, reusable_tuple, static_attr
@@ -245,7 +243,9 @@ class Node:
                         )
                     node.extra["unflatten"] = lambda _m, kids, typ=typ: typ(kids)
                 else:
-                    entry = optree.register_pytree_node.get(typ, namespace=namespace) if namespace else None
+                    # (optree's registry where optree is imported: else nothing can be registered in it)
+                    registry = sys.modules.get("optree") if namespace else None
+                    entry = None if registry is None else registry.register_pytree_node.get(typ, namespace=namespace)
                     if entry is not None:
                         node.extra["unflatten"] = entry.unflatten_func
                         node.extra["metadata"] = decode_value(data["metadata_json"])

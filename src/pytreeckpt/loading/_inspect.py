@@ -13,17 +13,14 @@ from typing import TYPE_CHECKING, Any
 from pytreeckpt.core._errors import CheckpointError, MetadataError, TargetMismatchError, where
 from pytreeckpt.core._keys import KeyEntry, keystr, typed_keystr
 from pytreeckpt.core._region import Region
-from pytreeckpt.core._sharding import ExplicitRegions
-from pytreeckpt.execute._executor import read_arrays
 from pytreeckpt.format import ArrayMeta, CheckpointDoc
-from pytreeckpt.plan import ArraySpec, plan_load
 from pytreeckpt.storage import ExecutorOptions, Storage
 from pytreeckpt.storage._location import Where, describe
 
 from ._open import again_if_replaced, check_memory, open_checkpoint, replaced
 from ._per_rank import per_rank_sites
 
-if TYPE_CHECKING:  # (the leaf kinds and the reads are imported where used: metadata and verify need no torch)
+if TYPE_CHECKING:  # (the leaf kinds, the plan and the executor imported where used: metadata and verify need none)
     import numpy as np
     import torch
 
@@ -198,8 +195,11 @@ def verify_once(path: PathLike, executor: ExecutorOptions | None, seen: list[byt
 def read_region(storage: Storage, path: PathLike, meta: ArrayMeta, region: Region | None) -> torch.Tensor:
     """:func:`read_array` on ``storage`` (the location ``path``)."""
     from pytreeckpt.core._dtypes import numpy_view
+    from pytreeckpt.core._sharding import ExplicitRegions
+    from pytreeckpt.execute._executor import read_arrays
     from pytreeckpt.execute._memory import AllocationFailed, Prefault
     from pytreeckpt.leaves import Buffers
+    from pytreeckpt.plan import ArraySpec, plan_load
 
     storage.check_stored_sizes([meta])
     region = Region.full(meta.shape) if region is None else region

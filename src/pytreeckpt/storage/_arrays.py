@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import tensorstore as ts
 
 from pytreeckpt.core._errors import CheckpointError, CheckpointTimeoutError, PermissionDeniedError
 from pytreeckpt.core._grid import ChunkGrid
@@ -121,7 +120,12 @@ class ArrayIO(PackedIO):
         }
         return spec
 
-    def open_arrays(self, metas: Sequence[ArrayMeta], create: bool) -> list[Any]:
+    def open_arrays(self, metas: Sequence[ArrayMeta], create: bool, check_only: bool = False) -> list[Any]:
+        """Open (or create) the stored arrays, each checked first: what reads each (TensorStore's array, a packed
+        array's database reader, None where this package reads its chunk files). ``check_only``: for
+        :meth:`verify`, which reads the chunk files of every local uncompressed array itself (:meth:`_reads_files`).
+        """
+
         def failed(meta: ArrayMeta, e: Exception) -> CheckpointError:
             where = repr(meta.path)
             if meta.database is not None:
@@ -167,7 +171,7 @@ class ArrayIO(PackedIO):
                         settle()
                     raise failed(meta, e) from e
                 continue
-            if not create and self._reads_files(meta):
+            if not create and self._reads_files(meta, check_only):
                 # Its chunk files are read (read_chunk) and written (write_chunk) by the executor, not by TensorStore:
                 # nothing to open. Its zarr.json, which TensorStore and zarr read, must describe the array as the
                 # document does (checked in line: on the I/O pool, 2,000 cold arrays took 1.83 s against 1.62 s).
@@ -182,6 +186,8 @@ class ArrayIO(PackedIO):
                     raise
                 futures.append(_Ready(None))
                 continue
+            import tensorstore as ts  # (here: what reads chunk files and zip archives needs none)
+
             spec = self._spec(meta, create)
             try:  # a spec TensorStore rejects (e.g. sizes past its limits) fails here, not in the future
                 if create:
@@ -232,10 +238,15 @@ class ArrayIO(PackedIO):
                 break
         return cold_files(paths)
 
-    def _reads_files(self, meta: ArrayMeta) -> bool:
-        """Whether this array's chunks are read as files by the executor (:func:`read_chunk`), not by TensorStore."""
+    def _reads_files(self, meta: ArrayMeta, check_only: bool = False) -> bool:
+        """Whether this array's chunks are read as files by the executor (:func:`read_chunk`), not by TensorStore.
+
+        A load's are, of arrays with elements and dimensions; a check's (``check_only``: :meth:`verify`, the bytes
+        and checksums of each chunk, not its values) of 0-d and empty arrays too, so that verifying a local
+        checkpoint of uncompressed arrays imports no TensorStore.
+        """
         local_plain = self.place.has_files and LITTLE_ENDIAN and meta.compression is None and meta.database is None
-        return local_plain and meta.nbytes > 0 and len(meta.shape) > 0
+        return local_plain and (check_only or (meta.nbytes > 0 and len(meta.shape) > 0))
 
     def write_chunk_files(
         self, meta: ArrayMeta, region: Region, data: np.ndarray, record: Callable[[tuple[int, ...], int], None] | None
@@ -351,7 +362,7 @@ class ArrayIO(PackedIO):
         whole = ChunkGrid(meta.shape, meta.chunk_shape).region(index)
         if handles(meta):
             return PackedRead(store, meta, index, targets, what, expected, lazy, workers)
-        if self._reads_files(meta):
+        if self._reads_files(meta, check_only=not targets):  # (no targets: verify's check of the chunk)
             files = self.files
             assert files is not None
             path = self.root / meta.path / _chunk_key(index)
@@ -371,6 +382,8 @@ class ArrayIO(PackedIO):
         # chunk lands in scratch memory and the targets' boxes are copied from there.
         straight = len(targets) == 1 and targets[0][1].shape == whole.shape and targets[0][1].dtype == meta.dtype.numpy
         out: Future[Any] = Future()
+        import tensorstore as ts
+
         try:
             if straight:
                 landing = ts.array(targets[0][1]).write(store[whole.slices()])
@@ -424,7 +437,7 @@ class ArrayIO(PackedIO):
             try:
                 self.check_stored_sizes([meta])
                 self.check_files([meta])
-                (store,) = self.open_arrays([meta], create=False)
+                (store,) = self.open_arrays([meta], create=False, check_only=True)
             except CheckpointError as e:
                 found(at, meta.key, None, e)
                 continue

@@ -1,6 +1,6 @@
 """A checkpoint location's state, which every part of :class:`~pytreeckpt.storage.Storage` shares: its
-location, options, TensorStore context and :class:`~pytreeckpt.storage._place.Place` (a local directory or
-a key-value store prefix)."""
+location, options, TensorStore context (made on first use) and :class:`~pytreeckpt.storage._place.Place`
+(a local directory or a key-value store prefix)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 from pytreeckpt.plan import ChunkingOptions
 from pytreeckpt.storage._deadline import StoreWaits
 from pytreeckpt.storage._local import LocalDir
-from pytreeckpt.storage._location import KvPrefix, Where, make_context, resolve
+from pytreeckpt.storage._location import ContextOnUse, KvPrefix, Where, resolve
 from pytreeckpt.storage._objects import ObjectPrefix
 from pytreeckpt.storage._options import ExecutorOptions
 from pytreeckpt.storage._place import Place
@@ -23,7 +23,9 @@ class StorageBase:
         self.location = resolve(path)
         self.url = self.location.url
         self.options = options or ExecutorOptions()
-        self.context = make_context(self.location, self.options.file_io_concurrency, self.options.data_copy_concurrency)
+        self.contexts = ContextOnUse(
+            self.location, self.options.file_io_concurrency, self.options.data_copy_concurrency
+        )
         # The place's way of doing what differs between a directory and an object store; ``files``
         # is the same place where arrays are files this package reads and writes itself.
         self.kv: KvPrefix | None = None
@@ -43,6 +45,12 @@ class StorageBase:
         # when the save began (None: unreadable, so all is kept), and whether it prepared.
         self._kept: frozenset[str] | None = None
         self._prepared = False
+
+    @property
+    def context(self) -> Any:
+        """The TensorStore context of this location's arrays and databases, made on first use: a local checkpoint
+        whose arrays are all chunk files or zip archives is read without importing TensorStore."""
+        return self.contexts.get()
 
     @property
     def root(self) -> Path:

@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import tensorstore as ts
 
 from pytreeckpt.core._errors import CheckpointError, CheckpointTimeoutError
 from pytreeckpt.core._grid import ChunkGrid
@@ -51,7 +50,7 @@ class FileChecks(StorageBase):
     def packed(self) -> PackedStores:
         """The stores of this checkpoint's OCDBT databases and zip archives (see :mod:`pytreeckpt.storage._packed`)."""
         if self._packed is None:
-            self._packed = PackedStores(self.location, self.context, self.waits)
+            self._packed = PackedStores(self.location, self.contexts, self.waits)
         return self._packed  # type: ignore[no-any-return]
 
     def check_stored_sizes(self, metas: Sequence[ArrayMeta]) -> None:
@@ -85,6 +84,8 @@ class FileChecks(StorageBase):
             if in_archives(meta.database):
                 n = db.chunk_entries(meta.path)
             else:
+                import tensorstore as ts  # (an OCDBT database: its reader is TensorStore's)
+
                 listing = db.list(ts.KvStore.KeyRange(prefix + "/", prefix + "0"))
                 n = len(self.waits.wait(listing, f"listing the chunks of {meta.path!r} in {meta.database!r}"))
         except CheckpointTimeoutError:
@@ -135,7 +136,7 @@ def _read_file_chunk(
         valid,
         targets,
         what,
-        dtype=meta.dtype.numpy,
+        dtype=meta.dtype.numpy if targets else meta.dtype.raw,  # (none: a check of the bytes alone, as verify's)
         expected=expected,
         inside=inside,
         direct=direct,

@@ -383,6 +383,26 @@ def make_context(r: Resolved, file_io_concurrency: int = 16, data_copy_concurren
     return ts.Context(spec)
 
 
+class ContextOnUse:
+    """A location's one TensorStore context (:func:`make_context`), made when first asked for: reading a local
+    checkpoint's chunk files and zip archives, which this library does itself, imports no TensorStore."""
+
+    def __init__(self, r: Resolved, file_io_concurrency: int, data_copy_concurrency: int) -> None:
+        self._args = (r, file_io_concurrency, data_copy_concurrency)
+        self._context: Any = None
+        self._lock = threading.Lock()
+
+    def get(self) -> Any:
+        """The context (the same one every time: the arrays and databases of a location share it)."""
+        context = self._context
+        if context is None:
+            with self._lock:
+                if self._context is None:
+                    self._context = make_context(*self._args)
+                context = self._context
+        return context
+
+
 # --------------------------------------------------------------------------- whole objects
 
 

@@ -7,7 +7,8 @@ uncompressed packed array's keys are simple enough to write and read here instea
 key-value store per database: ``<path>/zarr.json`` (the metadata document TensorStore would
 write, byte for byte) and ``<path>/c/...`` (each chunk's little-endian bytes, edge chunks
 padded with zeros, followed by their crc32c), written in transactions of bounded size.
-The stored form is the same as TensorStore's, so either reads what the other wrote.
+The stored form is the same as TensorStore's, so either reads what the other wrote. Zip archives
+are read and written without TensorStore (it is imported for OCDBT databases only).
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
-import tensorstore as ts
 
 from pytreeckpt.core._checksum import crc32c
 from pytreeckpt.core._dtypes import dtype_from_name
@@ -32,7 +32,7 @@ from pytreeckpt.storage._archive import ArchiveReader, ArchiveWriter, entry_byte
 from pytreeckpt.storage._chunkfiles import LITTLE_ENDIAN, _encoded_prefix
 from pytreeckpt.storage._deadline import StoreWaits, cancel
 from pytreeckpt.storage._io import OCDBT_INLINE_BYTES, _chunk_key
-from pytreeckpt.storage._location import OCDBT_CACHE, Resolved
+from pytreeckpt.storage._location import OCDBT_CACHE, ContextOnUse, Resolved
 
 FLUSH_BYTES = 32 * 1024 * 1024
 """A database's transaction is committed (and a new one begun) once it holds this many bytes."""
@@ -55,23 +55,31 @@ def handles(meta: ArrayMeta) -> bool:
     return meta.database is not None and meta.compression is None and LITTLE_ENDIAN and meta.nbytes > 0
 
 
+def _fill_value(storage: str) -> Any:
+    """The fill value TensorStore writes for an array of stored type ``storage`` (zero, as JSON of that type)."""
+    if storage == "bool":
+        return False
+    if storage.startswith(("int", "uint")):
+        return 0
+    if storage.startswith("complex"):
+        return [0.0, 0.0]
+    return 0.0
+
+
 @functools.lru_cache(maxsize=256)
 def _template(storage: str, ndim: int) -> tuple[str, str, str]:
-    """The zarr.json TensorStore writes for an uncompressed array of this type and rank, cut around its shapes.
-
-    Asked of TensorStore itself (an array made in memory), once per type and rank:
+    """The zarr.json TensorStore writes for an uncompressed array of this type and rank, cut around its shapes:
     ``head + chunk_shape + middle + shape + tail``, the shapes' numbers joined by commas.
+
+    Made here, without TensorStore (reading a checkpoint needs none): TensorStore's own document, its keys
+    sorted, without spaces, the ``bytes`` codec's endianness left out for one-byte types (tests/test_storage.py
+    compares the two for every type and several ranks).
     """
     dtype = dtype_from_name(storage)
-    spec = {
-        "driver": "zarr3",
-        "kvstore": {"driver": "memory"},
-        "metadata": zarr_metadata(dtype, [1] * ndim, [1] * ndim),
-        "create": True,
-    }
-    kv = ts.open(spec).result().kvstore
-    assert kv is not None
-    doc = json.loads(kv.read("zarr.json").result().value)
+    doc = zarr_metadata(dtype, [0] * ndim, [0] * ndim)
+    if dtype.itemsize == 1:
+        doc["codecs"][0] = {"name": "bytes"}
+    doc.update(fill_value=_fill_value(storage), node_type="array", zarr_format=3)
     doc["chunk_grid"]["configuration"]["chunk_shape"] = ["@CHUNK@"]
     doc["shape"] = ["@SHAPE@"]
     text = json.dumps(doc, sort_keys=True, separators=(",", ":"))
@@ -149,8 +157,11 @@ def encode_chunk(data: np.ndarray, chunk: tuple[int, ...]) -> tuple[bytes, int]:
     return body + crc.to_bytes(4, "little"), crc
 
 
-def decode_chunk(value: bytes, meta: ArrayMeta, what: str, expected: int | None) -> np.ndarray:
-    """A stored chunk's elements (the whole chunk shape), its size and checksums checked."""
+def decode_chunk(
+    value: bytes, meta: ArrayMeta, what: str, expected: int | None, dtype: np.dtype | None = None
+) -> np.ndarray:
+    """A stored chunk's elements (the whole chunk shape), its size and checksums checked: of ``dtype`` (the
+    stored type's when None; ``meta.dtype.raw`` where only the bytes are checked)."""
     size = math.prod(meta.chunk_shape) * meta.dtype.itemsize
     if len(value) != size + 4:
         raise CheckpointError(
@@ -169,14 +180,16 @@ def decode_chunk(value: bytes, meta: ArrayMeta, what: str, expected: int | None)
             f"{what} is not the chunk the metadata records: it has crc32c {crc:#010x}, the metadata "
             f"records {expected:#010x} (a chunk moved, swapped or replaced)"
         )
-    return np.frombuffer(value, dtype=meta.dtype.numpy, count=size // meta.dtype.itemsize).reshape(meta.chunk_shape)
+    if dtype is None:
+        dtype = meta.dtype.numpy
+    return np.frombuffer(value, dtype=dtype, count=size // meta.dtype.itemsize).reshape(meta.chunk_shape)
 
 
 class PackedStores:
     """One key-value store per OCDBT database of this checkpoint; writes go through bounded transactions."""
 
-    def __init__(self, location: Resolved, context: Any, waits: StoreWaits | None = None) -> None:
-        self.location, self.context = location, context
+    def __init__(self, location: Resolved, contexts: ContextOnUse, waits: StoreWaits | None = None) -> None:
+        self.location, self.contexts = location, contexts
         self.waits = waits or StoreWaits(None)
         self._readers: dict[str, Any] = {}
         self._writers: dict[str, tuple[Any, Any]] = {}  # database -> (store, its open transaction)
@@ -202,7 +215,9 @@ class PackedStores:
                     assert self.location.path is not None  # (archives are written to local directories only)
                     self._readers[database] = ArchiveReader(self.location.path / database, database)
                 else:
-                    opened = ts.KvStore.open(self._spec(database, False), context=self.context)
+                    import tensorstore as ts  # (OCDBT databases only: archives are read here)
+
+                    opened = ts.KvStore.open(self._spec(database, False), context=self.contexts.get())
                     self._readers[database] = self.waits.wait(opened, f"opening the database {database!r}")
             return self._readers[database]
 
@@ -254,9 +269,11 @@ class PackedStores:
         if in_archives(database):
             self.write_many(database, ((key, value),), leaf)
             return None
+        import tensorstore as ts
+
         with self._lock:
             if database not in self._writers:
-                opened = ts.KvStore.open(self._spec(database, True), context=self.context)
+                opened = ts.KvStore.open(self._spec(database, True), context=self.contexts.get())
                 store = self.waits.wait(opened, f"opening the database {database!r}")
                 self._writers[database] = (store, ts.Transaction())
                 self._buffered[database] = 0

@@ -268,7 +268,9 @@ class _Landed:
         return self
 
 
-def _landed(landing: Any, meta: ArrayMeta, what: str, expected: int | None) -> np.ndarray:
+def _landed(
+    landing: Any, meta: ArrayMeta, what: str, expected: int | None, dtype: np.dtype | None = None
+) -> np.ndarray:
     """A packed chunk's key-value read, waited for and checked (see :func:`decode_chunk`): the whole chunk."""
     try:
         got = landing.result()
@@ -278,7 +280,7 @@ def _landed(landing: Any, meta: ArrayMeta, what: str, expected: int | None) -> n
         raise CheckpointError(
             f"{what} of {meta.path!r} is missing from {describe_database(meta.database)} (leaf {meta.key!r})"
         )
-    return decode_chunk(got.value, meta, what, expected)
+    return decode_chunk(got.value, meta, what, expected, dtype)
 
 
 class PackedRead:
@@ -332,7 +334,7 @@ class PackedRead:
 
     def _check(self) -> None:
         meta, targets, what, expected = self._args
-        data = _landed(self._landing, meta, what, expected)
+        data = _landed(self._landing, meta, what, expected, None if targets else meta.dtype.raw)  # (none: verify's)
         for box, dest in targets:
             dest[...] = data[box]
 
