@@ -29,8 +29,8 @@ _CELL = 11  # the widest label drawn whole
 
 
 def ranks_text(ranks: Sequence[int], world: int) -> str:
-    """``ranks`` (sorted) as runs, ``"0-3,8"``; ``"all"`` when every one of ``world`` (more than one) ranks."""
-    if world > 1 and len(ranks) == world:
+    """``ranks`` (sorted) as runs, ``"0-3,8"``; ``"all"`` when every one of ``world`` (more than 4) ranks."""
+    if world > 4 and len(ranks) == world:
         return "all"
     runs: list[str] = []
     i = 0
