@@ -8,13 +8,13 @@ import math
 from pathlib import Path
 from typing import Any
 
+import look_workers as w
 import numpy as np
 import pytest
 import torch
 from helpers import packed_in, unpacked
 from multiproc import run_world
 
-import look_workers as w
 import pytreeckpt
 from pytreeckpt import ChunkingOptions, Compression
 from pytreeckpt._cli import main
@@ -74,11 +74,14 @@ def test_diff_of_checkpoints_saved_at_4_ranks_names_the_one_leaf_that_differs(
     assert "5 leaves: 4 equal, 1 differ" in out
     status, doc = cli_json(capsys, "diff", a, b)
     assert status == 1
-    assert doc["equal"] is False and doc["counts"]["values"] == 1 and doc["counts"]["equal"] == 4
+    assert doc["equal"] is False
+    assert doc["counts"]["values"] == 1
+    assert doc["counts"]["equal"] == 4
     assert [leaf["key"] for leaf in doc["leaves"] if leaf["status"] != "equal"] == ["grid"]
     status, out, _ = cli(capsys, "diff", a, a, "--all")
     assert status == 0
-    assert "5 leaves: 5 equal" in out and "rep" in out
+    assert "5 leaves: 5 equal" in out
+    assert "rep" in out
 
 
 def test_diff_of_a_4_rank_checkpoint_and_a_single_process_save_chunked_otherwise_is_equal(
@@ -150,7 +153,8 @@ def test_diff_names_shapes_dtypes_kinds_values_and_leaves_only_in_one(
     assert report.chunks == 1  # only "same" is read: the others differ by their metadata
     status, out, _ = cli(capsys, "diff", tmp_path / "a", tmp_path / "b")
     assert status == 1
-    assert "only in A" in out and "only in B" in out
+    assert "only in A" in out
+    assert "only in B" in out
     assert cli(capsys, "diff", tmp_path / "a", tmp_path / "a")[0] == 0
 
 
@@ -173,7 +177,8 @@ def test_diff_compares_elements_bit_for_bit_and_measures_finite_differences(tmp_
     )
     r = pytreeckpt.diff(tmp_path / "a", tmp_path / "b")
     assert (r["x"].differing, r["x"].nonfinite) == (4, 2)  # -0.0, inf vs 1, 2 vs nan, -4 vs -4.5; nan == nan
-    assert r["x"].max_abs == 0.5 and r["x"].max_rel == pytest.approx(0.5 / 4.5)
+    assert r["x"].max_abs == 0.5
+    assert r["x"].max_rel == pytest.approx(0.5 / 4.5)
     assert (r["ints"].differing, r["ints"].max_abs, r["ints"].max_rel) == (1, 3.0, 0.3)
     assert (r["bf"].differing, r["bf"].max_abs) == (1, 0.5)
     assert (r["z"].differing, r["z"].max_abs) == (1, 3.0)  # |(2-2j) - (2+1j)|
@@ -216,14 +221,17 @@ def test_diff_holds_one_batch_of_chunks_at_a_time(tmp_path: Path, monkeypatch: p
     monkeypatch.setattr(_chunks, "read_arrays", counted)
     monkeypatch.setattr(_chunks, "BATCH_BYTES", 0)
     r = pytreeckpt.diff(tmp_path / "a", tmp_path / "b")
-    assert r["big"].differing == big.numel() and r["big"].max_abs == 1.0
+    assert r["big"].differing == big.numel()
+    assert r["big"].max_abs == 1.0
     assert len(asked) == 2 * (16 + 1)  # each chunk read once from each side
     assert max(asked) == chunk
-    assert r.peak_bytes == 2 * chunk and r.chunks == 17
+    assert r.peak_bytes == 2 * chunk
+    assert r.chunks == 17
     asked.clear()
     monkeypatch.setattr(_chunks, "BATCH_BYTES", 4 * chunk)  # batches of 4 chunks: 4 calls a side for "big"
     r = pytreeckpt.diff(tmp_path / "a", tmp_path / "b")
-    assert max(asked) == 4 * chunk and r.peak_bytes == 8 * chunk
+    assert max(asked) == 4 * chunk
+    assert r.peak_bytes == 8 * chunk
     assert sum(asked) == 2 * (big.numel() * 4 + 12)
 
 
@@ -236,11 +244,13 @@ def test_diff_of_a_damaged_chunk_or_a_missing_checkpoint_exits_2_naming_it(
     raw = chunk.read_bytes()
     chunk.write_bytes(bytes([raw[0] ^ 0x80]) + raw[1:])
     status, _, err = cli(capsys, "diff", tmp_path / "a", tmp_path / "b")
-    assert status == 2 and "'w'" in err
+    assert status == 2
+    assert "'w'" in err
     with pytest.raises(pytreeckpt.CheckpointError, match="'w'"):
         pytreeckpt.diff(tmp_path / "a", tmp_path / "b")
     status, _, err = cli(capsys, "diff", tmp_path / "a", tmp_path / "nothing")
-    assert status == 2 and "nothing" in err
+    assert status == 2
+    assert "nothing" in err
     with pytest.raises(TypeError, match="diff: executor must be an ExecutorOptions"):
         pytreeckpt.diff(tmp_path / "a", tmp_path / "a", executor=4)  # type: ignore[arg-type]
 
@@ -248,7 +258,9 @@ def test_diff_of_a_damaged_chunk_or_a_missing_checkpoint_exits_2_naming_it(
 # --------------------------------------------------------------------------------------------- inspect --stats
 
 
-def test_inspect_stats_reads_every_chunk_and_flags_nan_and_inf(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_inspect_stats_reads_every_chunk_and_flags_nan_and_inf(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     chunking = ChunkingOptions(single_chunk_bytes=0, min_chunk_bytes=0, max_chunk_bytes=KiB)
     g = torch.Generator().manual_seed(2)
     w_ = torch.randn(40, 30, generator=g)
@@ -270,17 +282,19 @@ def test_inspect_stats_reads_every_chunk_and_flags_nan_and_inf(tmp_path: Path, c
     stats = {s["key"]: s for s in doc["arrays"]}
     assert list(stats) == ["w", "bad", "bf", "ints", "empty"]  # arrays only, in the document's order
     x = w_.double().numpy()
-    assert stats["w"]["min"] == pytest.approx(x.min()) and stats["w"]["max"] == pytest.approx(x.max())
-    assert stats["w"]["mean"] == pytest.approx(x.mean()) and stats["w"]["norm"] == pytest.approx(np.linalg.norm(x))
+    assert stats["w"]["min"] == pytest.approx(x.min())
+    assert stats["w"]["max"] == pytest.approx(x.max())
+    assert stats["w"]["mean"] == pytest.approx(x.mean())
+    assert stats["w"]["norm"] == pytest.approx(np.linalg.norm(x))
     assert (stats["w"]["nan"], stats["w"]["inf"]) == (0, 0)
     finite = bad.double().numpy()[np.isfinite(bad.numpy())]
     assert (stats["bad"]["nan"], stats["bad"]["inf"]) == (2, 1)
-    assert stats["bad"]["mean"] == pytest.approx(finite.mean()) and stats["bad"]["norm"] == pytest.approx(
-        np.linalg.norm(finite)
-    )
+    assert stats["bad"]["mean"] == pytest.approx(finite.mean())
+    assert stats["bad"]["norm"] == pytest.approx(np.linalg.norm(finite))
     assert (stats["bf"]["min"], stats["bf"]["max"], stats["bf"]["mean"]) == (-2.0, 3.0, pytest.approx(2.5 / 3))
     assert (stats["ints"]["min"], stats["ints"]["max"], stats["ints"]["norm"]) == (-7.0, 10.0, pytest.approx(158**0.5))
-    assert stats["empty"]["min"] is None and stats["empty"]["norm"] is None
+    assert stats["empty"]["min"] is None
+    assert stats["empty"]["norm"] is None
     assert doc["nonfinite"] == ["bad"]
     status, out, _ = cli(capsys, "inspect", tmp_path / "c", "--stats")
     assert status == 0
@@ -290,7 +304,8 @@ def test_inspect_stats_reads_every_chunk_and_flags_nan_and_inf(tmp_path: Path, c
     assert cli(capsys, "inspect", tmp_path / "c", "--stats", "--fail-on-nonfinite")[0] == 1
     pytreeckpt.save(tmp_path / "fine", {"w": w_})
     status, out, _ = cli(capsys, "inspect", tmp_path / "fine", "--stats", "--fail-on-nonfinite")
-    assert status == 0 and "every value finite" in out
+    assert status == 0
+    assert "every value finite" in out
 
 
 def test_inspect_stats_of_a_4_rank_checkpoint_are_the_global_tensors(
@@ -313,9 +328,11 @@ def test_inspect_refuses_stats_with_layout_and_fail_on_nonfinite_alone(
 ) -> None:
     pytreeckpt.save(tmp_path / "c", {"w": torch.ones(2)})
     status, _, err = cli(capsys, "inspect", tmp_path / "c", "--stats", "--layout", "w")
-    assert status == 2 and "--stats and --layout" in err
+    assert status == 2
+    assert "--stats and --layout" in err
     status, _, err = cli(capsys, "inspect", tmp_path / "c", "--fail-on-nonfinite")
-    assert status == 2 and "--fail-on-nonfinite goes with --stats" in err
+    assert status == 2
+    assert "--fail-on-nonfinite goes with --stats" in err
 
 
 # -------------------------------------------------------------------------------------------- inspect --layout
@@ -373,6 +390,8 @@ def test_inspect_layout_of_more_dims_a_straddling_chunk_a_per_rank_leaf_and_a_mi
         want[r] = sorted({0 if i < 3 else 1 for i in range(lo, hi)})
     assert {c["cell"][0]: c["ranks"] for c in doc["cells"]} == want
     status, out, _ = cli(capsys, "inspect", tmp_path / "c", "--layout", "rng.rank0")
-    assert status == 0 and "saved per rank: rank 0 of 1" in out
+    assert status == 0
+    assert "saved per rank: rank 0 of 1" in out
     status, _, err = cli(capsys, "inspect", tmp_path / "c", "--layout", "nope")
-    assert status == 2 and "'nope'" in err
+    assert status == 2
+    assert "'nope'" in err

@@ -375,7 +375,8 @@ def cmd_diff(args: argparse.Namespace) -> int:
         print()
     counts = report.to_json()["counts"]
     parts = [f"{counts[s]} {names[s]}" for s in names if counts[s]]
-    print(f"{len(report.leaves)} leaves: {', '.join(parts) or 'none'}; {report.chunks} chunks, {_size(report.nbytes)} read")
+    read = f"{report.chunks} chunks, {_size(report.nbytes)} read"
+    print(f"{len(report.leaves)} leaves: {', '.join(parts) or 'none'}; {read}")
     return 0 if report.equal else 1
 
 

@@ -218,9 +218,7 @@ def _compare_meta(key: str, x: ArrayMeta | ValueMeta | None, y: ArrayMeta | Valu
     return LeafDiff(key, "kind", _text(x), _text(y))
 
 
-def _compare_data(
-    sa: Storage, sb: Storage, a: Where, b: Where, pairs: Sequence[_Pair]
-) -> tuple[int, int, int]:
+def _compare_data(sa: Storage, sb: Storage, a: Where, b: Where, pairs: Sequence[_Pair]) -> tuple[int, int, int]:
     """Every box of every pair read from both sides, batch by batch, and compared; (boxes, bytes, peak bytes)."""
 
     def size(item: tuple[_Pair, Region]) -> int:
@@ -268,4 +266,3 @@ def _compare_box(p: _Pair, x: np.ndarray, y: np.ndarray) -> None:
         rel = np.divide(d, mag, out=np.zeros_like(d), where=mag > 0)
         p.max_abs = max(p.max_abs or 0.0, float(d.max()))
         p.max_rel = max(p.max_rel or 0.0, float(rel.max()))
-

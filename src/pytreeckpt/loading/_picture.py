@@ -102,9 +102,10 @@ def layout_picture(meta: ArrayMeta, saved_by: tuple[int, int] | None = None) -> 
     """The picture: a header line, the grid of chunks (a bar for 1-D), each cell labelled with its ranks, notes."""
     (_, _), (_, _), (gr, gc) = _plane(meta)
     chunks = ChunkGrid(meta.shape, meta.chunk_shape).count
+    across = " x ".join(map(str, ChunkGrid(meta.shape, meta.chunk_shape).grid)) or "1"
     lines = [
         f"{meta.key or '(root)'}: {meta.dtype.name} {tuple(meta.shape)}, chunks of {tuple(meta.chunk_shape)}: "
-        f"{' x '.join(map(str, ChunkGrid(meta.shape, meta.chunk_shape).grid)) or '1'} ({chunks} chunk{'s' * (chunks != 1)})"
+        f"{across} ({chunks} chunk{'s' * (chunks != 1)})"
     ]
     fixed = None
     if saved_by is not None:
@@ -125,7 +126,7 @@ def layout_picture(meta: ArrayMeta, saved_by: tuple[int, int] | None = None) -> 
     world = 1 if meta.layout is None else meta.layout.world_size
     labels = {k: ranks_text(v, world) for k, v in cells.items()}
     lines += _grid_lines(meta, labels)
-    lines.append("each cell is a chunk (its offset above / beside it), labelled with the saving ranks that held part of it")
+    lines.append("each cell is a chunk (its offset above, beside), labelled with the saving ranks that held part of it")
     if any(len(v) > 1 for v in cells.values()):
         lines.append("a cell of several ranks: replicated (one of them wrote it) or straddling shards (merged by one)")
     if len(meta.shape) > 2:
