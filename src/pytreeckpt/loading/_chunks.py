@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from pytreeckpt.storage import Storage
     from pytreeckpt.storage._location import Where
 
-__all__ = ["BATCH_BYTES", "BLOCK", "batches", "blocks", "chunk_boxes", "read_boxes"]
+__all__ = ["BATCH_BYTES", "BLOCK", "Arena", "batches", "blocks", "chunk_boxes", "read_boxes"]
 
 BATCH_BYTES = 16 << 20
 """The bytes of boxes read in one batch (a box larger than this is read alone): the default largest chunk."""
@@ -62,13 +62,38 @@ def batches(items: Iterable[_T], nbytes: Callable[[_T], int], budget: int) -> It
         yield group
 
 
-def read_boxes(storage: Storage, path: Where, wants: Sequence[tuple[ArrayMeta, Region]]) -> list[np.ndarray]:
-    """Each ``(array, box)`` of ``wants`` read into a new numpy array of the stored dtype, in one batch of reads.
+class Arena:
+    """One buffer that the boxes of each batch are read into in turn, grown to the largest batch: memory faulted
+    in once, not once a batch (a fresh buffer a batch made reading 2 x 100 MB take twice as long as a load)."""
+
+    def __init__(self) -> None:
+        self._buffer = np.empty(0, np.uint8)
+
+    def views(self, path: Where, wants: Sequence[tuple[ArrayMeta, Region]]) -> list[np.ndarray]:
+        """An array of each box's shape and stored dtype, side by side (each at a multiple of 64 bytes)."""
+        sizes = [region.size * meta.dtype.itemsize for meta, region in wants]
+        starts = [0]
+        for n in sizes:
+            starts.append(starts[-1] + -(-n // 64) * 64)
+        if starts[-1] > self._buffer.size:
+            check_memory(path, [(meta.key, n) for (meta, _), n in zip(wants, sizes, strict=True)])
+            self._buffer = np.empty(0, np.uint8)  # (the old one let go before the new one is made)
+            self._buffer = np.empty(starts[-1], np.uint8)
+        return [
+            self._buffer[at : at + n].view(meta.dtype.numpy).reshape(region.shape)
+            for (meta, region), at, n in zip(wants, starts[:-1], sizes, strict=True)
+        ]
+
+
+def read_boxes(
+    storage: Storage, path: Where, wants: Sequence[tuple[ArrayMeta, Region]], arena: Arena | None = None
+) -> list[np.ndarray]:
+    """Each ``(array, box)`` of ``wants`` read into an array of the stored dtype, in one batch of reads: views of
+    ``arena``'s buffer (valid until its next batch), or new arrays.
 
     The boxes of one array must not overlap (chunks of a grid do not).
     """
-    check_memory(path, [(meta.key, region.size * meta.dtype.itemsize) for meta, region in wants])
-    out = [np.empty(region.shape, meta.dtype.numpy) for meta, region in wants]
+    out = (Arena() if arena is None else arena).views(path, wants)
     by_array: dict[int, tuple[ArrayMeta, list[int]]] = {}
     for i, (meta, _) in enumerate(wants):
         by_array.setdefault(id(meta), (meta, []))[1].append(i)

@@ -2,7 +2,7 @@
 
 Leaves are matched by key path. Arrays of the same shape and dtype are read along the
 stored chunk grid of one of them (the finer, when the two are chunked differently), the
-same box from both, in batches of :data:`~pytreeckpt.loading._chunks.BATCH_BYTES` a side
+same box from both (the two at once), in batches of :data:`~pytreeckpt.loading._chunks.BATCH_BYTES` a side
 (a larger chunk alone): the memory held is about twice the larger of that and the largest
 chunk, whatever the checkpoints' sizes. Elements are compared bit for bit; those that
 differ give the largest absolute and relative difference, in float64. Plain Python leaves
@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -226,14 +227,19 @@ def _compare_data(sa: Storage, sb: Storage, a: Where, b: Where, pairs: Sequence[
 
     chunks = nbytes = peak = 0
     every = (item for p in pairs for item in p.boxes())
-    for batch in _chunks.batches(every, size, _chunks.BATCH_BYTES):
-        xs = _chunks.read_boxes(sa, a, [(p.a, r) for p, r in batch])
-        ys = _chunks.read_boxes(sb, b, [(p.b, r) for p, r in batch])
-        held = 2 * sum(size(item) for item in batch)
-        chunks, nbytes, peak = chunks + len(batch), nbytes + held, max(peak, held)
-        for (p, _), x, y in zip(batch, xs, ys, strict=True):
-            _compare_box(p, x, y)
-        del xs, ys
+    arena_a, arena_b = _chunks.Arena(), _chunks.Arena()
+    with ThreadPoolExecutor(1, thread_name_prefix="pytreeckpt-diff") as other:  # (b read while a is)
+        for batch in _chunks.batches(every, size, _chunks.BATCH_BYTES):
+            ys_read = other.submit(_chunks.read_boxes, sb, b, [(p.b, r) for p, r in batch], arena_b)
+            try:
+                xs = _chunks.read_boxes(sa, a, [(p.a, r) for p, r in batch], arena_a)
+            finally:
+                ys = ys_read.result()
+            held = 2 * sum(size(item) for item in batch)
+            chunks, nbytes, peak = chunks + len(batch), nbytes + held, max(peak, held)
+            for (p, _), x, y in zip(batch, xs, ys, strict=True):
+                _compare_box(p, x, y)
+            del xs, ys
     return chunks, nbytes, peak
 
 

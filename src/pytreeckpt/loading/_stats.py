@@ -123,8 +123,9 @@ def _once(path: Where, executor: ExecutorOptions | None, seen: list[bytes]) -> l
     def size(item: tuple[ArrayMeta, Region]) -> int:
         return item[1].size * item[0].dtype.itemsize
 
+    arena = _chunks.Arena()
     for batch in _chunks.batches(every, size, _chunks.BATCH_BYTES):
-        _add(batch, _chunks.read_boxes(storage, path, batch), sums)
+        _add(batch, _chunks.read_boxes(storage, path, batch, arena), sums)
     return [sums[id(meta)].result(meta) for meta in metas]
 
 
