@@ -1,14 +1,15 @@
 """``pytreeckpt.diff`` of two checkpoints differing in one leaf: its peak memory against the largest chunk, its
 time against loading both.
 
-    python -m benchmarks.diff [--gib 1] [--leaves 8] [--repeat 3] [--dir DIR]
+    python -m benchmarks.diff [--gib 1] [--leaves 8] [--repeat 3] [--dir DIR] [--out docs/benchmarks]
 
 Saves two states of ``--gib`` each (:func:`~benchmarks._common.make_state`: float32 and
 bfloat16 matrices), the second with one leaf changed, then, in the same rounds (warm page
 cache): ``pytreeckpt.diff`` of the two, each in a process of its own that reports its
 peak resident memory (``VmHWM``, counted from the resident memory before the call), and
 ``pytreeckpt.load`` of each checkpoint. Prints one JSON object: the chunk bytes, the
-diff's peak memory over the largest chunk, and its time over the two loads'.
+diff's peak memory over the largest chunk, and its time over the two loads'; with
+``--out``, writes it as ``diff.json`` and the table as ``diff.md`` there.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import pytreeckpt
 from ._common import GiB, make_state, nbytes_of, round_ratios, rounds
 from .rss import _peak_rss, _rss_now
 
-__all__ = ["measure", "run", "targets"]
+__all__ = ["measure", "run", "table", "targets"]
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -111,12 +112,36 @@ def targets(r: dict[str, Any]) -> list[tuple[str, float, str, float]]:
     ]
 
 
+def table(r: dict[str, Any]) -> list[str]:
+    """The figures as a markdown table (medians over the rounds, and each round's ratio)."""
+    import statistics
+
+    mib = 1 << 20
+    rounds_ = ", ".join(f"{t:.2f}" for t in r["time_ratios"])
+    return [
+        f"`pytreeckpt.diff` of two checkpoints of {r['state_bytes'] / GiB:.1f} GiB ({r['chunks']} chunks of at most "
+        f"{r['largest_chunk_bytes'] / mib:.0f} MiB each), differing in one element of `{r['changed']}` "
+        "(warm page cache).",
+        "",
+        "| figure | measured |",
+        "| --- | ---: |",
+        f"| diff peak memory (VmHWM over the RSS before) | {max(r['diff_extra_rss']) / mib:.1f} MiB |",
+        f"| the same / largest chunk | {max(r['memory_ratios']):.2f} |",
+        f"| arrays held at once (both sides of a batch) | {r['diff_peak_bytes'] / mib:.1f} MiB |",
+        f"| diff seconds (median) | {statistics.median(r['diff_seconds']):.2f} |",
+        f"| load of both seconds (median) | {statistics.median(r['load_both_seconds']):.2f} |",
+        f"| diff / load of both (median of rounds: {rounds_}) | {statistics.median(r['time_ratios']):.2f} |",
+        "",
+    ]
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--gib", type=float, default=1.0)
     p.add_argument("--leaves", type=int, default=8)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--dir", type=Path, default=None)
+    p.add_argument("--out", type=Path, default=None, help="write diff.json and diff.md here")
     p.add_argument("--measure", nargs=2, metavar=("A", "B"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.measure:
@@ -126,6 +151,10 @@ def main() -> None:
         r = run(args.gib, args.leaves, args.repeat, Path(d))
     r["targets"] = targets(r)
     print(json.dumps(r, indent=2))
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "diff.json").write_text(json.dumps(r, indent=2) + "\n")
+        (args.out / "diff.md").write_text("\n".join(table(r)))
 
 
 if __name__ == "__main__":

@@ -316,3 +316,4 @@ def test_the_diff_benchmark_measures_its_peak_memory_and_time_against_loading_bo
     assert r["diff_extra_rss"][0] > 0
     assert r["memory_ratios"] == [r["diff_extra_rss"][0] / r["largest_chunk_bytes"]]
     assert [row[0] for row in diff.targets(r)] == ["diff peak memory / largest chunk", "diff time / load of both"]
+    assert len(diff.table(r)) == 11

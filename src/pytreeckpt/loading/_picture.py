@@ -44,21 +44,21 @@ def ranks_text(ranks: Sequence[int], world: int) -> str:
     return text if len(text) <= _CELL else text[: _CELL - 2] + ".."
 
 
-def _plane(meta: ArrayMeta) -> tuple[tuple[int, int], tuple[int, int], tuple[int, int]]:
-    """The drawn grid as a 2-D one: (array extent, chunk extent, chunks) along rows and columns."""
+def _plane(meta: ArrayMeta) -> tuple[tuple[int, int], tuple[int, int]]:
+    """The drawn grid as a 2-D one: (chunk extent, chunks) along rows and columns."""
     shape, chunk = tuple(meta.shape), tuple(meta.chunk_shape)
     if len(shape) == 0:
         shape, chunk = (1,), (1,)
     if len(shape) == 1:
         shape, chunk = (1, *shape), (1, *chunk)
     grid = ChunkGrid(shape[:2], chunk[:2]).grid
-    return (shape[0], shape[1]), (chunk[0], chunk[1]), (grid[0], grid[1])
+    return (chunk[0], chunk[1]), (grid[0], grid[1])
 
 
 def holders(meta: ArrayMeta, fixed: int | None = None) -> dict[tuple[int, int], list[int]]:
     """The ranks holding part of each drawn cell (row, column of chunks); every cell ``fixed`` when given (a
     packed array's writer, a per-rank leaf's rank); empty without a recorded layout."""
-    (rows, cols), (cr, cc), (gr, gc) = _plane(meta)
+    (cr, cc), (gr, gc) = _plane(meta)
     cells: dict[tuple[int, int], set[int]] = {}
     if fixed is not None:
         return {(r, c): [fixed] for r in range(min(gr, MAX_ROWS)) for c in range(min(gc, MAX_COLS))}
@@ -78,12 +78,11 @@ def holders(meta: ArrayMeta, fixed: int | None = None) -> dict[tuple[int, int], 
             for r in range(r0, r1 + 1):
                 for c in range(c0, c1 + 1):
                     cells.setdefault((r, c), set()).add(rank)
-    del rows, cols
     return {k: sorted(v) for k, v in cells.items()}
 
 
 def _grid_lines(meta: ArrayMeta, labels: dict[tuple[int, int], str]) -> list[str]:
-    (_, _), (cr, cc), (gr, gc) = _plane(meta)
+    (cr, cc), (gr, gc) = _plane(meta)
     nr, nc = min(gr, MAX_ROWS), min(gc, MAX_COLS)
     width = max([3, *(len(t) for t in labels.values())])
     ndim = len(meta.shape)
@@ -100,7 +99,7 @@ def _grid_lines(meta: ArrayMeta, labels: dict[tuple[int, int], str]) -> list[str
 
 def layout_picture(meta: ArrayMeta, saved_by: tuple[int, int] | None = None) -> str:
     """The picture: a header line, the grid of chunks (a bar for 1-D), each cell labelled with its ranks, notes."""
-    (_, _), (_, _), (gr, gc) = _plane(meta)
+    _, (gr, gc) = _plane(meta)
     chunks = ChunkGrid(meta.shape, meta.chunk_shape).count
     across = " x ".join(map(str, ChunkGrid(meta.shape, meta.chunk_shape).grid)) or "1"
     lines = [
