@@ -308,6 +308,28 @@ def test_inspect_stats_reads_every_chunk_and_flags_nan_and_inf(
     assert "every value finite" in out
 
 
+def test_inspect_stats_reads_one_batch_of_chunks_at_a_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    chunking = ChunkingOptions(single_chunk_bytes=0, min_chunk_bytes=0, max_chunk_bytes=16 * KiB)
+    big = torch.linspace(-1, 1, 64 * 1024).reshape(256, 256)  # 256 KiB: 16 chunks of 16 KiB
+    pytreeckpt.save(unpacked(tmp_path / "c"), {"big": big}, chunking=chunking)
+    asked: list[int] = []
+    real = _chunks.read_arrays
+
+    def counted(storage: Any, metas: Any, plans: Any, dest: Any, rank: Any) -> int:
+        asked.append(sum(op.region.size * p.itemsize for p in plans for op in p.reads))
+        return real(storage, metas, plans, dest, rank)
+
+    monkeypatch.setattr(_chunks, "read_arrays", counted)
+    monkeypatch.setattr(_chunks, "BATCH_BYTES", 0)
+    status, doc = cli_json(capsys, "inspect", tmp_path / "c", "--stats")
+    assert status == 0
+    assert asked == [16 * KiB] * 16
+    assert (doc["arrays"][0]["min"], doc["arrays"][0]["max"]) == (-1.0, 1.0)
+    assert doc["arrays"][0]["norm"] == pytest.approx(float(big.double().norm()))
+
+
 def test_inspect_stats_of_a_4_rank_checkpoint_are_the_global_tensors(
     four_ranks: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
 ) -> None:
