@@ -304,3 +304,16 @@ def test_the_reads_into_the_loads_tensors_land_every_files_blocks_in_the_tensors
     assert cold.limit_ways([cold.DIRECT, cold.INTO_TENSORS, "each of 2 ranks 8 threads into the load's tensors"]) == [
         cold.DIRECT
     ]
+
+
+def test_the_diff_benchmark_measures_its_peak_memory_and_time_against_loading_both(tmp_path: Path) -> None:
+    from benchmarks import diff
+
+    r = diff.run(0.01, 2, 1, tmp_path)
+    assert r["differences"] == [r["changed"]] == ["layer0.weight"]
+    assert r["chunks"] == 2
+    assert len(r["time_ratios"]) == len(r["memory_ratios"]) == 1
+    assert r["diff_extra_rss"][0] > 0
+    assert r["memory_ratios"] == [r["diff_extra_rss"][0] / r["largest_chunk_bytes"]]
+    assert [row[0] for row in diff.targets(r)] == ["diff peak memory / largest chunk", "diff time / load of both"]
+    assert len(diff.table(r)) == 11

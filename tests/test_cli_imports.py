@@ -67,6 +67,18 @@ def test_ls_inspect_and_verify_import_no_torch(ckpts: Path) -> None:
     assert got["heavy"] == []
 
 
+def test_diff_inspect_stats_and_inspect_layout_import_no_torch(ckpts: Path) -> None:
+    names = ("packed", "files", "zstd", "ocdbt", "per_rank")
+    calls = [["diff", ckpts / "packed", ckpts / "files"], ["diff", ckpts / "packed", ckpts / "zstd", "--json"]]
+    for n in names:
+        calls += [["inspect", ckpts / n, "--stats"], ["inspect", ckpts / n, "--stats", "--json"]]
+    calls += [["inspect", ckpts / "packed", "--layout", "model.w"], ["inspect", ckpts / "files", "--layout", "model.w"]]
+    calls += [["inspect", ckpts / "per_rank", "--layout", "rng.rank0", "--json"]]
+    got = imported_after(cli(*calls))
+    assert got["out"] == [1, 1] + [0] * (len(calls) - 2)  # (packed holds "b", files does not; zstd has only "w")
+    assert got["heavy"] == []
+
+
 def test_ls_of_a_local_directory_imports_no_tensorstore(ckpts: Path) -> None:
     got = imported_after(cli(["ls", ckpts], ["ls", ckpts / "packed", "--json"]), LOCAL_HEAVY)
     assert got["out"] == [0, 0]

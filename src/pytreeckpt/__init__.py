@@ -24,10 +24,13 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from pytreeckpt.api import CheckpointMetadata as CheckpointMetadata
+    from pytreeckpt.api import DiffReport as DiffReport
+    from pytreeckpt.api import LeafDiff as LeafDiff
     from pytreeckpt.api import LoadReport as LoadReport
     from pytreeckpt.api import SaveHandle as SaveHandle
     from pytreeckpt.api import VerifyReport as VerifyReport
     from pytreeckpt.api import async_save as async_save
+    from pytreeckpt.api import diff as diff
     from pytreeckpt.api import load as load
     from pytreeckpt.api import load_slice as load_slice
     from pytreeckpt.api import metadata as metadata
@@ -84,10 +87,13 @@ __version__ = "0.1.0"
 # public name -> (module, attribute there)
 _EXPORTS: dict[str, tuple[str, str]] = {
     "CheckpointMetadata": ("pytreeckpt.api", "CheckpointMetadata"),
+    "DiffReport": ("pytreeckpt.api", "DiffReport"),
+    "LeafDiff": ("pytreeckpt.api", "LeafDiff"),
     "LoadReport": ("pytreeckpt.api", "LoadReport"),
     "SaveHandle": ("pytreeckpt.api", "SaveHandle"),
     "VerifyReport": ("pytreeckpt.api", "VerifyReport"),
     "async_save": ("pytreeckpt.api", "async_save"),
+    "diff": ("pytreeckpt.api", "diff"),
     "load": ("pytreeckpt.api", "load"),
     "load_slice": ("pytreeckpt.api", "load_slice"),
     "metadata": ("pytreeckpt.api", "metadata"),
@@ -186,11 +192,13 @@ __all__ = [
     "CheckpointTimeoutError",
     "ChunkingOptions",
     "Compression",
+    "DiffReport",
     "ExecutorOptions",
     "ExplicitRegions",
     "FlatRanges",
     "Layout",
     "LayoutError",
+    "LeafDiff",
     "LoadPlan",
     "LoadReport",
     "Location",
@@ -215,6 +223,7 @@ __all__ = [
     "TwoTierManager",
     "VerifyReport",
     "async_save",
+    "diff",
     "export_dcp",
     "export_safetensors",
     "import_dcp",

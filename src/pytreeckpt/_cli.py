@@ -1,4 +1,4 @@
-"""The ``pytreeckpt`` command line: ls, inspect, verify, export, import (and ``--version``)."""
+"""The ``pytreeckpt`` command line: ls, inspect, verify, diff, export, import (and ``--version``)."""
 
 from __future__ import annotations
 
@@ -164,7 +164,80 @@ def _compression_text(a: ArrayMeta) -> str:
     return f"zstd-{c.level}" if c.codec == "zstd" else f"blosc-{c.cname}-{c.level}-{c.shuffle}"
 
 
+def _number(x: float | None) -> str:
+    return "-" if x is None else f"{x:.6g}"
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    """``inspect --stats``: each array's min, max, mean, norm and NaN and infinite counts, read a chunk at a time;
+    arrays holding NaN or infinite values flagged ``!`` (exit status 1 then with ``--fail-on-nonfinite``)."""
+    from pytreeckpt.loading._stats import array_stats
+
+    stats = array_stats(args.path, None)
+    flagged = [s for s in stats if not s.finite]
+    if args.json:
+        print(json.dumps({"arrays": [s.to_json() for s in stats], "nonfinite": [s.key for s in flagged]}, indent=2))
+    else:
+        rows = [
+            [
+                "!" if not s.finite else "",
+                _shown(s.key) or "(root)",
+                s.dtype,
+                str(s.shape),
+                *(_number(v) for v in (s.min, s.max, s.mean, s.norm)),
+                str(s.nan),
+                str(s.inf),
+            ]
+            for s in stats
+        ]
+        print(_table(rows, ["!", "key", "dtype", "shape", "min", "max", "mean", "norm", "nan", "inf"]))
+        if flagged:
+            names = ", ".join(_shown(s.key) or "(root)" for s in flagged)
+            print(f"\n! {len(flagged)} of {len(stats)} arrays hold NaN or infinite values: {names}")
+        else:
+            print(f"\n{len(stats)} arrays, every value finite")
+    return 1 if flagged and args.fail_on_nonfinite else 0
+
+
+def cmd_layout(args: argparse.Namespace) -> int:
+    """``inspect --layout KEY``: how one array is cut into chunks, and which saving ranks held each."""
+    from pytreeckpt.core._errors import TargetMismatchError, where
+    from pytreeckpt.loading._inspect import inspect
+    from pytreeckpt.loading._picture import holders, layout_picture, packed_writer
+
+    meta = inspect(args.path, "", tree=False)
+    if args.layout not in meta.arrays:
+        raise TargetMismatchError(f"leaf {where(args.layout)} is not an array of the checkpoint at {args.path}")
+    a = meta.arrays[args.layout]
+    saved_by = meta.saved_by(a.key)
+    if args.json:
+        writer = None if a.database is None else packed_writer(a.database)
+        fixed = saved_by[0] if saved_by else writer if a.layout is None else None
+        cells = holders(a, fixed)
+        out = {
+            "key": a.key,
+            "shape": list(a.shape),
+            "chunk_shape": list(a.chunk_shape),
+            "layout": None if a.layout is None else a.layout.to_json(),
+            "database": a.database,
+            "writer": saved_by[0] if saved_by else writer,
+            "cells": [{"cell": list(k), "ranks": v} for k, v in sorted(cells.items())],
+        }
+        print(json.dumps(out, indent=2))
+    else:
+        print(_shown(layout_picture(a, saved_by)))
+    return 0
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
+    if args.stats and args.layout is not None:
+        raise ValueError("inspect: --stats and --layout KEY show different things: give one of them")
+    if args.fail_on_nonfinite and not args.stats:
+        raise ValueError("inspect: --fail-on-nonfinite goes with --stats")
+    if args.stats:
+        return cmd_stats(args)
+    if args.layout is not None:
+        return cmd_layout(args)
     from pytreeckpt.core._values import decode_value, encode_value
     from pytreeckpt.loading._inspect import inspect
     from pytreeckpt.storage import Storage
@@ -273,6 +346,40 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if report.problems:
         return 1
     return 0 if report.ok else 2
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    """``diff A B``: exit status 0 when every leaf is in both and equal, 1 when some differ."""
+    from pytreeckpt.loading._diff import diff_checkpoints
+
+    report = diff_checkpoints(args.a, args.b, None)  # (pytreeckpt.diff)
+    if args.json:
+        print(json.dumps(report.to_json(), indent=2))
+        return 0 if report.equal else 1
+    names = {"equal": "equal", "values": "differ", "shape": "shape", "dtype": "dtype", "kind": "kind"}
+    names |= {"only_a": "only in A", "only_b": "only in B"}
+    shown = report.leaves if args.all else report.differences
+    rows = [
+        [
+            _shown(d.key) or "(root)",
+            names[d.status],
+            _shown(d.a or "-")[:40],
+            _shown(d.b or "-")[:40],
+            _number(d.max_abs),
+            _number(d.max_rel),
+            f"{d.differing} of {d.elements}" if d.elements else "-",
+            str(d.nonfinite) if d.nonfinite else "",
+        ]
+        for d in shown
+    ]
+    if rows:
+        print(_table(rows, ["key", "status", "A", "B", "max abs", "max rel", "differing", "nan/inf"]))
+        print()
+    counts = report.to_json()["counts"]
+    parts = [f"{counts[s]} {names[s]}" for s in names if counts[s]]
+    read = f"{report.chunks} chunks, {_size(report.nbytes)} read"
+    print(f"{len(report.leaves)} leaves: {', '.join(parts) or 'none'}; {read}")
+    return 0 if report.equal else 1
 
 
 def _progress_bar(done: int, total: int) -> None:
@@ -397,12 +504,29 @@ def _parser() -> argparse.ArgumentParser:
     ls.set_defaults(run=cmd_ls)
     ins = sub.add_parser("inspect", help="the tree: key paths, dtypes, shapes, bytes, saved layouts, values")
     ins.add_argument("path")
+    ins.add_argument(
+        "--stats",
+        action="store_true",
+        help="read every array a chunk at a time: min, max, mean, norm, NaN and inf counts (flagged !)",
+    )
+    ins.add_argument(
+        "--fail-on-nonfinite", action="store_true", help="--stats: exit status 1 if some array holds NaN or inf"
+    )
+    ins.add_argument("--layout", metavar="KEY", help="draw how the array KEY is cut into chunks, and the saving ranks")
     ins.set_defaults(run=cmd_inspect)
     ver = sub.add_parser(
         "verify", help="read every chunk and check it; exit status 1 on damage, 2 if some could not be read"
     )
     ver.add_argument("path")
     ver.set_defaults(run=cmd_verify)
+    dif = sub.add_parser(
+        "diff",
+        help="compare two checkpoints leaf by leaf, a chunk at a time; exit status 0 if equal, 1 if they differ",
+    )
+    dif.add_argument("a")
+    dif.add_argument("b")
+    dif.add_argument("--all", action="store_true", help="list equal leaves too")
+    dif.set_defaults(run=cmd_diff)
     exp = sub.add_parser(
         "export", help="write safetensors files (a part, renamed, in a dtype), or a DCP directory (--format dcp)"
     )
@@ -427,7 +551,7 @@ def _parser() -> argparse.ArgumentParser:
     imp.add_argument("out")
     imp.add_argument("--overwrite", action="store_true")
     imp.set_defaults(run=cmd_import)
-    for s in (ls, ins, ver, exp, imp):
+    for s in (ls, ins, ver, dif, exp, imp):
         s.add_argument("--json", action="store_true", help="machine-readable output")
     return p
 
