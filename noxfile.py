@@ -1,16 +1,22 @@
-"""Sessions: check (tests, property tests, mypy), lint, bench, docs; tests, property, typecheck alone.
+"""Sessions: check (tests, property tests, mypy), lint, package, bench, docs; tests, property, typecheck alone.
 
 ``nox`` runs check and lint, the README's test command. check sets up one environment
 and runs everything that needs torch in it: torch 2.13.0 is installed first (a CPU wheel;
 an unpinned torch would pull a multi-GB CUDA build), then the project once, so the
 project's own range ``torch>=2.6`` is satisfied without another download. lint needs only
-ruff. tests, property and typecheck run one part each, in an environment of their own.
+ruff. tests, property and typecheck run one part each, in an environment of their own. package
+builds the sdist and the wheel and tries the wheel in a fresh environment outside the source tree.
 docs builds the site (mkdocs.yml) with warnings as errors and checks every page of it.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+import tarfile
+import tempfile
+import zipfile
+from pathlib import Path
 
 import nox
 
@@ -78,6 +84,63 @@ def typecheck(session: nox.Session) -> None:
     """mypy, strict, on src/."""
     _install(session, "dev")
     session.run("mypy")
+
+
+ROOT = Path(__file__).resolve().parent
+
+
+def _shipped(session: nox.Session, dist: Path) -> Path:
+    """The wheel built, after checking that it and the sdist hold every file of src/pytreeckpt (py.typed among them)
+    and that the wheel declares the console script."""
+    package = ROOT / "src" / "pytreeckpt"
+    files = sorted(
+        p.relative_to(package.parent).as_posix()
+        for p in package.rglob("*")
+        if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".pyc"
+    )
+    (wheel,) = dist.glob("pytreeckpt-*.whl")
+    (sdist,) = dist.glob("pytreeckpt-*.tar.gz")
+    with zipfile.ZipFile(wheel) as z:
+        names = set(z.namelist())
+        (entry_points,) = (n for n in names if n.endswith(".dist-info/entry_points.txt"))
+        scripts = z.read(entry_points).decode()
+    with tarfile.open(sdist) as t:
+        top = sdist.name.removesuffix(".tar.gz")
+        in_sdist = {n.removeprefix(f"{top}/src/") for n in t.getnames()}
+    for where, held in ((wheel.name, names), (sdist.name, in_sdist)):
+        missing = [f for f in files if f not in held]
+        if missing:
+            session.error(f"{where} lacks {missing}")
+    if "pytreeckpt = pytreeckpt._cli:_entry" not in scripts:
+        session.error(f"{wheel.name} declares no console script pytreeckpt: {scripts!r}")
+    session.log(f"{wheel.name} and {sdist.name} hold the {len(files)} files of src/pytreeckpt")
+    return wheel
+
+
+@nox.session
+def package(session: nox.Session) -> None:
+    """The sdist and the wheel, built; the wheel installed in a fresh environment outside the source tree (torch first,
+    as in check), where the README's quickstart and each command of the console script run (tests/wheel_smoke.py)."""
+    session.install("build")
+    work = Path(tempfile.mkdtemp(prefix="pytreeckpt-package-")).resolve()
+    if work.is_relative_to(ROOT):
+        session.error(f"the temporary directory {work} is inside the source tree")
+    try:
+        dist, env, here = work / "dist", work / "env", work / "run"
+        # the sdist, then the wheel from it (its log shown only if it fails)
+        session.run("python", "-m", "build", "--outdir", str(dist), str(ROOT), silent=True)
+        wheel = _shipped(session, dist)
+        session.run("python", "-m", "venv", str(env))
+        python = str(env / "bin" / "python")
+        session.run(python, "-m", "pip", "install", "-q", TORCH, external=True)
+        session.run(python, "-m", "pip", "install", "-q", str(wheel), external=True)
+        here.mkdir()
+        # (the script runs from beside the environment: no tests/ on sys.path)
+        shutil.copy(ROOT / "tests" / "wheel_smoke.py", work / "wheel_smoke.py")
+        with session.chdir(here):
+            session.run(python, str(work / "wheel_smoke.py"), str(ROOT), str(ROOT / "README.md"), external=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 @nox.session

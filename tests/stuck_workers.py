@@ -151,3 +151,42 @@ def slow_writer(rank: int, world: int, root: str, slow: int, seconds: float, tim
     while not all((Path(root) / f"done-{r}").exists() for r in range(world)) and time.monotonic() < guard:
         time.sleep(0.05)
     return got
+
+
+def watched_save(rank: int, world: int, root: str, slow: int, seconds: float) -> Any:
+    """Save with rank ``slow`` pausing ``seconds`` before its writes, into a Monitor; on rank 0, every rank's
+    waits on the others ("wait: <phase>" spans: who waited how long, and for whom)."""
+    from pytreeckpt.saving import _job
+
+    tree, spec = state(world, 4.0)
+    if rank == slow:
+        write = _job.write_arrays
+
+        def late(*args: Any, **kw: Any) -> int:
+            time.sleep(seconds)
+            return write(*args, **kw)
+
+        _job.write_arrays = late  # type: ignore[assignment]
+    monitor = pytreeckpt.Monitor()
+    pytreeckpt.save(Path(root) / "ckpt", tree, spec, monitor=monitor)
+    waits = [s for s in monitor.spans if s.phase.startswith("wait: ")]
+    return [(s.phase, s.rank, s.seconds, s.last) for s in waits], monitor.summary() if rank == 0 else None
+
+
+def store_threads_after_saves(rank: int, world: int, root: str, saves: int) -> Any:
+    """``saves`` asynchronous saves (each on a writer thread of its own, each with meetings): how many threads
+    serve store calls before and after them (a writer's worker ends with its writer)."""
+    import gc
+    import threading
+
+    def serving() -> int:
+        gc.collect()
+        time.sleep(0.2)  # (a worker let go ends at its next look at its queue: at once)
+        return sum(t.name == "pytreeckpt-store" and t.is_alive() for t in threading.enumerate())
+
+    tree, spec = state(world, 5.0)
+    pytreeckpt.save(Path(root) / "first", tree, spec)
+    before = serving()
+    for i in range(saves):
+        pytreeckpt.async_save(Path(root) / f"a{i}", tree, spec).wait()
+    return before, serving()

@@ -82,6 +82,17 @@ def test_the_console_script_and_python_m_import_no_torch(ckpts: Path) -> None:
     assert got["heavy"] == []
 
 
+def test_version_prints_the_package_version_and_imports_no_torch() -> None:
+    code = (
+        "import contextlib, io\nfrom pytreeckpt._cli import main\nshown = io.StringIO()\n"
+        "with contextlib.redirect_stdout(shown):\n    try:\n        main(['--version'])\n"
+        "    except SystemExit as e:\n        out = [e.code, shown.getvalue()]\n"
+    )
+    got = imported_after(code)
+    assert got["out"] == [0, f"pytreeckpt {pytreeckpt.__version__}\n"]
+    assert got["heavy"] == []
+
+
 def test_import_pytreeckpt_is_lazy_and_every_public_name_resolves() -> None:
     got = imported_after("import pytreeckpt\nout = sorted(dir(pytreeckpt))")
     assert got["heavy"] == []

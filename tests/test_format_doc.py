@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import zipfile
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from helpers import packed_in, unpacked
 import pytreeckpt
 
 FORMAT_MD = Path(__file__).parent.parent / "docs" / "format.md"
+CHANGELOG = Path(__file__).parent.parent / "CHANGELOG.md"
 
 
 def _documented_zarr_json() -> list[str]:
@@ -105,3 +107,10 @@ def test_a_tree_that_names_a_leaf_twice_or_not_at_all_says_which(
     for read in (pytreeckpt.load, pytreeckpt.metadata, pytreeckpt.verify):
         with pytest.raises(pytreeckpt.MetadataError, match=message):
             read(tmp_path / "c")
+
+
+def test_the_changelog_tables_every_format_version_this_release_reads() -> None:
+    from pytreeckpt.format import FORMAT_VERSION
+
+    rows = re.findall(r"^\| (\d+) \| .* \| (\w+) \| .* \|$", CHANGELOG.read_text(), re.MULTILINE)
+    assert rows == [(str(v), "yes") for v in range(1, FORMAT_VERSION + 1)]

@@ -43,3 +43,26 @@ def test_a_rank_writing_longer_than_the_call_timeout_is_named_and_nothing_is_com
         pass
     else:
         raise AssertionError("the timed-out save committed")
+
+
+def test_how_long_each_rank_waited_for_which_rank_is_in_the_monitor(tmp_path):
+    """Each meeting is a span on rank 0's monitor: rank 0 waited for rank 1, the last to come, about as long
+    as rank 1 was late; rank 1 waited for nobody there."""
+    (waits, summary), _ = run_world(2, stuck_workers.watched_save, str(tmp_path), 1, 3.0)
+    writing: dict[int, tuple[float, int]] = {}
+    for phase, rank, seconds, last in waits:  # (each rank's first meeting after its writes)
+        if phase == "wait: writing the checkpoint":
+            writing.setdefault(rank, (seconds, last))
+    assert set(writing) == {0, 1}, waits
+    assert writing[0][1] == 1, writing
+    assert writing[1][1] == 1, writing
+    assert writing[0][0] >= 2.5, writing  # (rank 1 paused 3 s before its writes)
+    assert writing[1][0] < writing[0][0], writing
+    assert "wait: writing the checkpoint" in summary[0], summary
+
+
+def test_the_store_workers_of_ended_writer_threads_end_with_them(tmp_path):
+    """Each async save's writer thread meets the others through a store worker of its own: it must end with the
+    writer, not pile up (a thread and a connection to the store a save)."""
+    for before, after in run_world(2, stuck_workers.store_threads_after_saves, str(tmp_path), 6):
+        assert after <= before + 1, (before, after)

@@ -69,6 +69,7 @@ if TYPE_CHECKING:
     from pytreeckpt.interop._st_load import load_safetensors as load_safetensors
     from pytreeckpt.manager._fallback import CheckpointDamageWarning as CheckpointDamageWarning
     from pytreeckpt.manager._manager import CheckpointManager as CheckpointManager
+    from pytreeckpt.manager._manager import CheckpointSkippedWarning as CheckpointSkippedWarning
     from pytreeckpt.manager._peers import PeerTierManager as PeerTierManager
     from pytreeckpt.manager._tiered import TwoTierManager as TwoTierManager
     from pytreeckpt.plan import ChunkingOptions as ChunkingOptions
@@ -128,6 +129,7 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "load_safetensors": ("pytreeckpt.interop._st_load", "load_safetensors"),
     "CheckpointDamageWarning": ("pytreeckpt.manager._fallback", "CheckpointDamageWarning"),
     "CheckpointManager": ("pytreeckpt.manager._manager", "CheckpointManager"),
+    "CheckpointSkippedWarning": ("pytreeckpt.manager._manager", "CheckpointSkippedWarning"),
     "PeerTierManager": ("pytreeckpt.manager._peers", "PeerTierManager"),
     "TwoTierManager": ("pytreeckpt.manager._tiered", "TwoTierManager"),
     "ExecutorOptions": ("pytreeckpt.storage", "ExecutorOptions"),
@@ -180,6 +182,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointManager",
     "CheckpointMetadata",
+    "CheckpointSkippedWarning",
     "CheckpointTimeoutError",
     "ChunkingOptions",
     "Compression",

@@ -1,4 +1,4 @@
-"""The ``pytreeckpt`` command line: ls, inspect, verify, export, import."""
+"""The ``pytreeckpt`` command line: ls, inspect, verify, export, import (and ``--version``)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pytreeckpt import __version__
 from pytreeckpt.core._errors import CheckpointError
 from pytreeckpt.format._paths import LOCK_FILE, METADATA_FILE, STORED_DIRS
 
@@ -386,6 +387,7 @@ def cmd_import(args: argparse.Namespace) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pytreeckpt", description="Look inside and convert pytreeckpt checkpoints.")
+    p.add_argument("--version", action="version", version=f"pytreeckpt {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     ls = sub.add_parser(
         "ls", help="list the checkpoints in a directory or object store prefix (s3://bucket/run), committed or not"

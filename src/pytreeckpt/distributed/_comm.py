@@ -116,7 +116,8 @@ def data_comm(comm: Comm, what: str) -> DistComm:
 def distributed_comm(group: Any = None, timeout: float | None = None, op: str = "save") -> Comm | None:
     """The DistComm of a save or load, or None when it runs as a single process.
 
-    ``op`` names the call in the spans of its waits (``"save"``, ``"load"``).
+    ``op`` names the call in the spans of its waits (``"save"``, ``"load"``); ``"manager"``, a manager's
+    own collectives, run on groups of their own (``checkpoint_group``'s ``purpose``).
 
     A save or load is distributed when torch.distributed is initialised (at any world
     size) or ``group`` is given; its ranks are those of ``group``, else of the default
@@ -134,7 +135,7 @@ def distributed_comm(group: Any = None, timeout: float | None = None, op: str = 
             return None
     elif len(group_ranks(group)) == 1:
         return None
-    comm = DistComm(checkpoint_group(group), timeout)
+    comm = DistComm(checkpoint_group(group, "manager" if op == "manager" else ""), timeout)
     comm.op = op
     return comm
 

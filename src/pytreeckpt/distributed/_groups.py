@@ -49,7 +49,7 @@ def this_rank() -> int:
     return int(dist.get_rank()) if dist.is_available() and dist.is_initialized() else 0
 
 
-def checkpoint_group(group: Any = None) -> tuple[Any, Any]:
+def checkpoint_group(group: Any = None, purpose: str = "") -> tuple[Any, Any]:
     """The process groups for checkpoint traffic: one for collectives, one for fragment transfers.
 
     With ``group`` given, its ranks are used. The gloo groups are made once
@@ -58,26 +58,27 @@ def checkpoint_group(group: Any = None) -> tuple[Any, Any]:
     Groups of the whole world are made by every rank; a group of some ranks only (a
     pipeline stage, a data-parallel replica) by its members alone, so the other ranks
     need not take part, and may make their own.
+
+    ``purpose`` ``"manager"``: the groups of a manager's votes and listings, apart from those of its
+    saves: an asynchronous save's collectives, on its writer thread, never interleave with them.
     """
     ranks = None if group is None else group_ranks(group)
     if ranks is not None and len(ranks) == dist.get_world_size():
         ranks = None
-    key = (id(dist.distributed_c10d._get_default_group()), ranks)
+    key = (id(dist.distributed_c10d._get_default_group()), ranks, purpose)
     with _GROUPS_LOCK:
         if key not in _GROUPS or not all(_alive(g) for g in _GROUPS[key]):
             # (a group of a destroyed world is remade: a new default group may reuse the old one's id)
             if ranks is None:
-                _GROUPS[key] = (
-                    dist.new_group(None, backend="gloo", timeout=_gloo_timeout()),
-                    dist.new_group(None, backend="gloo", timeout=_gloo_timeout()),
-                )
+                made = [dist.new_group(None, backend="gloo", timeout=_gloo_timeout()) for _ in range(2 - bool(purpose))]
             else:
                 _check_group_history(group, ranks)
                 members = list(ranks)
-                _GROUPS[key] = (
-                    dist.new_group(members, backend="gloo", use_local_synchronization=True, timeout=_gloo_timeout()),
-                    dist.new_group(members, backend="gloo", use_local_synchronization=True, timeout=_gloo_timeout()),
-                )
+                made = [
+                    dist.new_group(members, backend="gloo", use_local_synchronization=True, timeout=_gloo_timeout())
+                    for _ in range(2 - bool(purpose))
+                ]
+            _GROUPS[key] = (made[0], made[-1])  # (a manager's collectives need no group for transfers)
             if not _HOOKED:
                 _HOOKED.append(True)
                 atexit.register(release_groups)

@@ -12,12 +12,15 @@ error as soon as they see it, and a rank that comes later raises it on arrival. 
 every rank passes a meeting or every rank that reaches it raises there: the ranks stay
 in step, and the gloo groups stay usable.
 
-The store's calls run on a thread of their own (one per calling thread), given up
-after the deadline: a store whose server is stopped (rank 0's process, without
-torchrun) answers no call, and its client waits for ever.
+The store's calls run on a thread of their own (one per calling thread, with its own
+client of the store: a client serves one call at a time, and a manager's vote must not
+wait behind an asynchronous save's writer waiting in a meeting), given up after the
+deadline: a store whose server is stopped (rank 0's process, without torchrun) answers
+no call, and its client waits for ever.
 
-Cost: three store requests a rank a meeting, plus one to delete the keys of the one
-before (see the benchmark row in ``benchmarks/bench.md``).
+Cost: one hop to the worker thread and three store requests a rank a meeting (the
+last to come needs one), plus the deletion of the keys of the meeting two before
+(``python -m benchmarks.deadlines``).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import json
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -62,31 +66,47 @@ class Waited:
 
 
 class _Worker:
-    """A daemon thread that runs store calls, so that the caller can stop waiting for one."""
+    """A daemon thread that runs store calls, so that the caller can stop waiting for one.
+
+    It has its own client of each store (``Store.clone``: a connection of its own): a store's
+    client serves one call at a time, and another thread's meeting (a manager's vote beside an
+    async save's writer) may be waiting in one. It ends, closing them, once its caller's thread
+    has ended (or given it up) and let it go.
+    """
 
     def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = queue.SimpleQueue()
-        threading.Thread(target=self._loop, name="pytreeckpt-store", daemon=True).start()
+        self._jobs: queue.SimpleQueue[tuple[Any, Callable[[Any], Any], Future[Any]] | None] = queue.SimpleQueue()
+        threading.Thread(target=_serve, args=(self._jobs,), name="pytreeckpt-store", daemon=True).start()
+        weakref.finalize(self, self._jobs.put, None)
 
-    def _loop(self) -> None:
-        while True:
-            fn, box = self._jobs.get()
-            try:
-                box.set_result(fn())
-            except BaseException as e:
-                box.set_exception(e)
-
-    def call(self, fn: Callable[[], _T], seconds: float) -> _T:
+    def call(self, store: Any, fn: Callable[[Any], _T], seconds: float) -> _T:
         box: Future[_T] = Future()
-        self._jobs.put((fn, box))
+        self._jobs.put((store, fn, box))
         return box.result(timeout=seconds)
+
+
+def _serve(jobs: queue.SimpleQueue[tuple[Any, Callable[[Any], Any], Future[Any]] | None]) -> None:
+    clones: dict[int, tuple[Any, Any]] = {}
+    while True:
+        job = jobs.get()
+        if job is None:  # (its worker is gone)
+            return
+        store, fn, box = job
+        try:
+            mine = clones.get(id(store))
+            if mine is None or mine[0] is not store:
+                mine = clones[id(store)] = (store, store.clone())
+            box.set_result(fn(mine[1]))
+        except BaseException as e:
+            box.set_exception(e)
 
 
 _workers = threading.local()
 
 
-def store_call(fn: Callable[[], _T], seconds: float, what: str) -> _T:
-    """``fn()`` (calls to a store), given up after ``seconds``: a store that does not answer is an error.
+def store_call(store: Any, fn: Callable[[Any], _T], seconds: float, what: str) -> _T:
+    """``fn(client)``: calls to ``store`` through this thread's worker's own client of it, given up after
+    ``seconds``: a store that does not answer is an error.
 
     Raises:
       CheckpointTimeoutError: no answer within ``seconds`` (the worker thread waiting for it is left
@@ -96,7 +116,7 @@ def store_call(fn: Callable[[], _T], seconds: float, what: str) -> _T:
     if worker is None:
         worker = _workers.worker = _Worker()
     try:
-        return worker.call(fn, seconds)
+        return worker.call(store, fn, seconds)
     except dist.DistNetworkError as e:
         raise CheckpointTimeoutError(
             f"{what}: the rendezvous store is gone ({e}); the process serving it ended (rank 0's, when "
@@ -157,12 +177,12 @@ class Meetings:
             self.count += 1
             tidy = n - 2 if {n - 2, n - 1} <= self.passed else None
             self.passed.discard(n - 2)
-        store, rank, world = self.store, self.rank, self.world
+        base, rank, world = self.store, self.rank, self.world
         start, begun = time.time(), time.monotonic()
         key = self._key
         done = key(n, "done")
 
-        def meeting() -> tuple[int, str | None]:  # (one call to the worker: the usual case costs one hop)
+        def meeting(store: Any) -> tuple[int, str | None]:  # (one call to the worker: the usual case costs one hop)
             if tidy is not None:
                 store.delete_key(key(tidy, f"r{rank}"))
                 if rank == 0:
@@ -183,12 +203,12 @@ class Meetings:
                 return count, None
             return count, store.get(done).decode()
 
-        count, answer = store_call(meeting, timeout + _GRACE, phase)
+        count, answer = store_call(base, meeting, timeout + _GRACE, phase)
         if count > world:
             self._late(n, phase, timeout)
         if answer is None:
             self._give_up(n, phase, timeout)  # (returns when every rank came meanwhile)
-            answer = store_call(lambda: store.get(done), _GRACE, phase).decode()
+            answer = store_call(base, lambda store: store.get(done), _GRACE, phase).decode()
         if not answer.startswith("ok "):
             self._raise(answer, phase, timeout, late=False)
         with self._lock:
@@ -198,9 +218,9 @@ class Meetings:
     def _give_up(self, n: int, phase: str, timeout: float) -> None:
         """This rank waited ``timeout``: give meeting ``n`` up for every rank, naming who did not come (unless
         everyone came meanwhile: then it goes on)."""
-        store, world, key = self.store, self.world, self._key
+        base, world, key = self.store, self.world, self._key
 
-        def give_up() -> str | None:
+        def give_up(store: Any) -> str | None:
             total = int(store.add(key(n, "n"), _GIVEN_UP))
             came = total % _GIVEN_UP
             if total // _GIVEN_UP == 1 and came < world:  # the first to give up, before the last came
@@ -210,16 +230,18 @@ class Meetings:
                 return said
             return None
 
-        said = store_call(give_up, 2 * _GRACE + timeout / 10, phase)
+        said = store_call(base, give_up, 2 * _GRACE + timeout / 10, phase)
         if said is None:  # another rank gave it up first, or all came: its verdict, once written
-            store_call(lambda: store.wait([key(n, "done")], timedelta(seconds=_GRACE)), 2 * _GRACE, phase)
+            wait = lambda store: store.wait([key(n, "done")], timedelta(seconds=_GRACE))  # noqa: E731
+            store_call(base, wait, 2 * _GRACE, phase)
             return
         self._raise(said, phase, timeout, late=False)
 
     def _late(self, n: int, phase: str, timeout: float) -> None:
         done = self._key(n, "done")
-        store_call(lambda: self.store.wait([done], timedelta(seconds=_GRACE)), 2 * _GRACE, phase)
-        self._raise(store_call(lambda: self.store.get(done), _GRACE, phase).decode(), phase, timeout, late=True)
+        store_call(self.store, lambda store: store.wait([done], timedelta(seconds=_GRACE)), 2 * _GRACE, phase)
+        said = store_call(self.store, lambda store: store.get(done), _GRACE, phase).decode()
+        self._raise(said, phase, timeout, late=True)
 
     def _raise(self, said: str, phase: str, timeout: float, late: bool) -> None:
         try:

@@ -47,7 +47,7 @@ from torchtitan.tools.logging import logger
 from pytreeckpt.api import LoadReport, SaveHandle, async_save, load, metadata, save
 from pytreeckpt.core._errors import CheckpointError
 from pytreeckpt.core._per_rank import PER_RANK, PerRank
-from pytreeckpt.distributed._comm import distributed_comm
+from pytreeckpt.distributed._comm import DistComm, distributed_comm
 from pytreeckpt.format import METADATA_FILE
 from pytreeckpt.interop._safetensors import export_safetensors
 
@@ -199,7 +199,11 @@ class CheckpointManager(BaseCheckpointManager):  # type: ignore[misc]  # (torcht
         self.async_mode: AsyncMode = config.async_mode
         self.save_future: SaveHandle | None = None  # type: ignore[assignment]
         self.staging_future: SaveHandle | None = None
-        self._comm = distributed_comm()
+        # (its own collectives, on groups apart from its saves', as a manager's: never interleaved with an
+        # async save's writer; its waits are not recorded, nothing grows step by step)
+        self._comm = distributed_comm(op="manager")
+        if isinstance(self._comm, DistComm):
+            self._comm.monitor = None
         self.keep_latest_k = config.keep_latest_k
         self.purge_thread: threading.Thread | None = None
         if self.keep_latest_k > 0:

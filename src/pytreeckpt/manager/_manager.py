@@ -10,6 +10,7 @@ import os
 import stat
 import time
 import uuid
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from types import TracebackType
@@ -22,6 +23,7 @@ from pytreeckpt.core._errors import CheckpointError, NotCommittedError
 from pytreeckpt.core._timeout import resolve as resolve_timeout
 from pytreeckpt.distributed._comm import DistComm
 from pytreeckpt.distributed._comm import distributed_comm as _comm
+from pytreeckpt.distributed._vote import vote_max
 from pytreeckpt.execute._staging import staging_pool
 from pytreeckpt.format import LOCK_FILE, METADATA_FILE, STEP_DIR, STORED_DIRS
 from pytreeckpt.storage import LOCK_WAIT, Location, Storage, Where, describe, remove_tree, resolve
@@ -30,7 +32,7 @@ from ._fallback import first_that_loads
 from ._policy import Deleter, Retention, StepFacts
 from ._preempt import Triggers
 
-__all__ = ["CheckpointManager"]
+__all__ = ["CheckpointManager", "CheckpointSkippedWarning"]
 
 logger = logging.getLogger("pytreeckpt")
 
@@ -41,6 +43,10 @@ _TRASH = ".pytreeckpt-removing-"
 _SAVE_NAMES = frozenset({*STORED_DIRS, METADATA_FILE, LOCK_FILE})
 """What a save writes at the top of a step (and temporaries ``.tmp-*``): the names a save's storage accepts in a
 directory it writes into."""
+
+
+class CheckpointSkippedWarning(UserWarning):
+    """A save was due but skipped: the previous asynchronous save was still writing (``on_busy="skip"``)."""
 
 
 def step_of(name: str) -> int | None:
@@ -84,6 +90,12 @@ def check_step(step: Any) -> int:
     if isinstance(step, (bool, np.bool_)) or not isinstance(step, (int, np.integer)) or step < 0:
         raise CheckpointError(f"a step is a non-negative integer, found {step!r} ({type(step).__name__})")
     return int(step)
+
+
+def check_on_busy(on_busy: Any) -> None:
+    """A ValueError unless ``on_busy`` is ``"wait"`` or ``"skip"``."""
+    if on_busy not in ("wait", "skip"):
+        raise ValueError(f"on_busy is 'wait' or 'skip', found {on_busy!r}")
 
 
 class ClosesOnExit(abc.ABC):
@@ -149,6 +161,17 @@ class CheckpointManager(ClosesOnExit):
     own group when either option is on). :meth:`close` restores the previous handlers.
     The handlers need the main thread.
 
+    ``on_busy`` says what a due save does while the previous asynchronous save is still
+    writing: ``"wait"`` (the default) waits for it, then saves; ``"skip"`` saves
+    nothing for this step, :meth:`save` returns False, and a
+    :class:`CheckpointSkippedWarning` names the step skipped and the step still being
+    written, with how long ago it started (filter it as any warning). The training loop
+    is then never held by a slow store; the next due step tries again (a timed save
+    stays due). A save with ``force=True`` and the save after a preemption signal always
+    wait. In a distributed program the ranks vote (one all-reduce of one integer, on the
+    manager's own gloo group, at a due step while an asynchronous save is in flight): all
+    skip if any rank's save is still writing, none otherwise.
+
     >>> import tempfile, torch
     >>> with CheckpointManager(tempfile.mkdtemp(), max_to_keep=2) as m:
     ...     for step in range(1, 5):
@@ -176,10 +199,13 @@ class CheckpointManager(ClosesOnExit):
         keep_period_seconds: float | None = None,
         clock: Callable[[], float] = time.time,
         timeout: float | None = None,
+        on_busy: str = "wait",
     ) -> None:
         """See the class. Also:
 
         Args:
+          on_busy: ``"wait"`` or ``"skip"``: what a due save does while the previous
+            asynchronous save is still writing (see the class).
           timeout: seconds any one wait of this manager's saves, restores, votes and
             listings may last for another rank or a store (see :func:`pytreeckpt.save`);
             None: the process-wide default at each call. Past it a
@@ -207,6 +233,7 @@ class CheckpointManager(ClosesOnExit):
             raise ValueError(f"keep_best must be at least 1 and comes with a best_fn, found {keep_best}, {best_fn}")
         if best_mode not in ("min", "max"):
             raise ValueError(f"best_mode is 'min' or 'max', found {best_mode!r}")
+        check_on_busy(on_busy)
         for name, value in (
             ("save_interval_seconds", save_interval_seconds),
             ("keep_period_seconds", keep_period_seconds),
@@ -227,6 +254,9 @@ class CheckpointManager(ClosesOnExit):
         if isinstance(self._comm, DistComm):
             self._comm.monitor = None  # (its votes are not a call's: not recorded, nothing grows step by step)
         self._handle: SaveHandle | None = None
+        self._handle_step = 0  # the step of the save in flight and when it started (time.monotonic())
+        self._handle_started = 0.0
+        self.on_busy = on_busy
         self._closed = False
         self.retention = Retention(
             max_to_keep=max_to_keep,
@@ -317,6 +347,8 @@ class CheckpointManager(ClosesOnExit):
         preempt, timed = self._triggers.due(step)
         if not (force or preempt or timed or step % self.save_interval_steps == 0):
             return False
+        if not (force or preempt) and self._skipped(step):
+            return False
         self._finish_in_flight()
         taken = self._agree(self._taken(step, force) if self._is_leader else None)
         if taken is not None:
@@ -335,13 +367,36 @@ class CheckpointManager(ClosesOnExit):
                 kwargs["base"] = self.step_path(latest)
         self._facts.note(step, self._triggers.saved(step, preempt), kwargs.get("user_metadata") or {})
         if self.async_ and not preempt:
+            started = time.monotonic()
             self._handle = async_save(path, tree, spec, overwrite=force, **kwargs)
+            self._handle_step, self._handle_started = step, started
         else:
             save(path, tree, spec, overwrite=force, **kwargs)
             self._apply_retention()
         if preempt:
             logger.warning("%s: step %d saved for a preemption signal", self.directory, step)
         return True
+
+    def _skipped(self, step: int) -> bool:
+        """Whether the due save of ``step`` is skipped, on every rank alike: ``on_busy="skip"`` and the previous
+        asynchronous save still writing on some rank (then a :class:`CheckpointSkippedWarning` says so)."""
+        handle = self._handle  # (started, and not yet waited for, on every rank alike)
+        if self.on_busy != "skip" or handle is None:
+            return False
+        mine = not handle.done()
+        busy = mine
+        if self._comm is not None:
+            busy = bool(vote_max(self._comm, [mine], f"the vote on skipping step {step}")[0])
+        if busy:
+            where = "" if mine else " on another rank"
+            warnings.warn(
+                f"{self.directory}: step {step} is not saved: the asynchronous save of step {self._handle_step}, "
+                f"started {time.monotonic() - self._handle_started:.1f} s ago, is still writing{where} "
+                f"(on_busy='skip')",
+                CheckpointSkippedWarning,
+                stacklevel=3,
+            )
+        return busy
 
     def _foreign(self, step: int, doing: str) -> str | None:
         """(rank 0) Why step ``step`` cannot be ``doing`` (saved, restored): a foreign thing (a link, a file) holds

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import logging
 import os
@@ -16,6 +17,7 @@ from typing import Any
 from pytreeckpt.api import load
 from pytreeckpt.core._errors import CheckpointError, NotCommittedError
 from pytreeckpt.core._per_rank import PER_RANK
+from pytreeckpt.core._timeout import call_timeout
 from pytreeckpt.core._timeout import resolve as resolve_timeout
 from pytreeckpt.distributed._comm import Comm, DistComm
 from pytreeckpt.distributed._peers import node_groups, receive_files, send_files, world
@@ -238,7 +240,9 @@ class PeerTierManager(ClosesOnExit):
         self.local.save(step, local_view(tree), PER_RANK, force=True, **kwargs)
         if self.peers:
             self._thread_error = None
-            self._thread = threading.Thread(target=self._replicate, args=(step,), name="pytreeckpt-peers")
+            with call_timeout(self.timeout):  # (the thread's copies wait as long as the manager's calls)
+                run = contextvars.copy_context().run
+            self._thread = threading.Thread(target=run, args=(self._replicate, step), name="pytreeckpt-peers")
             self._thread.start()
         if not durable:
             return ("local",)
@@ -397,6 +401,10 @@ class PeerTierManager(ClosesOnExit):
 
     def _load_peer(self, step: int, sources: dict[int, int], target: Any, kwargs: dict[str, Any]) -> Any:
         """Fetch the parts of ``step`` that nodes lack from their peers, then load this rank's part."""
+        with call_timeout(kwargs.get("timeout", self.timeout)):
+            return self._fetch_and_load(step, sources, target, kwargs)
+
+    def _fetch_and_load(self, step: int, sources: dict[int, int], target: Any, kwargs: dict[str, Any]) -> Any:
         error: BaseException | None = None
         try:
             for needer, holder in sorted(sources.items()):

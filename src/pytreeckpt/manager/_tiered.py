@@ -8,7 +8,7 @@ from typing import Any
 from pytreeckpt.storage import Where, describe
 
 from ._fallback import first_that_loads
-from ._manager import CheckpointManager, ClosesOnExit, check_step
+from ._manager import CheckpointManager, ClosesOnExit, check_on_busy, check_step
 
 __all__ = ["TwoTierManager"]
 
@@ -34,6 +34,13 @@ class TwoTierManager(ClosesOnExit):
     durable tier (a preempted machine's memory goes with it), synchronously, and
     :meth:`reached_preemption` says to stop.
 
+    ``on_busy`` is the durable tier's (see :class:`CheckpointManager`): with ``"skip"``,
+    a durable step due while the durable tier's previous asynchronous save is still
+    writing is skipped (:meth:`save` returns None, with a
+    :class:`CheckpointSkippedWarning`). A fast step still waits for a durable save in
+    flight (one save runs at a time), and the fast tier's saves, which replace a step
+    of the same number, always wait for their own.
+
     >>> import tempfile, torch
     >>> fast, durable = tempfile.mkdtemp(), tempfile.mkdtemp()
     >>> with TwoTierManager(fast, durable, fast_interval_steps=2, durable_interval_steps=5) as m:
@@ -58,6 +65,7 @@ class TwoTierManager(ClosesOnExit):
         process_group: Any = None,
         save_on_signals: Iterable[int] = (),
         timeout: float | None = None,
+        on_busy: str = "wait",
     ) -> None:
         if fast_interval_steps < 1 or durable_interval_steps < 1:
             raise ValueError(
@@ -65,6 +73,7 @@ class TwoTierManager(ClosesOnExit):
             )
         if describe(fast_directory) == describe(durable_directory):
             raise ValueError(f"the two tiers need two directories, both are {describe(fast_directory)}")
+        check_on_busy(on_busy)
         self.fast_interval_steps = fast_interval_steps
         self.durable_interval_steps = durable_interval_steps
         self.fast = CheckpointManager(
@@ -78,6 +87,7 @@ class TwoTierManager(ClosesOnExit):
             process_group=process_group,
             save_on_signals=save_on_signals,
             timeout=timeout,
+            on_busy=on_busy,
         )
         self.last_restored_step: int | None = None
         """The step the last :meth:`restore` loaded."""
@@ -88,15 +98,15 @@ class TwoTierManager(ClosesOnExit):
         """Save ``step`` to the tier whose interval it is on: returns ``"durable"``, ``"fast"`` or None.
 
         ``force``, and the first save after a preemption signal, save to the durable tier
-        off its interval. Other arguments are those of :meth:`CheckpointManager.save`.
+        off its interval. None also when the durable tier skipped the step (``on_busy="skip"``).
+        Other arguments are those of :meth:`CheckpointManager.save`.
         """
         step = check_step(step)
         triggers = self.durable._triggers
         preempt = triggers.flag is not None and triggers.preemption_step is None and triggers.due(step)[0]
         if force or preempt or step % self.durable_interval_steps == 0:
             self.fast.wait()  # one save runs at a time; let the fast tier's retention run now
-            self.durable.save(step, tree, spec, force=force, **kwargs)
-            return "durable"
+            return "durable" if self.durable.save(step, tree, spec, force=force, **kwargs) else None
         if step % self.fast_interval_steps == 0:
             self.durable.wait()
             self.fast.save(step, tree, spec, force=True, **kwargs)  # a fast step may be redone after a restart
