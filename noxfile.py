@@ -1,4 +1,4 @@
-"""Sessions: check (tests, property tests, mypy), lint, package, bench; tests, property, typecheck alone.
+"""Sessions: check (tests, property tests, mypy), lint, package, bench, docs; tests, property, typecheck alone.
 
 ``nox`` runs check and lint, the README's test command. check sets up one environment
 and runs everything that needs torch in it: torch 2.13.0 is installed first (a CPU wheel;
@@ -6,6 +6,7 @@ an unpinned torch would pull a multi-GB CUDA build), then the project once, so t
 project's own range ``torch>=2.6`` is satisfied without another download. lint needs only
 ruff. tests, property and typecheck run one part each, in an environment of their own. package
 builds the sdist and the wheel and tries the wheel in a fresh environment outside the source tree.
+docs builds the site (mkdocs.yml) with warnings as errors and checks every page of it.
 """
 
 from __future__ import annotations
@@ -151,3 +152,31 @@ def bench(session: nox.Session) -> None:
     _install(session, "bench")
     session.run("python", "-m", "benchmarks", *session.posargs)
     session.run("python", "benchmarks/plan_scale.py")
+
+
+# The site's tools, pinned: a new release of any of them may warn where this one did not,
+# and the build treats warnings as errors. ruff formats the API reference's signatures;
+# Playwright drives the machine's Chromium for docs/check_site.py (it downloads no browser).
+_DOCS = (
+    "mkdocs==1.6.1",
+    "mkdocs-material==9.8.2",
+    "mkdocstrings[python]==1.0.8",
+    "mkdocstrings-python==2.0.11",
+    "ruff==0.17.6",
+    "playwright==1.65.3",
+)
+
+
+@nox.session
+def docs(session: nox.Session) -> None:
+    """The documentation site: ``mkdocs build --strict`` into site/, then every page opened and checked.
+
+    The check (docs/check_site.py) opens each page in headless Chromium where the machine has it
+    (Debian's ``chromium``: ``apt-get install chromium``) and fails on a missing page, image or
+    anchor; it checks the built HTML's links, images and anchors too, and that alone where there
+    is no browser. ``nox -s docs -- --no-browser`` skips the browser.
+    """
+    session.install(TORCH)
+    session.install("-e", ".", *_DOCS)
+    session.run("mkdocs", "build", "--strict", "--site-dir", "site")
+    session.run("python", "docs/check_site.py", "site", *session.posargs)
