@@ -286,10 +286,13 @@ class _FakeGroupComm(DistComm):
         super().__init__((group, group))
         self.sim = sim
 
-    def gather(self, obj: Any) -> list[Any]:
+    def meet(self, phase: str) -> None:
+        """No meeting: the fake group has no store and no other rank to wait for (see distributed._meet)."""
+
+    def gather(self, obj: Any, what: str = "") -> list[Any]:
         return self.sim.gather(obj)
 
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
+    def broadcast(self, obj: Any, src: int = 0, what: str = "", meet: bool = True) -> Any:
         return self.sim.broadcast(obj, src)
 
     def agree(self, error: BaseException | None, what: str) -> None:
