@@ -14,8 +14,10 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from helpers import HANG
 
@@ -77,12 +79,28 @@ class Server:
 
     def stop(self) -> None:
         if self.proc.poll() is None:
+            os.kill(self.pid, signal.SIGCONT)  # (a server a test stopped must run to end)
             os.kill(self.pid, signal.SIGTERM)
             try:
                 self.proc.wait(20)
             except subprocess.TimeoutExpired:
                 os.kill(self.pid, signal.SIGKILL)
                 self.proc.wait(10)
+
+
+def module_server(tmp_path_factory: Any) -> Iterator[Server]:
+    """The body of a test module's ``s3`` fixture: a server of its own, stopped after the module's tests. If
+    it cannot start, the tests fail (CI must not silently skip them)."""
+    import pytest
+
+    try:
+        server = start(tmp_path_factory.mktemp("seaweed"))
+    except Exception as e:
+        pytest.fail(f"cannot start the S3 test server: {e}", pytrace=False)
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 def start(workdir: Path, timeout: float = HANG, metrics: bool = False) -> Server:

@@ -104,14 +104,7 @@ def test_an_export_from_2_ranks_shares_the_files_out_and_loads_with_from_pretrai
 
 @pytest.fixture(scope="module")
 def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[seaweed.Server]:
-    try:
-        server = seaweed.start(tmp_path_factory.mktemp("seaweed"))
-    except Exception as e:
-        pytest.fail(f"cannot start the S3 test server: {e}", pytrace=False)
-    try:
-        yield server
-    finally:
-        server.stop()
+    yield from seaweed.module_server(tmp_path_factory)
 
 
 def test_an_export_to_s3_writes_the_files_and_the_index(s3: seaweed.Server, tmp_path: Path) -> None:

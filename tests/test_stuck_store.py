@@ -33,16 +33,8 @@ GUARD = TIMEOUT + 30  # a hang guard, not a performance bound
 
 @pytest.fixture(scope="module")
 def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[seaweed.Server]:
-    """SeaweedFS of this module's own (its tests stop it). If it cannot start, the tests fail."""
-    try:
-        server = seaweed.start(tmp_path_factory.mktemp("seaweed"))
-    except Exception as e:
-        pytest.fail(f"cannot start the S3 test server: {e}", pytrace=False)
-    try:
-        yield server
-    finally:
-        os.kill(server.pid, signal.SIGCONT)
-        server.stop()
+    """SeaweedFS of this module's own (its tests stop it)."""
+    yield from seaweed.module_server(tmp_path_factory)
 
 
 @contextlib.contextmanager
