@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import random
 import shutil
@@ -160,6 +161,22 @@ def rounds(
             fn, setup = runs[name]
             times[name].append(timer(fn, 1, setup))
     return times
+
+
+def spawn_ranks(worker: Callable[..., None], ranks: int, workdir: Path, args: dict[str, Any]) -> Any:
+    """Run ``worker(rank, ranks, port, args)`` on ``ranks`` spawned processes; what rank 0 wrote to
+    ``workdir/times.json`` (``args["out"]`` names it), and ``workdir`` removed."""
+    import torch.multiprocessing as mp
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    out = workdir / "times.json"
+    try:
+        mp.start_processes(
+            worker, args=(ranks, free_port(), {**args, "out": str(out)}), nprocs=ranks, start_method="spawn"
+        )
+        return json.loads(out.read_text())
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def round_ratios(top: list[float], bottom: list[float]) -> list[float]:

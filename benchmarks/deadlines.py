@@ -21,12 +21,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import pytreeckpt
 from pytreeckpt.distributed import _meet
 
-from ._common import GiB, free_port, gloo_rank, round_ratios
+from ._common import GiB, gloo_rank, round_ratios, spawn_ranks
 
 
 def _worker(rank: int, world: int, port: int, args: dict[str, Any]) -> None:
@@ -75,14 +74,9 @@ def _worker(rank: int, world: int, port: int, args: dict[str, Any]) -> None:
 
 
 def run(gib: float, ranks: int, repeat: int, workdir: Path) -> dict[str, Any]:
-    workdir.mkdir(parents=True, exist_ok=True)
-    out = workdir / "times.json"
-    args = {"bytes": int(gib * GiB), "repeat": repeat, "dir": str(workdir), "out": str(out)}
-    mp.start_processes(_worker, args=(ranks, free_port(), args), nprocs=ranks, start_method="spawn")
-    got = json.loads(out.read_text())
+    got = spawn_ranks(_worker, ranks, workdir, {"bytes": int(gib * GiB), "repeat": repeat, "dir": str(workdir)})
     times = got["times"]
     ratios = round_ratios(times["deadlines"], times["without"])
-    shutil.rmtree(workdir, ignore_errors=True)
     return {
         "gib": gib,
         "ranks": ranks,

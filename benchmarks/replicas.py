@@ -24,11 +24,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import pytreeckpt
 
-from ._common import GiB, free_port, gloo_rank, round_ratios
+from ._common import GiB, gloo_rank, round_ratios, spawn_ranks
 
 
 def _worker(rank: int, world: int, port: int, args: dict[str, Any]) -> None:
@@ -66,14 +65,9 @@ def _worker(rank: int, world: int, port: int, args: dict[str, Any]) -> None:
 
 
 def run(gib: float, ranks: int, repeat: int, workdir: Path) -> dict[str, Any]:
-    workdir.mkdir(parents=True, exist_ok=True)
-    out = workdir / "times.json"
-    args = {"bytes": int(gib * GiB), "repeat": repeat, "dir": str(workdir), "out": str(out)}
-    mp.start_processes(_worker, args=(ranks, free_port(), args), nprocs=ranks, start_method="spawn")
-    times = json.loads(out.read_text())
+    times = spawn_ranks(_worker, ranks, workdir, {"bytes": int(gib * GiB), "repeat": repeat, "dir": str(workdir)})
     ratios = round_ratios(times["plain"], times["dtensor"])
     default = round_ratios(times["plain default"], times["dtensor"])
-    shutil.rmtree(workdir, ignore_errors=True)
     return {
         "gib": gib,
         "ranks": ranks,
