@@ -255,6 +255,32 @@ def test_diff_of_a_damaged_chunk_or_a_missing_checkpoint_exits_2_naming_it(
         pytreeckpt.diff(tmp_path / "a", tmp_path / "a", executor=4)  # type: ignore[arg-type]
 
 
+def test_diff_matches_leaves_by_name_in_any_order_and_refuses_truncated_and_foreign_files(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The same names in another order are the same leaves; a truncated chunk file, or a FIFO in its place, is an
+    error naming the leaf, never a hang or a wrong answer."""
+    import os
+
+    x, y = torch.arange(64.0), torch.full((3, 4), 2.0)
+    pytreeckpt.save(unpacked(tmp_path / "a"), {"x": x, "y": y, "n": {"s": "é", "k": 3}})
+    pytreeckpt.save(unpacked(tmp_path / "b"), {"n": {"k": 3, "s": "é"}, "y": y, "x": x})
+    status, out = cli_json(capsys, "diff", tmp_path / "a", tmp_path / "b", "--json")
+    assert status == 0, out
+    assert pytreeckpt.diff(tmp_path / "b", tmp_path / "a").equal
+    pytreeckpt.save(unpacked(tmp_path / "c"), {"x": x, "y": y, "n": {"s": "é", "k": 3}})
+    chunk = next(p for p in (tmp_path / "c" / "arrays" / "x").rglob("*") if p.is_file() and p.name != "zarr.json")
+    chunk.write_bytes(chunk.read_bytes()[:-3])
+    status, _, err = cli(capsys, "diff", tmp_path / "a", tmp_path / "c")
+    assert status == 2
+    assert "'x'" in err
+    chunk.unlink()
+    os.mkfifo(chunk)
+    status, _, err = cli(capsys, "diff", tmp_path / "a", tmp_path / "c")
+    assert status == 2
+    assert "'x'" in err
+
+
 # --------------------------------------------------------------------------------------------- inspect --stats
 
 
